@@ -1,0 +1,52 @@
+# Strata's entry points. `make run` and `make test` are the quickstart; every target sets up first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# On these machines `torch==2.13.0` resolves to a CPU build already on disk; an NVIDIA host gets the
+# CUDA build of the same release. Pass TORCH_PIP_ARGS (an extra index, say) to choose another build.
+TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+STAMP := $(VENV)/.strata-setup
+MODEL_DIR := models/SmolLM2-135M-Instruct
+PYTEST_ARGS ?=
+
+.PHONY: setup model test test-fast lint bench run clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements.lock
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "setup: NVIDIA GPU found: installing the CUDA build of $(TORCH_SPEC)"; \
+	else \
+		echo "setup: no NVIDIA GPU: installing the CPU build of $(TORCH_SPEC)"; \
+	fi
+	$(BIN)/python -m pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[dev]'
+	touch $(STAMP)
+
+model: setup
+	$(BIN)/strata fetch-model
+
+test: setup model
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	$(BIN)/python -m pytest -m "not real_model and not slow" $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy strata services gateway bench tests
+
+bench: setup model
+	$(BIN)/python -m bench.engine --requests 64 --prompt-tokens 64 --new-tokens 64 \
+		--json bench/results/engine-cpu.json
+
+run: setup model
+	@echo "run: the gRPC stack (strata up) arrives with issue 4; the engine runs in-process meanwhile:"
+	$(BIN)/strata generate "What is the capital of France?"
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
