@@ -11,13 +11,15 @@ import asyncio
 import sys
 import time
 import uuid
-from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
-def _incremental_text(tokenizer: object, ids: list[int], printed: int) -> tuple[str, int]:
+def _incremental_text(tokenizer: Any, ids: list[int], printed: int) -> tuple[str, int]:
     """Decode all ids and return the new suffix, holding back a partial UTF-8 character."""
-    text: str = tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+    text: str = tokenizer.decode(ids, skip_special_tokens=True)
     if text.endswith("\ufffd"):
         return "", printed
     return text[printed:], len(text)
@@ -32,15 +34,12 @@ async def _stream(
     from services.worker.engine.engine import LLMEngine
     from services.worker.engine.params import SamplingParams
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer: Any = AutoTokenizer.from_pretrained(str(model_dir))
     if chat:
-        prompt_ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
-        if not isinstance(prompt_ids, list):
-            prompt_ids = list(prompt_ids["input_ids"])
-    else:
-        prompt_ids = tokenizer.encode(prompt)
+    prompt_ids: list[int] = tokenizer.encode(prompt, add_special_tokens=False)
     engine = AsyncEngine(LLMEngine.from_model_dir(model_dir))
     await engine.start()
     try:
