@@ -1,0 +1,92 @@
+"""The engine's tuning knobs: KV cache geometry, batch limits and scheduling policy.
+
+Every engine default is declared here once, and an invalid value fails at start with a message that
+names the value and how to fix it. This module only describes settings: it must not import torch,
+read files or the environment (the worker's settings model does that and builds an EngineConfig).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+
+# Where an operator overrides engine settings; the worker's settings model maps these onto the fields.
+ENV_PREFIX = "STRATA_ENGINE_"
+
+
+def _invalid(name: str, value: object, rule: str, example: str) -> ValueError:
+    return ValueError(
+        f"{name}={value!r} is invalid: {rule}; set {ENV_PREFIX}{name.upper()} "
+        f"(engine.{name} in the worker config) to e.g. {example}"
+    )
+
+
+class EngineConfig(BaseModel):
+    """Settings of one continuous-batching engine. Immutable once built."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    num_blocks: int | None = None
+    """KV cache blocks; None lets the runner size the cache from kv_cache_memory_bytes."""
+    kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    """Memory the runner may give the KV cache when num_blocks is None."""
+    max_num_seqs: int = 64
+    """Most sequences running at once."""
+    max_num_batched_tokens: int = 512
+    """Most tokens computed in one engine step (decodes count one each)."""
+    max_model_len: int | None = None
+    """Context limit in tokens (prompt plus output); None uses the model's."""
+    chunked_prefill: bool = True
+    """Split a prompt longer than the step's remaining budget across steps."""
+    mixed_batches: bool = True
+    """Mix decodes with prefill chunks in one step; False alternates prefill-only and decode-only steps."""
+    enable_fault_injection: bool = False
+    """Test mode only: let tests make the runner fail steps on purpose."""
+    shed_recovery_steps: int = 16
+    """After load shedding, successful steps between each +1 of the running limit."""
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value < 1 or value & (value - 1):
+            raise _invalid("block_size", value, "must be a power of two >= 1", "16")
+        return value
+
+    @field_validator("num_blocks")
+    @classmethod
+    def _positive_or_auto(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise _invalid("num_blocks", value, "must be >= 1, or unset to size it from memory", "1024")
+        return value
+
+    @field_validator("kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens", "shed_recovery_steps")
+    @classmethod
+    def _positive(cls, value: int, info: ValidationInfo) -> int:
+        if value < 1:
+            name = str(info.field_name)
+            default = cls.model_fields[name].default
+            raise _invalid(name, value, "must be >= 1", str(default))
+        return value
+
+    @field_validator("max_model_len")
+    @classmethod
+    def _context(cls, value: int | None) -> int | None:
+        if value is not None and value < 2:
+            raise _invalid(
+                "max_model_len", value, "must be >= 2 (a prompt token and one new token), or unset", "2048"
+            )
+        return value
+
+    def resolve_max_model_len(self, model_max_len: int) -> int:
+        """The context limit to enforce: the configured one, which may not exceed the model's."""
+        if self.max_model_len is None:
+            return model_max_len
+        if self.max_model_len > model_max_len:
+            raise _invalid(
+                "max_model_len",
+                self.max_model_len,
+                f"the model's context is {model_max_len} tokens",
+                f"{model_max_len} or unset",
+            )
+        return self.max_model_len

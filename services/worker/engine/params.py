@@ -1,0 +1,77 @@
+"""Per-request generation parameters and the one validation error the engine raises for them.
+
+This module owns the rules for what a request may ask of the engine. It must not import torch: the
+scheduler and the gateway validate with it too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """A request parameter is out of range. Names the field, the value and the limit it broke."""
+
+    def __init__(self, field_name: str, value: object, limit: str) -> None:
+        self.field = field_name
+        self.value = value
+        self.limit = limit
+        super().__init__(f"{field_name}={value!r} is invalid: {limit}")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick each next token. Defaults are greedy decoding with no penalties.
+
+    temperature 0 means greedy; top_k 0 and top_p 1.0 mean no filtering; seed None lets the engine
+    pick one at admission, so every request draws from the same counter-based noise.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, prompt_len: int, max_model_len: int) -> None:
+        """Raise InvalidRequestError for the first parameter out of range."""
+        if prompt_len <= 0:
+            raise InvalidRequestError("prompt", "<empty>", "the prompt must hold at least one token")
+        if prompt_len >= max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"{prompt_len} tokens",
+                f"must be shorter than the model's context of {max_model_len} tokens",
+            )
+        room = max_model_len - prompt_len
+        if self.max_new_tokens < 1 or self.max_new_tokens > room:
+            raise InvalidRequestError(
+                "max_new_tokens",
+                self.max_new_tokens,
+                f"must be in [1, {room}] (context {max_model_len} minus the prompt's {prompt_len} tokens)",
+            )
+        if not self.temperature >= 0.0 or self.temperature != self.temperature:
+            raise InvalidRequestError("temperature", self.temperature, "must be >= 0 (0 is greedy)")
+        if self.top_k < 0:
+            raise InvalidRequestError("top_k", self.top_k, "must be >= 0 (0 turns it off)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_p", self.top_p, "must be in (0, 1]")
+        if not self.repetition_penalty > 0.0:
+            raise InvalidRequestError("repetition_penalty", self.repetition_penalty, "must be > 0")
+        if self.no_repeat_ngram_size < 0:
+            raise InvalidRequestError(
+                "no_repeat_ngram_size", self.no_repeat_ngram_size, "must be >= 0 (0 turns it off)"
+            )
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InvalidRequestError("seed", self.seed, "must be in [0, 2**63)")
+        for token in self.stop_token_ids:
+            if token < 0:
+                raise InvalidRequestError("stop_token_ids", token, "token ids must be >= 0")

@@ -1,0 +1,373 @@
+"""Continuous batching: which sequences run in the next engine step, and how many tokens each.
+
+Owns the waiting and running queues, the per-step token budget, chunked prefill, priorities (FCFS
+within one), preemption by recompute when KV blocks run out, and load shedding after a step that ran
+out of memory. postprocess turns the sampled token ids back into per-request outputs and finish
+decisions. It must not import torch nor do I/O: the runner executes batches, the engine loop owns
+the thread that calls schedule, postprocess, abort and shed_load, one at a time.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from services.worker.engine.params import InvalidRequestError
+from services.worker.engine.sequence import (
+    FinishReason,
+    ScheduledBatch,
+    ScheduledEntry,
+    Sequence,
+    SequenceStatus,
+    StepOutput,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from collections.abc import Sequence as SequenceOf
+
+    from services.worker.engine.block_manager import BlockManager
+    from services.worker.engine.config import EngineConfig
+
+__all__ = ["ScheduledBatch", "ScheduledEntry", "Scheduler", "SchedulerStats", "StepOutput"]
+
+# Waiting order: priority, then preempted sequences (most recently preempted first), then arrival.
+_QueueKey = tuple[int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """A snapshot of the queues, the KV cache and the counters since start."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_free_blocks: int
+    free_tokens: int
+    kv_cache_usage: float
+    num_steps: int
+    num_preemptions: int
+    num_load_sheds: int
+    effective_max_num_seqs: int
+
+
+class _Plan:
+    """A batch being built, with the step's remaining token budget."""
+
+    def __init__(self, step_id: int, budget: int) -> None:
+        self.batch = ScheduledBatch(step_id)
+        self.budget = budget
+        self.scheduled: set[str] = set()
+
+    def add(self, seq: Sequence, num_tokens: int, *, decode: bool) -> None:
+        start = seq.num_computed_tokens
+        end = start + num_tokens
+        entry = ScheduledEntry(seq, start, num_tokens, seq.token_slice(start, end), end == seq.num_tokens)
+        self.batch.entries.append(entry)
+        self.batch.num_decodes += decode
+        self.budget -= num_tokens
+        self.scheduled.add(seq.request_id)
+
+
+def _urgency(seq: Sequence) -> tuple[int, int]:
+    return (seq.priority, seq.arrival)
+
+
+class Scheduler:
+    """Decides each step's batch over a paged KV cache and applies each step's sampled tokens."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        *,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        """max_model_len: the context limit to enforce, already resolved by the caller."""
+        if block_manager.block_size != config.block_size:
+            raise ValueError(
+                f"block manager block_size={block_manager.block_size} differs from the config's "
+                f"{config.block_size}: build it with BlockManager(num_blocks, config.block_size)"
+            )
+        self.config = config
+        self.max_model_len = max_model_len
+        self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.effective_max_num_seqs = config.max_num_seqs
+        self._waiting: list[tuple[_QueueKey, Sequence]] = []
+        self._running: list[Sequence] = []  # in admission order: shed_load drops the newest
+        self._requests: dict[str, Sequence] = {}
+        self._num_steps = 0
+        self._num_preemptions = 0
+        self._num_load_sheds = 0
+        self._steps_since_shed = 0
+        self._last_kind_was_prefill = False
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence. Raises InvalidRequestError if it could never fit this engine."""
+        if seq.request_id in self._requests:
+            raise ValueError(f"request {seq.request_id!r} is already in the scheduler")
+        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
+            raise ValueError(f"{seq!r} is not a fresh waiting sequence")
+        seq.params.validate(seq.num_prompt_tokens, self.max_model_len)
+        # The last sampled token is never fed back, so its K/V never needs a slot.
+        max_cached = seq.num_prompt_tokens + seq.params.max_new_tokens - 1
+        need = self.block_manager.blocks_needed(max_cached)
+        if need > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                "max_new_tokens",
+                seq.params.max_new_tokens,
+                f"the prompt's {seq.num_prompt_tokens} tokens plus max_new_tokens need {need} KV blocks "
+                f"of {self.block_manager.block_size} tokens; this worker's cache holds "
+                f"{self.block_manager.num_blocks}",
+            )
+        self._requests[seq.request_id] = seq
+        self._enqueue(seq, (seq.priority, 1, seq.arrival))
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORTED) -> bool:
+        """Drop a request from either queue and free its blocks now; False if it is not here."""
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, reason)
+        return True
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._requests.get(request_id)
+
+    @property
+    def running(self) -> list[Sequence]:
+        """A copy of the running sequences, in admission order."""
+        return list(self._running)
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        """A copy of the waiting sequences, in the order they will be admitted."""
+        return [seq for _, seq in self._waiting]
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            num_blocks=bm.num_blocks,
+            num_free_blocks=bm.num_free_blocks,
+            free_tokens=bm.free_tokens,
+            kv_cache_usage=bm.usage,
+            num_steps=self._num_steps,
+            num_preemptions=self._num_preemptions,
+            num_load_sheds=self._num_load_sheds,
+            effective_max_num_seqs=self.effective_max_num_seqs,
+        )
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's work. Allocates the KV blocks it needs; may preempt running sequences."""
+        self._num_steps += 1
+        plan = _Plan(self._num_steps, self.config.max_num_batched_tokens)
+        order = sorted(self._running, key=_urgency)
+        if self.config.mixed_batches:
+            self._schedule_decodes(plan, order)
+            self._schedule_prefills(plan, order)
+            return plan.batch
+        # Alternate when both kinds of work exist, so neither prefills nor decodes starve.
+        prefill_first = not self._last_kind_was_prefill
+        for is_prefill in (prefill_first, not prefill_first):
+            if is_prefill:
+                self._schedule_prefills(plan, order)
+            else:
+                self._schedule_decodes(plan, order)
+            if plan.batch.entries:
+                self._last_kind_was_prefill = is_prefill
+                break
+        return plan.batch
+
+    def postprocess(self, batch: ScheduledBatch, sampled: SequenceOf[int]) -> list[StepOutput]:
+        """Apply a finished step: sampled holds one token id per entry with sample=True, in order."""
+        if len(sampled) != batch.num_samples:
+            raise ValueError(f"step {batch.step_id}: {len(sampled)} sampled tokens for {batch.num_samples}")
+        outputs: list[StepOutput] = []
+        tokens = iter(sampled)
+        for entry in batch.entries:
+            seq = entry.seq
+            token = next(tokens) if entry.sample else None
+            if seq.is_finished:
+                continue  # aborted while the step ran: its result is dropped
+            if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != entry.start:
+                raise RuntimeError(f"step {batch.step_id} is stale for {seq!r} (postprocessed twice?)")
+            seq.num_computed_tokens += entry.num_tokens
+            if token is None:
+                continue
+            seq.output_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self._finish(seq, reason)
+            outputs.append(
+                StepOutput(
+                    request_id=seq.request_id,
+                    new_token_ids=[token],
+                    finished=reason is not None,
+                    finish_reason=reason,
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    num_output_tokens=seq.num_output_tokens,
+                )
+            )
+        self._recover_after_shed()
+        return outputs
+
+    def shed_load(self) -> list[Sequence]:
+        """After a step ran out of memory: preempt the newest half of the running sequences (keeping
+        one) and lower the running limit; it regains one every shed_recovery_steps good steps.
+
+        Drop the failed batch: its sequences were not advanced; the victims freed their blocks and
+        the others keep theirs, so the next schedule() repeats their work without leaking any.
+        """
+        n = len(self._running)
+        count = min(n - 1, (n + 1) // 2) if n else 0
+        victims = self._running[n - count :]
+        # Newest first, so the oldest victim ends up at the very front of the waiting queue.
+        for victim in reversed(victims):
+            self._preempt(victim)
+        self.effective_max_num_seqs = max(1, min(self.effective_max_num_seqs, n - count))
+        self._num_load_sheds += 1
+        self._steps_since_shed = 0
+        return victims
+
+    def check_invariants(self) -> None:
+        """Raise unless queues, statuses and block accounting agree (tests call it after each step)."""
+        waiting = [seq for _, seq in self._waiting]
+        if any(s.status is not SequenceStatus.WAITING or s.block_table for s in waiting):
+            raise AssertionError("a waiting sequence is not WAITING or holds blocks")
+        if any(s.status is not SequenceStatus.RUNNING for s in self._running):
+            raise AssertionError("a running sequence is not RUNNING")
+        ids = [s.request_id for s in waiting + self._running]
+        if len(set(ids)) != len(ids) or set(ids) != set(self._requests):
+            raise AssertionError("the queues and the request index disagree")
+        block_size = self.block_manager.block_size
+        if any(s.num_computed_tokens > len(s.block_table) * block_size for s in self._running):
+            raise AssertionError("a sequence has more computed tokens than its blocks hold")
+        self.block_manager.check_invariants(self._running)
+
+    def _schedule_decodes(self, plan: _Plan, order: list[Sequence]) -> None:
+        i = 0
+        while i < len(order) and plan.budget > 0:
+            seq = order[i]
+            if seq.num_new_tokens_to_compute != 1:
+                i += 1
+                continue
+            target = seq.num_computed_tokens + 1
+            if self._make_room(plan, order, i, target) >= target:
+                self.block_manager.allocate_for(seq, target)
+                plan.add(seq, 1, decode=True)
+                i += 1
+            else:
+                # Nothing less urgent is left to preempt: this sequence yields its own blocks.
+                order.pop(i)
+                self._preempt(seq)
+                plan.batch.preempted.append(seq)
+
+    def _schedule_prefills(self, plan: _Plan, order: list[Sequence]) -> None:
+        bm = self.block_manager
+        i = 0
+        while i < len(order) and plan.budget > 0:
+            seq = order[i]
+            i += 1
+            if seq.num_new_tokens_to_compute <= 1 or seq.request_id in plan.scheduled:
+                continue
+            start = seq.num_computed_tokens
+            end = self._make_room(plan, order, i - 1, start + min(seq.num_new_tokens_to_compute, plan.budget))
+            if end <= start:
+                return  # not one block is free: it keeps its place, and nobody else can start
+            bm.allocate_for(seq, end)
+            plan.add(seq, end - start, decode=False)
+        # Never admit in a step that preempted: the blocks just freed belong to running sequences.
+        if plan.batch.preempted:
+            return
+        while self._waiting and plan.budget > 0 and len(self._running) < self.effective_max_num_seqs:
+            seq = self._waiting[0][1]
+            n = seq.num_new_tokens_to_compute
+            if n <= plan.budget:
+                chunk = n
+            elif self.config.chunked_prefill or n > self.config.max_num_batched_tokens:
+                chunk = plan.budget  # without chunking, only what could never fit whole is split
+            else:
+                return
+            if not bm.can_grow(seq, chunk):
+                return  # strict FCFS: a smaller request behind it does not jump the queue
+            self._waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self._running.append(seq)
+            bm.allocate_for(seq, chunk)
+            plan.add(seq, chunk, decode=False)
+
+    def _make_room(self, plan: _Plan, order: list[Sequence], index: int, target: int) -> int:
+        """Preempt running sequences less urgent than order[index] and not yet scheduled this step
+        until it can cache target tokens; return how many tokens it can cache (maybe fewer)."""
+        bm = self.block_manager
+        seq = order[index]
+        while not bm.can_grow(seq, target):
+            victim_at = next(
+                (j for j in range(len(order) - 1, index, -1) if order[j].request_id not in plan.scheduled),
+                None,
+            )
+            if victim_at is None:
+                break
+            victim = order.pop(victim_at)
+            self._preempt(victim)
+            plan.batch.preempted.append(victim)
+        return min(target, bm.capacity_for(seq))
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Drop seq's cache and put it at the front of its priority; it recomputes when readmitted."""
+        self._running.remove(seq)
+        if self.block_manager.holds(seq):
+            self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self._num_preemptions += 1
+        self._enqueue(seq, (seq.priority, 0, -self._num_preemptions))
+
+    def _enqueue(self, seq: Sequence, key: _QueueKey) -> None:
+        bisect.insort(self._waiting, (key, seq), key=lambda item: item[0])
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.params
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_new_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self._running.remove(seq)
+        else:
+            self._waiting = [item for item in self._waiting if item[1] is not seq]
+        if self.block_manager.holds(seq):
+            self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self._requests[seq.request_id]
+
+    def _recover_after_shed(self) -> None:
+        if self.effective_max_num_seqs >= self.config.max_num_seqs:
+            return
+        self._steps_since_shed += 1
+        if self._steps_since_shed >= self.config.shed_recovery_steps:
+            self.effective_max_num_seqs += 1
+            self._steps_since_shed = 0

@@ -1,0 +1,177 @@
+"""One request's state inside the engine, and the records an engine step passes around.
+
+A Sequence is the scheduler's unit of work. It records which tokens exist (the prompt, then the
+output), how many of them already have K/V in the cache, and which cache blocks hold them. A
+ScheduledBatch is one step's work as the scheduler hands it to the runner; a StepOutput is what the
+step produced for one sequence. This module must not import torch nor do I/O: the scheduler and
+block manager are tested alone with it, and the runner reads these records without the scheduler.
+"""
+
+from __future__ import annotations
+
+import enum
+import zlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from services.worker.engine.params import InvalidRequestError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from services.worker.engine.params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    """EOS or one of the request's stop token ids."""
+    LENGTH = "length"
+    """max_new_tokens reached, or the context limit."""
+    ABORTED = "aborted"
+    ERROR = "error"
+
+
+class Sequence:
+    """A prompt, the tokens generated so far, and how much of it is in the KV cache.
+
+    num_computed_tokens counts the leading tokens whose K/V are cached; the rest must be computed
+    before the next token can be sampled. Preemption by recompute resets it to 0 and drops
+    block_table, keeping output_ids, so the output resumes exactly where it stopped.
+    """
+
+    __slots__ = (
+        "arrival",
+        "block_table",
+        "finish_reason",
+        "num_computed_tokens",
+        "num_preemptions",
+        "output_ids",
+        "params",
+        "priority",
+        "prompt_ids",
+        "request_id",
+        "seed",
+        "status",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: Iterable[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival: int = 0,
+        seed: int | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_ids: list[int] = list(prompt_ids)
+        if not self.prompt_ids:
+            raise InvalidRequestError("prompt", "<empty>", "the prompt must hold at least one token")
+        self.params = params
+        self.priority = priority
+        self.arrival = arrival
+        # The facade fills params.seed; the request-id hash only keeps bare tests reproducible.
+        if seed is None:
+            seed = params.seed if params.seed is not None else zlib.crc32(request_id.encode())
+        self.seed: int = seed
+        self.output_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """A new list: the prompt followed by the output so far."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_new_tokens_to_compute(self) -> int:
+        """Tokens to run through the model before the next token can be sampled (1 when decoding)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end) of prompt + output, without copying the whole sequence."""
+        split = len(self.prompt_ids)
+        if end <= split:
+            return self.prompt_ids[start:end]
+        if start >= split:
+            return self.output_ids[start - split : end - split]
+        return self.prompt_ids[start:] + self.output_ids[: end - split]
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens}, "
+            f"blocks={len(self.block_table)}, priority={self.priority}, arrival={self.arrival})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one engine step produced for one sequence: its new tokens and whether it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledEntry:
+    """One sequence's share of a step: tokens [start, start + num_tokens) go through the model."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    token_ids: list[int]
+    sample: bool
+    """True iff all of the sequence's tokens are computed after this step, so it yields a token."""
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """The work of one engine step: decodes first (one token each), then prefill chunks."""
+
+    step_id: int
+    entries: list[ScheduledEntry] = field(default_factory=list)
+    num_decodes: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(1 for e in self.entries if e.sample)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.entries

@@ -1,0 +1,383 @@
+"""Tests of the continuous-batching scheduler, driven by a fake model over a simulated paged cache.
+
+FakeModel writes each step's token ids into a cache addressed through the sequences' block tables and
+"samples" a hash of the cached context read back the same way. A wrong start, a lost or repeated
+token, or two sequences sharing a block change the outputs, which are compared across KV budgets.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import zlib
+from array import array
+from typing import Any
+
+import pydantic
+import pytest
+
+from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.params import InvalidRequestError, SamplingParams
+from services.worker.engine.scheduler import ScheduledBatch, Scheduler
+from services.worker.engine.sequence import FinishReason, Sequence, SequenceStatus, StepOutput
+
+EOS = 2
+VOCAB_START = 10  # sampled ids stay clear of EOS and of the stop ids tests pick
+
+
+class FakeModel:
+    """A paged "KV cache" of token ids and a next token that hashes the whole cached context."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.cache: list[list[int]] = [[-1] * block_size for _ in range(num_blocks)]
+
+    def run(self, batch: ScheduledBatch) -> list[int]:
+        bs = self.block_size
+        # All writes before any read, as attention does: a block shared by mistake shows up.
+        for e in batch.entries:
+            assert len(e.token_ids) == e.num_tokens
+            for k, token in enumerate(e.token_ids):
+                pos = e.start + k
+                self.cache[e.seq.block_table[pos // bs]][pos % bs] = token
+        sampled = []
+        for e in batch.entries:
+            if e.sample:
+                table = e.seq.block_table
+                ctx = array("q", (self.cache[table[p // bs]][p % bs] for p in range(e.start + e.num_tokens)))
+                sampled.append(VOCAB_START + zlib.crc32(ctx.tobytes()) % 5000)
+        return sampled
+
+
+def make_scheduler(num_blocks: int = 256, max_model_len: int = 4096, **config: object) -> Scheduler:
+    engine_config = EngineConfig.model_validate(config)
+    block_manager = BlockManager(num_blocks, engine_config.block_size)
+    return Scheduler(engine_config, block_manager, max_model_len=max_model_len, eos_token_ids=[EOS])
+
+
+def make_seq(
+    rid: str, prompt_len: int, max_new: int = 8, *, priority: int = 0, arrival: int = 0, **params: Any
+) -> Sequence:
+    prompt = [VOCAB_START + (zlib.crc32(f"{rid}:{i}".encode()) % 5000) for i in range(prompt_len)]
+    return Sequence(
+        rid, prompt, SamplingParams(max_new_tokens=max_new, **params), priority=priority, arrival=arrival
+    )
+
+
+def step(sched: Scheduler, model: FakeModel) -> tuple[ScheduledBatch, list[StepOutput]]:
+    had_work = sched.has_work
+    batch = sched.schedule()
+    assert batch.is_empty != had_work, "a scheduler with work must always make progress"
+    assert all(e.num_tokens >= 1 for e in batch.entries)
+    outputs = sched.postprocess(batch, model.run(batch))
+    sched.check_invariants()
+    return batch, outputs
+
+
+def run_all(sched: Scheduler, seqs: list[Sequence], max_steps: int = 100_000) -> dict[str, list[int]]:
+    """Add every sequence, step until idle; return each request's streamed tokens."""
+    model = FakeModel(sched.block_manager.num_blocks, sched.block_manager.block_size)
+    for seq in seqs:
+        sched.add(seq)
+    streamed: dict[str, list[int]] = {seq.request_id: [] for seq in seqs}
+    for _ in range(max_steps):
+        if not sched.has_work:
+            break
+        batch, outputs = step(sched, model)
+        assert batch.num_batched_tokens <= sched.config.max_num_batched_tokens
+        for out in outputs:
+            streamed[out.request_id].extend(out.new_token_ids)
+    assert not sched.has_work
+    for seq in seqs:
+        assert seq.output_ids == streamed[seq.request_id]
+    return streamed
+
+
+def test_engine_core_does_not_import_torch() -> None:
+    code = (
+        "import sys\n"
+        "import services.worker.engine.scheduler, services.worker.engine.block_manager\n"
+        "import services.worker.engine.sequence, services.worker.engine.config\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_config_defaults_and_errors_name_the_fix() -> None:
+    config = EngineConfig()
+    assert (config.block_size, config.max_num_seqs, config.num_blocks, config.mixed_batches) == (
+        16,
+        64,
+        None,
+        True,
+    )
+    with pytest.raises(pydantic.ValidationError):
+        config.block_size = 32  # type: ignore[misc]
+    with pytest.raises(pydantic.ValidationError, match="extra"):
+        EngineConfig.model_validate({"blok_size": 16})
+    with pytest.raises(
+        pydantic.ValidationError,
+        match=r"block_size=0 is invalid: must be a power of two.*STRATA_ENGINE_BLOCK_SIZE",
+    ):
+        EngineConfig(block_size=0)
+    with pytest.raises(pydantic.ValidationError, match="block_size=24"):
+        EngineConfig(block_size=24)
+    with pytest.raises(
+        pydantic.ValidationError, match=r"max_num_batched_tokens=0 is invalid: must be >= 1.*e.g. 512"
+    ):
+        EngineConfig(max_num_batched_tokens=0)
+    assert EngineConfig(max_model_len=512).resolve_max_model_len(2048) == 512
+    assert EngineConfig().resolve_max_model_len(2048) == 2048
+    with pytest.raises(ValueError, match="max_model_len=4096 is invalid: the model's context is 2048"):
+        EngineConfig(max_model_len=4096).resolve_max_model_len(2048)
+
+
+def test_add_refuses_what_can_never_fit() -> None:
+    sched = make_scheduler(num_blocks=4, block_size=16, max_model_len=1000)
+    with pytest.raises(InvalidRequestError, match="KV blocks"):
+        sched.add(make_seq("big", 60, max_new=10))  # 69 cached tokens need 5 blocks of 16
+    sched.add(make_seq("ok", 60, max_new=5))  # 64 cached tokens: exactly 4 blocks
+    with pytest.raises(ValueError, match="already"):
+        sched.add(make_seq("ok", 3))
+    with pytest.raises(InvalidRequestError, match="prompt"):
+        sched.add(make_seq("long", 1000))
+    assert sched.num_waiting == 1
+    with pytest.raises(ValueError, match="block_size=8 differs"):
+        Scheduler(EngineConfig(), BlockManager(4, 8), max_model_len=64)
+
+
+def test_token_budget_max_num_seqs_and_decodes_first() -> None:
+    rng = random.Random(7)
+    sched = make_scheduler(num_blocks=512, max_num_batched_tokens=64, max_num_seqs=16)
+    model = FakeModel(512, 16)
+    for i in range(200):
+        sched.add(make_seq(f"r{i}", rng.randint(1, 200), rng.randint(1, 12), arrival=i))
+    steps = 0
+    while sched.has_work:
+        batch = sched.schedule()
+        steps += 1
+        assert 0 < batch.num_batched_tokens <= 64
+        assert sched.num_running <= 16
+        assert all(e.num_tokens == 1 and e.start > 0 for e in batch.entries[: batch.num_decodes])
+        assert len({e.seq.request_id for e in batch.entries}) == len(batch.entries)
+        for e in batch.entries:
+            assert e.start == e.seq.num_computed_tokens
+            assert e.sample == (e.start + e.num_tokens == e.seq.num_tokens)
+        sched.postprocess(batch, model.run(batch))
+        sched.check_invariants()
+    assert steps > 200 / 16
+
+
+def test_chunked_prefill_splits_a_long_prompt() -> None:
+    sched = make_scheduler(max_num_batched_tokens=256, block_size=16)
+    model = FakeModel(256, 16)
+    seq = make_seq("long", 1000, max_new=3)
+    sched.add(seq)
+    chunks = []
+    for _ in range(4):
+        batch, outputs = step(sched, model)
+        (entry,) = batch.entries
+        chunks.append((entry.start, entry.num_tokens, entry.sample))
+        assert entry.token_ids == seq.prompt_ids[entry.start : entry.start + entry.num_tokens]
+        assert len(seq.block_table) == -(-(entry.start + entry.num_tokens) // 16)
+        assert bool(outputs) == entry.sample
+    assert chunks == [(0, 256, False), (256, 256, False), (512, 256, False), (768, 232, True)]
+    batch, _ = step(sched, model)
+    assert (batch.num_decodes, batch.entries[0].start, batch.entries[0].token_ids) == (
+        1,
+        1000,
+        seq.output_ids[:1],
+    )
+
+
+def test_decodes_come_before_a_new_prefill_chunk() -> None:
+    sched = make_scheduler(max_num_batched_tokens=128)
+    model = FakeModel(256, 16)
+    sched.add(make_seq("a", 10, max_new=20, arrival=0))
+    sched.add(make_seq("b", 12, max_new=20, arrival=1))
+    step(sched, model)
+    sched.add(make_seq("c", 1000, max_new=2, arrival=2))
+    batch, _ = step(sched, model)
+    assert [e.seq.request_id for e in batch.entries] == ["a", "b", "c"]
+    assert batch.num_decodes == 2
+    assert [e.num_tokens for e in batch.entries] == [1, 1, 126]
+    assert not batch.entries[2].sample
+
+
+def test_without_chunking_a_prompt_waits_for_a_whole_budget_unless_it_never_fits() -> None:
+    sched = make_scheduler(max_num_batched_tokens=100, chunked_prefill=False)
+    model = FakeModel(256, 16)
+    sched.add(make_seq("a", 10, max_new=5, arrival=0))
+    step(sched, model)
+    sched.add(make_seq("b", 100, max_new=2, arrival=1))
+    while sched.get("a") is not None:
+        batch, _ = step(sched, model)
+        assert [e.seq.request_id for e in batch.entries] == ["a"]  # 99 tokens left: b does not fit
+    batch, _ = step(sched, model)
+    assert [(e.seq.request_id, e.num_tokens) for e in batch.entries] == [("b", 100)]
+    step(sched, model)
+    sched.add(make_seq("huge", 250, max_new=1, arrival=2))
+    sizes = [step(sched, model)[0].num_batched_tokens for _ in range(3)]
+    assert sizes == [100, 100, 50]
+
+
+def test_priority_then_fcfs() -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    model = FakeModel(256, 16)
+    for rid, priority, arrival in [("a", 1, 0), ("b", 0, 1), ("c", 1, 2), ("d", 0, 3), ("e", 0, 4)]:
+        sched.add(make_seq(rid, 5, max_new=1, priority=priority, arrival=arrival))
+    order = []
+    while sched.has_work:
+        batch, outputs = step(sched, model)
+        order += [e.seq.request_id for e in batch.entries]
+        assert all(o.finished and o.finish_reason is FinishReason.LENGTH for o in outputs)
+    assert order == ["b", "d", "e", "a", "c"]
+
+
+def test_finish_reasons() -> None:
+    sched = make_scheduler(max_model_len=64)
+    seqs = {
+        "eos": make_seq("eos", 5, max_new=10),
+        "ignore": make_seq("ignore", 5, max_new=4, ignore_eos=True),
+        "stop": make_seq("stop", 5, max_new=10, stop_token_ids=(7,)),
+        "length": make_seq("length", 5, max_new=3),
+        "context": make_seq("context", 60, max_new=4),
+    }
+    for seq in seqs.values():
+        sched.add(seq)
+    script = {"eos": [11, EOS], "ignore": [EOS, EOS, 12, EOS], "stop": [11, 12, 7], "length": [11, 12, 13]}
+    results: dict[str, StepOutput] = {}
+    while sched.has_work:
+        batch = sched.schedule()
+        sampled = [
+            script.get(e.seq.request_id, [11] * 9)[e.seq.num_output_tokens] for e in batch.entries if e.sample
+        ]
+        for out in sched.postprocess(batch, sampled):
+            if out.finished:
+                results[out.request_id] = out
+    assert {rid: out.finish_reason for rid, out in results.items()} == {
+        "eos": FinishReason.STOP,
+        "ignore": FinishReason.LENGTH,
+        "stop": FinishReason.STOP,
+        "length": FinishReason.LENGTH,
+        "context": FinishReason.LENGTH,
+    }
+    assert seqs["eos"].output_ids == [11, EOS]
+    assert seqs["stop"].output_ids == [11, 12, 7]
+    assert results["length"].num_output_tokens == 3 and results["length"].num_prompt_tokens == 5
+    assert seqs["context"].num_tokens == 64
+    assert sched.block_manager.num_free_blocks == 256
+
+
+def test_unmixed_batches_alternate_prefill_and_decode() -> None:
+    def seqs() -> list[Sequence]:
+        return [make_seq(f"r{i}", 100, max_new=6, arrival=i) for i in range(8)]
+
+    expected = run_all(make_scheduler(max_num_batched_tokens=64), seqs())
+    sched = make_scheduler(mixed_batches=False, max_num_batched_tokens=64)
+    model = FakeModel(256, 16)
+    for seq in seqs():
+        sched.add(seq)
+    kinds: list[str] = []
+    streamed: dict[str, list[int]] = {f"r{i}": [] for i in range(8)}
+    while sched.has_work:
+        running = sched.running
+        has_prefill = bool(sched.waiting) or any(s.num_new_tokens_to_compute > 1 for s in running)
+        has_decode = any(s.num_new_tokens_to_compute == 1 for s in running)
+        batch, outputs = step(sched, model)
+        is_decode = batch.num_decodes == len(batch.entries)
+        assert is_decode or batch.num_decodes == 0, "a step mixed decodes with prefill"
+        kind = "decode" if is_decode else "prefill"
+        if has_prefill and has_decode:
+            assert kind != kinds[-1]
+        else:
+            assert kind == ("prefill" if has_prefill else "decode")
+        kinds.append(kind)
+        for out in outputs:
+            streamed[out.request_id] += out.new_token_ids
+    assert streamed == expected
+    assert kinds.count("prefill") >= 13 and kinds.count("decode") >= 13
+
+
+def test_shed_load_preempts_the_newest_then_recovers() -> None:
+    def seqs() -> list[Sequence]:
+        return [make_seq(f"r{i}", 20, max_new=40, arrival=i) for i in range(8)]
+
+    expected = run_all(make_scheduler(max_num_seqs=8), seqs())
+    sched = make_scheduler(max_num_seqs=8, shed_recovery_steps=3)
+    model = FakeModel(256, 16)
+    batch_seqs = seqs()
+    for seq in batch_seqs:
+        sched.add(seq)
+    step(sched, model)
+    failed = sched.schedule()  # the runner "runs out of memory": postprocess is never called
+    starts = {e.seq.request_id: e.start for e in failed.entries}
+    victims = sched.shed_load()
+    assert [v.request_id for v in victims] == ["r4", "r5", "r6", "r7"]
+    assert all(v.status is SequenceStatus.WAITING and not v.block_table for v in victims)
+    assert [s.request_id for s in sched.waiting] == ["r4", "r5", "r6", "r7"]
+    assert sched.stats.effective_max_num_seqs == 4
+    sched.check_invariants()
+    free_before = sched.block_manager.num_free_blocks
+    retry = sched.schedule()  # survivors run again from the same place, with the blocks they kept
+    assert {e.seq.request_id: e.start for e in retry.entries} == {f"r{i}": starts[f"r{i}"] for i in range(4)}
+    assert sched.block_manager.num_free_blocks == free_before
+    streamed = {s.request_id: list(s.output_ids) for s in batch_seqs}
+    for out in sched.postprocess(retry, model.run(retry)):
+        streamed[out.request_id] += out.new_token_ids
+    limits = []
+    while sched.has_work:
+        _, outputs = step(sched, model)
+        assert sched.num_running <= sched.stats.effective_max_num_seqs
+        limits.append(sched.stats.effective_max_num_seqs)
+        for out in outputs:
+            streamed[out.request_id] += out.new_token_ids
+    assert limits[:6] == [4, 5, 5, 5, 6, 6]
+    assert limits[-1] == 8
+    assert streamed == expected
+    assert sched.stats.num_load_sheds == 1
+
+
+def test_shed_load_keeps_at_least_one_running() -> None:
+    sched = make_scheduler(max_num_seqs=8)
+    model = FakeModel(256, 16)
+    for i in range(3):
+        sched.add(make_seq(f"r{i}", 5, max_new=20, arrival=i))
+    step(sched, model)
+    assert [v.request_id for v in sched.shed_load()] == ["r1", "r2"]
+    assert sched.stats.effective_max_num_seqs == 1
+    assert sched.shed_load() == []  # the last one stays: the engine decides what a lone failure means
+    assert (sched.num_running, sched.stats.effective_max_num_seqs, sched.stats.num_load_sheds) == (1, 1, 2)
+    sched.check_invariants()
+
+
+def test_postprocess_refuses_a_stale_or_mismatched_step() -> None:
+    sched = make_scheduler()
+    model = FakeModel(256, 16)
+    sched.add(make_seq("a", 5))
+    batch = sched.schedule()
+    with pytest.raises(ValueError, match="sampled tokens"):
+        sched.postprocess(batch, [])
+    sampled = model.run(batch)
+    sched.postprocess(batch, sampled)
+    with pytest.raises(RuntimeError, match="stale"):
+        sched.postprocess(batch, sampled)
+
+
+def test_abort_between_schedule_and_postprocess_drops_the_result() -> None:
+    sched = make_scheduler()
+    model = FakeModel(256, 16)
+    sched.add(make_seq("a", 5))
+    sched.add(make_seq("b", 5, arrival=1))
+    batch = sched.schedule()
+    sampled = model.run(batch)
+    assert sched.abort("a")
+    outputs = sched.postprocess(batch, sampled)
+    assert [o.request_id for o in outputs] == ["b"]
+    sched.check_invariants()
+    assert sched.block_manager.num_used_blocks == 1
