@@ -1,0 +1,193 @@
+"""Load a Llama-family model from a local Hugging Face directory: config.json plus safetensors.
+
+This module owns finding the weight files (one file, or shards named by model.safetensors.index.json),
+checking every tensor the config implies is there with the right shape, fusing q/k/v and gate/up
+projections, choosing the dtype by device, and optional bitsandbytes quantization. Every failure is
+a ModelLoadError that names the problem and the fix. It must never unpickle anything (no .bin,
+no torch.load) nor run code shipped with a checkpoint (no trust_remote_code), and never go online.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from services.worker.model.config import ModelConfig, ModelLoadError
+from services.worker.model.llama import LlamaForCausalLM
+from services.worker.model.quant import import_bitsandbytes, quantize_linears, validate_quantization
+
+__all__ = ["LoadedModel", "ModelLoadError", "default_dtype", "load_model"]
+
+_INDEX = "model.safetensors.index.json"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# Buffers some exporters save; derived from the config here, so they are skipped, not required.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A ready model and what it was loaded as."""
+
+    model: LlamaForCausalLM
+    config: ModelConfig
+    path: Path
+    dtype: torch.dtype
+    device: torch.device
+    quantization: str | None = None
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 on CUDA (tensor cores, half the memory); float32 elsewhere (CPU bf16 matmuls are slow)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_model(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    quantization: str | None = None,
+) -> LoadedModel:
+    """Load the model in `path` onto `device`; raise ModelLoadError for anything unusable."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ModelLoadError(
+            f"model path {directory} is not a directory: pass a Hugging Face model directory"
+        )
+    validate_quantization(quantization)
+    if quantization is not None:
+        import_bitsandbytes(quantization)
+    config = ModelConfig.from_dir(directory)
+    target = torch.device(device)
+    dtype = dtype if dtype is not None else default_dtype(target)
+    # Quantized layers are built from CPU floats, so a float copy never lands on the accelerator.
+    staging = torch.device("cpu") if quantization is not None else target
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    weights = _fuse(_read_tensors(directory, _checkpoint_names(config), dtype, staging), config)
+    for name, tensor in weights.items():
+        if tuple(tensor.shape) != expected[name]:
+            raise ModelLoadError(
+                f"{directory}: tensor {name} has shape {tuple(tensor.shape)}, config.json implies "
+                f"{expected[name]}: the weights do not match the config"
+            )
+    model.load_state_dict(weights, strict=True, assign=True)
+    if quantization is not None:
+        quantize_linears(model, quantization, target, dtype)
+    model.to(target)
+    model.eval()
+    model.requires_grad_(False)
+    return LoadedModel(model, config, directory, dtype, target, quantization)
+
+
+def _checkpoint_names(config: ModelConfig) -> list[str]:
+    """Every tensor name (transformers' naming) the config says the checkpoint must hold."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        names += [prefix + "input_layernorm.weight", prefix + "post_attention_layernorm.weight"]
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            names.append(f"{prefix}self_attn.{proj}.weight")
+            has_bias = config.o_proj_bias if proj == "o_proj" else config.attention_bias
+            if has_bias:
+                names.append(f"{prefix}self_attn.{proj}.bias")
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names.append(f"{prefix}mlp.{proj}.weight")
+            if config.mlp_bias:
+                names.append(f"{prefix}mlp.{proj}.bias")
+    return names
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / _INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ModelLoadError(f"{index} is unreadable or has no weight_map: {err}") from err
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(
+                f"{directory}: shard(s) {', '.join(missing)} named by {_INDEX} are missing: "
+                "download them again"
+            )
+        return files
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(directory.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in directory.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickles:
+        raise ModelLoadError(
+            f"{directory} holds only pickle checkpoints ({', '.join(pickles)}); safetensors are required "
+            "(pickle files can run arbitrary code when loaded): convert the checkpoint to *.safetensors "
+            "on a trusted machine and retry"
+        )
+    raise ModelLoadError(
+        f"{directory} has no weights: expected model.safetensors or shards listed in {_INDEX}"
+    )
+
+
+def _read_tensors(
+    directory: Path, names: list[str], dtype: torch.dtype, device: torch.device
+) -> dict[str, Tensor]:
+    wanted = set(names)
+    found: dict[str, Tensor] = {}
+    unexpected: list[str] = []
+    files = _weight_files(directory)
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                for key in handle.keys():  # noqa: SIM118 (safe_open handles are not iterable)
+                    if key in wanted:
+                        found[key] = handle.get_tensor(key).to(device=device, dtype=dtype)
+                    elif key != "lm_head.weight" and not key.endswith(_IGNORED_SUFFIXES):
+                        unexpected.append(key)
+        except (OSError, RuntimeError, ValueError) as err:
+            raise ModelLoadError(f"cannot read {file}: {err}: it is corrupt or not safetensors") from err
+    missing = [n for n in names if n not in found]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise ModelLoadError(
+            f"{directory}: the safetensors ({', '.join(f.name for f in files)}) lack tensor(s) {shown} "
+            "that config.json requires: the checkpoint is incomplete or does not match its config"
+        )
+    if unexpected:
+        raise ModelLoadError(
+            f"{directory}: unexpected tensor(s) {', '.join(unexpected[:5])}: the checkpoint is not a plain "
+            "Llama-family model as its config.json claims"
+        )
+    return found
+
+
+def _fuse(hf: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+    """Rename to our modules and concatenate q/k/v and gate/up along the output dimension."""
+    ours = {"embed_tokens.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    if not config.tie_word_embeddings:
+        ours["lm_head.weight"] = hf["lm_head.weight"]
+    for i in range(config.num_hidden_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            ours[f"{dst}{norm}.weight"] = hf[f"{src}{norm}.weight"]
+        for kind in ("weight", "bias"):
+            qkv = [f"{src}self_attn.{p}_proj.{kind}" for p in "qkv"]
+            if qkv[0] in hf:
+                ours[f"{dst}self_attn.qkv_proj.{kind}"] = torch.cat([hf.pop(n) for n in qkv])
+            if f"{src}self_attn.o_proj.{kind}" in hf:
+                ours[f"{dst}self_attn.o_proj.{kind}"] = hf[f"{src}self_attn.o_proj.{kind}"]
+            gate_up = [f"{src}mlp.{p}_proj.{kind}" for p in ("gate", "up")]
+            if gate_up[0] in hf:
+                ours[f"{dst}mlp.gate_up_proj.{kind}"] = torch.cat([hf.pop(n) for n in gate_up])
+            if f"{src}mlp.down_proj.{kind}" in hf:
+                ours[f"{dst}mlp.down_proj.{kind}"] = hf[f"{src}mlp.down_proj.{kind}"]
+    return ours

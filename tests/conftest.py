@@ -1,0 +1,109 @@
+"""Shared fixtures: tiny random-weight Llama-family models saved as safetensors, and the real model.
+
+Tiny models are built from a transformers config with a fixed seed in well under a second each and
+saved once per test session with `save_pretrained`, so every test loads them the way production
+loads a checkpoint. The real SmolLM2 directory comes from `strata.model_fetch`, which downloads it
+on first use (`make model` does the same ahead of time).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+TINY_COMMON: dict[str, Any] = {
+    "vocab_size": 384,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    # No EOS: random weights would stop generate() at arbitrary points and shorten the comparison.
+    "eos_token_id": None,
+    "pad_token_id": 0,
+}
+
+
+def build_tiny_model(directory: Path, kind: str, seed: int = 0, **overrides: Any) -> Path:
+    """Save a seeded random-weight model of `kind` ("llama" or "qwen2") into `directory`."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    settings = {**TINY_COMMON, **overrides}
+    model: Any
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**settings))
+    elif kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**settings))
+    else:
+        raise ValueError(f"unknown tiny model kind {kind!r}")
+    # Random init leaves norm weights at 1 and biases at 0; perturb them so a dropped or misplaced
+    # norm weight or bias changes the logits.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama with tied embeddings and default RoPE."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_untied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama with untied embeddings, llama3 RoPE scaling and q/k/v/o and MLP biases."""
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny-llama-untied"),
+        "llama",
+        seed=1,
+        tie_word_embeddings=False,
+        rope_parameters=rope,
+        attention_bias=True,
+        mlp_bias=True,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_linear_mqa_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama with linear RoPE scaling and a single kv head (multi-query attention)."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny-llama-linear"),
+        "llama",
+        seed=2,
+        num_key_value_heads=1,
+        rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0},
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen2: Llama plus q/k/v biases (no o_proj bias)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", seed=3, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """models/SmolLM2-135M-Instruct, fetched on first use."""
+    from strata.model_fetch import ensure_default_model
+
+    return ensure_default_model()
