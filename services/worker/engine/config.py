@@ -41,6 +41,8 @@ class EngineConfig(BaseModel):
     """Split a prompt longer than the step's remaining budget across steps."""
     mixed_batches: bool = True
     """Mix decodes with prefill chunks in one step; False alternates prefill-only and decode-only steps."""
+    cuda_graphs: bool = True
+    """On CUDA, replay decode-only steps from captured graphs (eager when False; ignored on CPU)."""
     enable_fault_injection: bool = False
     """Test mode only: let tests make the runner fail steps on purpose."""
     shed_recovery_steps: int = 16

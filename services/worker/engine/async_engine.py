@@ -1,0 +1,204 @@
+"""The asyncio facade over the engine: submit a request, iterate its tokens, abort it, read stats.
+
+The engine steps on its own thread so that a forward pass never blocks the event loop; torch releases
+the GIL inside its kernels. Commands reach the step thread through a thread-safe inbox and are applied
+between steps; each step's outputs come back to the loop in one callback. This module must not hold
+the model or make scheduling decisions: that is the engine's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from services.worker.engine.params import InvalidRequestError, SamplingParams
+from services.worker.engine.sequence import FinishReason, StepOutput
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from services.worker.engine.engine import EngineStats, LLMEngine
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop failed or was stopped; the request cannot complete."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+class RequestStream:
+    """The tokens of one request, as an async iterator of StepOutput; ends after the finished one."""
+
+    def __init__(self, request_id: str, owner: AsyncEngine) -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def _push(self, item: StepOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> AsyncIterator[StepOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[StepOutput]:
+        try:
+            while not self.finished:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            # A consumer that stops early (cancel, disconnect) must not leave the request running.
+            if not self.finished:
+                self._owner.abort(self.request_id)
+
+    def abort(self) -> None:
+        self._owner.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Runs an LLMEngine on a dedicated thread and serves it to asyncio code."""
+
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self._idle_wait_s = idle_wait_s
+        self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stats = engine.stats()
+        self._error: BaseException | None = None
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Stop the step loop; requests still running end with EngineDeadError."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        self._fail_all(EngineDeadError("the engine was stopped"))
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    def submit(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> RequestStream:
+        """Queue a request; raises InvalidRequestError at once for bad input or a duplicate id."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running: {self._error or 'stopped'}")
+        if request_id in self._streams:
+            raise InvalidRequestError("request_id", request_id, "a request with this id is already running")
+        self.engine.validate(prompt_ids, params)
+        stream = RequestStream(request_id, self)
+        self._streams[request_id] = stream
+        self._inbox.put(_Add(request_id, list(prompt_ids), params, priority))
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its KV blocks are free once the step thread reads the inbox."""
+        self._inbox.put(_Abort(request_id))
+        self._wake.set()
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and not stream.finished:
+            stream._push(_aborted(request_id))
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the last step (an immutable object replaced atomically)."""
+        return self._stats
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                if not self.engine.has_work():
+                    self._stats = self.engine.stats()
+                    self._wake.wait(self._idle_wait_s)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                self._stats = self.engine.stats()
+                if outputs:
+                    self._post(self._dispatch, outputs)
+        except BaseException as exc:  # the loop must report any death, even KeyboardInterrupt
+            log.exception("engine step loop died")
+            self._error = exc
+            self._post(self._fail_all, EngineDeadError(f"the engine step loop died: {exc!r}"))
+            raise
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                try:
+                    self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.priority)
+                except InvalidRequestError as exc:
+                    self._post(self._fail_one, (cmd.request_id, exc))
+            else:
+                self.engine.abort(cmd.request_id)
+
+    def _post(self, fn: object, arg: object) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(fn, arg)  # type: ignore[arg-type]
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted by the client while this step ran
+            if out.finished:
+                del self._streams[out.request_id]
+            stream._push(out)
+
+    def _fail_one(self, failure: tuple[str, BaseException]) -> None:
+        stream = self._streams.pop(failure[0], None)
+        if stream is not None:
+            stream._push(failure[1])
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream._push(error)
+
+
+def _aborted(request_id: str) -> StepOutput:
+    return StepOutput(
+        request_id=request_id,
+        new_token_ids=[],
+        finished=True,
+        finish_reason=FinishReason.ABORTED,
+        num_prompt_tokens=0,
+        num_output_tokens=0,
+    )

@@ -1,0 +1,211 @@
+"""The synchronous engine: one step is `schedule`, `run`, `postprocess`.
+
+It owns one model's scheduler, block manager and runner, validates requests, resolves seeds, and
+turns an out-of-memory step into load shedding instead of a crash. It has no threads and no asyncio:
+async_engine.py drives it from its own thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.faults import FaultInjector, SimulatedOutOfMemoryError
+from services.worker.engine.model_runner import ModelRunner, blocks_for_budget
+from services.worker.engine.params import InvalidRequestError, SamplingParams
+from services.worker.engine.scheduler import Scheduler
+from services.worker.engine.sequence import FinishReason, Sequence, StepOutput
+from services.worker.model.loader import load_model
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from services.worker.model.config import ModelConfig
+    from services.worker.model.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+# Out-of-memory steps in a row, with nothing left to shed, before the running requests are failed.
+MAX_FAILED_STEPS_ALONE = 3
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine, safe to hand to another thread."""
+
+    num_running: int
+    num_waiting: int
+    free_kv_tokens: int
+    total_kv_tokens: int
+    kv_cache_usage: float
+    steps: int
+    last_step_ms: float
+    last_batch_size: int
+    last_batch_tokens: int
+    num_preemptions: int
+    num_load_sheds: int
+    max_num_seqs: int
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache for one model. Not thread-safe: one caller thread."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config: ModelConfig = loaded.config
+        self.max_model_len = config.resolve_max_model_len(loaded.config.max_position_embeddings)
+        num_blocks = config.num_blocks or blocks_for_budget(
+            loaded, config.block_size, config.kv_cache_memory_bytes
+        )
+        # One full-length request must always fit, or preemption could loop forever.
+        self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
+        self.runner = ModelRunner(loaded, num_blocks, config.block_size, use_cuda_graphs=config.cuda_graphs)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            config,
+            self.block_manager,
+            eos_token_ids=loaded.config.eos_token_ids,
+            max_model_len=self.max_model_len,
+        )
+        self.faults = FaultInjector(config.enable_fault_injection)
+        self.step_log: list[tuple[int, int]] = []
+        self._arrivals = 0
+        self._failed_steps = 0
+        self._last_step_ms = 0.0
+        self._last_batch_size = 0
+        self._last_batch_tokens = 0
+
+    @classmethod
+    def from_model_dir(
+        cls,
+        path: str | Path,
+        config: EngineConfig | None = None,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        quantization: str | None = None,
+    ) -> LLMEngine:
+        loaded = load_model(path, device=device, dtype=dtype, quantization=quantization)
+        return cls(loaded, config or EngineConfig())
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError if this request can never run on this engine."""
+        params.validate(len(prompt_ids), self.max_model_len)
+        vocab = self.model_config.vocab_size
+        for token in prompt_ids:
+            if not 0 <= token < vocab:
+                raise InvalidRequestError("prompt_ids", token, f"token ids must be in [0, {vocab})")
+
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> Sequence:
+        self.validate(prompt_ids, params)
+        seed = params.seed if params.seed is not None else secrets.randbelow(2**63)
+        self._arrivals += 1
+        seq = Sequence(
+            request_id=request_id,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            priority=priority,
+            arrival=self._arrivals,
+            seed=seed,
+        )
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        started = time.perf_counter()
+        try:
+            self.faults.before_forward()
+            sampled = self.runner.run(batch)
+        except (SimulatedOutOfMemoryError, torch.OutOfMemoryError) as exc:
+            return self._shed_load(exc)
+        self._failed_steps = 0
+        outputs = self.scheduler.postprocess(batch, sampled)
+        self._last_step_ms = (time.perf_counter() - started) * 1000.0
+        self._last_batch_size = len(batch.entries)
+        self._last_batch_tokens = batch.num_batched_tokens
+        self.step_log.append((batch.num_batched_tokens, sum(1 for e in batch.entries if e.sample)))
+        return outputs
+
+    def _shed_load(self, exc: BaseException) -> list[StepOutput]:
+        """Answer an out-of-memory step by running less, never by dying."""
+        self._failed_steps += 1
+        shed = self.scheduler.shed_load()
+        log.warning(
+            "step ran out of memory (%s): preempted %d sequences, running limit now %d",
+            exc,
+            len(shed),
+            self.scheduler.effective_max_num_seqs,
+        )
+        if shed or self._failed_steps < MAX_FAILED_STEPS_ALONE:
+            return []
+        # One sequence alone keeps failing: end it with an error rather than retry it forever.
+        outputs = []
+        for seq in self.scheduler.running:
+            self.scheduler.abort(seq.request_id, FinishReason.ERROR)
+            outputs.append(
+                StepOutput(
+                    request_id=seq.request_id,
+                    new_token_ids=[],
+                    finished=True,
+                    finish_reason=FinishReason.ERROR,
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    num_output_tokens=seq.num_output_tokens,
+                )
+            )
+        self._failed_steps = 0
+        return outputs
+
+    def reset_step_log(self) -> None:
+        self.step_log = []
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
+        """Run these prompts to completion together and return each one's new token ids."""
+        per_request = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"generate-{self._arrivals + i}" for i in range(len(prompts))]
+        outputs: dict[str, list[int]] = {rid: [] for rid in ids}
+        for rid, prompt, p in zip(ids, prompts, per_request, strict=True):
+            self.add_request(rid, prompt, p)
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                if out.request_id in outputs:
+                    outputs[out.request_id].extend(out.new_token_ids)
+                    if out.finished:
+                        pending.discard(out.request_id)
+        return [outputs[rid] for rid in ids]
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats
+        return EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            free_kv_tokens=s.free_tokens,
+            total_kv_tokens=s.num_blocks * self.block_manager.block_size,
+            kv_cache_usage=s.kv_cache_usage,
+            steps=s.num_steps,
+            last_step_ms=self._last_step_ms,
+            last_batch_size=self._last_batch_size,
+            last_batch_tokens=self._last_batch_tokens,
+            num_preemptions=s.num_preemptions,
+            num_load_sheds=s.num_load_sheds,
+            max_num_seqs=s.effective_max_num_seqs,
+        )

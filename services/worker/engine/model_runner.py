@@ -1,0 +1,108 @@
+"""The model runner: turns one scheduled batch into one forward pass over the paged KV cache.
+
+It owns the device tensors (weights through the model, the KV cache) and the sampler. It knows
+nothing of queues, priorities or request lifetimes: the scheduler decides what runs, the runner only
+computes it. Decode-only batches on CUDA are replayed from captured graphs (cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from services.worker.engine.sampler import Sampler, SampleRow
+from services.worker.model.attention import AttentionMetadata
+from services.worker.model.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from services.worker.engine.cuda_graphs import CudaGraphRunner
+    from services.worker.engine.scheduler import ScheduledBatch
+    from services.worker.model.loader import LoadedModel
+
+
+def blocks_for_budget(loaded: LoadedModel, block_size: int, memory_bytes: int) -> int:
+    """How many KV blocks of `block_size` tokens fit in `memory_bytes` for this model."""
+    per_block = KVCache.bytes_per_block(loaded.config, block_size, loaded.dtype)
+    return memory_bytes // per_block
+
+
+class ModelRunner:
+    """Runs scheduled batches of one model; one instance per engine, used from one thread."""
+
+    def __init__(
+        self, loaded: LoadedModel, num_blocks: int, block_size: int, use_cuda_graphs: bool = True
+    ) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = torch.device(loaded.device)
+        self.block_size = block_size
+        self.sampler = Sampler()
+        self.graphs: CudaGraphRunner | None = None
+        graphs = use_cuda_graphs and self.device.type == "cuda"
+        # Graph padding rows need one scratch block that the block manager never hands out.
+        total_blocks = num_blocks + 1 if graphs else num_blocks
+        self.cache = KVCache.allocate(loaded.config, total_blocks, block_size, loaded.dtype, self.device)
+        if graphs:
+            from services.worker.engine.cuda_graphs import CudaGraphRunner
+
+            self.graphs = CudaGraphRunner(
+                self.model, self.cache, block_size, self.device, pad_block=num_blocks
+            )
+
+    def run(self, batch: ScheduledBatch) -> list[int]:
+        """Forward the batch and return one sampled token per entry that samples, in entry order."""
+        with torch.inference_mode():
+            hidden, logits_indices = self._forward(batch)
+            if not logits_indices:
+                return []
+            index = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, index))
+            return self.sampler(logits, self._sample_rows(batch))
+
+    def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        logits_indices: list[int] = []
+        for entry in batch.entries:
+            input_ids.extend(entry.token_ids)
+            positions.extend(range(entry.start, entry.start + entry.num_tokens))
+            query_lens.append(entry.num_tokens)
+            context_lens.append(entry.start + entry.num_tokens)
+            block_tables.append(entry.seq.block_table)
+            if entry.sample:
+                logits_indices.append(len(input_ids) - 1)
+        if self.graphs is not None and batch.num_decodes == len(batch.entries):
+            hidden = self.graphs.run_decode(input_ids, positions, context_lens, block_tables)
+            if hidden is not None:
+                return hidden, logits_indices
+        meta = AttentionMetadata.build(
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_tables=block_tables,
+            block_size=self.block_size,
+            device=self.device,
+            num_decodes=batch.num_decodes,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return self.model(ids, pos, meta, self.cache), logits_indices
+
+    @staticmethod
+    def _sample_rows(batch: ScheduledBatch) -> list[SampleRow]:
+        rows = []
+        for entry in batch.entries:
+            if not entry.sample:
+                continue
+            seq = entry.seq
+            params = seq.params
+            # Only the penalties read the history; greedy rows skip building it.
+            needs_history = params.repetition_penalty != 1.0 or params.no_repeat_ngram_size > 0
+            history = seq.prompt_ids + seq.output_ids if needs_history else ()
+            rows.append(
+                SampleRow(params=params, seed=seq.seed, position=len(seq.output_ids), history=history)
+            )
+        return rows
