@@ -1,0 +1,313 @@
+"""`python -m bench.engine`: our engine against transformers and against the matmul ceiling.
+
+Contestants, on the same seeded prompts: naive transformers `generate` one request at a time,
+transformers continuous batching, and our in-process engine; then the linear-layer ceiling of the
+engine's own schedule. Every contestant's outputs pass the parity rule before its times count, runs
+alternate within one process, and the result is a table plus a JSON record (bench/README.md has the
+rules). This module orchestrates and reports; the contestants live in bench/baselines.py, the
+ceiling in bench/ceiling.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.baselines import (
+    DTYPES,
+    RANDOM_ARCHS,
+    HfContinuousBatching,
+    NaiveGenerate,
+    build_random_model,
+    load_hf_model,
+    special_token_ids,
+)
+from bench.ceiling import CeilingResult, linear_ceiling, nominal_step_log
+from bench.stats import (
+    PARITY_TOP2_GAP,
+    check_parity,
+    describe_machine,
+    format_table,
+    make_prompts,
+    rates_record,
+)
+
+# bfloat16 logits of magnitude 16-32 are spaced 0.125 apart: two correct bf16 programs disagree by
+# a few such steps, so a bf16 tie is anything within 0.5 of the top.
+BF16_TIE_GAP = 0.5
+DEFAULT_MODEL = Path("models/SmolLM2-135M-Instruct")
+Run = Callable[[], tuple[list[list[int]], float]]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split("\n")[0])
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--json", type=Path, required=True, help="where to write the JSON record")
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    p.add_argument("--random-weights", choices=sorted(RANDOM_ARCHS), help="build a random-weight model")
+    p.add_argument("--runs", type=int, default=3, help="timed runs per contestant (>= 3)")
+    p.add_argument("--naive-requests", type=int, default=4, help="requests the naive rate is taken on")
+    p.add_argument("--check-requests", type=int, help="requests checked against the reference (all)")
+    p.add_argument(
+        "--tie-gap",
+        type=float,
+        help=f"parity rule's tie gap (default {PARITY_TOP2_GAP} in float32, {BF16_TIE_GAP} in bfloat16)",
+    )
+    p.add_argument("--reference-batch", type=int, default=16, help="prompts per reference generate call")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-batched-tokens", type=int, help="engine (and hf_cb) tokens per step")
+    p.add_argument("--no-mixed", action="store_true", help="engine: no decodes mixed with prefill")
+    p.add_argument("--skip-engine", action="store_true", help="baselines only; nominal ceiling schedule")
+    p.add_argument("--no-asyncio", action="store_true", help="skip the asyncio event-loop lag run")
+    p.add_argument("--ceiling-reps", type=int, default=3)
+    p.add_argument("--smoke", action="store_true", help="allow --runs < 3; marks the record invalid")
+    args = p.parse_args(argv)
+    if args.runs < 3 and not args.smoke:
+        p.error("--runs must be >= 3 (median and spread); --smoke allows fewer and marks the JSON invalid")
+    if args.tie_gap is None:
+        args.tie_gap = BF16_TIE_GAP if args.dtype == "bfloat16" else PARITY_TOP2_GAP
+    if args.check_requests is None:
+        args.check_requests = args.requests
+    args.naive_requests = min(args.naive_requests, args.requests)
+    args.check_requests = min(args.check_requests, args.requests)
+    return args
+
+
+def _engine_config(args: argparse.Namespace) -> Any:
+    from services.worker.engine.config import EngineConfig
+
+    defaults = EngineConfig()
+    block = defaults.block_size
+    per_request = math.ceil((args.prompt_tokens + args.new_tokens) / block)
+    return EngineConfig(
+        max_num_seqs=args.requests,
+        # Room for every request at once, so the KV budget never queues or preempts anyone.
+        num_blocks=math.ceil(args.requests * per_request * 1.25) + 1,
+        max_num_batched_tokens=args.max_num_batched_tokens or defaults.max_num_batched_tokens,
+        mixed_batches=not args.no_mixed,
+    )
+
+
+def _resolve_model(args: argparse.Namespace, scratch: Path) -> Path:
+    if args.random_weights:
+        return build_random_model(args.random_weights, scratch / args.random_weights, DTYPES[args.dtype])
+    if not (args.model / "config.json").exists():
+        sys.exit(f"bench.engine: no model at {args.model}: run `make model` (or pass --random-weights)")
+    return Path(args.model)
+
+
+async def _async_run(engine: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
+    from services.worker.engine.async_engine import AsyncEngine
+
+    async def probe(stop: asyncio.Event, lags: list[float]) -> None:
+        # How late a 1 ms timer fires is how long the loop waited for the GIL (or anything else).
+        while not stop.is_set():
+            started = time.perf_counter()
+            await asyncio.sleep(0.001)
+            lags.append(time.perf_counter() - started - 0.001)
+
+    async def consume(stream: Any) -> list[int]:
+        return [token async for out in stream for token in out.new_token_ids]
+
+    idle_stop, idle_lags = asyncio.Event(), list[float]()
+    idle = asyncio.create_task(probe(idle_stop, idle_lags))
+    await asyncio.sleep(0.2)
+    idle_stop.set()
+    await idle
+    facade = AsyncEngine(engine)
+    await facade.start()
+    stop, lags = asyncio.Event(), list[float]()
+    ticker = asyncio.create_task(probe(stop, lags))
+    started = time.perf_counter()
+    streams = [facade.submit(f"bench-{i}", p, params) for i, p in enumerate(prompts)]
+    outputs = await asyncio.gather(*(consume(s) for s in streams))
+    elapsed = time.perf_counter() - started
+    stop.set()
+    await ticker
+    await facade.stop()
+    lags.sort()
+    return {
+        "outputs": list(outputs),
+        "tok_s": sum(len(o) for o in outputs) / elapsed,
+        "loop_lag_ms_p50": 1000 * lags[len(lags) // 2],
+        "loop_lag_ms_p99": 1000 * lags[min(len(lags) - 1, int(len(lags) * 0.99))],
+        "loop_lag_ms_max": 1000 * lags[-1],
+        "loop_lag_ms_idle_p50": 1000 * sorted(idle_lags)[len(idle_lags) // 2],
+        "probe_ticks": len(lags),
+    }
+
+
+def measure_async(engine: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
+    """One untimed-for-the-table run through the asyncio facade, probing the event loop's lag."""
+    print("bench.engine: one run through the asyncio facade (event-loop lag)", file=sys.stderr, flush=True)
+    return asyncio.run(_async_run(engine, prompts, params))
+
+
+def _rounds(contestants: dict[str, Run], runs: int) -> dict[str, list[tuple[list[list[int]], float]]]:
+    """A B C A B C ...: each round runs every contestant once, so drift hits them all alike."""
+    results: dict[str, list[tuple[list[list[int]], float]]] = {name: [] for name in contestants}
+    for round_index in range(runs):
+        for name, run in contestants.items():
+            outputs, seconds = run()
+            results[name].append((outputs, seconds))
+            print(f"  run {round_index + 1}/{runs} {name}: {seconds:.2f} s", file=sys.stderr, flush=True)
+    return results
+
+
+def _engine_run(engine: Any, prompts: list[list[int]], params: Any, logs: list[list[tuple[int, int]]]) -> Run:
+    def run() -> tuple[list[list[int]], float]:
+        engine.reset_step_log()
+        started = time.perf_counter()
+        outputs: list[list[int]] = engine.generate(prompts, params)
+        elapsed = time.perf_counter() - started
+        logs.append(list(engine.step_log))
+        return outputs, elapsed
+
+    return run
+
+
+def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    # generate_batch warns on every persistent-manager call, through its own logger.
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+    machine = describe_machine(args.device)
+    dtype = DTYPES[args.dtype]
+    model_dir = _resolve_model(args, scratch)
+    hf_model = load_hf_model(model_dir, args.device, dtype)
+    vocab = hf_model.config.vocab_size
+    prompts = make_prompts(
+        args.requests,
+        args.prompt_tokens,
+        vocab,
+        special_token_ids(model_dir, vocab, args.random_weights),
+        args.seed,
+    )
+    naive_prompts, checked = prompts[: args.naive_requests], prompts[: args.check_requests]
+    engine_config = _engine_config(args)
+    # hf_cb gets the engine's per-step token budget: same prefill chunking for both batchers.
+    budget = engine_config.max_num_batched_tokens
+
+    naive = NaiveGenerate(hf_model, args.new_tokens)
+    hf_cb = HfContinuousBatching(hf_model, args.requests, args.prompt_tokens, args.new_tokens, budget)
+    contestants: dict[str, Run] = {
+        "naive": lambda: naive.run(naive_prompts),
+        "hf_cb": lambda: hf_cb.run(prompts),
+    }
+    engine, engine_logs = None, list[list[tuple[int, int]]]()
+    if not args.skip_engine:
+        from services.worker.engine.engine import LLMEngine
+        from services.worker.engine.params import SamplingParams
+
+        engine = LLMEngine.from_model_dir(model_dir, config=engine_config, device=args.device, dtype=dtype)
+        params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+        contestants["engine"] = _engine_run(engine, prompts, params, engine_logs)
+
+    print(f"bench.engine: greedy reference on {len(checked)} requests", file=sys.stderr, flush=True)
+    reference = naive.reference(checked, args.reference_batch)
+    print("bench.engine: warm-up and parity check of every contestant", file=sys.stderr, flush=True)
+    parity = {name: check_parity(run()[0], reference, args.tie_gap) for name, run in contestants.items()}
+
+    # The ceiling replays the warm-up's engine schedule, and takes its turn in every round.
+    schedule = (
+        engine_logs[0]
+        if engine is not None
+        else nominal_step_log(args.requests, args.prompt_tokens, args.new_tokens, budget)
+    )
+    ceiling_model = engine.runner.model if engine is not None else hf_model
+    ceilings: list[CeilingResult] = []
+
+    def run_ceiling() -> tuple[list[list[int]], float]:
+        ceilings.append(linear_ceiling(ceiling_model, schedule, args.ceiling_reps))
+        return [], ceilings[-1].seconds
+
+    results = _rounds({**contestants, "ceiling": run_ceiling}, args.runs)
+    for name in contestants:
+        for outputs, _ in results[name]:
+            parity[name].merge(check_parity(outputs, reference, args.tie_gap))
+    async_result = None
+    if engine is not None and not args.no_asyncio:
+        async_result = measure_async(engine, prompts, params)
+        parity["engine_asyncio"] = check_parity(async_result.pop("outputs"), reference, args.tie_gap)
+    hf_cb.close()
+
+    generated = {name: len(prompts) * args.new_tokens for name in results}
+    generated["naive"] = len(naive_prompts) * args.new_tokens
+    record = rates_record(
+        {name: [generated[name] / seconds for _, seconds in runs] for name, runs in results.items()}
+    )
+    parity_ok = all(report.ok for report in parity.values())
+    record.update(
+        {
+            "valid": parity_ok and not args.smoke,
+            "smoke": args.smoke,
+            "ceiling_schedule": "engine step log" if engine is not None else "nominal (no engine)",
+            "ceiling_weights": "engine model (fused qkv, gate_up)" if engine is not None else "transformers",
+            "ceiling_layer_seconds_by_m": ceilings[-1].layer_seconds_by_m,
+            "ceiling_lm_head_seconds_by_m": ceilings[-1].lm_head_seconds_by_m,
+            "engine_steps": len(schedule) if engine is not None else 0,
+            "engine_step_log": [list(step) for step in schedule] if engine is not None else [],
+            "engine_schedule_stable": all(log == schedule for log in engine_logs),
+            "engine_asyncio": async_result,
+            "hf_cb_all_admitted_at_once": hf_cb.all_admitted_at_once,
+            "parity": {
+                "rule": "tests/parity.py: identical greedy tokens, or a first divergence at a reference "
+                "top-2 gap under the tie gap where ours is the runner-up",
+                "tie_gap": args.tie_gap,
+                "reference": f"transformers generate (greedy, use_cache, EOS an ordinary token) on "
+                f"{len(checked)} requests, {args.reference_batch} equal-length prompts per call",
+                "random_weights": bool(args.random_weights),
+                "ok": parity_ok,
+                **{name: report.as_dict() for name, report in parity.items()},
+            },
+            "machine": {**machine, "load_average_at_end": list(os.getloadavg())},
+            "config": {
+                **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                "model_dir": str(model_dir) if not args.random_weights else f"random {args.random_weights}",
+                "engine_config": None if args.skip_engine else engine_config.model_dump(),
+                "hf_cb_config": hf_cb.describe(),
+            },
+        }
+    )
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="strata-bench-") as scratch:
+        record = run_benchmark(args, Path(scratch))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(record, indent=2) + "\n")
+    print(format_table(record))
+    print(f"wrote {args.json}")
+    if not record["parity"]["ok"]:
+        print(
+            "bench.engine: PARITY FAILED: these times do not count (see parity in the JSON)", file=sys.stderr
+        )
+        return 1
+    if record["smoke"]:
+        print("bench.engine: --smoke run: not a valid result", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

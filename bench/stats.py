@@ -1,0 +1,217 @@
+"""Benchmark bookkeeping: seeded prompts, run statistics and the table, the machine record, parity.
+
+These are the pieces every benchmark shares so that all of them follow the rules in bench/README.md
+the same way. This module must not load models or time anything itself; it only describes,
+summarizes and compares what the contestants produced.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import random
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# tests/parity.py's TIE_GAP (a unit test keeps the two equal; bench must not import tests).
+PARITY_TOP2_GAP = 1e-3
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    """The median and the min-max of one contestant's repeated measurements."""
+
+    median: float
+    low: float
+    high: float
+    values: tuple[float, ...]
+
+
+def summarize(values: list[float]) -> Spread:
+    if not values:
+        raise ValueError("summarize needs at least one measurement")
+    return Spread(statistics.median(values), min(values), max(values), tuple(values))
+
+
+RATIOS = (
+    ("engine", "hf_cb"),
+    ("engine", "ceiling"),
+    ("engine", "naive"),
+    ("hf_cb", "naive"),
+    ("hf_cb", "ceiling"),
+)
+
+
+def rates_record(rates: dict[str, list[float]]) -> dict[str, Any]:
+    """`<name>_tok_s` (median), `<name>_spread` [min, max], `<name>_runs_tok_s`, and the ratios."""
+    record: dict[str, Any] = {}
+    for name, values in rates.items():
+        spread = summarize(values)
+        record[f"{name}_tok_s"] = spread.median
+        record[f"{name}_spread"] = [spread.low, spread.high]
+        record[f"{name}_runs_tok_s"] = list(spread.values)
+    for name, base in RATIOS:
+        if name in rates and base in rates:
+            record[f"{name}_vs_{base}"] = record[f"{name}_tok_s"] / record[f"{base}_tok_s"]
+    return record
+
+
+def format_table(record: dict[str, Any]) -> str:
+    """Contestant, tok/s median, spread, ratio to hf_cb, fraction of the ceiling."""
+    names = [n for n in ("naive", "hf_cb", "engine", "ceiling") if f"{n}_tok_s" in record]
+    hf, ceiling = record.get("hf_cb_tok_s"), record.get("ceiling_tok_s")
+    lines = [f"{'contestant':<10} {'tok/s':>10} {'spread (min-max)':>22} {'vs hf_cb':>9} {'vs ceiling':>11}"]
+    for name in names:
+        median = record[f"{name}_tok_s"]
+        low, high = record[f"{name}_spread"]
+        vs_hf = f"{median / hf:.2f}x" if hf else "-"
+        vs_ceiling = f"{median / ceiling:.1%}" if ceiling else "-"
+        lines.append(f"{name:<10} {median:>10.1f} {f'{low:.1f}-{high:.1f}':>22} {vs_hf:>9} {vs_ceiling:>11}")
+    return "\n".join(lines)
+
+
+def make_prompts(count: int, length: int, vocab_size: int, excluded: set[int], seed: int) -> list[list[int]]:
+    """`count` prompts of `length` random token ids, none of them special, the same for every seed."""
+    allowed = [t for t in range(vocab_size) if t not in excluded]
+    if not allowed:
+        raise ValueError(f"every id of the {vocab_size}-token vocabulary is excluded")
+    rng = random.Random(seed)
+    return [[rng.choice(allowed) for _ in range(length)] for _ in range(count)]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _physical_cores() -> int | None:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    cores: set[tuple[str, str]] = set()
+    physical = core = ""
+    for line in text.splitlines():
+        if line.startswith("physical id"):
+            physical = line.split(":", 1)[1].strip()
+        elif line.startswith("core id"):
+            core = line.split(":", 1)[1].strip()
+            cores.add((physical, core))
+    return len(cores) or None
+
+
+def describe_machine(device: str) -> dict[str, Any]:
+    """What an absolute time needs next to it: CPU, cores, threads, versions, date, load, GPU."""
+    import transformers
+
+    info: dict[str, Any] = {
+        "cpu_model": _cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)),
+        "physical_cores": _physical_cores(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        # Other tenants of a shared machine show up here; a high load explains a wide spread.
+        "load_average_at_start": list(os.getloadavg()),
+        "device": device,
+    }
+    if device == "cuda" and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+# Reference logits kept per position: enough to see an n-way tie, small enough for long runs.
+REFERENCE_TOP_K = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Reference:
+    """The reference's greedy tokens and, per position, its top-k token ids and logits (descending)."""
+
+    tokens: list[list[int]]
+    top_ids: list[list[list[int]]]
+    top_logits: list[list[list[float]]]
+
+
+@dataclass(slots=True)
+class ParityReport:
+    """How one contestant's outputs compare to the reference, request by request."""
+
+    checked: int = 0
+    identical: int = 0
+    tie_divergences: int = 0
+    failures: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.checked > 0 and not self.failures
+
+    def merge(self, other: ParityReport) -> None:
+        self.checked += other.checked
+        self.identical += other.identical
+        self.tie_divergences += other.tie_divergences
+        self.failures.extend(other.failures)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["ok"] = self.ok
+        out["failures"] = self.failures[:5]
+        out["num_failures"] = len(self.failures)
+        return out
+
+
+def check_parity(
+    outputs: list[list[int]], reference: Reference, tolerance: float = PARITY_TOP2_GAP
+) -> ParityReport:
+    """Apply the parity rule of tests/parity.py to the first len(reference.tokens) outputs.
+
+    Identical greedy tokens pass; so does a run that first diverges where our pick's reference logit
+    is within `tolerance` of the reference's top logit (for two candidates: the top-2 gap is under
+    `tolerance` and ours is the runner-up; the top-k also covers exact n-way ties, which bfloat16
+    logits have). The tokens after such a divergence continue a different text and are not
+    compared. This is `assert_greedy_parity` reduced to what a benchmark can keep for many long
+    requests (the reference's top-k per position, not its full logits), reporting instead of raising.
+    """
+    report = ParityReport()
+    for index, (ours, ref) in enumerate(zip(outputs, reference.tokens, strict=False)):
+        report.checked += 1
+        if len(ours) != len(ref):
+            report.failures.append(
+                {"request": index, "reason": f"made {len(ours)} tokens, the reference {len(ref)}"}
+            )
+            continue
+        position = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=True)) if a != b), None)
+        if position is None:
+            report.identical += 1
+            continue
+        ids, logits = reference.top_ids[index][position], reference.top_logits[index][position]
+        ours_logit = logits[ids.index(ours[position])] if ours[position] in ids else None
+        if ours_logit is not None and logits[0] - ours_logit < tolerance:
+            report.tie_divergences += 1
+            continue
+        report.failures.append(
+            {
+                "request": index,
+                "position": position,
+                "ours": ours[position],
+                "reference": ref[position],
+                "reference_top_ids": ids[:3],
+                "reference_top_logits": logits[:3],
+                "ours_below_top": None if ours_logit is None else logits[0] - ours_logit,
+            }
+        )
+    return report
