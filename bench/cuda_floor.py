@@ -15,13 +15,16 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoModelForCausalLM, StaticCache
 
 from bench.baselines import build_random_model
 from bench.stats import describe_machine
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 def _step(model: Any, ids: torch.Tensor, cache: StaticCache, position: torch.Tensor) -> torch.Tensor:
@@ -39,7 +42,8 @@ def _step(model: Any, ids: torch.Tensor, cache: StaticCache, position: torch.Ten
 def measure_floor(
     model_dir: Path, batch: int, context: int, device: str, dtype: torch.dtype, reps: int
 ) -> dict[str, Any]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = model.to(device).eval()
     cache = StaticCache(config=model.config, max_cache_len=context + 8)
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -48,7 +52,7 @@ def measure_floor(
         model(input_ids=prompt, past_key_values=cache, cache_position=torch.arange(context, device=device))
         ids = torch.randint(0, vocab, (batch, 1), generator=gen).to(device)
         position = torch.tensor([context], device=device)
-        replay = lambda: _step(model, ids, cache, position)  # noqa: E731
+        replay: Callable[[], object] = lambda: _step(model, ids, cache, position)  # noqa: E731
         graphed = device == "cuda"
         if graphed:
             stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
