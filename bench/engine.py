@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -171,13 +172,27 @@ def _rounds(contestants: dict[str, Run], runs: int) -> dict[str, list[tuple[list
     return results
 
 
-def _engine_run(engine: Any, prompts: list[list[int]], params: Any, logs: list[list[tuple[int, int]]]) -> Run:
+def _engine_run(
+    engine: Any,
+    prompts: list[list[int]],
+    params: Any,
+    logs: list[list[tuple[int, int]]],
+    full_decode_rates: list[float],
+) -> Run:
     def run() -> tuple[list[list[int]], float]:
         engine.reset_step_log()
         started = time.perf_counter()
         outputs: list[list[int]] = engine.generate(prompts, params)
         elapsed = time.perf_counter() - started
         logs.append(list(engine.step_log))
+        # Steady state: the steps where every request decodes (the GPU floor's workload).
+        full = [
+            seconds
+            for (tokens, logits), seconds in zip(engine.step_log, engine.step_seconds, strict=True)
+            if tokens == logits == len(prompts)
+        ]
+        if full:
+            full_decode_rates.append(len(prompts) * len(full) / sum(full))
         return outputs, elapsed
 
     return run
@@ -214,13 +229,14 @@ def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         "hf_cb": lambda: hf_cb.run(prompts),
     }
     engine, engine_logs = None, list[list[tuple[int, int]]]()
+    full_decode_rates: list[float] = []
     if not args.skip_engine:
         from services.worker.engine.engine import LLMEngine
         from services.worker.engine.params import SamplingParams
 
         engine = LLMEngine.from_model_dir(model_dir, config=engine_config, device=args.device, dtype=dtype)
         params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-        contestants["engine"] = _engine_run(engine, prompts, params, engine_logs)
+        contestants["engine"] = _engine_run(engine, prompts, params, engine_logs, full_decode_rates)
 
     print(f"bench.engine: greedy reference on {len(checked)} requests", file=sys.stderr, flush=True)
     reference = naive.reference(checked, args.reference_batch)
@@ -265,6 +281,9 @@ def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
             "ceiling_layer_seconds_by_m": ceilings[-1].layer_seconds_by_m,
             "ceiling_lm_head_seconds_by_m": ceilings[-1].lm_head_seconds_by_m,
             "engine_steps": len(schedule) if engine is not None else 0,
+            "engine_full_batch_decode_tok_s": (
+                statistics.median(full_decode_rates) if full_decode_rates else None
+            ),
             "engine_step_log": [list(step) for step in schedule] if engine is not None else [],
             "engine_schedule_stable": all(log == schedule for log in engine_logs),
             "engine_asyncio": async_result,

@@ -75,7 +75,9 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         self.faults = FaultInjector(config.enable_fault_injection)
+        # Per step: (tokens computed, tokens sampled) and the step's seconds; benchmarks read them.
         self.step_log: list[tuple[int, int]] = []
+        self.step_seconds: list[float] = []
         self._arrivals = 0
         self._failed_steps = 0
         self._last_step_ms = 0.0
@@ -137,7 +139,9 @@ class LLMEngine:
             return self._shed_load(exc)
         self._failed_steps = 0
         outputs = self.scheduler.postprocess(batch, sampled)
-        self._last_step_ms = (time.perf_counter() - started) * 1000.0
+        elapsed = time.perf_counter() - started
+        self._last_step_ms = elapsed * 1000.0
+        self.step_seconds.append(elapsed)
         self._last_batch_size = len(batch.entries)
         self._last_batch_tokens = batch.num_batched_tokens
         self.step_log.append((batch.num_batched_tokens, sum(1 for e in batch.entries if e.sample)))
@@ -174,6 +178,7 @@ class LLMEngine:
 
     def reset_step_log(self) -> None:
         self.step_log = []
+        self.step_seconds = []
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
