@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, StaticCache
 
 from bench.baselines import build_random_model
-from bench.stats import describe_machine
+from bench.stats import describe_machine, save_record
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -105,9 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         record = measure_floor(model_dir, args.batch, args.context, args.device, dtype, args.reps)
     record.update(arch=args.random_weights, dtype=args.dtype, machine=describe_machine(args.device))
     print(json.dumps(record, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
+    save_record(record, args.json)
     return 0
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import math
 import os
@@ -43,6 +42,7 @@ from bench.stats import (
     format_table,
     make_prompts,
     rates_record,
+    save_record,
 )
 
 # bfloat16 logits of magnitude 16-32 are spaced 0.125 apart: two correct bf16 programs disagree by
@@ -314,8 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="strata-bench-") as scratch:
         record = run_benchmark(args, Path(scratch))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(record, indent=2) + "\n")
+    save_record(record, args.json)
     print(format_table(record))
     print(f"wrote {args.json}")
     if not record["parity"]["ok"]:

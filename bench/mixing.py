@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from bench.baselines import special_token_ids
-from bench.stats import describe_machine, make_prompts, summarize
+from bench.stats import describe_machine, make_prompts, save_record, summarize
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.params import SamplingParams
@@ -109,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode, results in runs.items():
         record[mode] = {key: asdict(summarize([r[key] for r in results])) for key in results[0]}
     print(json.dumps({mode: record[mode] for mode in engines}, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
+    save_record(record, args.json)
     return 0
 
 

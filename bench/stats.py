@@ -8,6 +8,7 @@ summarizes and compares what the contestants produced.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import random
@@ -215,3 +216,11 @@ def check_parity(
             }
         )
     return report
+
+
+def save_record(record: dict[str, Any], path: Path | None) -> None:
+    """Write a benchmark's JSON record (bench/results/ by convention); nothing when path is None."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
