@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,7 +20,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.faults import FaultInjector, SimulatedOutOfMemoryError
 from services.worker.engine.model_runner import ModelRunner, blocks_for_budget
 from services.worker.engine.params import InvalidRequestError, SamplingParams
-from services.worker.engine.scheduler import Scheduler
+from services.worker.engine.scheduler import Scheduler, SchedulerStats
 from services.worker.engine.sequence import FinishReason, Sequence, StepOutput
 from services.worker.model.loader import load_model
 
@@ -37,21 +37,12 @@ MAX_FAILED_STEPS_ALONE = 3
 
 
 @dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot of the engine, safe to hand to another thread."""
+class EngineStats(SchedulerStats):
+    """The scheduler's snapshot plus the last step's shape and time; safe to hand to another thread."""
 
-    num_running: int
-    num_waiting: int
-    free_kv_tokens: int
-    total_kv_tokens: int
-    kv_cache_usage: float
-    steps: int
     last_step_ms: float
     last_batch_size: int
     last_batch_tokens: int
-    num_preemptions: int
-    num_load_sheds: int
-    max_num_seqs: int
 
 
 class LLMEngine:
@@ -199,18 +190,9 @@ class LLMEngine:
         return [outputs[rid] for rid in ids]
 
     def stats(self) -> EngineStats:
-        s = self.scheduler.stats
         return EngineStats(
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            free_kv_tokens=s.free_tokens,
-            total_kv_tokens=s.num_blocks * self.block_manager.block_size,
-            kv_cache_usage=s.kv_cache_usage,
-            steps=s.num_steps,
+            **asdict(self.scheduler.stats),
             last_step_ms=self._last_step_ms,
             last_batch_size=self._last_batch_size,
             last_batch_tokens=self._last_batch_tokens,
-            num_preemptions=s.num_preemptions,
-            num_load_sheds=s.num_load_sheds,
-            max_num_seqs=s.effective_max_num_seqs,
         )

@@ -44,7 +44,8 @@ class SchedulerStats:
     num_waiting: int
     num_blocks: int
     num_free_blocks: int
-    free_tokens: int
+    free_kv_tokens: int
+    total_kv_tokens: int
     kv_cache_usage: float
     num_steps: int
     num_preemptions: int
@@ -167,7 +168,8 @@ class Scheduler:
             num_waiting=len(self._waiting),
             num_blocks=bm.num_blocks,
             num_free_blocks=bm.num_free_blocks,
-            free_tokens=bm.free_tokens,
+            free_kv_tokens=bm.free_tokens,
+            total_kv_tokens=bm.num_blocks * bm.block_size,
             kv_cache_usage=bm.usage,
             num_steps=self._num_steps,
             num_preemptions=self._num_preemptions,
