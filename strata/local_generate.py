@@ -40,7 +40,7 @@ async def _stream(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
     prompt_ids: list[int] = tokenizer.encode(prompt, add_special_tokens=False)
-    engine = AsyncEngine(LLMEngine.from_model_dir(model_dir))
+    engine = AsyncEngine(lambda: LLMEngine.from_model_dir(model_dir))
     await engine.start()
     try:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.params import InvalidRequestError, SamplingParams
 from services.worker.engine.sequence import FinishReason
+from services.worker.model.loader import ModelLoadError
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -20,7 +22,8 @@ if TYPE_CHECKING:
 
 def _engine(model_dir: Path, **overrides: object) -> AsyncEngine:
     settings: dict[str, object] = {"num_blocks": 128, "block_size": 8, **overrides}
-    return AsyncEngine(LLMEngine.from_model_dir(model_dir, EngineConfig.model_validate(settings)))
+    config = EngineConfig.model_validate(settings)
+    return AsyncEngine(lambda: LLMEngine.from_model_dir(model_dir, config))
 
 
 async def _collect(stream: object) -> tuple[list[int], FinishReason | None]:
@@ -56,8 +59,8 @@ def test_concurrent_streams_match_the_synchronous_engine(tiny_llama_dir: Path) -
 def test_abort_frees_blocks_by_the_next_step(tiny_llama_dir: Path) -> None:
     async def main() -> None:
         engine = _engine(tiny_llama_dir, enable_fault_injection=True)
-        total = engine.engine.stats().total_kv_tokens
         await engine.start()
+        total = engine.stats().total_kv_tokens
         try:
             engine.engine.faults.set_step_delay(0.02)
             stream = engine.submit("long", [7] * 40, SamplingParams(max_new_tokens=200))
@@ -112,6 +115,33 @@ def test_bad_input_and_duplicate_ids_are_refused_at_submit(tiny_llama_dir: Path)
             await engine.stop()
         with pytest.raises(EngineDeadError):
             engine.submit("late", [1, 2], SamplingParams())
+
+    asyncio.run(main())
+
+
+def test_the_engine_is_built_on_the_step_thread_and_build_errors_reach_start(tiny_llama_dir: Path) -> None:
+    built_on: list[str] = []
+
+    def build() -> LLMEngine:
+        built_on.append(threading.current_thread().name)
+        return LLMEngine.from_model_dir(tiny_llama_dir, EngineConfig(num_blocks=16, block_size=8))
+
+    def broken() -> LLMEngine:
+        return LLMEngine.from_model_dir(tiny_llama_dir / "missing", EngineConfig())
+
+    async def main() -> None:
+        engine = AsyncEngine(build)
+        with pytest.raises(EngineDeadError, match="not built yet"):
+            engine.stats()
+        await engine.start()
+        assert built_on == ["strata-engine"]
+        assert engine.stats().num_running == 0
+        await engine.stop()
+        failing = AsyncEngine(broken)
+        with pytest.raises(ModelLoadError):
+            await failing.start()
+        with pytest.raises(EngineDeadError):
+            failing.submit("r", [1, 2], SamplingParams())
 
     asyncio.run(main())
 
