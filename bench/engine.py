@@ -37,10 +37,13 @@ from bench.baselines import (
 from bench.ceiling import CeilingResult, linear_ceiling, nominal_step_log
 from bench.stats import (
     PARITY_TOP2_GAP,
+    add_workload_arguments,
     check_parity,
     describe_machine,
     format_table,
+    lag_summary,
     make_prompts,
+    probe_event_loop,
     rates_record,
     save_record,
 )
@@ -48,19 +51,13 @@ from bench.stats import (
 # bfloat16 logits of magnitude 16-32 are spaced 0.125 apart: two correct bf16 programs disagree by
 # a few such steps, so a bf16 tie is anything within 0.5 of the top.
 BF16_TIE_GAP = 0.5
-DEFAULT_MODEL = Path("models/SmolLM2-135M-Instruct")
 Run = Callable[[], tuple[list[list[int]], float]]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split("\n")[0])
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--json", type=Path, required=True, help="where to write the JSON record")
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    add_workload_arguments(p)
     p.add_argument("--random-weights", choices=sorted(RANDOM_ARCHS), help="build a random-weight model")
-    p.add_argument("--runs", type=int, default=3, help="timed runs per contestant (>= 3)")
     p.add_argument("--naive-requests", type=int, default=4, help="requests the naive rate is taken on")
     p.add_argument("--check-requests", type=int, help="requests checked against the reference (all)")
     p.add_argument(
@@ -123,18 +120,11 @@ def _resolve_model(args: argparse.Namespace, scratch: Path) -> Path:
 async def _async_run(engine: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
     from services.worker.engine.async_engine import AsyncEngine
 
-    async def probe(stop: asyncio.Event, lags: list[float]) -> None:
-        # How late a 1 ms timer fires is how long the loop waited for the GIL (or anything else).
-        while not stop.is_set():
-            started = time.perf_counter()
-            await asyncio.sleep(0.001)
-            lags.append(time.perf_counter() - started - 0.001)
-
     async def consume(stream: Any) -> list[int]:
         return [token async for out in stream for token in out.new_token_ids]
 
     idle_stop, idle_lags = asyncio.Event(), list[float]()
-    idle = asyncio.create_task(probe(idle_stop, idle_lags))
+    idle = asyncio.create_task(probe_event_loop(idle_stop, idle_lags))
     await asyncio.sleep(0.2)
     idle_stop.set()
     await idle
@@ -143,7 +133,7 @@ async def _async_run(engine: Any, prompts: list[list[int]], params: Any) -> dict
     facade = AsyncEngine(lambda: engine)
     await facade.start()
     stop, lags = asyncio.Event(), list[float]()
-    ticker = asyncio.create_task(probe(stop, lags))
+    ticker = asyncio.create_task(probe_event_loop(stop, lags))
     started = time.perf_counter()
     streams = [facade.submit(f"bench-{i}", p, params) for i, p in enumerate(prompts)]
     outputs = await asyncio.gather(*(consume(s) for s in streams))
@@ -151,14 +141,11 @@ async def _async_run(engine: Any, prompts: list[list[int]], params: Any) -> dict
     stop.set()
     await ticker
     await facade.stop()
-    lags.sort()
     return {
         "outputs": list(outputs),
         "tok_s": sum(len(o) for o in outputs) / elapsed,
-        "loop_lag_ms_p50": 1000 * lags[len(lags) // 2],
-        "loop_lag_ms_p99": 1000 * lags[min(len(lags) - 1, int(len(lags) * 0.99))],
-        "loop_lag_ms_max": 1000 * lags[-1],
-        "loop_lag_ms_idle_p50": 1000 * sorted(idle_lags)[len(idle_lags) // 2],
+        **lag_summary(lags),
+        "loop_lag_ms_idle_p50": lag_summary(idle_lags)["loop_lag_ms_p50"],
         "probe_ticks": len(lags),
     }
 
@@ -325,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         record = run_benchmark(args, Path(scratch))
     save_record(record, args.json)
     print(format_table(record))
-    print(f"wrote {args.json}")
+    if args.json is not None:
+        print(f"wrote {args.json}")
     if not record["parity"]["ok"]:
         print(
             "bench.engine: PARITY FAILED: these times do not count (see parity in the JSON)", file=sys.stderr

@@ -18,12 +18,17 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
-from bench.stats import describe_machine, make_prompts, save_record, summarize
-
-TICK_S = 0.001
+from bench.stats import (
+    add_workload_arguments,
+    describe_machine,
+    lag_summary,
+    make_prompts,
+    probe_event_loop,
+    save_record,
+    summarize,
+)
 
 
 def _workload(args: argparse.Namespace) -> tuple[Any, list[list[int]], Any]:
@@ -66,40 +71,22 @@ async def _facade_run(args: argparse.Namespace) -> dict[str, float]:
     await asyncio.gather(*(consume(f"warm-{i}", p, warm) for i, p in enumerate(prompts[:4])))
     lags: list[float] = []
     done = asyncio.Event()
-
-    async def probe() -> None:
-        while not done.is_set():
-            before = time.perf_counter()
-            await asyncio.sleep(TICK_S)
-            lags.append(time.perf_counter() - before - TICK_S)
-
-    ticker = asyncio.create_task(probe())
+    ticker = asyncio.create_task(probe_event_loop(done, lags))
     started = time.perf_counter()
     counts = await asyncio.gather(*(consume(f"r{i}", p, params) for i, p in enumerate(prompts)))
     elapsed = time.perf_counter() - started
     done.set()
     await ticker
     await facade.stop()
-    lags.sort()
-    return {
-        "tok_s": sum(counts) / elapsed,
-        "loop_lag_ms_p50": lags[len(lags) // 2] * 1000,
-        "loop_lag_ms_p99": lags[int(0.99 * (len(lags) - 1))] * 1000,
-        "loop_lag_ms_max": lags[-1] * 1000,
-    }
+    return {"tok_s": sum(counts) / elapsed, **lag_summary(lags)}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", type=Path, default=Path("models/SmolLM2-135M-Instruct"))
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    add_workload_arguments(parser)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--json", type=Path)
     parser.add_argument("--one", choices=["sync", "facade"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one == "sync":

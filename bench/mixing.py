@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from bench.baselines import special_token_ids
-from bench.stats import describe_machine, make_prompts, save_record, summarize
+from bench.stats import add_workload_arguments, describe_machine, make_prompts, save_record, summarize
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.params import SamplingParams
@@ -69,14 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", type=Path, default=Path("models/SmolLM2-135M-Instruct"))
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    add_workload_arguments(parser)
     parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig().max_num_batched_tokens)
-    parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)

@@ -7,20 +7,26 @@ summarizes and compares what the contestants produced.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import json
 import os
 import platform
 import random
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    import argparse
+
 # tests/parity.py's TIE_GAP (a unit test keeps the two equal; bench must not import tests).
 PARITY_TOP2_GAP = 1e-3
+DEFAULT_MODEL = Path("models/SmolLM2-135M-Instruct")
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,3 +229,34 @@ def save_record(record: dict[str, Any], path: Path | None) -> None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+async def probe_event_loop(stop: asyncio.Event, lags: list[float], tick_s: float = 0.001) -> None:
+    """Sleep `tick_s` again and again until `stop` is set, recording how late each wake-up came.
+
+    How late a timer fires is how long the loop waited for the GIL (or anything else) meanwhile.
+    """
+    while not stop.is_set():
+        started = time.perf_counter()
+        await asyncio.sleep(tick_s)
+        lags.append(time.perf_counter() - started - tick_s)
+
+
+def lag_summary(lags: list[float]) -> dict[str, float]:
+    """p50, p99 and max of a probe's lags, in milliseconds."""
+    ordered = sorted(lags)
+    return {
+        "loop_lag_ms_p50": 1000 * ordered[len(ordered) // 2],
+        "loop_lag_ms_p99": 1000 * ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))],
+        "loop_lag_ms_max": 1000 * ordered[-1],
+    }
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every engine benchmark shares: the model and the workload's shape."""
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3, help="timed runs per contestant (>= 3)")
+    parser.add_argument("--json", type=Path, help="where to write the JSON record")
