@@ -135,7 +135,7 @@ class LLMEngine:
         self.step_seconds.append(elapsed)
         self._last_batch_size = len(batch.entries)
         self._last_batch_tokens = batch.num_batched_tokens
-        self.step_log.append((batch.num_batched_tokens, sum(1 for e in batch.entries if e.sample)))
+        self.step_log.append((batch.num_batched_tokens, batch.num_samples))
         return outputs
 
     def _shed_load(self, exc: BaseException) -> list[StepOutput]:
