@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model test test-fast lint bench run clean
+.PHONY: setup model protos test test-fast lint bench run clean
 
 setup: $(STAMP)
 
@@ -35,7 +35,12 @@ test: setup model
 test-fast: setup
 	$(BIN)/python -m pytest -m "not real_model and not slow" $(PYTEST_ARGS)
 
+# Regenerate strata/v1/ from protos/ (commit the result; `make lint` fails when it is stale).
+protos: setup
+	scripts/gen_protos.sh
+
 lint: setup
+	scripts/check_protos.sh
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy strata services gateway bench tests
