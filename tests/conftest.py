@@ -107,3 +107,14 @@ def real_model_dir() -> Path:
     from strata.model_fetch import ensure_default_model
 
     return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_serving_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama plus a tiny byte-level tokenizer with a chat template: a servable model folder."""
+    from tests.tiny_tokenizer import write_tiny_tokenizer
+
+    directory = build_tiny_model(
+        tmp_path_factory.mktemp("tiny-serving"), "llama", seed=4, tie_word_embeddings=True
+    )
+    return write_tiny_tokenizer(directory)

@@ -122,7 +122,7 @@ def test_config_defaults_and_errors_name_the_fix() -> None:
         EngineConfig.model_validate({"blok_size": 16})
     with pytest.raises(
         pydantic.ValidationError,
-        match=r"block_size=0 is invalid: must be a power of two.*STRATA_ENGINE_BLOCK_SIZE",
+        match=r"block_size=0 is invalid: must be a power of two.*STRATA_WORKER_ENGINE__BLOCK_SIZE",
     ):
         EngineConfig(block_size=0)
     with pytest.raises(pydantic.ValidationError, match="block_size=24"):

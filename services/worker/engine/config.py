@@ -10,7 +10,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 # Where an operator overrides engine settings; the worker's settings model maps these onto the fields.
-ENV_PREFIX = "STRATA_ENGINE_"
+ENV_PREFIX = "STRATA_WORKER_ENGINE__"
 
 
 def _invalid(name: str, value: object, rule: str, example: str) -> ValueError:

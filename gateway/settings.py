@@ -1,0 +1,86 @@
+"""Settings of the gateway: where it listens, the tokenizer service, routes to workers, request limits.
+
+Read once at start through strata.settings (YAML section `gateway`, then STRATA_GATEWAY_* variables;
+routes as JSON in STRATA_GATEWAY_ROUTES). This module must not open connections.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from strata.rpc import MIB
+from strata.settings import ServiceSettings
+
+
+class RouteSettings(BaseModel):
+    """One model name and the workers that serve it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str
+    """The model name clients ask for (and the tokenizer service knows)."""
+    workers: tuple[str, ...]
+    """host:port of each worker serving this model."""
+
+    @field_validator("workers")
+    @classmethod
+    def _some_workers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("must list at least one worker address, e.g. [127.0.0.1:50053]")
+        return value
+
+
+class GatewaySettings(ServiceSettings):
+    """The gateway's settings."""
+
+    model_config = SettingsConfigDict(env_prefix="STRATA_GATEWAY_")
+    section: ClassVar[str] = "gateway"
+
+    listen: str = "127.0.0.1:50051"
+    """host:port clients call; port 0 takes a free one (announced with --announce-file)."""
+    name: str = "gateway"
+    """This gateway's name in workers' logs."""
+    tokenizer_address: str
+    """host:port of the tokenizer service (strata up fills it in)."""
+    routes: tuple[RouteSettings, ...]
+    """Model routes (strata up fills them in from the workers it starts)."""
+    default_model: str = ""
+    """The model an empty GenerateRequest.model selects; empty is the first route."""
+    default_max_new_tokens: int = 64
+    """max_new_tokens when a request leaves it 0."""
+    max_message_bytes: int = 1 * MIB
+    """Largest client request; a bigger one is refused with RESOURCE_EXHAUSTED."""
+    max_stop_strings: int = 8
+    """Most stop strings per request."""
+    max_stop_string_bytes: int = 64
+    """Longest stop string, in UTF-8 bytes."""
+    max_request_id_chars: int = 128
+    """Longest caller-chosen request id."""
+    tokenize_batch_window_ms: float = 2.0
+    """How long the first arrival waits for others to share its Tokenize call."""
+    max_tokenize_batch: int = 64
+    """Most prompts in one Tokenize call."""
+    connect_timeout_s: float = 120.0
+    """How long to wait at start for the tokenizer and each worker to be ready."""
+
+    @model_validator(mode="after")
+    def _check(self) -> GatewaySettings:
+        names = [route.model for route in self.routes]
+        if not names:
+            raise ValueError("routes must name at least one model and its workers")
+        if len(set(names)) != len(names):
+            raise ValueError(f"routes name a model twice: {names}; merge their worker lists")
+        if self.default_model and self.default_model not in names:
+            raise ValueError(f"default_model={self.default_model!r} is not among the routes {names}")
+        if self.default_max_new_tokens < 1:
+            raise ValueError(f"default_max_new_tokens={self.default_max_new_tokens} must be >= 1, e.g. 64")
+        if self.tokenize_batch_window_ms < 0:
+            raise ValueError(f"tokenize_batch_window_ms={self.tokenize_batch_window_ms} must be >= 0, e.g. 2")
+        return self
+
+    @property
+    def default_route(self) -> str:
+        return self.default_model or self.routes[0].model

@@ -1,0 +1,62 @@
+"""Settings of one model worker: its model folder, device, engine and stream limits.
+
+Read once at start through strata.settings (one entry of the YAML list `workers`, then STRATA_WORKER_*
+variables; engine fields as STRATA_WORKER_ENGINE__<FIELD>). This module must not import torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from services.worker.engine.config import EngineConfig
+from strata.rpc import MIB
+from strata.settings import ServiceSettings
+
+
+class WorkerSettings(ServiceSettings):
+    """One worker's settings."""
+
+    model_config = SettingsConfigDict(env_prefix="STRATA_WORKER_")
+    section: ClassVar[str] = "workers"
+    path_fields: ClassVar[tuple[str, ...]] = ("model_path",)
+
+    listen: str = "127.0.0.1:0"
+    """host:port to serve on; port 0 takes a free one (announced with --announce-file)."""
+    model_name: str
+    """The name gateways route by; must match the tokenizer service's name for the same folder."""
+    model_path: Path
+    """The model folder (config.json, safetensors, tokenizer files)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: cuda when torch sees one, else cpu."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """auto: float32 on cpu, bfloat16 on cuda."""
+    quantization: Literal["none", "int8", "nf4"] = "none"
+    """bitsandbytes weights for the decoder's linear layers."""
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    """The continuous-batching engine's settings."""
+    max_requests: int | None = None
+    """Credits: requests held at most (running plus waiting); None is twice engine.max_num_seqs."""
+    max_message_bytes: int = 16 * MIB
+    """Largest message on the worker's streams."""
+    max_submissions_per_message: int = 1024
+    """Most submissions in one ConnectRequest."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM, how long running requests may take to finish before they are aborted."""
+    threads: int | None = None
+    """torch CPU threads; None keeps torch's default (one per core)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> WorkerSettings:
+        if self.max_requests is not None and self.max_requests < 1:
+            raise ValueError(f"max_requests={self.max_requests} must be >= 1 (or unset for 2 x max_num_seqs)")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s={self.drain_timeout_s} must be >= 0, e.g. 30")
+        return self
+
+    @property
+    def credit_limit(self) -> int:
+        return self.max_requests if self.max_requests is not None else 2 * self.engine.max_num_seqs

@@ -1,0 +1,47 @@
+"""The identity of a model's tokenizer: a sha256 over the files that decide how text becomes ids.
+
+The tokenizer service and every worker compute it from their own copy of the model folder; the
+worker refuses a gateway whose tokenizer fingerprint differs, so ids can never be read with the wrong
+vocabulary. This module must not import torch nor the tokenizers library: both sides only hash files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+# Everything that changes tokenization, special tokens, the chat template or the stop ids.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+
+def tokenizer_fingerprint(model_dir: Path) -> str:
+    """sha256 (hex, 64 chars) over the names and bytes of the tokenizer files present in model_dir."""
+    digest = hashlib.sha256()
+    found = 0
+    for name in TOKENIZER_FILES:
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        found += 1
+        data = path.read_bytes()
+        digest.update(f"{name}\0{len(data)}\0".encode())
+        digest.update(data)
+    if found == 0:
+        raise FileNotFoundError(
+            f"{model_dir} holds none of the tokenizer files {', '.join(TOKENIZER_FILES[:2])}, ...; "
+            "point the setting at a model folder (run `strata fetch-model` for the default one)"
+        )
+    return digest.hexdigest()

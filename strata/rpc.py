@@ -1,0 +1,108 @@
+"""Plumbing every Strata gRPC server shares: binding, message bounds, health, reflection, announcing.
+
+Each service builds a grpc.aio server through `start_server`, which binds its listen address (port 0
+takes one from the OS), registers grpc.health.v1 and reflection, and, when asked, writes the bound
+address to an announce file so a launcher or a test finds an ephemeral port. Services set their own
+health status; this module must not decide when a service is ready, nor map errors to status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from pathlib import Path
+
+MIB = 1 << 20
+HEALTH_SERVICE = "grpc.health.v1.Health"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Bounds on message size both ways, and keepalive so a dead peer is noticed on idle streams."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [*channel_options(max_message_bytes), ("grpc.http2.min_ping_interval_without_data_ms", 10_000)]
+
+
+@dataclass
+class RunningServer:
+    """A started server, the address it is bound to, and its health servicer."""
+
+    server: grpc.aio.Server
+    address: str
+    health: health.aio.HealthServicer
+    service_names: tuple[str, ...]
+
+    async def set_serving(self, serving: bool) -> None:
+        """Readiness of the whole server and of each service it hosts."""
+        status = SERVING if serving else NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+
+async def start_server(
+    listen: str,
+    *,
+    register: Sequence[Callable[[grpc.aio.Server], None]],
+    service_names: Sequence[str],
+    max_message_bytes: int,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    announce_file: Path | None = None,
+) -> RunningServer:
+    """Bind, register services plus health and reflection, start; health starts NOT_SERVING."""
+    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=list(interceptors))
+    for add in register:
+        add(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = tuple(service_names)
+    reflection.enable_server_reflection((*names, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"could not bind {listen}; choose a free port (port 0 lets the OS choose)")
+    host = listen.rsplit(":", 1)[0]
+    address = f"{host}:{port}"
+    running = RunningServer(server, address, health_servicer, names)
+    await running.set_serving(False)
+    await server.start()
+    if announce_file is not None:
+        announce(announce_file, address)
+    return running
+
+
+def announce(path: Path, address: str) -> None:
+    """Write the bound address atomically, so a reader never sees half of it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(address + "\n")
+    os.replace(tmp, path)
+
+
+def shutdown_event() -> asyncio.Event:
+    """An event set by the first SIGTERM or SIGINT, for a service's graceful stop."""
+    event = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):  # signal handlers need the main thread on Unix
+            loop.add_signal_handler(sig, event.set)
+    return event

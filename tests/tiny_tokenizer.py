@@ -1,0 +1,57 @@
+"""A tiny byte-level BPE tokenizer with a ChatML chat template, written next to a tiny random model.
+
+Byte-level, so any text (Chinese, emoji) tokenizes, and a multi-byte character often spans several
+ids: exactly what incremental detokenization must get right. Trained in milliseconds on a fixed
+corpus, so its files, and therefore its fingerprint, are the same in every run.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CORPUS = [
+    "The capital of France is Paris. The quick brown fox jumps over the lazy dog.",
+    "What is the capital of France? Tell me a story about a robot who learns to paint.",
+    "Hello world! Strata streams tokens through a gateway, a tokenizer and a model worker.",
+    "你好，世界。今天天气很好。 Emoji: 🙂🚀✨ and accents: café, naïve, Zürich.",
+    "def generate(prompt): return model(prompt)  # code, numbers 12345 67890",
+]
+
+
+def write_tiny_tokenizer(directory: Path, vocab_size: int = 384) -> Path:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `directory`."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>",
+        "model_max_length": 256,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    special = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>"}
+    (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
+    return directory
