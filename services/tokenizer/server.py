@@ -1,0 +1,179 @@
+"""The tokenizer service's gRPC server: the servicer, start and stop, and the process entry point.
+
+`start` binds the listen address (health NOT_SERVING), loads every configured tokenizer off the event
+loop, then turns health SERVING. Tokenize and Detokenize run their batch in a worker thread, since
+they are CPU work (the tokenizers library releases the GIL while it encodes and decodes) and the
+event loop must keep answering health checks and other calls. `main` runs the service until SIGTERM
+or SIGINT, then stops gracefully. This module must not tokenize itself nor choose status codes
+(errors.py maps them); it converts between messages and the pure modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+from services.tokenizer.detokenize import Detokenized, detokenize_entries
+from services.tokenizer.errors import InvalidArgument, NotReady, TokenizerError, abort, entry_error
+from services.tokenizer.registry import TokenizerRegistry, load_registry
+from services.tokenizer.settings import TokenizerSettings
+from services.tokenizer.tokenize import Tokenized, tokenize_entries
+from strata.rpc import RunningServer, shutdown_event, start_server
+from strata.settings import DEFAULT_CONFIG, SettingsError
+from strata.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+
+if TYPE_CHECKING:
+    from collections.abc import Sized
+
+    import grpc
+
+    Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
+
+
+class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
+    """strata.v1.TokenizerService over a registry that is set once the tokenizers are loaded."""
+
+    def __init__(self, max_batch_entries: int) -> None:
+        self.max_batch_entries = max_batch_entries
+        self.registry: TokenizerRegistry | None = None
+
+    def _ready(self, entries: Sized) -> TokenizerRegistry:
+        if self.registry is None:
+            raise NotReady("the tokenizers are still loading; retry once health reports SERVING")
+        if len(entries) > self.max_batch_entries:
+            raise InvalidArgument(
+                f"entries: {len(entries)} entries exceed max_batch_entries={self.max_batch_entries}; "
+                "split the batch into smaller calls"
+            )
+        return self.registry
+
+    async def Tokenize(
+        self, request: tokenizer_pb2.TokenizeRequest, context: Context
+    ) -> tokenizer_pb2.TokenizeResponse:
+        try:
+            registry = self._ready(request.entries)
+        except TokenizerError as error:
+            await abort(context, error)
+        outcomes = await asyncio.to_thread(tokenize_entries, registry, request.entries)
+        return tokenizer_pb2.TokenizeResponse(results=[_tokenize_result(outcome) for outcome in outcomes])
+
+    async def Detokenize(
+        self, request: tokenizer_pb2.DetokenizeRequest, context: Context
+    ) -> tokenizer_pb2.DetokenizeResponse:
+        try:
+            registry = self._ready(request.entries)
+        except TokenizerError as error:
+            await abort(context, error)
+        outcomes = await asyncio.to_thread(detokenize_entries, registry, request.entries)
+        return tokenizer_pb2.DetokenizeResponse(results=[_detokenize_result(outcome) for outcome in outcomes])
+
+    async def GetTokenizerInfo(
+        self, request: tokenizer_pb2.GetTokenizerInfoRequest, context: Context
+    ) -> tokenizer_pb2.GetTokenizerInfoResponse:
+        try:
+            registry = self._ready(())
+        except TokenizerError as error:
+            await abort(context, error)
+        return tokenizer_pb2.GetTokenizerInfoResponse(
+            models=[
+                tokenizer_pb2.TokenizerModel(
+                    name=model.name,
+                    fingerprint=model.fingerprint,
+                    has_chat_template=model.chat_template is not None,
+                    eos_token_ids=model.eos_token_ids,
+                )
+                for model in registry.models.values()
+            ]
+        )
+
+
+def _tokenize_result(outcome: Tokenized | TokenizerError) -> tokenizer_pb2.TokenizeResult:
+    if isinstance(outcome, TokenizerError):
+        return tokenizer_pb2.TokenizeResult(error=entry_error(outcome))
+    return tokenizer_pb2.TokenizeResult(
+        token_ids=outcome.token_ids, truncated_tokens=outcome.truncated_tokens
+    )
+
+
+def _detokenize_result(outcome: Detokenized | TokenizerError) -> tokenizer_pb2.DetokenizeResult:
+    if isinstance(outcome, TokenizerError):
+        return tokenizer_pb2.DetokenizeResult(error=entry_error(outcome))
+    return tokenizer_pb2.DetokenizeResult(
+        text=outcome.text,
+        window=outcome.window,
+        read_offset=outcome.read_offset,
+        pending_text=outcome.pending_text,
+        stopped=outcome.stopped,
+    )
+
+
+class TokenizerServer:
+    """A running tokenizer service."""
+
+    def __init__(self, running: RunningServer, servicer: TokenizerServicer) -> None:
+        self.running = running
+        self.servicer = servicer
+        self.address: str = running.address
+        """host:port the server is bound to."""
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Report NOT_SERVING, then let calls in flight finish for up to `grace` seconds."""
+        await self.running.set_serving(False)
+        await self.running.server.stop(grace)
+
+
+async def start(settings: TokenizerSettings, announce_file: Path | None = None) -> TokenizerServer:
+    """Bind, load every tokenizer, then report SERVING; a folder that cannot be served is a SettingsError."""
+    servicer = TokenizerServicer(settings.max_batch_entries)
+    running = await start_server(
+        settings.listen,
+        register=[lambda server: tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer, server)],
+        service_names=[SERVICE_NAME],
+        max_message_bytes=settings.max_message_bytes,
+        announce_file=announce_file,
+    )
+    try:
+        servicer.registry = await asyncio.to_thread(load_registry, settings.models)
+    except BaseException:
+        await running.server.stop(None)
+        raise
+    await running.set_serving(True)
+    log.info("tokenizer service serving %s on %s", ", ".join(settings.models), running.address)
+    return TokenizerServer(running, servicer)
+
+
+async def serve(settings: TokenizerSettings, announce_file: Path | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then stop gracefully."""
+    stopping = shutdown_event()  # before loading, so a signal during a slow load is not lost
+    server = await start(settings, announce_file)
+    await stopping.wait()
+    log.info("tokenizer service stopping")
+    await server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m services.tokenizer [--config PATH] [--announce-file PATH]`; 2 on bad settings."""
+    parser = argparse.ArgumentParser(prog="python -m services.tokenizer", description=__doc__)
+    parser.add_argument(
+        "--config", type=Path, default=DEFAULT_CONFIG, help="YAML config; its `tokenizer` section is read"
+    )
+    parser.add_argument(
+        "--announce-file", type=Path, default=None, help="write the bound host:port here once listening"
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = TokenizerSettings.load(args.config)
+        asyncio.run(serve(settings, args.announce_file))
+    except SettingsError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    return 0
