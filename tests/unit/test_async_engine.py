@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from typing import TYPE_CHECKING
 
 import pytest
 
-from services.worker.engine.async_engine import AsyncEngine, EngineDeadError
+from services.worker.engine.async_engine import AsyncEngine, EngineDeadError, StepReport
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.params import InvalidRequestError, SamplingParams
@@ -170,3 +171,60 @@ def test_the_event_loop_stays_responsive_while_the_engine_steps(tiny_llama_dir: 
     worst_lag = asyncio.run(main())
     # Expected lag is a few ms (the GIL between torch kernels); 0.5 s would mean the loop was blocked.
     assert worst_lag < 0.5
+
+
+def test_step_listeners_see_every_step_and_add_request_needs_no_stream(tiny_llama_dir: Path) -> None:
+    """A listener gets each step's whole output list, timed; add_request feeds listeners only."""
+    prompts = [[11, 4, 90], [7] * 20, [3, 250, 8, 8, 1]]
+    params = SamplingParams(max_new_tokens=6)
+    expected = LLMEngine.from_model_dir(tiny_llama_dir, EngineConfig(num_blocks=128, block_size=8)).generate(
+        prompts, params
+    )
+
+    async def main() -> None:
+        engine = _engine(tiny_llama_dir)
+        await engine.start()
+        reports: list[StepReport] = []
+        tokens: dict[str, list[int]] = {}
+        finished: dict[str, FinishReason | None] = {}
+        failures: list[tuple[str | None, BaseException]] = []
+        done = asyncio.Event()
+
+        def on_step(report: StepReport) -> None:
+            reports.append(report)
+            for out in report.outputs:
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.finished:
+                    finished[out.request_id] = out.finish_reason
+            if len(finished) == len(prompts):
+                done.set()
+
+        remove = engine.add_step_listener(on_step, lambda rid, exc: failures.append((rid, exc)))
+        try:
+            for i, prompt in enumerate(prompts[:2]):
+                engine.add_request(f"q{i}", prompt, params)
+            streamed = engine.submit("q2", prompts[2], params)
+            with pytest.raises(InvalidRequestError, match="request_id"):
+                engine.add_request("q0", prompts[0], params)
+            streamed_tokens, _ = await _collect(streamed)
+            await asyncio.wait_for(done.wait(), 30.0)
+            assert [tokens[f"q{i}"] for i in range(3)] == expected
+            assert streamed_tokens == expected[2]
+            assert set(finished.values()) == {FinishReason.LENGTH}
+            times = [(r.started, r.ended) for r in reports]
+            assert all(start <= end for start, end in times)
+            assert all(a[1] <= b[0] for a, b in itertools.pairwise(times))
+            remove()
+            seen = len(reports)
+            await _collect(engine.submit("after", [5, 6], SamplingParams(max_new_tokens=3)))
+            assert len(reports) == seen
+            assert failures == []
+            engine.add_step_listener(on_step, lambda rid, exc: failures.append((rid, exc)))
+            engine.add_request("open", [9] * 4, SamplingParams(max_new_tokens=200))
+        finally:
+            await engine.stop()
+        # Stopping fails the open request, then reports the loop's end with None.
+        assert [rid for rid, _ in failures] == ["open", None]
+        assert all(isinstance(exc, EngineDeadError) for _, exc in failures)
+
+    asyncio.run(main())

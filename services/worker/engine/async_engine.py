@@ -5,7 +5,9 @@ the GIL inside its kernels. The engine is also *built* on that thread: a second 
 gives the process a second OpenMP team, and with more OpenMP threads than cores libgomp stops
 spin-waiting, which cost 13-25% of decode throughput on a 2-core machine. Commands reach the step
 thread through a thread-safe inbox and are applied between steps; each step's outputs come back to
-the loop in one callback. This module must not make scheduling decisions: that is the engine's job.
+the loop in one callback, which feeds the per-request streams and then the step listeners (a server
+that multiplexes many requests reads whole steps rather than one stream per request). This module
+must not make scheduling decisions: that is the engine's job.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import asyncio
 import logging
 import queue
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,7 +25,7 @@ from services.worker.engine.params import InvalidRequestError, SamplingParams
 from services.worker.engine.sequence import FinishReason, StepOutput
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import AsyncIterator
 
     from services.worker.engine.engine import EngineStats, LLMEngine
 
@@ -30,6 +34,22 @@ log = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The step loop failed or was stopped; the request cannot complete."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """One engine step as the event loop sees it: every output it produced, and when it ran."""
+
+    outputs: list[StepOutput]
+    started: float
+    """time.monotonic() just before the step began (the inbox was already applied)."""
+    ended: float
+    """time.monotonic() just after the step returned its outputs."""
+
+
+StepListener = Callable[[StepReport], None]
+FailureListener = Callable[[str | None, BaseException], None]
+"""(request_id, error): a request failed at admission, or, with None, the step loop ended."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +109,10 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._streams: dict[str, RequestStream] = {}
+        # Every request the loop knows of; None for those submitted with add_request (listeners only).
+        self._streams: dict[str, RequestStream | None] = {}
+        self._step_listeners: list[StepListener] = []
+        self._failure_listeners: list[FailureListener] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stats: EngineStats | None = None
@@ -125,16 +148,51 @@ class AsyncEngine:
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> RequestStream:
         """Queue a request; raises InvalidRequestError at once for bad input or a duplicate id."""
+        stream = RequestStream(request_id, self)
+        self._enqueue(request_id, prompt_ids, params, priority, stream)
+        return stream
+
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> None:
+        """Queue a request whose outputs reach only the step listeners, and its failure the failure
+        listeners; raises like submit. For servers that read whole steps, not one stream per request."""
+        self._enqueue(request_id, prompt_ids, params, priority, None)
+
+    def add_step_listener(
+        self, on_step: StepListener, on_failure: FailureListener | None = None
+    ) -> Callable[[], None]:
+        """Call on_step on the event loop with every step that produced outputs, after the request
+        streams got theirs; on_failure when a request fails at admission (InvalidRequestError) or the
+        step loop ends (each open request, then None). Returns a function that removes both."""
+        self._step_listeners.append(on_step)
+        if on_failure is not None:
+            self._failure_listeners.append(on_failure)
+
+        def remove() -> None:
+            if on_step in self._step_listeners:
+                self._step_listeners.remove(on_step)
+            if on_failure is not None and on_failure in self._failure_listeners:
+                self._failure_listeners.remove(on_failure)
+
+        return remove
+
+    def _enqueue(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        stream: RequestStream | None,
+    ) -> None:
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self._error or 'stopped'}")
         if request_id in self._streams:
             raise InvalidRequestError("request_id", request_id, "a request with this id is already running")
         self.engine.validate(prompt_ids, params)
-        stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
         self._inbox.put(_Add(request_id, list(prompt_ids), params, priority))
         self._wake.set()
-        return stream
 
     def abort(self, request_id: str) -> None:
         """Abort a request; its KV blocks are free once the step thread reads the inbox."""
@@ -167,10 +225,12 @@ class AsyncEngine:
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()
                     continue
+                started = time.monotonic()
                 outputs = self.engine.step()
+                ended = time.monotonic()
                 self._stats = self.engine.stats()
                 if outputs:
-                    self._post(self._dispatch, outputs)
+                    self._post(self._dispatch, StepReport(outputs, started, ended))
         except BaseException as exc:  # the loop must report any death, even KeyboardInterrupt
             log.exception("engine step loop died")
             self._error = exc
@@ -196,24 +256,42 @@ class AsyncEngine:
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(fn, arg)  # type: ignore[arg-type]
 
-    def _dispatch(self, outputs: list[StepOutput]) -> None:
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
+    def _dispatch(self, report: StepReport) -> None:
+        for out in report.outputs:
+            if out.request_id not in self._streams:
                 continue  # aborted by the client while this step ran
-            if out.finished:
-                del self._streams[out.request_id]
-            stream._push(out)
+            stream = self._streams.pop(out.request_id) if out.finished else self._streams[out.request_id]
+            if stream is not None:
+                stream._push(out)
+        for listener in list(self._step_listeners):
+            try:
+                listener(report)
+            except Exception:  # one broken listener must not starve the others of this step
+                log.exception("step listener %r failed", listener)
 
     def _fail_one(self, failure: tuple[str, BaseException]) -> None:
-        stream = self._streams.pop(failure[0], None)
+        request_id, error = failure
+        if request_id not in self._streams:
+            return
+        stream = self._streams.pop(request_id)
         if stream is not None:
-            stream._push(failure[1])
+            stream._push(error)
+        self._notify_failure(request_id, error)
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}
-        for stream in streams.values():
-            stream._push(error)
+        for request_id, stream in streams.items():
+            if stream is not None:
+                stream._push(error)
+            self._notify_failure(request_id, error)
+        self._notify_failure(None, error)
+
+    def _notify_failure(self, request_id: str | None, error: BaseException) -> None:
+        for listener in list(self._failure_listeners):
+            try:
+                listener(request_id, error)
+            except Exception:  # as in _dispatch: the other listeners still hear of it
+                log.exception("failure listener %r failed", listener)
 
 
 def _settle(outcome: tuple[asyncio.Future[None], BaseException | None]) -> None:

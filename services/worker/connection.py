@@ -1,0 +1,284 @@
+"""One Connect stream: what the gateway sends (submissions, cancellations) and what it is sent back.
+
+A Connection admits or rejects each submission (credits, deadline, parameters, duplicate ids), runs
+the accepted ones on the host's engine under stream-unique engine ids (so two gateways may use the
+same request id), ends requests whose deadline passes, turns each engine step's outputs into token
+updates, and writes everything through its OutboundQueue so the step loop never waits on a write.
+When the stream ends for any reason, every request it still holds is aborted. Timing is measured on
+the event loop: queue_ms runs from arrival to the start of the first step that produced a token for
+the request, so with a prompt prefilled in several chunks the earlier chunks count as queueing;
+forward_ms runs from that step's start to the end of the step that produced the update. This module
+must not choose status codes (errors.py does) nor touch the gRPC context (server.py does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from services.worker.convert import ended_update, engine_priority, sampling_params, token_update
+from services.worker.engine.params import InvalidRequestError
+from services.worker.engine.sequence import FinishReason
+from services.worker.errors import (
+    REFUSALS,
+    DeadlinePassedError,
+    ProtocolError,
+    TooManySubmissionsError,
+    rejection_code,
+    status_of,
+)
+from services.worker.outbound import OutboundQueue
+from strata.v1 import worker_pb2
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncGenerator, AsyncIterable, Iterable
+
+    from services.worker.engine.async_engine import StepReport
+    from services.worker.engine.sequence import StepOutput
+    from services.worker.host import WorkerHost
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class OpenRequest:
+    """A request accepted on this stream and not yet finished."""
+
+    request_id: str
+    engine_id: str
+    prompt_tokens: int
+    submitted: float
+    """time.monotonic() at arrival."""
+    first_step: float | None = None
+    """time.monotonic() at the start of the first step that produced one of its tokens."""
+    output_tokens: int = 0
+    deadline: asyncio.TimerHandle | None = None
+
+    def forward_ms(self, now: float) -> float:
+        return 0.0 if self.first_step is None else (now - self.first_step) * 1000.0
+
+
+class Connection:
+    """The state of one Connect stream. Used from the event loop only."""
+
+    def __init__(self, host: WorkerHost, stream_id: int, client_name: str) -> None:
+        self.host = host
+        self.client_name = client_name or "<unnamed>"
+        self.outbound = OutboundQueue()
+        self.failure: BaseException | None = None
+        """Why the stream must end with an error status; None when it ends normally."""
+        self._prefix = f"s{stream_id}/"
+        self._open: dict[str, OpenRequest] = {}
+        self._credits_sent: int | None = None
+        self._ended = False
+
+    @property
+    def name(self) -> str:
+        return self._prefix.rstrip("/")
+
+    async def serve(
+        self, first: worker_pb2.ConnectRequest, requests: AsyncIterable[worker_pb2.ConnectRequest]
+    ) -> AsyncGenerator[worker_pb2.ConnectResponse, None]:
+        """Answer the hello, apply the first message, read the rest on a task, yield merged output."""
+        log.info("stream %s opened by %s", self.name, self.client_name)
+        credits = self.host.credits_message()
+        self._credits_sent = credits.requests
+        self.outbound.put(hello=worker_pb2.WorkerHello(info=self.host.info()), credits=credits)
+        reader: asyncio.Task[None] | None = None
+        if self._apply(first, first=True):
+            reader = asyncio.create_task(self._read(requests))
+        try:
+            while (message := await self.outbound.get()) is not None:
+                yield message
+        finally:
+            if reader is not None:
+                reader.cancel()
+            self.end()
+
+    async def _read(self, requests: AsyncIterable[worker_pb2.ConnectRequest]) -> None:
+        iterator = aiter(requests)
+        try:
+            while True:
+                try:
+                    message = await anext(iterator)
+                except StopAsyncIteration:
+                    return  # the gateway half-closed: it is done with this stream
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # any failure to read means the stream is gone
+                    log.info("stream %s broke: %r", self.name, exc)
+                    return
+                if not self._apply(message, first=False):
+                    return
+        finally:
+            self.end()
+
+    def _apply(self, message: worker_pb2.ConnectRequest, *, first: bool) -> bool:
+        """Apply one inbound message; False when it ends the stream (self.failure says why)."""
+        try:
+            self._receive(message, first=first)
+        except (ProtocolError, TooManySubmissionsError) as exc:
+            self.failure = exc
+        except Exception as exc:  # a worker bug: end this stream with INTERNAL, keep the others
+            log.exception("stream %s failed", self.name)
+            self.failure = exc
+        if self.failure is not None:
+            self.end()
+            return False
+        return True
+
+    def _receive(self, message: worker_pb2.ConnectRequest, *, first: bool) -> None:
+        if not first and message.HasField("hello"):
+            raise ProtocolError("hello is only allowed on the stream's first ConnectRequest")
+        limit = self.host.settings.max_submissions_per_message
+        if len(message.submissions) > limit:
+            raise TooManySubmissionsError(
+                f"{len(message.submissions)} submissions in one ConnectRequest exceed the worker's limit "
+                f"of {limit} (max_submissions_per_message): split the batch"
+            )
+        rejections: list[worker_pb2.Rejection] = []
+        for submission in message.submissions:
+            try:
+                self._submit(submission)
+            except REFUSALS as exc:
+                rejections.append(_rejection(submission.request_id, exc))
+        # After the submissions, so a request submitted and cancelled in one batch is cancelled.
+        ended = [self._abort(self._open[rid]) for rid in message.cancellations if rid in self._open]
+        self._push(ended, rejections)
+
+    def _submit(self, submission: worker_pb2.Submission) -> None:
+        self.host.check_accepting()
+        request_id = submission.request_id
+        if not request_id:
+            raise InvalidRequestError("request_id", "", "must not be empty: ids name requests on the stream")
+        if request_id in self._open:
+            raise InvalidRequestError(
+                "request_id", request_id, "a request with this id is still open on this stream"
+            )
+        remaining_s = 0.0
+        if submission.deadline_unix_ms:
+            remaining_s = submission.deadline_unix_ms / 1000.0 - time.time()
+            if remaining_s <= 0:
+                raise DeadlinePassedError(
+                    f"deadline_unix_ms={submission.deadline_unix_ms} had passed {-remaining_s * 1000:.0f} ms "
+                    "before the worker received the request"
+                )
+        params = sampling_params(submission)
+        prompt = list(submission.prompt_ids)
+        # Validate before taking a credit: a bad request is INVALID_ARGUMENT even on a full worker.
+        self.host.engine.engine.validate(prompt, params)
+        engine_id = self._prefix + request_id
+        self.host.admit(engine_id, self)
+        try:
+            self.host.engine.add_request(engine_id, prompt, params, engine_priority(submission.priority))
+        except BaseException:
+            self.host.retire(engine_id)
+            raise
+        record = OpenRequest(request_id, engine_id, len(prompt), time.monotonic())
+        if submission.deadline_unix_ms:
+            record.deadline = asyncio.get_running_loop().call_later(remaining_s, self._expire, request_id)
+        self._open[request_id] = record
+
+    def _expire(self, request_id: str) -> None:
+        record = self._open.get(request_id)
+        if record is not None:
+            log.info("request %s passed its deadline while running: cancelled", request_id)
+            self._push([self._abort(record)], ())
+
+    def _abort(self, record: OpenRequest) -> worker_pb2.TokenUpdate:
+        """Abort a running request (its KV blocks are free before the next step) and say so."""
+        self.host.engine.abort(record.engine_id)
+        self._forget(record)
+        return ended_update(
+            record.request_id,
+            FinishReason.ABORTED,
+            prompt_tokens=record.prompt_tokens,
+            output_tokens=record.output_tokens,
+            forward_ms=record.forward_ms(time.monotonic()),
+        )
+
+    def _forget(self, record: OpenRequest) -> None:
+        if record.deadline is not None:
+            record.deadline.cancel()
+        del self._open[record.request_id]
+        self.host.retire(record.engine_id)
+
+    def _record(self, engine_id: str) -> OpenRequest | None:
+        record = self._open.get(engine_id.removeprefix(self._prefix))
+        return record if record is not None and record.engine_id == engine_id else None
+
+    def collect(self, outputs: list[StepOutput], report: StepReport) -> list[worker_pb2.TokenUpdate]:
+        """This stream's updates from one step; finished requests give their credits back here."""
+        updates = []
+        for out in outputs:
+            record = self._record(out.request_id)
+            if record is None:
+                continue
+            queue_ms = 0.0
+            if record.first_step is None:
+                record.first_step = report.started
+                queue_ms = max(0.0, report.started - record.submitted) * 1000.0
+            record.output_tokens = out.num_output_tokens
+            forward_ms = record.forward_ms(report.ended)
+            updates.append(token_update(record.request_id, out, queue_ms=queue_ms, forward_ms=forward_ms))
+            if out.finished:
+                self._forget(record)
+        return updates
+
+    def send(self, updates: list[worker_pb2.TokenUpdate]) -> None:
+        """Queue one step's updates with the credits; credits alone only when they changed."""
+        self._push(updates, ())
+
+    def fail(self, engine_id: str, error: BaseException) -> None:
+        """The engine could not run a request: refused at admission, or the engine died."""
+        record = self._record(engine_id)
+        if record is None:
+            return
+        self._forget(record)
+        if isinstance(error, InvalidRequestError):
+            self._push((), [_rejection(record.request_id, error)])
+            return
+        log.error("request %s failed in the engine: %r", record.request_id, error)
+        update = ended_update(
+            record.request_id,
+            FinishReason.ERROR,
+            prompt_tokens=record.prompt_tokens,
+            output_tokens=record.output_tokens,
+            forward_ms=record.forward_ms(time.monotonic()),
+        )
+        self._push([update], ())
+
+    def abort_all(self) -> None:
+        """Cancel every open request and tell the gateway (the end of a drain)."""
+        self._push([self._abort(record) for record in list(self._open.values())], ())
+
+    def end(self) -> None:
+        """The stream is over: abort what it still holds, flush what is queued, then stop writing."""
+        if self._ended:
+            return
+        self._ended = True
+        aborted = len(self._open)
+        for record in list(self._open.values()):
+            self.host.engine.abort(record.engine_id)
+            self._forget(record)
+        self.outbound.close()
+        self.host.disconnect(self)
+        log.info("stream %s of %s ended, %d requests aborted", self.name, self.client_name, aborted)
+
+    def _push(
+        self, updates: Iterable[worker_pb2.TokenUpdate], rejections: Iterable[worker_pb2.Rejection]
+    ) -> None:
+        updates, rejections = list(updates), list(rejections)
+        credits = self.host.credits_message()
+        if not updates and not rejections and credits.requests == self._credits_sent:
+            return
+        self._credits_sent = credits.requests
+        self.outbound.put(updates=updates, rejections=rejections, credits=credits)
+
+
+def _rejection(request_id: str, error: BaseException) -> worker_pb2.Rejection:
+    _, message = status_of(error)
+    return worker_pb2.Rejection(request_id=request_id, code=rejection_code(error), message=message)

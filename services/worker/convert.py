@@ -1,0 +1,89 @@
+"""Translation between the worker's wire types and the engine's: sampling parameters, finish reasons,
+token updates and priorities.
+
+The proto leaves some sampling fields unset to mean "off"; this module fills the engine's defaults
+for them and rejects what the gateway must always fill. It must not validate ranges (the engine's
+SamplingParams.validate does) nor hold any state.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from services.worker.engine.params import InvalidRequestError, SamplingParams
+from services.worker.engine.sequence import FinishReason
+from strata.v1 import common_pb2, worker_pb2
+
+if TYPE_CHECKING:
+    from services.worker.engine.sequence import StepOutput
+
+FINISH_REASONS: dict[FinishReason, common_pb2.FinishReason.ValueType] = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORTED: common_pb2.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+
+
+def sampling_params(submission: worker_pb2.Submission) -> SamplingParams:
+    """The engine's parameters for a submission; range checks are left to SamplingParams.validate."""
+    wire = submission.sampling
+    if wire.max_new_tokens == 0:
+        raise InvalidRequestError(
+            "sampling.max_new_tokens", 0, "must be >= 1: the gateway fills its default before submitting"
+        )
+    return SamplingParams(
+        max_new_tokens=wire.max_new_tokens,
+        temperature=wire.temperature,
+        top_k=wire.top_k,
+        top_p=wire.top_p if wire.HasField("top_p") else 1.0,
+        repetition_penalty=wire.repetition_penalty if wire.HasField("repetition_penalty") else 1.0,
+        no_repeat_ngram_size=wire.no_repeat_ngram_size,
+        stop_token_ids=tuple(submission.stop_token_ids),
+        ignore_eos=wire.ignore_eos,
+        seed=wire.seed if wire.HasField("seed") else None,
+    )
+
+
+def engine_priority(wire_priority: int) -> int:
+    """The proto runs higher priorities first; the engine runs lower values first."""
+    return -wire_priority
+
+
+def token_update(
+    request_id: str, output: StepOutput, *, queue_ms: float, forward_ms: float
+) -> worker_pb2.TokenUpdate:
+    """One request's share of an engine step, under the id the gateway gave it."""
+    update = worker_pb2.TokenUpdate(
+        request_id=request_id,
+        token_ids=output.new_token_ids,
+        finished=output.finished,
+        prompt_tokens=output.num_prompt_tokens,
+        output_tokens=output.num_output_tokens,
+        queue_ms=queue_ms,
+        forward_ms=forward_ms,
+    )
+    if output.finished and output.finish_reason is not None:
+        update.finish_reason = FINISH_REASONS[output.finish_reason]
+    return update
+
+
+def ended_update(
+    request_id: str,
+    reason: FinishReason,
+    *,
+    prompt_tokens: int,
+    output_tokens: int,
+    queue_ms: float = 0.0,
+    forward_ms: float = 0.0,
+) -> worker_pb2.TokenUpdate:
+    """The last update of a request the worker ended itself (cancelled, deadline, engine failure)."""
+    return worker_pb2.TokenUpdate(
+        request_id=request_id,
+        finished=True,
+        finish_reason=FINISH_REASONS[reason],
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        queue_ms=queue_ms,
+        forward_ms=forward_ms,
+    )

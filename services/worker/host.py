@@ -1,0 +1,251 @@
+"""The worker's engine host: loads the one model, warms it up, and shares it between Connect streams.
+
+It resolves device and dtype from the settings, builds the engine on its step thread, proves it with
+a one-token generation before declaring itself ready, and owns what every stream shares: the
+credits, the map from engine request ids to the stream that owns each, and the drain on shutdown.
+Each engine step it hands every stream its outputs, then every stream its credits, so no stream
+reads credits that another stream's finished requests are about to free. This module must not
+speak gRPC (server.py does) nor build stream messages (connection.py does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import itertools
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from services.worker.connection import Connection
+from services.worker.credits import CreditPool
+from services.worker.engine.async_engine import AsyncEngine, EngineDeadError
+from services.worker.engine.engine import LLMEngine
+from services.worker.engine.params import SamplingParams
+from services.worker.errors import DrainingError, HelloMismatchError, NotReadyError, ProtocolError
+from strata.fingerprint import tokenizer_fingerprint
+from strata.v1 import worker_pb2
+
+if TYPE_CHECKING:
+    from services.worker.engine.async_engine import StepReport
+    from services.worker.engine.sequence import StepOutput
+    from services.worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WARMUP_ID = "worker-warmup"
+
+
+class State(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+
+
+def resolve_device(setting: str) -> str:
+    """auto: the first CUDA device when torch sees one, else the CPU."""
+    if setting == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    return "cuda:0" if setting == "cuda" else setting
+
+
+def resolve_dtype(setting: str, device: str) -> torch.dtype:
+    """auto: bfloat16 on CUDA, float32 on the CPU (CPU bf16 matmuls are slow)."""
+    if setting == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return DTYPES[setting]
+
+
+class WorkerHost:
+    """One engine and everything its streams share. Used from the event loop only."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.credits = CreditPool(settings.credit_limit)
+        self.device = resolve_device(settings.device)
+        self.dtype = resolve_dtype(settings.dtype, self.device)
+        self.engine = AsyncEngine(self._build)
+        self.fingerprint = ""
+        self.state = State.LOADING
+        self.error: BaseException | None = None
+        self.ready = asyncio.Event()
+        self.failed = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._streams = itertools.count(1)
+        self._connections: set[Connection] = set()
+        self._routes: dict[str, Connection] = {}
+
+    def _build(self) -> LLMEngine:
+        # On the step thread, which runs every forward pass, so its OpenMP team gets the setting.
+        if self.settings.threads is not None:
+            torch.set_num_threads(self.settings.threads)
+        quantization = None if self.settings.quantization == "none" else self.settings.quantization
+        return LLMEngine.from_model_dir(
+            self.settings.model_path,
+            self.settings.engine,
+            device=self.device,
+            dtype=self.dtype,
+            quantization=quantization,
+        )
+
+    async def load(self) -> None:
+        """Fingerprint the tokenizer, load the model, warm it up; raise what failed (and stay FAILED)."""
+        try:
+            self.fingerprint = await asyncio.to_thread(tokenizer_fingerprint, self.settings.model_path)
+            await self.engine.start()
+            self.engine.add_step_listener(self._on_step, self._on_failure)
+            await self._warm_up()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._fail(exc)
+            raise
+        if self.state is State.LOADING:
+            self.state = State.READY
+            self.ready.set()
+
+    async def _warm_up(self) -> None:
+        """One real one-token generation: the first forward pass allocates and compiles what it needs."""
+        engine = self.engine.engine
+        length = max(1, min(4, engine.max_model_len - 1))
+        prompt = [min(i + 1, engine.model_config.vocab_size - 1) for i in range(length)]
+        tokens: list[int] = []
+        async for out in self.engine.submit(WARMUP_ID, prompt, SamplingParams(max_new_tokens=1)):
+            tokens.extend(out.new_token_ids)
+        if len(tokens) != 1:
+            raise EngineDeadError(f"the warm-up generation returned {len(tokens)} tokens instead of 1")
+
+    def _fail(self, error: BaseException) -> None:
+        if self.state is State.FAILED:
+            return
+        self.state = State.FAILED
+        self.error = error
+        self.failed.set()
+
+    async def close(self) -> None:
+        """Stop the engine's step loop (after drain)."""
+        await self.engine.stop()
+
+    def check_accepting(self) -> None:
+        """Raise unless new streams and submissions can be served now."""
+        if self.state is State.LOADING:
+            raise NotReadyError("the worker is still loading its model; retry once its health is SERVING")
+        if self.state is State.DRAINING:
+            raise DrainingError("the worker is shutting down; send new requests to another worker")
+        if self.state is State.FAILED:
+            raise EngineDeadError(f"the worker's engine failed: {self.error!r}")
+
+    def connect(self, first: worker_pb2.ConnectRequest) -> Connection:
+        """A new stream after checking its hello, or raise why it is refused."""
+        self.check_accepting()
+        if not first.HasField("hello"):
+            raise ProtocolError("the first ConnectRequest must carry hello (model and tokenizer fingerprint)")
+        hello = first.hello
+        if hello.model != self.settings.model_name:
+            raise HelloMismatchError(
+                f"this worker serves model '{self.settings.model_name}' but the gateway connected for "
+                f"model '{hello.model}': route '{hello.model}' to a worker that serves it, or fix the "
+                "gateway's or the worker's model_name"
+            )
+        if hello.tokenizer_fingerprint != self.fingerprint:
+            raise HelloMismatchError(
+                f"tokenizer fingerprint mismatch for model '{hello.model}': the gateway tokenizes with "
+                f"{hello.tokenizer_fingerprint or '<empty>'}, this worker's folder "
+                f"{self.settings.model_path} has {self.fingerprint}; point the tokenizer service and the "
+                "worker at the same model folder"
+            )
+        connection = Connection(self, next(self._streams), hello.client_name)
+        self._connections.add(connection)
+        return connection
+
+    def disconnect(self, connection: Connection) -> None:
+        self._connections.discard(connection)
+
+    def admit(self, engine_id: str, connection: Connection) -> None:
+        """Take a credit for a request of `connection` (NoCreditError when none is left)."""
+        self.credits.acquire()
+        self._routes[engine_id] = connection
+        self._idle.clear()
+
+    def retire(self, engine_id: str) -> None:
+        """A request admitted by admit ended: give its credit back."""
+        if self._routes.pop(engine_id, None) is None:
+            return
+        self.credits.release()
+        if self.credits.open == 0:
+            self._idle.set()
+
+    def credits_message(self) -> worker_pb2.Credits:
+        with contextlib.suppress(EngineDeadError):
+            return worker_pb2.Credits(
+                requests=self.credits.available, kv_tokens=self.engine.stats().free_kv_tokens
+            )
+        return worker_pb2.Credits(requests=self.credits.available)
+
+    def _on_step(self, report: StepReport) -> None:
+        owned: dict[Connection, list[StepOutput]] = {}
+        for out in report.outputs:
+            connection = self._routes.get(out.request_id)
+            if connection is not None:
+                owned.setdefault(connection, []).append(out)
+        updates = {conn: conn.collect(outs, report) for conn, outs in owned.items()}
+        for connection in list(self._connections):
+            connection.send(updates.get(connection, []))
+
+    def _on_failure(self, request_id: str | None, error: BaseException) -> None:
+        if request_id is None:
+            if self.state in (State.LOADING, State.READY):  # not a stop we asked for
+                log.error("the engine's step loop ended: %r", error)
+                self._fail(error)
+            return
+        connection = self._routes.get(request_id)
+        if connection is not None:
+            connection.fail(request_id, error)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new work, let open requests finish for up to timeout_s, abort the rest, end streams."""
+        if self.state is not State.FAILED:
+            self.state = State.DRAINING
+        if self.credits.open:
+            log.info("draining %d open requests (up to %.1f s)", self.credits.open, timeout_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), timeout_s)
+        if self.credits.open:
+            log.warning("drain timed out: aborting %d open requests", self.credits.open)
+        for connection in list(self._connections):
+            connection.abort_all()
+        for connection in list(self._connections):
+            connection.end()
+
+    def info(self) -> worker_pb2.GetWorkerInfoResponse:
+        """What this worker serves; limits from the engine once it is built."""
+        info = worker_pb2.GetWorkerInfoResponse(
+            model=self.settings.model_name,
+            tokenizer_fingerprint=self.fingerprint,
+            max_requests=self.credits.limit,
+            device=self.device,
+            dtype=str(self.dtype).removeprefix("torch."),
+        )
+        with contextlib.suppress(EngineDeadError):
+            engine = self.engine.engine
+            info.max_model_len = engine.max_model_len
+            info.eos_token_ids.extend(engine.model_config.eos_token_ids)
+        return info
+
+    def stats(self) -> worker_pb2.GetWorkerStatsResponse:
+        """The engine's snapshot after its last step, plus the streams' open requests."""
+        response = worker_pb2.GetWorkerStatsResponse(open_requests=self.credits.open)
+        with contextlib.suppress(EngineDeadError):
+            stats = self.engine.stats()
+            response.running = stats.num_running
+            response.waiting = stats.num_waiting
+            response.used_kv_blocks = stats.num_blocks - stats.num_free_blocks
+            response.total_kv_blocks = stats.num_blocks
+            response.free_kv_tokens = stats.free_kv_tokens
+            response.steps = stats.num_steps
+        return response

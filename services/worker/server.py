@@ -1,0 +1,198 @@
+"""The model-worker process: strata.v1.WorkerService over grpc.aio, its readiness and its shutdown.
+
+`start` binds and announces the address first, then loads and warms the model in the background, so
+health checks answer NOT_SERVING during the load and SERVING only once a real generation succeeded.
+`stop` drains: health NOT_SERVING, new work refused, open requests finish (up to drain_timeout_s),
+the rest are aborted, streams end, the server stops. `main` is the command line (`python -m
+services.worker`); a model that fails to load ends the process with a non-zero status. This module
+must not schedule requests nor build stream messages: host.py and connection.py do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from services.worker.errors import REFUSALS, DrainingError, status_of
+from services.worker.host import State, WorkerHost
+from services.worker.settings import WorkerSettings
+from strata.rpc import RunningServer, shutdown_event, start_server
+from strata.settings import DEFAULT_CONFIG, SettingsError
+from strata.v1 import worker_pb2, worker_pb2_grpc
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    import grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
+# After a drain every stream has ended by itself; this only bounds a reader that never lets go.
+STREAM_END_GRACE_S = 5.0
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    """The gRPC face of a WorkerHost: statuses come from errors.status_of, nothing else."""
+
+    def __init__(self, host: WorkerHost) -> None:
+        self.host = host
+
+    async def Connect(  # type: ignore[override]
+        self,
+        request_iterator: AsyncIterator[worker_pb2.ConnectRequest],
+        context: grpc.aio.ServicerContext[worker_pb2.ConnectRequest, worker_pb2.ConnectResponse],
+    ) -> AsyncIterator[worker_pb2.ConnectResponse]:
+        try:
+            self.host.check_accepting()
+            first = await anext(request_iterator, None)
+            if first is None:
+                return  # the gateway closed before saying hello
+            connection = self.host.connect(first)
+        except REFUSALS as exc:
+            await context.abort(*status_of(exc))
+            return
+        # However the call ends (cancelled, disconnected, finished), its requests must not outlive it.
+        context.add_done_callback(lambda _: connection.end())
+        async with contextlib.aclosing(connection.serve(first, request_iterator)) as messages:
+            async for message in messages:
+                yield message
+        if connection.failure is not None:
+            await context.abort(*status_of(connection.failure))
+
+    async def GetWorkerInfo(  # type: ignore[override]
+        self, request: worker_pb2.GetWorkerInfoRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> worker_pb2.GetWorkerInfoResponse:
+        return self.host.info()
+
+    async def GetWorkerStats(  # type: ignore[override]
+        self, request: worker_pb2.GetWorkerStatsRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> worker_pb2.GetWorkerStatsResponse:
+        return self.host.stats()
+
+
+class WorkerServer:
+    """A listening worker: its address, readiness, and graceful stop."""
+
+    def __init__(self, host: WorkerHost, running: RunningServer) -> None:
+        self.host = host
+        self.running = running
+        self._stopped = False
+        self._load = asyncio.create_task(self._load_and_serve(), name="worker-load")
+        self._watch = asyncio.create_task(self._not_serving_on_failure(), name="worker-watch")
+
+    @property
+    def address(self) -> str:
+        return self.running.address
+
+    async def _load_and_serve(self) -> None:
+        settings = self.host.settings
+        log.info("loading model %s from %s on %s", settings.model_name, settings.model_path, self.host.device)
+        try:
+            await self.host.load()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the error stays in host.error; wait_ready and main report it
+            log.exception(
+                "model %s from %s failed to load or warm up", settings.model_name, settings.model_path
+            )
+            return
+        if self.host.state is State.READY:
+            await self.running.set_serving(True)
+            log.info(
+                "worker ready: model %s on %s, listening on %s",
+                settings.model_name,
+                self.host.device,
+                self.address,
+            )
+
+    async def _not_serving_on_failure(self) -> None:
+        await self.host.failed.wait()
+        await self.running.set_serving(False)
+
+    async def wait_ready(self) -> None:
+        """Return once health is SERVING; raise the load (or warm-up) error if it failed instead."""
+        await asyncio.wait({self._load})  # never raises: the outcome is read from the host
+        if self.host.error is not None:
+            raise self.host.error
+        if not self.host.ready.is_set():
+            raise DrainingError("the worker was stopped before its model was ready")
+
+    async def wait_failed(self) -> BaseException:
+        """The error that made this worker unable to serve (load failure or engine death)."""
+        await self.host.failed.wait()
+        assert self.host.error is not None
+        return self.host.error
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain (up to `grace`, default drain_timeout_s), abort what is left, end streams, stop."""
+        if self._stopped:
+            return
+        self._stopped = True
+        # First, so a load finishing now cannot turn health SERVING after the drain began.
+        for task in (self._load, self._watch):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.running.set_serving(False)
+        await self.host.drain(self.host.settings.drain_timeout_s if grace is None else grace)
+        await self.running.server.stop(STREAM_END_GRACE_S)
+        await self.host.close()
+        log.info("worker stopped")
+
+
+async def start(settings: WorkerSettings, announce_file: Path | None = None) -> WorkerServer:
+    """Listen (and announce) now; load and warm up in the background (see WorkerServer.wait_ready)."""
+    host = WorkerHost(settings)
+    servicer = WorkerServicer(host)
+    running = await start_server(
+        settings.listen,
+        register=[lambda server: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)],
+        service_names=[SERVICE_NAME],
+        max_message_bytes=settings.max_message_bytes,
+        announce_file=announce_file,
+    )
+    log.info("worker listening on %s (NOT_SERVING until the model is loaded)", running.address)
+    return WorkerServer(host, running)
+
+
+async def serve(settings: WorkerSettings, announce_file: Path | None = None) -> int:
+    """Run until SIGTERM/SIGINT (0, after a drain) or until the model fails to load or the engine dies (1)."""
+    stop = shutdown_event()
+    server = await start(settings, announce_file)
+    stopping = asyncio.create_task(stop.wait())
+    failing = asyncio.create_task(server.wait_failed())
+    await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if failing.done():
+        log.error("worker cannot serve, exiting: %r", failing.result())
+        await server.stop(grace=0)
+        return 1
+    failing.cancel()
+    log.info("shutdown requested: draining")
+    await server.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.worker", description="Strata model worker")
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="the stack's YAML config")
+    parser.add_argument("--index", type=int, default=0, help="which entry of the config's `workers` list")
+    parser.add_argument("--announce-file", type=Path, default=None, help="write the bound address here")
+    args = parser.parse_args(argv)
+    try:
+        settings = WorkerSettings.load(args.config, index=args.index)
+    except SettingsError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return asyncio.run(serve(settings, args.announce_file))
+    except OSError as exc:
+        log.error("worker could not start: %s", exc)
+        return 1
