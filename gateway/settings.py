@@ -65,6 +65,14 @@ class GatewaySettings(ServiceSettings):
     """Most prompts in one Tokenize call."""
     connect_timeout_s: float = 120.0
     """How long to wait at start for the tokenizer and each worker to be ready."""
+    tokenizer_timeout_s: float = 10.0
+    """Bound on one call to the tokenizer service (Tokenize, Detokenize, GetTokenizerInfo)."""
+    overload_retry_after_s: float = 1.0
+    """Retry hint sent with RESOURCE_EXHAUSTED when no worker of the route has credit left."""
+    reconnect_backoff_max_s: float = 5.0
+    """Longest wait between attempts to reach a worker or the tokenizer service again."""
+    shutdown_grace_s: float = 30.0
+    """On SIGTERM or SIGINT, how long running streams may take to finish before they are cancelled."""
 
     @model_validator(mode="after")
     def _check(self) -> GatewaySettings:
@@ -79,6 +87,13 @@ class GatewaySettings(ServiceSettings):
             raise ValueError(f"default_max_new_tokens={self.default_max_new_tokens} must be >= 1, e.g. 64")
         if self.tokenize_batch_window_ms < 0:
             raise ValueError(f"tokenize_batch_window_ms={self.tokenize_batch_window_ms} must be >= 0, e.g. 2")
+        if self.max_tokenize_batch < 1:
+            raise ValueError(f"max_tokenize_batch={self.max_tokenize_batch} must be >= 1, e.g. 64")
+        for name in ("tokenizer_timeout_s", "overload_retry_after_s", "reconnect_backoff_max_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0, e.g. 1")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s={self.shutdown_grace_s} must be >= 0, e.g. 30")
         return self
 
     @property

@@ -1,0 +1,247 @@
+"""The gateway's gRPC server: the strata.v1.Gateway servicer, readiness, start and stop, and `main`.
+
+`start` binds the listen address (health NOT_SERVING), opens the tokenizer connection and one worker
+link per configured worker address, and returns at once; health turns SERVING when the tokenizer is
+serving and every route has a ready link, and follows them as they come and go. `main` runs until
+SIGTERM or SIGINT, then drains: NOT_SERVING, no new calls, running streams finish within the grace
+period, links close. This module must not hold request logic (pipeline.py) nor map errors to codes
+(errors.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+from gateway.errors import GatewayError, abort
+from gateway.pipeline import TRACE_KEYS, CallInfo, Pipeline
+from gateway.router import Router
+from gateway.settings import GatewaySettings
+from gateway.tokenize_batcher import TokenizeBatcher
+from gateway.tokenizer_client import TokenizerClient
+from gateway.worker_link import WorkerLink
+from strata.rpc import RunningServer, shutdown_event, start_server
+from strata.settings import DEFAULT_CONFIG, SettingsError
+from strata.v1 import gateway_pb2, gateway_pb2_grpc
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    import grpc
+
+    Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+
+
+def call_info(context: Context) -> CallInfo:
+    """The deadline and W3C trace context of an incoming call."""
+    remaining = context.time_remaining()
+    deadline = 0 if remaining is None else int((time.time() + remaining) * 1000)
+    trace = {key: value for key, value in (context.invocation_metadata() or ()) if key in TRACE_KEYS}
+    return CallInfo(deadline_unix_ms=deadline, trace_context=trace)
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    """strata.v1.Gateway over a pipeline and its router."""
+
+    def __init__(
+        self, pipeline: Pipeline, router: Router, tokenizer: TokenizerClient, default_model: str
+    ) -> None:
+        self._pipeline = pipeline
+        self._router = router
+        self._tokenizer = tokenizer
+        self._default_model = default_model
+
+    async def Generate(
+        self, request: gateway_pb2.GenerateRequest, context: Context
+    ) -> gateway_pb2.GenerateResponse:
+        try:
+            async with contextlib.aclosing(self._pipeline.run(request, call_info(context))) as chunks:
+                async for chunk in chunks:
+                    if chunk.final is not None:
+                        return chunk.final
+        except GatewayError as error:
+            await abort(context, error)
+        raise AssertionError("the pipeline ended without a final chunk")
+
+    async def GenerateStream(
+        self, request: gateway_pb2.GenerateRequest, context: Context
+    ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+        try:
+            async with contextlib.aclosing(self._pipeline.run(request, call_info(context))) as chunks:
+                async for chunk in chunks:
+                    yield gateway_pb2.GenerateStreamResponse(
+                        text=chunk.text, token_ids=chunk.token_ids, final=chunk.final
+                    )
+        except GatewayError as error:
+            await abort(context, error)
+
+    async def ListModels(
+        self, request: gateway_pb2.ListModelsRequest, context: Context
+    ) -> gateway_pb2.ListModelsResponse:
+        models = []
+        for name in self._router.models:
+            status = self._router.status(name)
+            tokenizer = self._tokenizer.models.get(name)
+            models.append(
+                gateway_pb2.ModelInfo(
+                    name=name,
+                    max_model_len=status.max_model_len,
+                    ready_workers=status.ready_workers,
+                    configured_workers=status.configured_workers,
+                    tokenizer_fingerprint=tokenizer.fingerprint if tokenizer is not None else "",
+                    fallback_model="",
+                )
+            )
+        return gateway_pb2.ListModelsResponse(models=models, default_model=self._default_model)
+
+
+class GatewayServer:
+    """A running gateway: its server, tokenizer connection, links and readiness."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.tokenizer = TokenizerClient(settings, self._health_changed)
+        links = {
+            route.model: [
+                WorkerLink(address, route.model, settings, self.tokenizer, self._health_changed)
+                for address in route.workers
+            ]
+            for route in settings.routes
+        }
+        self.router = Router(settings, links)
+        self.batcher = TokenizeBatcher(
+            self.tokenizer, settings.tokenize_batch_window_ms, settings.max_tokenize_batch
+        )
+        self.pipeline = Pipeline(settings, self.router, self.batcher)
+        self.running: RunningServer | None = None
+        self.address = ""
+        """host:port the server is bound to."""
+        self._health_dirty = asyncio.Event()
+        self._ready_changed = asyncio.Event()
+        self._serving = False
+        self._draining = False
+        self._health_task: asyncio.Task[None] | None = None
+
+    @property
+    def serving(self) -> bool:
+        return self._serving
+
+    def _health_changed(self) -> None:
+        self._health_dirty.set()
+
+    async def _follow_health(self) -> None:
+        assert self.running is not None
+        while True:
+            await self._health_dirty.wait()
+            self._health_dirty.clear()
+            serving = not self._draining and self.tokenizer.reachable and self.router.all_ready()
+            if serving != self._serving:
+                self._serving = serving
+                await self.running.set_serving(serving)
+                log.info("gateway is %s", "SERVING" if serving else "NOT_SERVING")
+                self._ready_changed.set()
+                self._ready_changed = asyncio.Event()
+
+    async def start(self, announce_file: Path | None) -> None:
+        servicer = GatewayServicer(self.pipeline, self.router, self.tokenizer, self.settings.default_route)
+        self.running = await start_server(
+            self.settings.listen,
+            register=[lambda server: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)],
+            service_names=[SERVICE_NAME],
+            max_message_bytes=self.settings.max_message_bytes,
+            announce_file=announce_file,
+        )
+        self.address = self.running.address
+        self._health_task = asyncio.create_task(self._follow_health(), name="gateway-health")
+        self.tokenizer.start()
+        for link in self.router.links():
+            link.start()
+        log.info("gateway listening on %s, routes: %s", self.address, ", ".join(self.router.models))
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Wait until health is SERVING; False when `timeout` seconds passed first."""
+        deadline = time.monotonic() + timeout
+        while not self._serving:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ready_changed.wait(), remaining)
+        return True
+
+    async def stop(self, grace: float | None = None) -> None:
+        """NOT_SERVING, refuse new calls, let running ones finish for `grace` seconds, close links."""
+        if self._draining:
+            return
+        grace = self.settings.shutdown_grace_s if grace is None else grace
+        self._draining = True
+        self._serving = False
+        if self.running is not None:
+            await self.running.set_serving(False)
+            await self.running.server.stop(grace)
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+        await self.batcher.close()
+        await asyncio.gather(*(link.close() for link in self.router.links()))
+        await self.tokenizer.close()
+
+
+async def start(settings: GatewaySettings, announce_file: Path | None = None) -> GatewayServer:
+    """Bind and start connecting; returns at once with health NOT_SERVING until the stack is ready."""
+    server = GatewayServer(settings)
+    await server.start(announce_file)
+    return server
+
+
+async def serve(settings: GatewaySettings, announce_file: Path | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then stop gracefully."""
+    stopping = shutdown_event()
+    server = await start(settings, announce_file)
+    ready = asyncio.create_task(server.wait_ready(settings.connect_timeout_s))
+    stop = asyncio.create_task(stopping.wait())
+    await asyncio.wait({ready, stop}, return_when=asyncio.FIRST_COMPLETED)
+    if ready.done() and not ready.result():
+        log.error(
+            "not ready after %.0f s: tokenizer %s, routes: %s; still trying (health NOT_SERVING)",
+            settings.connect_timeout_s,
+            "serving" if server.tokenizer.reachable else "unreachable",
+            "; ".join(
+                f"{link.model}@{link.address}: {'ready' if link.ready else link.not_ready_reason}"
+                for link in server.router.links()
+            ),
+        )
+    ready.cancel()
+    await stop
+    log.info("gateway stopping: draining for up to %.0f s", settings.shutdown_grace_s)
+    await server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m gateway [--config PATH] [--announce-file PATH]`; 2 on bad settings."""
+    parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
+    parser.add_argument(
+        "--config", type=Path, default=DEFAULT_CONFIG, help="YAML config; its `gateway` section is read"
+    )
+    parser.add_argument(
+        "--announce-file", type=Path, default=None, help="write the bound host:port here once listening"
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = GatewaySettings.load(args.config)
+    except SettingsError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    asyncio.run(serve(settings, args.announce_file))
+    return 0

@@ -1,0 +1,99 @@
+"""Micro-batching of prompts into shared Tokenize calls.
+
+An arrival while no Tokenize call is in flight is sent at once, so an idle gateway adds no latency to
+time to first token. Under load, an arrival while a call is in flight opens a batch and arms one timer
+of `tokenize_batch_window_ms`; later arrivals join it, and it is sent when the timer fires, when it
+holds `max_tokenize_batch` entries, or when its prompts reach MAX_BATCH_BYTES. Each caller awaits its
+own future and gets its own TokenizeResult, or the GatewayError its entry (or the whole call) failed
+with. Nothing polls: one timer handle per open batch, one task per call in flight. This module must not
+know the request pipeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from gateway.errors import GatewayError, Unavailable, from_code
+from strata.rpc import MIB
+from strata.v1 import tokenizer_pb2
+
+if TYPE_CHECKING:
+    from gateway.tokenizer_client import TokenizerClient
+
+# Keeps one Tokenize call well inside the tokenizer service's default 16 MiB message bound.
+MAX_BATCH_BYTES = 4 * MIB
+
+_Pending = tuple[tokenizer_pb2.TokenizeEntry, "asyncio.Future[tokenizer_pb2.TokenizeResult]"]
+
+
+class TokenizeBatcher:
+    """Collects arrivals for a short window and tokenizes them in one call."""
+
+    def __init__(self, client: TokenizerClient, window_ms: float, max_batch: int) -> None:
+        self._client = client
+        self._window_s = window_ms / 1000.0
+        self._max_batch = max_batch
+        self._pending: list[_Pending] = []
+        self._pending_bytes = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._calls: set[asyncio.Task[None]] = set()
+
+    async def tokenize(self, entry: tokenizer_pb2.TokenizeEntry) -> tokenizer_pb2.TokenizeResult:
+        """The entry's tokens; raises the GatewayError its entry failed with."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[tokenizer_pb2.TokenizeResult] = loop.create_future()
+        size = entry.ByteSize()
+        if self._pending and self._pending_bytes + size > MAX_BATCH_BYTES:
+            self._flush()
+        self._pending.append((entry, future))
+        self._pending_bytes += size
+        if len(self._pending) >= self._max_batch or not self._calls:
+            self._flush()
+        elif self._timer is None:
+            self._timer = loop.call_later(self._window_s, self._flush)
+        return await future
+
+    async def close(self) -> None:
+        """Wait for the calls in flight (their callers are waiting on them)."""
+        self._flush()
+        if self._calls:
+            await asyncio.gather(*self._calls, return_exceptions=True)
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        batch = [(entry, future) for entry, future in self._pending if not future.done()]
+        self._pending = []
+        self._pending_bytes = 0
+        if not batch:
+            return
+        task = asyncio.create_task(self._call(batch), name=f"tokenize-{len(batch)}")
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
+
+    async def _call(self, batch: list[_Pending]) -> None:
+        request = tokenizer_pb2.TokenizeRequest(entries=[entry for entry, _ in batch])
+        try:
+            response = await self._client.tokenize(request)
+        except GatewayError as exc:
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        if len(response.results) != len(batch):
+            error = Unavailable(
+                f"tokenizer service answered {len(response.results)} results for {len(batch)} prompts"
+            )
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(error)
+            return
+        for (_, future), result in zip(batch, response.results, strict=True):
+            if future.done():  # the caller went away while the call was in flight
+                continue
+            if result.HasField("error"):
+                future.set_exception(from_code(result.error.code, result.error.message))
+            else:
+                future.set_result(result)

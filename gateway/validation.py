@@ -1,0 +1,134 @@
+"""Checks a GenerateRequest before any work is done for it, and fills in the gateway's defaults.
+
+Each rule raises InvalidArgument with a message that starts with the offending field's path
+(`sampling.top_p: ...`) and says the limit, or NotFound for a model no route serves. Limits that only
+the tokenizer or the worker can judge (the prompt's length in tokens) are theirs. This module must not
+do I/O: it is pure and runs on the request's own task.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gateway.errors import InvalidArgument, NotFound
+from strata.v1 import common_pb2, gateway_pb2
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from gateway.settings import GatewaySettings
+
+CHAT_ROLES = ("system", "user", "assistant")
+MAX_SEED = 2**63
+
+
+@dataclass(frozen=True, slots=True)
+class ValidRequest:
+    """A request that passed validation, with its defaults resolved."""
+
+    request: gateway_pb2.GenerateRequest
+    model: str
+    request_id: str
+    """The caller's id, or a generated uuid4 hex."""
+    caller_chose_id: bool
+    sampling: common_pb2.SamplingParams
+    """The request's sampling with max_new_tokens resolved."""
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        return tuple(self.sampling.stop)
+
+
+def validate(
+    request: gateway_pb2.GenerateRequest,
+    settings: GatewaySettings,
+    context_limit: Callable[[str], int | None],
+) -> ValidRequest:
+    """Check every field; `context_limit(model)` is the model's context length when a worker reported it."""
+    _check_input(request)
+    sampling = _check_sampling(request, settings)
+    request_id = _check_request_id(request.request_id, settings.max_request_id_chars)
+    model = request.model or settings.default_route
+    known = [route.model for route in settings.routes]
+    if model not in known:
+        raise NotFound(f"model: no route serves {model!r}; known models: {', '.join(known)}")
+    if sampling.max_new_tokens == 0:
+        sampling.max_new_tokens = settings.default_max_new_tokens
+    limit = context_limit(model)
+    if limit is not None and sampling.max_new_tokens >= limit:
+        raise InvalidArgument(
+            f"sampling.max_new_tokens: {sampling.max_new_tokens} leaves no room for a prompt in "
+            f"model {model!r}'s context of {limit} tokens; ask for at most {limit - 1}"
+        )
+    return ValidRequest(
+        request=request,
+        model=model,
+        request_id=request_id or uuid.uuid4().hex,
+        caller_chose_id=bool(request_id),
+        sampling=sampling,
+    )
+
+
+def _check_input(request: gateway_pb2.GenerateRequest) -> None:
+    if bool(request.prompt) == bool(request.messages):
+        raise InvalidArgument("prompt: set exactly one of prompt and messages")
+    for index, message in enumerate(request.messages):
+        if message.role not in CHAT_ROLES:
+            raise InvalidArgument(
+                f"messages[{index}].role: {message.role!r} is not one of {', '.join(CHAT_ROLES)}"
+            )
+        if not message.content:
+            raise InvalidArgument(f"messages[{index}].content: must not be empty")
+    if request.truncation not in gateway_pb2.Truncation.values():
+        raise InvalidArgument(f"truncation: {request.truncation} is not a Truncation value")
+
+
+def _check_sampling(
+    request: gateway_pb2.GenerateRequest, settings: GatewaySettings
+) -> common_pb2.SamplingParams:
+    sampling = common_pb2.SamplingParams()
+    sampling.CopyFrom(request.sampling)
+    if sampling.max_new_tokens < 0:
+        raise InvalidArgument(
+            f"sampling.max_new_tokens: {sampling.max_new_tokens} must be >= 0 (0 takes the default)"
+        )
+    if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
+        raise InvalidArgument(f"sampling.temperature: {sampling.temperature} must be >= 0 (0 is greedy)")
+    if sampling.HasField("top_p") and not 0 < sampling.top_p <= 1:
+        raise InvalidArgument(f"sampling.top_p: {sampling.top_p} must be in (0, 1]")
+    if sampling.top_k < 0:
+        raise InvalidArgument(f"sampling.top_k: {sampling.top_k} must be >= 0 (0 turns it off)")
+    if sampling.HasField("repetition_penalty") and not (
+        math.isfinite(sampling.repetition_penalty) and sampling.repetition_penalty > 0
+    ):
+        raise InvalidArgument(f"sampling.repetition_penalty: {sampling.repetition_penalty} must be > 0")
+    if sampling.no_repeat_ngram_size < 0:
+        raise InvalidArgument(
+            f"sampling.no_repeat_ngram_size: {sampling.no_repeat_ngram_size} must be >= 0 (0 turns it off)"
+        )
+    if sampling.HasField("seed") and sampling.seed >= MAX_SEED:
+        raise InvalidArgument(f"sampling.seed: {sampling.seed} must be below 2**63")
+    if len(sampling.stop) > settings.max_stop_strings:
+        raise InvalidArgument(
+            f"sampling.stop: {len(sampling.stop)} stop strings, at most {settings.max_stop_strings} allowed"
+        )
+    for index, stop in enumerate(sampling.stop):
+        if not stop:
+            raise InvalidArgument(f"sampling.stop[{index}]: must not be empty")
+        size = len(stop.encode())
+        if size > settings.max_stop_string_bytes:
+            raise InvalidArgument(
+                f"sampling.stop[{index}]: {size} bytes, at most {settings.max_stop_string_bytes} allowed"
+            )
+    return sampling
+
+
+def _check_request_id(request_id: str, max_chars: int) -> str:
+    if len(request_id) > max_chars:
+        raise InvalidArgument(f"request_id: {len(request_id)} characters, at most {max_chars} allowed")
+    if not request_id.isprintable():
+        raise InvalidArgument("request_id: must hold printable characters only")
+    return request_id

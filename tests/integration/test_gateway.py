@@ -1,0 +1,428 @@
+"""The gateway end to end: the real tokenizer service, a real worker and the gateway, in-process on
+ephemeral ports.
+
+The servers run on one event loop in a background thread (started once per module); the tests call
+them with ordinary blocking gRPC clients, the way any client would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from gateway.errors import STATUS_DETAILS_KEY, retry_delay_s
+from gateway.server import start as start_gateway
+from gateway.settings import GatewaySettings
+from services.tokenizer.server import start as start_tokenizer
+from services.tokenizer.settings import TokenizerSettings
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import LLMEngine
+from services.worker.engine.params import SamplingParams
+from services.worker.server import start as start_worker
+from services.worker.settings import WorkerSettings
+from strata.fingerprint import tokenizer_fingerprint
+from strata.v1 import (
+    common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Coroutine, Iterator
+    from pathlib import Path
+
+ENGINE = {"num_blocks": 128, "max_num_seqs": 32, "max_num_batched_tokens": 256}
+MAX_MESSAGE_BYTES = 64 * 1024
+CONTEXT = 256  # the tiny model's max_position_embeddings
+RETRY_AFTER_S = 0.75
+
+
+class LoopThread:
+    """An event loop in a daemon thread, for servers the blocking tests talk to."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 120.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class Stack:
+    def __init__(self, loop: LoopThread, model_dir: Path) -> None:
+        self.loop = loop
+        self.model_dir = model_dir
+        self.servers: list[Any] = []
+        self.channels: list[grpc.Channel] = []
+
+    def start_tokenizer(self) -> str:
+        settings = TokenizerSettings.build({"listen": "127.0.0.1:0", "models": {"tiny": self.model_dir}})
+        server = self.loop.run(start_tokenizer(settings))
+        self.servers.append(server)
+        return str(server.address)
+
+    def start_worker(self, model_dir: Path, **extra: Any) -> str:
+        settings = WorkerSettings.build(
+            {
+                "listen": "127.0.0.1:0",
+                "model_name": "tiny",
+                "model_path": model_dir,
+                "device": "cpu",
+                "threads": 1,
+                "engine": ENGINE,
+                **extra,
+            }
+        )
+        server = self.loop.run(start_worker(settings))
+        self.loop.run(server.wait_ready())
+        self.servers.append(server)
+        return str(server.address)
+
+    def start_gateway(self, tokenizer: str, worker: str, *, wait: bool = True) -> Any:
+        settings = GatewaySettings.build(
+            {
+                "listen": "127.0.0.1:0",
+                "tokenizer_address": tokenizer,
+                "routes": [{"model": "tiny", "workers": [worker]}],
+                "max_message_bytes": MAX_MESSAGE_BYTES,
+                "reconnect_backoff_max_s": 0.5,
+                "overload_retry_after_s": RETRY_AFTER_S,
+            }
+        )
+        gateway = self.loop.run(start_gateway(settings))
+        self.servers.append(gateway)
+        if wait:
+            assert self.loop.run(gateway.wait_ready(60)), "the gateway did not become ready in 60 s"
+        return gateway
+
+    def channel(self, address: str) -> grpc.Channel:
+        channel = grpc.insecure_channel(address)
+        self.channels.append(channel)
+        return channel
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
+        for server in reversed(self.servers):
+            self.loop.run(server.stop(0))
+
+
+class Env:
+    """The module's stack and its clients."""
+
+    def __init__(self, stack: Stack, gateway: Any, tokenizer: str, worker: str) -> None:
+        self.stack = stack
+        self.gateway_server = gateway
+        self.tokenizer_address = tokenizer
+        self.gateway = gateway_pb2_grpc.GatewayStub(stack.channel(gateway.address))
+        self.tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(stack.channel(tokenizer))
+        self.worker = worker_pb2_grpc.WorkerServiceStub(stack.channel(worker))
+        self.gateway_channel = stack.channels[0]
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        entry = tokenizer_pb2.TokenizeEntry(model="tiny", prompt=prompt, max_input_tokens=10_000)
+        (result,) = self.tokenizer.Tokenize(
+            tokenizer_pb2.TokenizeRequest(entries=[entry]), timeout=30
+        ).results
+        return list(result.token_ids)
+
+
+@pytest.fixture(scope="module")
+def env(tiny_serving_dir: Path) -> Iterator[Env]:
+    loop = LoopThread()
+    stack = Stack(loop, tiny_serving_dir)
+    try:
+        tokenizer = stack.start_tokenizer()
+        worker = stack.start_worker(tiny_serving_dir)
+        gateway = stack.start_gateway(tokenizer, worker)
+        yield Env(stack, gateway, tokenizer, worker)
+    finally:
+        stack.close()
+        loop.close()
+
+
+def _request(prompt: str = "Hello world", **sampling: Any) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(prompt=prompt, sampling=common_pb2.SamplingParams(**sampling))
+
+
+def _wait_for(condition: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{what} within {timeout} s")
+
+
+def test_generate_answers_with_text_usage_timing_and_ids(env: Env) -> None:
+    response = env.gateway.Generate(_request(max_new_tokens=16, ignore_eos=True), timeout=60)
+    assert response.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert len(response.token_ids) == 16
+    assert response.usage.output_tokens == 16
+    assert response.usage.input_tokens == len(env.prompt_ids("Hello world"))
+    assert response.text and response.model == "tiny" and response.fallback_reason == ""
+    assert len(response.request_id) == 32 and int(response.request_id, 16) >= 0
+    timing = response.timing
+    assert timing.preprocess_ms > 0 and timing.forward_ms > 0 and timing.decode_ms > 0
+    assert 0 < timing.time_to_first_token_ms <= timing.total_ms
+
+
+def test_stream_deltas_add_up_to_the_final_answer(env: Env) -> None:
+    request = _request("The capital of France", max_new_tokens=24, ignore_eos=True)
+    request.request_id = "my-request"
+    messages = list(env.gateway.GenerateStream(request, timeout=60))
+    assert len(messages) >= 2
+    final = messages[-1].final
+    assert all(not m.HasField("final") for m in messages[:-1])
+    assert "".join(m.text for m in messages) == final.text
+    assert [t for m in messages for t in m.token_ids] == list(final.token_ids)
+    assert final.usage.output_tokens == 24 and len(final.token_ids) == 24
+    assert final.request_id == "my-request"
+    unary = env.gateway.Generate(request, timeout=60)
+    assert (unary.text, list(unary.token_ids)) == (final.text, list(final.token_ids))
+
+
+def test_chat_messages_use_the_chat_template(env: Env) -> None:
+    request = gateway_pb2.GenerateRequest(
+        messages=[
+            common_pb2.ChatMessage(role="system", content="Be brief."),
+            common_pb2.ChatMessage(role="user", content="What is the capital of France?"),
+        ],
+        sampling=common_pb2.SamplingParams(max_new_tokens=8, ignore_eos=True),
+    )
+    response = env.gateway.Generate(request, timeout=60)
+    rendered = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert response.usage.input_tokens == len(env.prompt_ids(rendered))
+    assert response.usage.output_tokens == 8
+
+
+def test_stop_string_cuts_the_text_where_it_begins(env: Env) -> None:
+    first = env.gateway.Generate(_request("Tell me a story", max_new_tokens=40, ignore_eos=True), timeout=60)
+    text = first.text
+    start = len(text) // 2
+    stop = text[start : start + 3]
+    assert len(stop.strip()) > 0, f"pick another stop string from {text!r}"
+    expected = text[: text.index(stop)]
+    stopped = env.gateway.Generate(
+        _request("Tell me a story", max_new_tokens=40, ignore_eos=True, stop=[stop]), timeout=60
+    )
+    assert stopped.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert stopped.text == expected
+    assert len(stopped.token_ids) < 40
+    assert list(stopped.token_ids) == list(first.token_ids[: len(stopped.token_ids)])
+    streamed = list(
+        env.gateway.GenerateStream(
+            _request("Tell me a story", max_new_tokens=40, ignore_eos=True, stop=[stop]), timeout=60
+        )
+    )
+    assert "".join(m.text for m in streamed) == expected == streamed[-1].final.text
+
+
+def test_list_models_reports_the_route(env: Env, tiny_serving_dir: Path) -> None:
+    answer = env.gateway.ListModels(gateway_pb2.ListModelsRequest(), timeout=10)
+    assert answer.default_model == "tiny"
+    (model,) = answer.models
+    assert (model.name, model.max_model_len, model.ready_workers, model.configured_workers) == (
+        "tiny",
+        CONTEXT,
+        1,
+        1,
+    )
+    assert model.tokenizer_fingerprint == tokenizer_fingerprint(tiny_serving_dir)
+    assert model.fallback_model == ""
+
+
+def test_reflection_and_health(env: Env) -> None:
+    stub = reflection_pb2_grpc.ServerReflectionStub(env.gateway_channel)
+    (answer,) = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    names = {service.name for service in answer.list_services_response.service}
+    assert {"strata.v1.Gateway", "grpc.health.v1.Health"} <= names
+    health = health_pb2_grpc.HealthStub(env.gateway_channel)
+    for service in ("", "strata.v1.Gateway"):
+        status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_concurrent_streams_match_the_engine_alone(env: Env, tiny_serving_dir: Path) -> None:
+    prompts = [f"Request {i}: the quick brown fox number {i * 7}" for i in range(32)]
+    new_tokens = 12
+
+    def stream(prompt: str) -> list[int]:
+        messages = env.gateway.GenerateStream(
+            _request(prompt, max_new_tokens=new_tokens, ignore_eos=True), timeout=120
+        )
+        return [t for m in messages for t in m.token_ids]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(stream, prompts))
+    engine = LLMEngine.from_model_dir(tiny_serving_dir, EngineConfig.model_validate(ENGINE))
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    for prompt, tokens in zip(prompts, got, strict=True):
+        (alone,) = engine.generate([env.prompt_ids(prompt)], params)
+        assert tokens == alone, prompt
+
+
+INVALID: list[tuple[str, gateway_pb2.GenerateRequest]] = [
+    ("prompt", gateway_pb2.GenerateRequest()),
+    (
+        "messages[0].role",
+        gateway_pb2.GenerateRequest(messages=[common_pb2.ChatMessage(role="robot", content="x")]),
+    ),
+    ("sampling.max_new_tokens", _request(max_new_tokens=-3)),
+    ("sampling.max_new_tokens", _request(max_new_tokens=CONTEXT)),
+    ("sampling.temperature", _request(temperature=-1.0)),
+    ("sampling.top_p", _request(top_p=2.0)),
+    ("sampling.top_k", _request(top_k=-1)),
+    ("sampling.repetition_penalty", _request(repetition_penalty=-1.0)),
+    ("sampling.no_repeat_ngram_size", _request(no_repeat_ngram_size=-1)),
+    ("sampling.stop", _request(stop=["a"] * 9)),
+    ("sampling.stop[0]", _request(stop=["x" * 65])),
+    ("request_id", gateway_pb2.GenerateRequest(prompt="hi", request_id="x" * 129)),
+]
+
+
+@pytest.mark.parametrize(("field", "request_"), INVALID, ids=[f"{i}-{f}" for i, (f, _) in enumerate(INVALID)])
+def test_invalid_fields_are_named(env: Env, field: str, request_: gateway_pb2.GenerateRequest) -> None:
+    for call in (
+        env.gateway.Generate,
+        lambda r, timeout: list(env.gateway.GenerateStream(r, timeout=timeout)),
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            call(request_, timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith(field), info.value.details()
+
+
+def test_unknown_model_oversized_request_and_recovery(env: Env) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        env.gateway.Generate(gateway_pb2.GenerateRequest(prompt="hi", model="nope"), timeout=30)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND and "tiny" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        env.gateway.Generate(_request("x" * (MAX_MESSAGE_BYTES + 1)), timeout=30)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    response = env.gateway.Generate(_request(max_new_tokens=4, ignore_eos=True), timeout=60)
+    assert len(response.token_ids) == 4
+
+
+def test_prompt_too_long_is_refused_or_truncated_left(env: Env) -> None:
+    prompt = "The quick brown fox jumps over the lazy dog. " * 40
+    length = len(env.prompt_ids(prompt))
+    assert length > CONTEXT
+    with pytest.raises(grpc.RpcError) as info:
+        env.gateway.Generate(_request(prompt, max_new_tokens=16), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(length) in info.value.details() and str(CONTEXT - 16) in info.value.details()
+    request = _request(prompt, max_new_tokens=16, ignore_eos=True)
+    request.truncation = gateway_pb2.TRUNCATION_LEFT
+    response = env.gateway.Generate(request, timeout=60)
+    assert response.usage.input_tokens == CONTEXT - 16
+    assert response.usage.output_tokens == 16
+
+
+def test_client_cancel_frees_the_kv_blocks(env: Env) -> None:
+    stats = lambda: env.worker.GetWorkerStats(worker_pb2.GetWorkerStatsRequest(), timeout=10)  # noqa: E731
+    _wait_for(lambda: stats().used_kv_blocks == 0, 30, "the worker did not go idle")
+    steps_before = stats().steps
+    call = env.gateway.GenerateStream(_request("Cancel me", max_new_tokens=230, ignore_eos=True), timeout=120)
+    first = next(call)
+    assert first.token_ids
+    assert stats().used_kv_blocks > 0
+    call.cancel()
+    _wait_for(lambda: stats().used_kv_blocks == 0 and stats().open_requests == 0, 30, "KV blocks not freed")
+    # Freed by the cancellation, not by running to the end: far fewer steps than 230 tokens need.
+    assert stats().steps - steps_before < 200
+
+
+def test_worker_with_another_tokenizer_is_refused(env: Env, tiny_serving_dir: Path, tmp_path: Path) -> None:
+    other = tmp_path / "tiny-other-tokenizer"
+    shutil.copytree(tiny_serving_dir, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config["model_max_length"] = 255
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    stack = env.stack
+    worker = stack.start_worker(other)
+    gateway = stack.start_gateway(env.tokenizer_address, worker, wait=False)
+    stub = gateway_pb2_grpc.GatewayStub(stack.channel(gateway.address))
+
+    def refused() -> str:
+        try:
+            stub.Generate(_request(max_new_tokens=2), timeout=30)
+        except grpc.RpcError as error:
+            assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
+            return error.details() if "fingerprint" in error.details() else ""
+        raise AssertionError("a gateway routed to a refusing worker answered")
+
+    message = _wait_for(refused, 30, "the refusal did not reach clients")
+    assert "refused" in message
+    assert not gateway.serving
+    (model,) = stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=10).models
+    assert (model.ready_workers, model.configured_workers) == (0, 1)
+
+
+def test_overload_gets_a_retry_hint_and_a_lost_worker_fails_its_streams(env: Env) -> None:
+    stack = env.stack
+    worker = stack.start_worker(stack.model_dir, max_requests=2)
+    gateway = stack.start_gateway(env.tokenizer_address, worker)
+    stub = gateway_pb2_grpc.GatewayStub(stack.channel(gateway.address))
+    long = _request("Keep going", max_new_tokens=230, ignore_eos=True)
+    streams = [stub.GenerateStream(long, timeout=120) for _ in range(2)]
+    for call in streams:
+        assert next(call).token_ids
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(_request(max_new_tokens=2), timeout=30)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+    trailers = dict(info.value.trailing_metadata() or ())
+    assert retry_delay_s(trailers[STATUS_DETAILS_KEY]) == pytest.approx(RETRY_AFTER_S)
+
+    # Break the streams abruptly (no drain): the worker's gRPC server goes away under them.
+    server = next(s for s in stack.servers if getattr(s, "address", None) == worker)
+    stack.loop.run(server.running.server.stop(0))
+    for call in streams:
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+        assert worker in info.value.details()
+    _wait_for(lambda: not gateway.serving, 10, "the gateway still reports SERVING without its worker")
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(_request(max_new_tokens=2), timeout=30)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_stop_lets_running_streams_finish(env: Env) -> None:
+    gateway = env.stack.start_gateway(env.tokenizer_address, env.gateway_server.router.links()[0].address)
+    stub = gateway_pb2_grpc.GatewayStub(env.stack.channel(gateway.address))
+    call = stub.GenerateStream(_request("Finish me", max_new_tokens=60, ignore_eos=True), timeout=120)
+    first = next(call)
+    stopping = asyncio.run_coroutine_threadsafe(gateway.stop(30), env.stack.loop.loop)
+    rest = list(call)
+    assert rest[-1].final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 60
+    stopping.result(30)
+    assert not gateway.serving
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(_request(max_new_tokens=2), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
