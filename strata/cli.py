@@ -2,7 +2,9 @@
 
 Each subcommand is one ``_add_<name>`` function that declares its parser and sets ``handler``; add a
 new one to ``_SUBCOMMANDS``. This module must stay cheap to import (``strata --help`` is instant): it
-must not import torch, transformers or grpc at module level; handlers import what they need.
+must not import torch, transformers or grpc at module level; handlers import what they need. It holds
+no serving logic: `up` delegates to strata.launcher, `generate` and `models` live in strata.cli_client,
+`bench` belongs to bench.stack (imported only when that command runs, which parses its own options).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from strata.cli_client import add_generate, add_models
 from strata.model_fetch import DEFAULT_MODELS_ROOT, MODEL_NAME, WHEEL_REQUIREMENT
 
 Handler = Callable[[argparse.Namespace], int]
@@ -20,7 +23,11 @@ Handler = Callable[[argparse.Namespace], int]
 if TYPE_CHECKING:
     from typing import TypeAlias
 
+    from strata.launcher import Stack
+
     SubParsers: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
+
+EXAMPLE_PROMPT = "What is the capital of France?"
 
 
 def _fetch_model(args: argparse.Namespace) -> int:
@@ -67,34 +74,106 @@ def _add_fetch_model(subparsers: SubParsers) -> None:
     parser.set_defaults(handler=_fetch_model)
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from strata.local_generate import generate_local
-    from strata.model_fetch import ensure_default_model
+def _print_ready(stack: Stack) -> None:
+    from strata.client import DEFAULT_ADDRESS
 
-    model_dir = args.model if args.model is not None else ensure_default_model()
-    generate_local(model_dir, args.prompt, not args.raw, args.max_new_tokens, args.temperature)
-    return 0
+    addresses = stack.addresses
+    print(f"strata up: the stack is ready ({stack.config_path})")
+    print(f"  gateway    {addresses.gateway}")
+    print(f"  tokenizer  {addresses.tokenizer}")
+    for index, (address, model) in enumerate(zip(addresses.workers, stack.worker_models, strict=True)):
+        print(f"  worker {index:<3} {address}  ({model})")
+    target = "" if addresses.gateway == DEFAULT_ADDRESS else f" --address {addresses.gateway}"
+    print(f'try: strata generate "{EXAMPLE_PROMPT}" --chat{target}')
+    print("Ctrl-C stops the stack.", flush=True)
 
 
-def _add_generate(subparsers: SubParsers) -> None:
+def _up(args: argparse.Namespace) -> int:
+    import signal
+
+    from strata.launcher import READY_TIMEOUT_S, StackError, start_stack
+    from strata.settings import DEFAULT_CONFIG, SettingsError
+
+    config = (args.config or DEFAULT_CONFIG).resolve()
+    if config == DEFAULT_CONFIG.resolve():
+        from strata.model_fetch import ModelFetchError, ensure_default_model
+
+        try:
+            ensure_default_model()
+        except ModelFetchError as exc:
+            print(
+                f"strata up: error: the default model is missing and could not be fetched: {exc}",
+                file=sys.stderr,
+            )
+            return 1
+    # SIGTERM stops the stack like Ctrl-C, also while the services are starting.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        stack = start_stack(config, ready_timeout_s=args.ready_timeout or READY_TIMEOUT_S)
+    except (StackError, SettingsError) as exc:
+        print(f"strata up: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("strata up: stopped while starting", file=sys.stderr)
+        return 0
+    status = 0
+    try:
+        _print_ready(stack)
+        ended = stack.wait()
+        print(f"strata up: {ended}; stopping the stack", file=sys.stderr)
+        status = 1
+    except KeyboardInterrupt:
+        print("strata up: stopping the stack", file=sys.stderr)
+    finally:
+        # The stop is bounded (SIGKILL after its timeout); a second signal must not cut it short.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        exits = stack.stop()
+    print("strata up: stopped: " + ", ".join(str(child) for child in exits), file=sys.stderr)
+    return status
+
+
+def _add_up(subparsers: SubParsers) -> None:
     parser = subparsers.add_parser(
-        "generate",
-        help="stream an answer to PROMPT from the engine running in this process",
+        "up",
+        help="run the whole stack (tokenizer, workers, gateway) until Ctrl-C",
         description=(
-            "Tokenize PROMPT (with the model's chat template unless --raw), run it through the "
-            "continuous-batching engine in this process and stream the text. The gRPC stack's client "
-            "replaces this path when the services land."
+            "Start the tokenizer service, every worker of the config and then the gateway, each as its "
+            "own process with its output in this terminal; print their addresses and wait. Ctrl-C or "
+            "SIGTERM stops them (exit 0); a service that dies stops the rest (exit 1). With the default "
+            "config, the default model is fetched first when missing."
         ),
     )
-    parser.add_argument("prompt", help="the user's message")
-    parser.add_argument("--model", type=Path, help="model directory (default: the fetched default model)")
-    parser.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="default: %(default)s")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
-    parser.set_defaults(handler=_generate)
+    parser.add_argument("--config", type=Path, help="stack config (default: configs/local.yaml)")
+    parser.add_argument(
+        "--ready-timeout", type=float, help="seconds to wait for the services to be ready (default: 600)"
+    )
+    parser.set_defaults(handler=_up)
 
 
-_SUBCOMMANDS: tuple[Callable[[SubParsers], None], ...] = (_add_fetch_model, _add_generate)
+def _bench(args: argparse.Namespace) -> int:
+    from bench import stack
+
+    parser = argparse.ArgumentParser(prog="strata bench", description=stack.__doc__)
+    stack.add_arguments(parser)
+    return stack.run(parser.parse_args(args.extra))
+
+
+def _add_bench(subparsers: SubParsers) -> None:
+    # Its options belong to bench.stack, parsed when the command runs, so `strata --help` stays cheap.
+    parser = subparsers.add_parser(
+        "bench", help="load the running stack and report throughput and latency", add_help=False
+    )
+    parser.set_defaults(handler=_bench, takes_extra=True)
+
+
+_SUBCOMMANDS: tuple[Callable[[SubParsers], None], ...] = (
+    _add_up,
+    add_generate,
+    add_models,
+    _add_bench,
+    _add_fetch_model,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "takes_extra", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     handler: Handler = args.handler
     try:
         return handler(args)

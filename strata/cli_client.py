@@ -1,0 +1,231 @@
+"""The ``strata`` subcommands that call a running gateway: ``generate`` and ``models``.
+
+Each builds its request from the parsed options, calls strata.client and renders the answer: streamed
+text on stdout, timing on stderr, gRPC failures as "error: CODE: message" with exit status 1. It
+must stay cheap to import (strata.cli builds these parsers for ``strata --help``): no grpc, torch or
+transformers at module level. It holds no serving logic; ``generate --local`` delegates to
+strata.local_generate, the in-process engine demonstration.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Iterable
+    from typing import TypeAlias
+
+    from strata.v1 import gateway_pb2
+
+    SubParsers: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
+
+DEFAULT_TIMEOUT_S = 300.0
+# Options of the gRPC path that the in-process --local path cannot honour.
+_REMOTE_ONLY = ("address", "system", "model", "top_p", "top_k", "repetition_penalty", "seed", "stop")
+
+
+def _generate_request(args: argparse.Namespace) -> gateway_pb2.GenerateRequest:
+    from strata.client import build_request
+
+    messages = None
+    if args.chat:
+        messages = [("user", args.prompt)]
+        if args.system is not None:
+            messages.insert(0, ("system", args.system))
+    return build_request(
+        None if args.chat else args.prompt,
+        messages=messages,
+        model=args.model or "",
+        max_new_tokens=args.max_new_tokens or 0,
+        temperature=args.temperature or 0.0,
+        top_p=args.top_p,
+        top_k=args.top_k or 0,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=args.stop or (),
+    )
+
+
+def _print_stream(
+    messages: Iterable[gateway_pb2.GenerateStreamResponse],
+) -> gateway_pb2.GenerateResponse | None:
+    """Write each text delta as it arrives; the final summary, or None when the stream lacked it."""
+    final = None
+    try:
+        for message in messages:
+            if message.text:
+                sys.stdout.write(message.text)
+                sys.stdout.flush()
+            if message.HasField("final"):
+                final = message.final
+    finally:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    return final
+
+
+def _print_timing(response: gateway_pb2.GenerateResponse) -> None:
+    from strata.v1 import common_pb2
+
+    timing = response.timing
+    stages = [
+        ("preprocess", timing.preprocess_ms),
+        ("queue", timing.queue_ms),
+        ("forward", timing.forward_ms),
+        ("decode", timing.decode_ms),
+        ("TTFT", timing.time_to_first_token_ms),
+        ("total", timing.total_ms),
+    ]
+    print("timing: " + " | ".join(f"{name} {ms:.1f} ms" for name, ms in stages), file=sys.stderr)
+    fallback = f" (fallback: {response.fallback_reason})" if response.fallback_reason else ""
+    finish = common_pb2.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_")
+    print(
+        f"model {response.model}{fallback} | {response.usage.input_tokens} input tokens, "
+        f"{response.usage.output_tokens} output tokens | finish {finish} | request {response.request_id}",
+        file=sys.stderr,
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    response: gateway_pb2.GenerateResponse | None
+    if args.local:
+        return _generate_local(args)
+    if args.system is not None and not args.chat:
+        print(
+            "strata generate: error: --system needs --chat (a system message is part of a chat)",
+            file=sys.stderr,
+        )
+        return 2
+    import grpc
+    from google.protobuf.json_format import MessageToJson
+
+    from strata.client import StrataClient
+
+    request = _generate_request(args)
+    with StrataClient(_address(args)) as client:
+        try:
+            if args.json:
+                response = client.send(request, timeout=args.timeout)
+                print(MessageToJson(response))
+            else:
+                response = _print_stream(client.send_stream(request, timeout=args.timeout))
+        except grpc.RpcError as error:
+            return _rpc_failed(error)
+    if response is None:
+        print("error: the stream ended without its final message", file=sys.stderr)
+        return 1
+    if args.timing:
+        _print_timing(response)
+    return 0
+
+
+def _generate_local(args: argparse.Namespace) -> int:
+    given = [name for name in _REMOTE_ONLY if getattr(args, name) not in (None, [])]
+    given += [flag for flag in ("json", "timing") if getattr(args, flag)]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        print(f"strata generate: error: {flags} need the gRPC stack; drop --local", file=sys.stderr)
+        return 2
+    from strata.local_generate import generate_local
+    from strata.model_fetch import ensure_default_model
+
+    model_dir = args.model_dir if args.model_dir is not None else ensure_default_model()
+    max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else 64
+    generate_local(model_dir, args.prompt, args.chat, max_new_tokens, args.temperature or 0.0)
+    return 0
+
+
+def add_generate(subparsers: SubParsers) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="stream an answer to PROMPT from the running stack (strata up)",
+        description=(
+            "Send PROMPT to the gateway and stream the text as it is decoded. PROMPT is sent as raw text "
+            "unless --chat (then as a user message, through the model's chat template). Errors print "
+            "'error: CODE: message' and exit 1. --local runs the engine in this process instead, "
+            "without any service (a demonstration of the engine)."
+        ),
+    )
+    parser.add_argument("prompt", help="the prompt (with --chat: the user's message)")
+    _add_address(parser)
+    parser.add_argument("--chat", action="store_true", help="send PROMPT as a user message (chat template)")
+    parser.add_argument("--system", help="with --chat: a system message before PROMPT")
+    parser.add_argument("--model", help="model name, as `strata models` lists it (default: the gateway's)")
+    parser.add_argument("--max-new-tokens", type=int, help="default: the gateway's (64)")
+    parser.add_argument("--temperature", type=float, help="0 is greedy (default: 0)")
+    parser.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1] (default: off)")
+    parser.add_argument("--top-k", type=int, help="keep the k most likely tokens (default: off)")
+    parser.add_argument("--repetition-penalty", type=float, help="> 1 discourages repeats (default: off)")
+    parser.add_argument("--seed", type=int, help="sampling seed, for repeatable sampling")
+    parser.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print the whole GenerateResponse as JSON")
+    parser.add_argument("--timing", action="store_true", help="print the per-stage timing to stderr")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help="seconds for the whole call (default: %(default)s)",
+    )
+    local = parser.add_argument_group("in-process generation (no services)")
+    local.add_argument(
+        "--local", action="store_true", help="run the engine in this process, not via the stack"
+    )
+    local.add_argument(
+        "--model-dir", type=Path, help="with --local: model folder (default: the default model)"
+    )
+    parser.set_defaults(handler=_generate)
+
+
+def _models(args: argparse.Namespace) -> int:
+    import grpc
+
+    from strata.client import StrataClient
+
+    with StrataClient(_address(args)) as client:
+        try:
+            reply = client.list_models(timeout=args.timeout)
+        except grpc.RpcError as error:
+            return _rpc_failed(error)
+    rows = [("MODEL", "CONTEXT", "WORKERS", "FALLBACK")]
+    for model in reply.models:
+        name = model.name + (" *" if model.name == reply.default_model else "")
+        workers = f"{model.ready_workers}/{model.configured_workers} ready"
+        rows.append((name, str(model.max_model_len), workers, model.fallback_model or "-"))
+    widths = [max(len(row[column]) for row in rows) for column in range(3)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)) + "  " + row[3])
+    print("(* the default model)")
+    return 0
+
+
+def add_models(subparsers: SubParsers) -> None:
+    parser = subparsers.add_parser("models", help="list the models the gateway serves")
+    _add_address(parser)
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds (default: %(default)s)")
+    parser.set_defaults(handler=_models)
+
+
+def _address(args: argparse.Namespace) -> str:
+    from strata.client import DEFAULT_ADDRESS
+
+    return str(args.address or os.environ.get("STRATA_ADDRESS") or DEFAULT_ADDRESS)
+
+
+def _add_address(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--address", help="gateway HOST:PORT (default: $STRATA_ADDRESS, else 127.0.0.1:50051)"
+    )
+
+
+def _rpc_failed(error: BaseException) -> int:
+    import grpc
+
+    if isinstance(error, grpc.Call):
+        print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
+    else:
+        print(f"error: {error}", file=sys.stderr)
+    return 1

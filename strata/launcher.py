@@ -1,0 +1,285 @@
+"""Start a whole Strata stack (tokenizer, workers, gateway) as child processes, and stop it cleanly.
+
+`start_stack` is what `strata up` and the integration tests use. Each service runs as
+`python -m <module> --config FILE --announce-file P` and writes its bound address to P once listening;
+the launcher then waits for grpc.health.v1 to report SERVING. The tokenizer and every worker start
+together (workers load their models in parallel) and must all be ready before the gateway starts, so
+the gateway connects to live services whose real addresses it receives through
+STRATA_GATEWAY_TOKENIZER_ADDRESS and STRATA_GATEWAY_ROUTES. Stopping goes gateway first (it drains its
+clients), then workers and tokenizer: SIGTERM, a bounded wait, then SIGKILL for stragglers.
+
+Children run in their own session, so a terminal's Ctrl-C reaches only the launcher, which stops them
+in order. On Linux each child also gets SIGTERM if the launcher dies without stopping it (the parent
+death signal follows the *thread* that started the stack: start it from one that outlives it, e.g. the
+main thread). This module must not know any service's settings beyond the workers' model names, nor
+decide when a service is ready (the services' health does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Self
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from strata.settings import SettingsError, read_config
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from types import TracebackType
+
+READY_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 30.0
+_POLL_S = 0.05
+_LOG_TAIL_LINES = 25
+
+# Sets the parent death signal, then becomes the service: the exec keeps the pid and the setting.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"  # 1 = PR_SET_PDEATHSIG
+    "os.getppid() == int(sys.argv[1]) or os._exit(70)\n"  # the launcher died before prctl
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
+)
+
+
+class StackError(RuntimeError):
+    """The stack could not start; the message names the service, its exit code and its last output."""
+
+
+@dataclass(frozen=True)
+class StackAddresses:
+    """Where each service of a running stack listens (host:port)."""
+
+    gateway: str
+    tokenizer: str
+    workers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ChildExit:
+    """A child process that ended, and its exit code (negative: killed by that signal)."""
+
+    name: str
+    returncode: int
+
+    def __str__(self) -> str:
+        return f"{self.name} exited with code {self.returncode}"
+
+
+@dataclass
+class _Child:
+    name: str
+    process: subprocess.Popen[bytes]
+    announce_file: Path
+    log_file: Path | None
+
+    def log_tail(self) -> str:
+        if self.log_file is None:
+            return "(its output went to this terminal, above)"
+        try:
+            lines = self.log_file.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
+        except OSError as exc:
+            return f"(its log {self.log_file} is unreadable: {exc})"
+        return f"last lines of {self.log_file}:\n" + "\n".join(f"  | {line}" for line in lines)
+
+
+def worker_models(config_path: Path) -> list[str]:
+    """The model name of each worker in the config, in index order (settings and environment applied)."""
+    from services.worker.settings import WorkerSettings
+
+    workers = read_config(config_path).get("workers")
+    if not isinstance(workers, list) or not workers:
+        raise SettingsError(f"{config_path}: section 'workers' must list at least one worker")
+    return [WorkerSettings.load(config_path, index=i).model_name for i in range(len(workers))]
+
+
+def routes_json(models: list[str], addresses: list[str]) -> str:
+    """STRATA_GATEWAY_ROUTES: one route per model name, listing its workers in index order."""
+    routes: dict[str, list[str]] = {}
+    for model, address in zip(models, addresses, strict=True):
+        routes.setdefault(model, []).append(address)
+    return json.dumps([{"model": model, "workers": workers} for model, workers in routes.items()])
+
+
+class Stack:
+    """A running stack's child processes; build it with start_stack, end it with stop (or `with`)."""
+
+    def __init__(self, config_path: Path, env: Mapping[str, str] | None, log_dir: Path | None) -> None:
+        self.config_path = config_path
+        self.log_dir = log_dir
+        self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self._run_dir = Path(tempfile.mkdtemp(prefix="strata-stack-"))
+        self._children: list[_Child] = []
+        self._logs: list[IO[bytes]] = []
+        self._addresses: StackAddresses | None = None
+        self.worker_models: tuple[str, ...] = ()
+        """The model name of each worker, in index order."""
+
+    @property
+    def addresses(self) -> StackAddresses:
+        if self._addresses is None:
+            raise StackError("the stack is not ready: start it with start_stack")
+        return self._addresses
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """Process id of each child by service name ("tokenizer", "worker 0", ..., "gateway")."""
+        return {child.name: child.process.pid for child in self._children}
+
+    def poll(self) -> ChildExit | None:
+        """The first child found ended, or None while all run."""
+        for child in self._children:
+            code = child.process.poll()
+            if code is not None:
+                return ChildExit(child.name, code)
+        return None
+
+    def wait(self, timeout: float | None = None) -> ChildExit | None:
+        """Block until a child ends and return which one; None if `timeout` passed first."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while (ended := self.poll()) is None:
+            if end is not None and time.monotonic() >= end:
+                return None
+            time.sleep(0.2)
+        return ended
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> list[ChildExit]:
+        """SIGTERM the gateway, then workers and tokenizer; SIGKILL what outlives `timeout`. Idempotent."""
+        end = time.monotonic() + timeout
+        gateway = [child for child in self._children if child.name == "gateway"]
+        rest = [child for child in self._children if child.name != "gateway"]
+        # The gateway gets at most half the time to drain, so the others always get their SIGTERM.
+        self._terminate(gateway, time.monotonic() + timeout / 2)
+        self._terminate(rest, end)
+        for log in self._logs:
+            log.close()
+        shutil.rmtree(self._run_dir, ignore_errors=True)
+        return [ChildExit(child.name, child.process.wait()) for child in self._children]
+
+    def _terminate(self, children: list[_Child], end: float) -> None:
+        for child in children:
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        for child in children:
+            try:
+                child.process.wait(max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, module: str, args: list[str], env: Mapping[str, str] | None = None) -> _Child:
+        slug = name.replace(" ", "-")
+        announce = self._run_dir / f"{slug}.addr"
+        command = ["-m", module, "--config", str(self.config_path), "--announce-file", str(announce), *args]
+        if sys.platform == "linux":
+            command = ["-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
+        log_file = None if self.log_dir is None else self.log_dir / f"{slug}.log"
+        output: IO[bytes] | None = None
+        if log_file is not None:
+            output = log_file.open("wb")
+            self._logs.append(output)
+        process = subprocess.Popen(
+            [sys.executable, *command],
+            env={**self._env, **(env or {})},
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT if output is not None else None,
+            start_new_session=True,
+        )
+        child = _Child(name, process, announce, log_file)
+        self._children.append(child)
+        return child
+
+    def _fail_if_any_exited(self) -> None:
+        ended = self.poll()
+        if ended is not None:
+            child = next(child for child in self._children if child.name == ended.name)
+            raise StackError(f"{ended} while the stack was starting; {child.log_tail()}")
+
+    def _wait_ready(self, child: _Child, end: float, timeout_s: float) -> str:
+        """The child's announced address once its health says SERVING; fails fast if any child exits."""
+        while not child.announce_file.exists():
+            self._fail_if_any_exited()
+            if time.monotonic() >= end:
+                raise StackError(
+                    f"{child.name} did not announce its address within {timeout_s:.0f} s; {child.log_tail()}"
+                )
+            time.sleep(_POLL_S)
+        address = child.announce_file.read_text().strip()
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while True:
+                self._fail_if_any_exited()
+                try:
+                    reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return address
+                except grpc.RpcError:
+                    pass  # not serving yet: the loop's deadline bounds the wait
+                if time.monotonic() >= end:
+                    late = f"{child.name} at {address} was not SERVING within {timeout_s:.0f} s"
+                    raise StackError(f"{late}; {child.log_tail()}")
+                time.sleep(0.1)
+
+    def _start(self, ready_timeout_s: float) -> None:
+        models = worker_models(self.config_path)
+        self.worker_models = tuple(models)
+        end = time.monotonic() + ready_timeout_s
+        tokenizer = self._spawn("tokenizer", "services.tokenizer", [])
+        workers = [
+            self._spawn(f"worker {index}", "services.worker", ["--index", str(index)])
+            for index in range(len(models))
+        ]
+        tokenizer_address = self._wait_ready(tokenizer, end, ready_timeout_s)
+        worker_addresses = [self._wait_ready(worker, end, ready_timeout_s) for worker in workers]
+        gateway_env = {
+            "STRATA_GATEWAY_TOKENIZER_ADDRESS": tokenizer_address,
+            "STRATA_GATEWAY_ROUTES": routes_json(models, worker_addresses),
+        }
+        gateway = self._spawn("gateway", "gateway", [], gateway_env)
+        gateway_address = self._wait_ready(gateway, end, ready_timeout_s)
+        self._addresses = StackAddresses(gateway_address, tokenizer_address, tuple(worker_addresses))
+
+
+def start_stack(
+    config_path: Path | str,
+    *,
+    env: Mapping[str, str] | None = None,
+    log_dir: Path | None = None,
+    ready_timeout_s: float = READY_TIMEOUT_S,
+) -> Stack:
+    """Start the tokenizer, the workers, then the gateway of `config_path`; return once all are SERVING.
+
+    `env` is added to this process's environment for every child. With `log_dir`, each child's
+    stdout and stderr go to `<log_dir>/<service>.log` (tokenizer, worker-0, ..., gateway); without it
+    they share this process's. Raises StackError (a child exited, or was not ready within
+    `ready_timeout_s`) or SettingsError (a config the launcher cannot read), after stopping every
+    child it started.
+    """
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    stack = Stack(Path(config_path).resolve(), env, log_dir)
+    try:
+        stack._start(ready_timeout_s)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack

@@ -1,0 +1,251 @@
+"""The `strata` command line against the real stack: generate, models, and `strata up` as an operator runs it.
+
+Every command runs as a subprocess (`python -m strata.cli`), against real services on ephemeral ports
+serving the tiny model (one stack per module, started by the launcher), or started by `strata up`
+itself. Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import psutil
+import pytest
+import yaml
+
+from strata.launcher import start_stack
+from strata.settings import DEFAULT_CONFIG
+from tests.integration.test_launcher import gone, write_tiny_config
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
+
+pytestmark = pytest.mark.slow
+
+READY_LINE = re.compile(r"^\s+gateway\s+(\S+)\s*$")
+
+
+def strata(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "strata.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, tiny_serving_dir: Path) -> Iterator[str]:
+    directory = tmp_path_factory.mktemp("cli-stack")
+    config = write_tiny_config(directory / "stack.yaml", tiny_serving_dir)
+    with start_stack(config, log_dir=directory / "logs", ready_timeout_s=300) as stack:
+        yield stack.addresses.gateway
+
+
+def generate_json(gateway: str, *args: str) -> dict[str, object]:
+    done = strata("generate", "hello there", "--address", gateway, "--json", *args)
+    assert done.returncode == 0, done.stderr
+    reply: dict[str, object] = json.loads(done.stdout)
+    return reply
+
+
+def test_generate_json_prints_the_whole_response(gateway: str) -> None:
+    reply = generate_json(gateway, "--max-new-tokens", "6")
+    assert reply["model"] == "tiny"
+    assert reply["finishReason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_STOP")
+    usage = reply["usage"]
+    assert isinstance(usage, dict)
+    assert 1 <= usage["outputTokens"] <= 6
+    assert usage["inputTokens"] > 0
+    assert "totalMs" in reply["timing"]  # type: ignore[operator]
+
+
+def test_streamed_text_equals_the_unary_text(gateway: str) -> None:
+    reply = generate_json(gateway, "--max-new-tokens", "8")
+    done = strata("generate", "hello there", "--address", gateway, "--max-new-tokens", "8")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{reply['text']}\n"
+
+
+def test_chat_applies_the_template_and_timing_goes_to_stderr(gateway: str) -> None:
+    raw = generate_json(gateway, "--max-new-tokens", "2")
+    chat = generate_json(gateway, "--chat", "--system", "be brief", "--max-new-tokens", "2")
+    assert chat["usage"]["inputTokens"] > raw["usage"]["inputTokens"]  # type: ignore[index]
+
+    done = strata("generate", "hello", "--address", gateway, "--chat", "--timing", "--max-new-tokens", "3")
+    assert done.returncode == 0, done.stderr
+    for stage in ("preprocess", "queue", "forward", "decode", "TTFT", "total"):
+        assert re.search(rf"\b{stage} \d+\.\d ms", done.stderr), done.stderr
+    assert "model tiny" in done.stderr
+    assert "timing" not in done.stdout
+
+
+def test_grpc_errors_print_code_and_message(gateway: str) -> None:
+    done = strata("generate", "hello", "--address", gateway, "--model", "nope")
+    assert done.returncode == 1
+    assert done.stderr.startswith("error: NOT_FOUND: "), done.stderr
+    assert "nope" in done.stderr
+    done = strata("generate", "hello", "--address", gateway, "--top-p", "1.5")
+    assert done.returncode == 1
+    assert done.stderr.startswith("error: INVALID_ARGUMENT: "), done.stderr
+    assert "top_p" in done.stderr
+
+
+def test_models_lists_the_route(gateway: str) -> None:
+    done = strata("models", "--address", gateway)
+    assert done.returncode == 0, done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("tiny"))
+    assert row.split()[:5] == ["tiny", "*", "256", "1/1", "ready"]
+
+
+def test_address_comes_from_the_environment(gateway: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "strata.cli", "models"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "STRATA_ADDRESS": gateway},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "tiny" in done.stdout
+
+
+class Up:
+    """A `strata up` subprocess whose output is drained by a thread (its children share the pipe)."""
+
+    def __init__(self, config: Path, stderr: Path) -> None:
+        self._stderr_path = stderr
+        self._stderr = stderr.open("w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "strata.cli", "up", "--config", str(config)],
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self.gateway: str | None = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line)
+            match = READY_LINE.match(line)
+            if match:
+                self.gateway = match.group(1)
+            if line.startswith("Ctrl-C stops the stack"):  # the last line of the ready message
+                self._ready.set()
+
+    def wait_ready(self, timeout: float = 300) -> str:
+        end = time.monotonic() + timeout
+        while not self._ready.wait(0.2):
+            assert self.process.poll() is None, f"strata up exited early: {self.stderr()}"
+            assert time.monotonic() < end, f"strata up was not ready in {timeout} s: {self.stderr()}"
+        assert self.gateway is not None
+        return self.gateway
+
+    def children(self) -> list[psutil.Process]:
+        children: list[psutil.Process] = psutil.Process(self.process.pid).children(recursive=True)
+        return children
+
+    def stderr(self) -> str:
+        self._stderr.flush()
+        return self._stderr_path.read_text()
+
+    def close(self, pids: list[int]) -> None:
+        for pid in [self.process.pid, *pids]:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.NoSuchProcess:
+                continue
+        self.process.wait(30)
+        self._stderr.close()
+
+
+@contextmanager
+def strata_up(tmp_path: Path, tiny_serving_dir: Path) -> Iterator[tuple[Up, list[psutil.Process]]]:
+    config = write_tiny_config(tmp_path / "up.yaml", tiny_serving_dir)
+    up = Up(config, tmp_path / "up.stderr")
+    children: list[psutil.Process] = []
+    try:
+        up.wait_ready()
+        children = up.children()
+        yield up, children
+    finally:
+        up.close([child.pid for child in children])
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_up_serves_until_stopped_and_leaves_no_process(
+    tmp_path: Path, tiny_serving_dir: Path, stop_signal: signal.Signals
+) -> None:
+    with strata_up(tmp_path, tiny_serving_dir) as (up, children):
+        assert len(children) == 3
+        assert any("strata generate" in line and "--chat" in line for line in up.lines)
+        done = strata("generate", "hello", "--address", str(up.gateway), "--max-new-tokens", "3")
+        assert done.returncode == 0, done.stderr
+        up.process.send_signal(stop_signal)
+        assert up.process.wait(60) == 0, up.stderr()
+        assert gone([child.pid for child in children], within_s=5)
+        assert "stopping the stack" in up.stderr()
+
+
+def test_up_reports_a_dead_child_and_exits_nonzero(tmp_path: Path, tiny_serving_dir: Path) -> None:
+    with strata_up(tmp_path, tiny_serving_dir) as (up, children):
+        worker = next(child for child in children if "services.worker" in child.cmdline())
+        worker.kill()
+        assert up.process.wait(60) != 0
+        assert "worker 0 exited with code -9; stopping the stack" in up.stderr()
+        assert gone([child.pid for child in children], within_s=5)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent death signal is Linux-only")
+def test_children_stop_when_strata_up_is_killed(tmp_path: Path, tiny_serving_dir: Path) -> None:
+    with strata_up(tmp_path, tiny_serving_dir) as (up, children):
+        up.process.kill()
+        up.process.wait(30)
+        assert gone([child.pid for child in children], within_s=60)
+
+
+@pytest.mark.real_model
+def test_real_model_knows_the_capital_of_france(tmp_path: Path, real_model_dir: Path) -> None:
+    """The default config (fetched model, real engine settings), with only the gateway on a free port."""
+
+    def absolute(path: str) -> str:
+        return str((DEFAULT_CONFIG.parent / path).resolve())
+
+    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    models = config["tokenizer"]["models"]
+    config["tokenizer"]["models"] = {name: absolute(path) for name, path in models.items()}
+    for worker in config["workers"]:
+        worker["model_path"] = absolute(worker["model_path"])
+        assert worker["model_path"] == str(real_model_dir.resolve())
+    config["gateway"]["listen"] = "127.0.0.1:0"
+    path = tmp_path / "local.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with start_stack(path, log_dir=tmp_path / "logs", ready_timeout_s=600) as stack:
+        done = strata(
+            "generate",
+            "What is the capital of France?",
+            "--chat",
+            "--max-new-tokens",
+            "32",
+            "--address",
+            stack.addresses.gateway,
+            timeout=300,
+        )
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout
