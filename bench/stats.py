@@ -23,6 +23,7 @@ import torch
 
 if TYPE_CHECKING:
     import argparse
+    from collections.abc import Sequence
 
 # tests/parity.py's TIE_GAP (a unit test keeps the two equal; bench must not import tests).
 PARITY_TOP2_GAP = 1e-3
@@ -43,6 +44,19 @@ def summarize(values: list[float]) -> Spread:
     if not values:
         raise ValueError("summarize needs at least one measurement")
     return Spread(statistics.median(values), min(values), max(values), tuple(values))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100), linearly interpolated between the closest ranks (numpy's default)."""
+    if not values:
+        raise ValueError("percentile needs at least one value")
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"q={q} must be in [0, 100]")
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    below = int(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
 
 
 RATIOS = (

@@ -1,0 +1,154 @@
+"""`strata bench` (and `python -m bench.stack`): load the running Strata stack over gRPC and report.
+
+For each concurrency N of a sweep, N closed-loop streams send GenerateStream requests of a fixed
+prompt length (texts built to tokenize to exactly that many tokens) and output length (greedy, EOS
+ignored); the record has output tokens/s, requests/s, TTFT, inter-token and end-to-end latency
+percentiles, refusals and errors per level, as a JSON record and PNG plots. A level sends max(N, 8)
+requests by default: from N = 8 on, one per stream, all at once (the workload the engine baseline
+runs); at N = 1, eight back to back, so its TTFT is a median of several. `--engine-baseline`
+times the in-process engine on the same token ids in the same run, alternating with the stack
+(bench/README.md's rules), and judges the stack against it. This module is the command line only:
+it must stay cheap to import (`strata --help` builds this parser), so the work lives in
+bench/stack_run.py and is imported when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+DEFAULT_CONCURRENCY = (1, 8, 32, 64)
+# A level sends at least this many requests, so the lowest levels still give a median of several.
+MIN_REQUESTS_PER_LEVEL = 8
+SMOKE = {"concurrency": (1, 4), "prompt_tokens": 16, "new_tokens": 8, "runs": 1, "warmup_requests": 2}
+DEFAULTS = {"prompt_tokens": 64, "new_tokens": 64, "runs": 3, "warmup_requests": 8}
+
+
+def _concurrency_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers, e.g. 1,8,32,64"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every concurrency must be >= 1, e.g. 1,8,32,64")
+    return tuple(sorted(set(values)))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `strata bench`; sizes left unset take the defaults, or tiny ones with --smoke."""
+    target = parser.add_argument_group("the stack")
+    target.add_argument("--address", default=DEFAULT_ADDRESS, help="gateway HOST:PORT (default: %(default)s)")
+    target.add_argument(
+        "--spawn",
+        action="store_true",
+        help="start the stack from --config (gateway on a free port), stop it after",
+    )
+    target.add_argument(
+        "--config", type=Path, help="stack config: the model folder and the engine baseline's settings "
+        "come from its first worker (default: configs/local.yaml)",
+    )  # fmt: skip
+    target.add_argument(
+        "--model-dir", type=Path, help="tokenizer and engine model folder (default: from --config)"
+    )
+    target.add_argument(
+        "--model", default="", help="GenerateRequest.model (default: the gateway's default route)"
+    )
+    target.add_argument("--log-dir", type=Path, help="with --spawn: where the services write their logs")
+
+    workload = parser.add_argument_group("the workload")
+    workload.add_argument(
+        "--concurrency", type=_concurrency_list,
+        help="comma-separated stream counts (default: 1,8,32,64; with --smoke 1,4)",
+    )  # fmt: skip
+    workload.add_argument(
+        "--requests-per-level", type=int,
+        help=f"requests each level sends through its streams (default: max(N, {MIN_REQUESTS_PER_LEVEL}))",
+    )  # fmt: skip
+    workload.add_argument("--prompt-tokens", type=int, help="prompt length in tokens (default: 64)")
+    workload.add_argument("--new-tokens", type=int, help="tokens generated per request (default: 64)")
+    workload.add_argument("--runs", type=int, help="timed sweeps, alternated with the engine (default: 3)")
+    workload.add_argument(
+        "--warmup-requests", type=int, help="untimed concurrent requests first (default: 8)"
+    )
+    workload.add_argument(
+        "--timeout", type=float, default=600.0, help="per-request deadline, s (default: 600)"
+    )
+    workload.add_argument("--seed", default="0", help="prompt texts' seed (default: %(default)s)")
+
+    baseline = parser.add_argument_group("the engine baseline")
+    baseline.add_argument(
+        "--engine-baseline", action="store_true",
+        help="also time the in-process engine on the same token ids after each sweep, and report the ratios",
+    )  # fmt: skip
+    baseline.add_argument(
+        "--ttft-requests", type=int, default=MIN_REQUESTS_PER_LEVEL,
+        help="engine baseline: single requests its TTFT median is taken on (default: %(default)s)",
+    )  # fmt: skip
+    baseline.add_argument(
+        "--threads", type=int, help="engine baseline: torch threads (default: the worker's)"
+    )
+
+    output = parser.add_argument_group("output")
+    output.add_argument("--json", type=Path, help="where to write the JSON record")
+    output.add_argument("--plot", type=Path, help="where to write the PNG (default: the --json path, .png)")
+    output.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    output.add_argument(
+        "--smoke", action="store_true", help="tiny sizes, --runs 1 allowed; the record is invalid"
+    )
+
+
+def resolve(args: argparse.Namespace) -> str | None:
+    """Fill the defaults that depend on --smoke; the problem with the options, or None."""
+    if args.concurrency is None:
+        args.concurrency = SMOKE["concurrency"] if args.smoke else DEFAULT_CONCURRENCY
+    for name, default in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, SMOKE[name] if args.smoke else default)
+    if args.runs < 1 or (args.runs < 3 and not args.smoke):
+        return f"--runs {args.runs}: at least 3 timed runs (median and spread); --smoke allows 1"
+    for name in ("prompt_tokens", "new_tokens", "ttft_requests"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1"
+    if args.requests_per_level is not None and args.requests_per_level < 1:
+        return f"--requests-per-level {args.requests_per_level} must be >= 1"
+    if args.warmup_requests < 0:
+        return f"--warmup-requests {args.warmup_requests} must be >= 0"
+    if args.plot is None and args.json is not None:
+        args.plot = args.json.with_suffix(".png")
+    return None
+
+
+def requests_per_level(args: argparse.Namespace, concurrency: int) -> int:
+    """At N >= 8 one request per stream by default: the top level is N requests sent at once."""
+    if args.requests_per_level is not None:
+        return int(args.requests_per_level)
+    return max(concurrency, MIN_REQUESTS_PER_LEVEL)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark these parsed options describe; 0, or 1 when its numbers do not count."""
+    problem = resolve(args)
+    if problem is not None:
+        print(f"strata bench: error: {problem}", file=sys.stderr)
+        return 2
+    from bench.stack_run import BenchError, run_benchmark
+
+    try:
+        return run_benchmark(args)
+    except BenchError as exc:
+        print(f"strata bench: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.stack", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
