@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test test-fast lint bench run clean
+.PHONY: setup model protos test test-fast lint bench bench-stack run clean
 
 setup: $(STAMP)
 
@@ -49,9 +49,14 @@ bench: setup model
 	$(BIN)/python -m bench.engine --requests 64 --prompt-tokens 64 --new-tokens 64 \
 		--json bench/results/engine-cpu.json
 
+# The gRPC stack against the in-process engine, same prompts, one run (about 6 minutes on 2 cores).
+bench-stack: setup model
+	$(BIN)/strata bench --spawn --engine-baseline --json bench/results/stack-cpu.json
+
+# The whole stack in the foreground (Ctrl-C stops it); then, in another shell:
+#   .venv/bin/strata generate "What is the capital of France?" --chat
 run: setup model
-	@echo "run: the gRPC stack (strata up) arrives with issue 4; the engine runs in-process meanwhile:"
-	$(BIN)/strata generate "What is the capital of France?"
+	$(BIN)/strata up
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
