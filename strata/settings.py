@@ -119,8 +119,14 @@ def describe_errors(cls: type[ServiceSettings], exc: ValidationError, source: st
     prefix = str(cls.model_config.get("env_prefix", ""))
     lines = [f"invalid {cls.section} settings (from {source} and {prefix}* environment variables):"]
     for error in exc.errors():
-        where = ".".join(str(part) for part in error["loc"]) or cls.section
-        env = prefix + "__".join(str(part) for part in error["loc"] if not isinstance(part, int)).upper()
+        loc = error["loc"]
+        if not loc:  # a check across fields: its message names them
+            lines.append(
+                f"  {cls.section}: {error['msg']}; fix it in the '{cls.section}' section or its {prefix}*"
+            )
+            continue
+        where = ".".join(str(part) for part in loc)
+        env = prefix + "__".join(str(part) for part in loc if not isinstance(part, int)).upper()
         got = "" if error["type"] == "missing" else f"={error.get('input')!r}"
         fix = f"fix it in the '{cls.section}' section or set {env}"
         lines.append(f"  {cls.section}.{where}{got}: {error['msg']}; {fix}")
