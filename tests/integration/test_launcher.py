@@ -16,6 +16,7 @@ import psutil
 import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from strata.client import StrataClient
 from strata.launcher import StackError, routes_json, start_stack
@@ -52,6 +53,15 @@ def health_status(address: str) -> int:
     return int(reply.status)
 
 
+def reflected_services(address: str) -> set[str]:
+    """The service names a server lists through gRPC reflection."""
+    with grpc.insecure_channel(address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        replies = list(stub.ServerReflectionInfo(iter([request]), timeout=5))
+    return {service.name for reply in replies for service in reply.list_services_response.service}
+
+
 def running(pid: int) -> bool:
     try:
         return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
@@ -84,6 +94,10 @@ def test_stack_serves_reports_a_dead_child_and_stops_cleanly(tmp_path: Path, tin
         for address in (addresses.gateway, addresses.tokenizer, *addresses.workers):
             assert not address.endswith(":0")
             assert health_status(address) == health_pb2.HealthCheckResponse.SERVING
+        common = {"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
+        assert reflected_services(addresses.gateway) == {"strata.v1.Gateway", *common}
+        assert reflected_services(addresses.tokenizer) == {"strata.v1.TokenizerService", *common}
+        assert reflected_services(addresses.workers[0]) == {"strata.v1.WorkerService", *common}
         with StrataClient(addresses.gateway) as client:
             models = client.list_models(timeout=30)
             assert [(m.name, m.ready_workers, m.configured_workers) for m in models.models] == [
