@@ -286,6 +286,54 @@ def test_concurrent_streams_match_the_engine_alone(env: Env, tiny_serving_dir: P
         assert tokens == alone, prompt
 
 
+def test_hundreds_of_concurrent_streams_all_complete(env: Env, tiny_serving_dir: Path) -> None:
+    """256 streams at once on one asyncio channel: every one gets its tokens, its final message agrees
+    with its deltas, a stream's tokens equal a unary call's for the same prompt, and no KV block leaks."""
+    engine = {"num_blocks": 512, "max_num_seqs": 64, "max_num_batched_tokens": 512}
+    worker = env.stack.start_worker(tiny_serving_dir, max_requests=256, engine=engine)
+    gateway = env.stack.start_gateway(env.tokenizer_address, worker)
+    count, new_tokens = 256, 8
+
+    async def run_all() -> list[tuple[list[int], str, gateway_pb2.GenerateResponse]]:
+        async with grpc.aio.insecure_channel(gateway.address) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+
+            async def one(i: int) -> tuple[list[int], str, gateway_pb2.GenerateResponse]:
+                ids: list[int] = []
+                text: list[str] = []
+                final = gateway_pb2.GenerateResponse()
+                request = _request(f"stream {i} of many", max_new_tokens=new_tokens, ignore_eos=True)
+                async for message in stub.GenerateStream(request, timeout=300):
+                    ids.extend(message.token_ids)
+                    text.append(message.text)
+                    if message.HasField("final"):
+                        final = message.final
+                return ids, "".join(text), final
+
+            return await asyncio.gather(*(one(i) for i in range(count)))
+
+    results = asyncio.run(run_all())
+    assert len(results) == count
+    for ids, text, final in results:
+        assert len(ids) == new_tokens and list(final.token_ids) == ids
+        assert final.text == text and final.usage.output_tokens == new_tokens
+        assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    gateway_stub = gateway_pb2_grpc.GatewayStub(env.stack.channel(gateway.address))
+    for i in (0, 97, 255):
+        unary = gateway_stub.Generate(
+            _request(f"stream {i} of many", max_new_tokens=new_tokens, ignore_eos=True), timeout=60
+        )
+        assert list(unary.token_ids) == results[i][0]
+    worker_stub = worker_pb2_grpc.WorkerServiceStub(env.stack.channel(worker))
+    _wait_for(
+        lambda: (
+            worker_stub.GetWorkerStats(worker_pb2.GetWorkerStatsRequest(), timeout=10).used_kv_blocks == 0
+        ),
+        30,
+        "the worker freed every KV block",
+    )
+
+
 INVALID: list[tuple[str, gateway_pb2.GenerateRequest]] = [
     ("prompt", gateway_pb2.GenerateRequest()),
     (
