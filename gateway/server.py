@@ -10,13 +10,10 @@ period, links close. This module must not hold request logic (pipeline.py) nor m
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
-import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from gateway.errors import GatewayError, abort
@@ -27,11 +24,12 @@ from gateway.tokenize_batcher import TokenizeBatcher
 from gateway.tokenizer_client import TokenizerClient
 from gateway.worker_link import WorkerLink
 from strata.rpc import RunningServer, shutdown_event, start_server
-from strata.settings import DEFAULT_CONFIG, SettingsError
+from strata.service_main import run_service
 from strata.v1 import gateway_pb2, gateway_pb2_grpc
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
+    from pathlib import Path
 
     import grpc
 
@@ -228,20 +226,5 @@ async def serve(settings: GatewaySettings, announce_file: Path | None = None) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m gateway [--config PATH] [--announce-file PATH]`; 2 on bad settings."""
-    parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
-    parser.add_argument(
-        "--config", type=Path, default=DEFAULT_CONFIG, help="YAML config; its `gateway` section is read"
-    )
-    parser.add_argument(
-        "--announce-file", type=Path, default=None, help="write the bound host:port here once listening"
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        settings = GatewaySettings.load(args.config)
-    except SettingsError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    asyncio.run(serve(settings, args.announce_file))
-    return 0
+    """`python -m gateway [--config PATH] [--announce-file PATH]`."""
+    return run_service(GatewaySettings, serve, argv, prog="python -m gateway", description=__doc__)

@@ -10,11 +10,8 @@ or SIGINT, then stops gracefully. This module must not tokenize itself nor choos
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from services.tokenizer.detokenize import Detokenized, detokenize_entries
@@ -23,11 +20,12 @@ from services.tokenizer.registry import TokenizerRegistry, load_registry
 from services.tokenizer.settings import TokenizerSettings
 from services.tokenizer.tokenize import Tokenized, tokenize_entries
 from strata.rpc import RunningServer, shutdown_event, start_server
-from strata.settings import DEFAULT_CONFIG, SettingsError
+from strata.service_main import run_service
 from strata.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 if TYPE_CHECKING:
     from collections.abc import Sized
+    from pathlib import Path
 
     import grpc
 
@@ -160,20 +158,7 @@ async def serve(settings: TokenizerSettings, announce_file: Path | None = None) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m services.tokenizer [--config PATH] [--announce-file PATH]`; 2 on bad settings."""
-    parser = argparse.ArgumentParser(prog="python -m services.tokenizer", description=__doc__)
-    parser.add_argument(
-        "--config", type=Path, default=DEFAULT_CONFIG, help="YAML config; its `tokenizer` section is read"
+    """`python -m services.tokenizer [--config PATH] [--announce-file PATH]`."""
+    return run_service(
+        TokenizerSettings, serve, argv, prog="python -m services.tokenizer", description=__doc__
     )
-    parser.add_argument(
-        "--announce-file", type=Path, default=None, help="write the bound host:port here once listening"
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        settings = TokenizerSettings.load(args.config)
-        asyncio.run(serve(settings, args.announce_file))
-    except SettingsError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    return 0

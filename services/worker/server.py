@@ -10,23 +10,21 @@ must not schedule requests nor build stream messages: host.py and connection.py 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
-import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.worker.errors import REFUSALS, DrainingError, status_of
 from services.worker.host import State, WorkerHost
 from services.worker.settings import WorkerSettings
 from strata.rpc import RunningServer, shutdown_event, start_server
-from strata.settings import DEFAULT_CONFIG, SettingsError
+from strata.service_main import run_service
 from strata.v1 import worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
+    from pathlib import Path
 
     import grpc
 
@@ -180,19 +178,7 @@ async def serve(settings: WorkerSettings, announce_file: Path | None = None) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.worker", description="Strata model worker")
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="the stack's YAML config")
-    parser.add_argument("--index", type=int, default=0, help="which entry of the config's `workers` list")
-    parser.add_argument("--announce-file", type=Path, default=None, help="write the bound address here")
-    args = parser.parse_args(argv)
-    try:
-        settings = WorkerSettings.load(args.config, index=args.index)
-    except SettingsError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return asyncio.run(serve(settings, args.announce_file))
-    except OSError as exc:
-        log.error("worker could not start: %s", exc)
-        return 1
+    """`python -m services.worker [--config PATH] [--index N] [--announce-file PATH]`."""
+    return run_service(
+        WorkerSettings, serve, argv, prog="python -m services.worker", description=__doc__, indexed=True
+    )
