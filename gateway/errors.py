@@ -1,65 +1,47 @@
-"""The gateway's one map from failures to gRPC status codes, and the helper that aborts a call with one.
+"""The gateway's one map from failures to gRPC status codes.
 
-Every failure a client can see is a GatewayError carrying its status code and a message that names
-the field or the limit. RESOURCE_EXHAUSTED also carries a retry hint, sent as a google.rpc.RetryInfo in
-the `grpc-status-details-bin` trailer (the richer-error-model convention clients decode). This module
-must not decide *when* something fails: callers raise, the servicer aborts.
+Every failure a client can see is a GatewayError (strata.status's StatusError) carrying its status
+code and a message that names the field or the limit; RESOURCE_EXHAUSTED also carries a retry hint,
+sent as a google.rpc.RetryInfo. Here, too, the codes other services report (an EntryError, a
+Rejection, a failed internal call) become what the client sees. This module must not decide *when*
+something fails: callers raise, the servicer aborts.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import NoReturn
-
 import grpc
-from google.rpc import error_details_pb2, status_pb2
 
-STATUS_DETAILS_KEY = "grpc-status-details-bin"
+from strata.status import (
+    STATUS_DETAILS_KEY,
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+    abort,
+    retry_delay_s,
+    status_details,
+)
+from strata.status import StatusError as GatewayError
 
-
-class GatewayError(Exception):
-    """A failure with the status code the client must see."""
-
-    code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
-
-
-class InvalidArgument(GatewayError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
-
-
-class NotFound(GatewayError):
-    code = grpc.StatusCode.NOT_FOUND
-
-
-class Unavailable(GatewayError):
-    code = grpc.StatusCode.UNAVAILABLE
-
-
-class DeadlineExceeded(GatewayError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-class Cancelled(GatewayError):
-    code = grpc.StatusCode.CANCELLED
-
-
-class FailedPrecondition(GatewayError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
-
-
-class ResourceExhausted(GatewayError):
-    """Overload: the client should retry after `retry_after_s` seconds."""
-
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
+__all__ = [
+    "STATUS_DETAILS_KEY",
+    "Cancelled",
+    "DeadlineExceeded",
+    "FailedPrecondition",
+    "GatewayError",
+    "InvalidArgument",
+    "NotFound",
+    "ResourceExhausted",
+    "Unavailable",
+    "abort",
+    "from_code",
+    "from_rpc_error",
+    "retry_delay_s",
+    "status_details",
+]
 
 _BY_CODE: dict[int, type[GatewayError]] = {
     grpc.StatusCode.INVALID_ARGUMENT.value[0]: InvalidArgument,
@@ -90,31 +72,3 @@ def from_rpc_error(error: grpc.aio.AioRpcError, what: str) -> GatewayError:
     if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ResourceExhausted(message, 1.0)
     return Unavailable(message)
-
-
-def status_details(error: GatewayError) -> bytes:
-    """The serialized google.rpc.Status for `error`, with a RetryInfo when it has a retry hint."""
-    status = status_pb2.Status(code=error.code.value[0], message=error.message)
-    if isinstance(error, ResourceExhausted):
-        retry = error_details_pb2.RetryInfo()
-        retry.retry_delay.FromTimedelta(timedelta(seconds=max(0.0, error.retry_after_s)))
-        status.details.add().Pack(retry)
-    return bytes(status.SerializeToString())
-
-
-def retry_delay_s(details: bytes) -> float | None:
-    """The RetryInfo delay in a `grpc-status-details-bin` value; None when it carries none."""
-    status = status_pb2.Status.FromString(details)
-    for item in status.details:
-        retry = error_details_pb2.RetryInfo()
-        if item.Unpack(retry):
-            return float(retry.retry_delay.ToTimedelta().total_seconds())
-    return None
-
-
-async def abort(context: grpc.aio.ServicerContext, error: GatewayError) -> NoReturn:
-    """End the call with the error's status, message and details."""
-    await context.abort(
-        error.code, error.message, trailing_metadata=((STATUS_DETAILS_KEY, status_details(error)),)
-    )
-    raise AssertionError("context.abort returned")  # grpc raises; this keeps NoReturn honest

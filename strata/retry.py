@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
-from google.protobuf.message import DecodeError
-from google.rpc import error_details_pb2, status_pb2
+
+from strata.status import STATUS_DETAILS_KEY
+from strata.status import retry_delay_s as rich_status_delay_s
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
 
     Trailers: TypeAlias = Iterable[tuple[str, str | bytes]] | None
 
-STATUS_DETAILS_KEY = "grpc-status-details-bin"
 PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
 
@@ -70,16 +70,9 @@ def _values(metadata: Trailers, key: str) -> list[str | bytes]:
 def retry_info_delay_s(metadata: Trailers) -> float | None:
     """The delay a google.rpc.RetryInfo in the rich-status trailer asks for, or None without one."""
     for value in _values(metadata, STATUS_DETAILS_KEY):
-        status = status_pb2.Status()
-        try:
-            status.ParseFromString(value if isinstance(value, bytes) else value.encode("latin-1"))
-        except DecodeError:
-            continue
-        for detail in status.details:
-            info = error_details_pb2.RetryInfo()
-            if detail.Is(info.DESCRIPTOR) and detail.Unpack(info):
-                delay = info.retry_delay
-                return max(0.0, float(delay.seconds) + float(delay.nanos) / 1e9)
+        delay = rich_status_delay_s(value if isinstance(value, bytes) else value.encode("latin-1"))
+        if delay is not None:
+            return max(0.0, delay)
     return None
 
 

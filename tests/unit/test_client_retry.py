@@ -23,13 +23,13 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from strata.client import AsyncStrataClient, StrataClient, build_request
 from strata.retry import (
     PUSHBACK_KEY,
-    STATUS_DETAILS_KEY,
     RetryPolicy,
     backoff_s,
     pushback_delay_s,
     retry_delay_s,
     retry_info_delay_s,
 )
+from strata.status import STATUS_DETAILS_KEY
 from strata.v1 import gateway_pb2, gateway_pb2_grpc
 
 if TYPE_CHECKING:

@@ -1,0 +1,104 @@
+"""The status errors every Strata server raises, and the RetryInfo that rides with an overload.
+
+Each service maps failures to gRPC status codes in one place (gateway/errors.py,
+services/tokenizer/errors.py, services/worker/errors.py); this module gives the first two the shared
+vocabulary: a StatusError whose class fixes its code, a message that names the field or the limit, and
+for RESOURCE_EXHAUSTED a retry hint sent as a google.rpc.RetryInfo in the `grpc-status-details-bin`
+trailer (the rich-error convention standard clients decode; strata.retry reads it back). This module
+must not decide when anything fails.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import NoReturn
+
+import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
+
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+
+class StatusError(Exception):
+    """A failure with the status code the caller must see."""
+
+    code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(StatusError):
+    """Malformed or over a limit; the message names the field."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(StatusError):
+    """A named thing (a model) does not exist here."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class FailedPrecondition(StatusError):
+    """The request is well formed but the system is not in a state to serve it."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Unavailable(StatusError):
+    """A service is down, loading or draining; retrying later may work."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(StatusError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(StatusError):
+    code = grpc.StatusCode.CANCELLED
+
+
+class ResourceExhausted(StatusError):
+    """Overload: the caller should retry after `retry_after_s` seconds."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+def status_details(error: StatusError) -> bytes:
+    """The serialized google.rpc.Status for `error`, with a RetryInfo when it has a retry hint."""
+    status = status_pb2.Status(code=error.code.value[0], message=error.message)
+    if isinstance(error, ResourceExhausted):
+        retry = error_details_pb2.RetryInfo()
+        retry.retry_delay.FromTimedelta(timedelta(seconds=max(0.0, error.retry_after_s)))
+        status.details.add().Pack(retry)
+    return bytes(status.SerializeToString())
+
+
+def retry_delay_s(details: bytes) -> float | None:
+    """The RetryInfo delay in a `grpc-status-details-bin` value; None when it carries none or is garbled."""
+    status = status_pb2.Status()
+    try:
+        status.ParseFromString(details)
+    except DecodeError:
+        return None
+    for item in status.details:
+        retry = error_details_pb2.RetryInfo()
+        if item.Is(retry.DESCRIPTOR) and item.Unpack(retry):
+            return float(retry.retry_delay.ToTimedelta().total_seconds())
+    return None
+
+
+async def abort(context: grpc.aio.ServicerContext[object, object], error: StatusError) -> NoReturn:
+    """End the call with the error's status, message and rich-status details."""
+    await context.abort(
+        error.code, error.message, trailing_metadata=((STATUS_DETAILS_KEY, status_details(error)),)
+    )
+    raise AssertionError("context.abort returned")  # grpc raises; this keeps NoReturn honest
