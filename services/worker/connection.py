@@ -188,13 +188,15 @@ class Connection:
             log.info("request %s passed its deadline while running: cancelled", request_id)
             self._push([self._abort(record)], ())
 
-    def _abort(self, record: OpenRequest) -> worker_pb2.TokenUpdate:
+    def _abort(
+        self, record: OpenRequest, reason: FinishReason = FinishReason.ABORTED
+    ) -> worker_pb2.TokenUpdate:
         """Abort a running request (its KV blocks are free before the next step) and say so."""
         self.host.engine.abort(record.engine_id)
         self._forget(record)
         return ended_update(
             record.request_id,
-            FinishReason.ABORTED,
+            reason,
             prompt_tokens=record.prompt_tokens,
             output_tokens=record.output_tokens,
             forward_ms=record.forward_ms(time.monotonic()),
@@ -252,8 +254,11 @@ class Connection:
         self._push([update], ())
 
     def abort_all(self) -> None:
-        """Cancel every open request and tell the gateway (the end of a drain)."""
-        self._push([self._abort(record) for record in list(self._open.values())], ())
+        """End every open request and tell the gateway (a drain that ran out of time).
+
+        The client did not cancel: the worker gave up on it, so it ends with ERROR, not CANCELLED.
+        """
+        self._push([self._abort(record, FinishReason.ERROR) for record in list(self._open.values())], ())
 
     def end(self) -> None:
         """The stream is over: abort what it still holds, flush what is queued, then stop writing."""

@@ -177,7 +177,8 @@ def test_stop_drains_running_requests_and_refuses_new_ones(tiny_serving_dir: Pat
     assert len(drained.tokens["runs"]) == 60
     assert drained.finals["runs"].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert drained.rejections["new"].code == UNAVAILABLE
-    assert cut.finals["endless"].finish_reason == common_pb2.FINISH_REASON_CANCELLED
+    # The client never cancelled: a drain that gave up on it reports the serving side's failure.
+    assert cut.finals["endless"].finish_reason == common_pb2.FINISH_REASON_ERROR
     assert len(cut.tokens["endless"]) < 200
 
 
