@@ -10,6 +10,7 @@ no serving logic: `up` delegates to strata.launcher, `generate` and `models` liv
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -74,6 +75,18 @@ def _add_fetch_model(subparsers: SubParsers) -> None:
     parser.set_defaults(handler=_fetch_model)
 
 
+def _strata_command() -> str:
+    """`strata` when the shell finds this very command, else its path (a venv that is not activated)."""
+    here = Path(sys.argv[0]).resolve()
+    found = shutil.which("strata")
+    if found is not None and Path(found).resolve() == here:
+        return "strata"
+    if here.name != "strata":  # run as `python -m strata.cli`
+        return f"{sys.executable} -m strata.cli"
+    cwd = Path.cwd()
+    return str(here.relative_to(cwd)) if here.is_relative_to(cwd) else str(here)
+
+
 def _print_ready(stack: Stack) -> None:
     from strata.client import DEFAULT_ADDRESS
 
@@ -84,7 +97,7 @@ def _print_ready(stack: Stack) -> None:
     for index, (address, model) in enumerate(zip(addresses.workers, stack.worker_models, strict=True)):
         print(f"  worker {index:<3} {address}  ({model})")
     target = "" if addresses.gateway == DEFAULT_ADDRESS else f" --address {addresses.gateway}"
-    print(f'try: strata generate "{EXAMPLE_PROMPT}" --chat{target}')
+    print(f'try: {_strata_command()} generate "{EXAMPLE_PROMPT}" --chat{target}')
     print("Ctrl-C stops the stack.", flush=True)
 
 

@@ -194,7 +194,11 @@ def test_up_serves_until_stopped_and_leaves_no_process(
 ) -> None:
     with strata_up(tmp_path, tiny_serving_dir) as (up, children):
         assert len(children) == 3
-        assert any("strata generate" in line and "--chat" in line for line in up.lines)
+        # Run as `python -m strata.cli`, so the example names that command (it is not on PATH).
+        assert any(
+            line.startswith("try: ") and "-m strata.cli generate" in line and "--chat" in line
+            for line in up.lines
+        )
         done = strata("generate", "hello", "--address", str(up.gateway), "--max-new-tokens", "3")
         assert done.returncode == 0, done.stderr
         up.process.send_signal(stop_signal)
