@@ -405,6 +405,25 @@ def test_client_cancel_frees_the_kv_blocks(env: Env) -> None:
     assert stats().steps - steps_before < 200
 
 
+def test_client_deadline_ends_the_request_everywhere(env: Env, tiny_serving_dir: Path) -> None:
+    """A client deadline shorter than the generation: DEADLINE_EXCEEDED, and the worker frees the blocks."""
+    slow = {**ENGINE, "enable_fault_injection": True}
+    worker_address = env.stack.start_worker(tiny_serving_dir, engine=slow)
+    worker_server = env.stack.servers[-1]
+    worker_server.host.engine.engine.faults.set_step_delay(0.02)  # 200 tokens take >= 4 s
+    gateway = env.stack.start_gateway(env.tokenizer_address, worker_address)
+    stub = gateway_pb2_grpc.GatewayStub(env.stack.channel(gateway.address))
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.Generate(_request("Too slow", max_new_tokens=200, ignore_eos=True), timeout=0.5)
+    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - started < 3.0
+    worker = worker_pb2_grpc.WorkerServiceStub(env.stack.channel(worker_address))
+    stats = lambda: worker.GetWorkerStats(worker_pb2.GetWorkerStatsRequest(), timeout=10)  # noqa: E731
+    _wait_for(lambda: stats().used_kv_blocks == 0 and stats().open_requests == 0, 30, "KV blocks not freed")
+    assert stats().steps < 150  # ended by the deadline, not by running its 200 tokens
+
+
 def test_worker_with_another_tokenizer_is_refused(env: Env, tiny_serving_dir: Path, tmp_path: Path) -> None:
     other = tmp_path / "tiny-other-tokenizer"
     shutil.copytree(tiny_serving_dir, other)
