@@ -94,7 +94,7 @@ class WorkerLink:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        self._drop("the gateway is shutting down")
+        self._drop("the gateway is shutting down", expected=True)
         await self._channel.close()
 
     def submit(self, submission: worker_pb2.Submission, stop: tuple[str, ...]) -> OpenRequest:
@@ -262,8 +262,8 @@ class WorkerLink:
         self.cancel(request)
         request.deltas.put_nowait(Delta(error=error))
 
-    def _drop(self, reason: str) -> None:
-        """Fail every open request and mark the link not ready."""
+    def _drop(self, reason: str, *, expected: bool = False) -> None:
+        """Fail every open request and mark the link not ready; a loss nobody planned is a warning."""
         was_ready = self.ready
         self.ready = False
         self.last_error = f"worker {self.address}: {reason}"
@@ -272,5 +272,6 @@ class WorkerLink:
         for request in failed.values():
             request.deltas.put_nowait(Delta(error=error))
         if was_ready:
-            log.warning("lost worker %s for model %s: %s", self.address, self.model, reason)
+            level = logging.INFO if expected else logging.WARNING
+            log.log(level, "link to worker %s for model %s closed: %s", self.address, self.model, reason)
             self._on_change()
