@@ -44,6 +44,30 @@ TRUNCATION_LEFT: Truncation.ValueType  # 2
 """Drop tokens from the start of the prompt until it fits with max_new_tokens."""
 Global___Truncation: _TypeAlias = Truncation  # noqa: Y015
 
+class _Priority:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PriorityEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Priority.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PRIORITY_UNSPECIFIED: _Priority.ValueType  # 0
+    """The default: PRIORITY_INTERACTIVE."""
+    PRIORITY_INTERACTIVE: _Priority.ValueType  # 1
+    """A person is waiting: admitted before batch requests."""
+    PRIORITY_BATCH: _Priority.ValueType  # 2
+    """Throughput work: admitted after interactive requests, and refused first under overload."""
+
+class Priority(_Priority, metaclass=_PriorityEnumTypeWrapper):
+    """Admission class of a request."""
+
+PRIORITY_UNSPECIFIED: Priority.ValueType  # 0
+"""The default: PRIORITY_INTERACTIVE."""
+PRIORITY_INTERACTIVE: Priority.ValueType  # 1
+"""A person is waiting: admitted before batch requests."""
+PRIORITY_BATCH: Priority.ValueType  # 2
+"""Throughput work: admitted after interactive requests, and refused first under overload."""
+Global___Priority: _TypeAlias = Priority  # noqa: Y015
+
 @_typing.final
 class GenerateRequest(_message.Message):
     """One generation request. Exactly one of prompt and messages must be set."""
@@ -57,6 +81,8 @@ class GenerateRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     ALLOW_FALLBACK_FIELD_NUMBER: _builtins.int
     TRUNCATION_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    NO_FALLBACK_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     """Raw text, tokenized as is (no chat template)."""
     model: _builtins.str
@@ -64,9 +90,19 @@ class GenerateRequest(_message.Message):
     request_id: _builtins.str
     """The caller's id for this request (at most 128 characters); empty has the gateway generate one."""
     allow_fallback: _builtins.bool
-    """Whether the gateway may serve this request from the smaller fallback model when the primary is overloaded."""
+    """Whether the gateway may serve this request from the route's smaller fallback model when the
+    primary is saturated (its queue is full or its predicted time to first token exceeds the SLO).
+    Without it a saturated primary answers RESOURCE_EXHAUSTED.
+    """
     truncation: Global___Truncation.ValueType
     """What to do with a prompt that does not fit."""
+    priority: Global___Priority.ValueType
+    """Admission class: interactive (the default) is admitted first, batch is shed first."""
+    no_fallback: _builtins.bool
+    """Never serve this request from the fallback model, not even when the primary is down or fails
+    (failures then reach the client as UNAVAILABLE). By default a route with a fallback uses it when
+    its primary is unreachable, not serving, or fails a request.
+    """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]:
         """A conversation; the model's chat template is applied with a generation prompt appended."""
@@ -85,10 +121,12 @@ class GenerateRequest(_message.Message):
         request_id: _builtins.str = ...,
         allow_fallback: _builtins.bool = ...,
         truncation: Global___Truncation.ValueType = ...,
+        priority: Global___Priority.ValueType = ...,
+        no_fallback: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_fallback", b"allow_fallback", "messages", b"messages", "model", b"model", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "truncation", b"truncation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_fallback", b"allow_fallback", "messages", b"messages", "model", b"model", "no_fallback", b"no_fallback", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "truncation", b"truncation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -108,6 +146,7 @@ class GenerateResponse(_message.Message):
     TIMING_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    FAILOVER_AT_TOKEN_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """The generated text, cut before any stop string."""
     finish_reason: _common_pb2.FinishReason.ValueType
@@ -118,6 +157,10 @@ class GenerateResponse(_message.Message):
     """Why the request went to a fallback model; empty when it did not."""
     request_id: _builtins.str
     """The request's id (the caller's, or the one the gateway generated)."""
+    failover_at_token: _builtins.int
+    """When the serving worker died mid-stream and the fallback model continued the generation: how many
+    tokens the first model had produced (the fallback prefilled the prompt plus those). 0 when none.
+    """
     @_builtins.property
     def usage(self) -> _common_pb2.Usage:
         """Token counts."""
@@ -141,10 +184,11 @@ class GenerateResponse(_message.Message):
         timing: _common_pb2.Timing | None = ...,
         request_id: _builtins.str = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        failover_at_token: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timing", b"timing", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fallback_reason", b"fallback_reason", "finish_reason", b"finish_reason", "model", b"model", "request_id", b"request_id", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failover_at_token", b"failover_at_token", "fallback_reason", b"fallback_reason", "finish_reason", b"finish_reason", "model", b"model", "request_id", b"request_id", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -241,6 +285,8 @@ class ModelInfo(_message.Message):
     CONFIGURED_WORKERS_FIELD_NUMBER: _builtins.int
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _builtins.int
     FALLBACK_MODEL_FIELD_NUMBER: _builtins.int
+    QUEUED_REQUESTS_FIELD_NUMBER: _builtins.int
+    FALLBACK_ENABLED_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The name to put in GenerateRequest.model."""
     max_model_len: _builtins.int
@@ -253,6 +299,10 @@ class ModelInfo(_message.Message):
     """The fingerprint of the model's tokenizer files, shared by the tokenizer service and the workers."""
     fallback_model: _builtins.str
     """The model this route falls back to when overloaded; empty when none."""
+    queued_requests: _builtins.int
+    """Requests waiting in this route's admission queue."""
+    fallback_enabled: _builtins.bool
+    """Whether this route currently uses its fallback (false when it has none or fallback is off)."""
     def __init__(
         self,
         *,
@@ -262,10 +312,12 @@ class ModelInfo(_message.Message):
         configured_workers: _builtins.int = ...,
         tokenizer_fingerprint: _builtins.str = ...,
         fallback_model: _builtins.str = ...,
+        queued_requests: _builtins.int = ...,
+        fallback_enabled: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["configured_workers", b"configured_workers", "fallback_model", b"fallback_model", "max_model_len", b"max_model_len", "name", b"name", "ready_workers", b"ready_workers", "tokenizer_fingerprint", b"tokenizer_fingerprint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["configured_workers", b"configured_workers", "fallback_enabled", b"fallback_enabled", "fallback_model", b"fallback_model", "max_model_len", b"max_model_len", "name", b"name", "queued_requests", b"queued_requests", "ready_workers", b"ready_workers", "tokenizer_fingerprint", b"tokenizer_fingerprint"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

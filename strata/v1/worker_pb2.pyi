@@ -118,6 +118,7 @@ class Submission(_message.Message):
     DEADLINE_UNIX_MS_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    PRIOR_OUTPUT_IDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request id, unique among the stream's running requests."""
     deadline_unix_ms: _builtins.int
@@ -140,6 +141,13 @@ class Submission(_message.Message):
     def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """W3C trace context (traceparent, tracestate) of the request."""
 
+    @_builtins.property
+    def prior_output_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Tokens already generated for this request by another worker that failed mid-stream. The worker
+        prefills prompt_ids followed by these and continues: they count toward max_new_tokens and
+        output_tokens, and are never sent back in a TokenUpdate.
+        """
+
     def __init__(
         self,
         *,
@@ -150,10 +158,11 @@ class Submission(_message.Message):
         deadline_unix_ms: _builtins.int = ...,
         trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         priority: _builtins.int = ...,
+        prior_output_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_unix_ms", b"deadline_unix_ms", "priority", b"priority", "prompt_ids", b"prompt_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_unix_ms", b"deadline_unix_ms", "prior_output_ids", b"prior_output_ids", "priority", b"priority", "prompt_ids", b"prompt_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
