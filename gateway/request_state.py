@@ -3,7 +3,9 @@
 The tokenizer service is stateless, so the caller keeps, per request, the window of recent ids, the
 read offset inside it and the text held back as a possible stop-string prefix (see DetokenizeEntry).
 An OpenRequest builds its entry for one worker update and applies the result, producing the Delta its
-client receives. This module must not do I/O: worker_link.py makes the one batched call per message.
+client receives. When a request fails over to another worker mid-stream, the new OpenRequest takes
+over that state, so the text continues exactly where the client's copy ends. This module must not do
+I/O: worker_link.py makes the one batched call per message.
 """
 
 from __future__ import annotations
@@ -48,6 +50,12 @@ class OpenRequest:
     window: list[int] = field(default_factory=list)
     read_offset: int = 0
     pending_text: str = ""
+
+    def resume(self, previous: OpenRequest) -> None:
+        """Continue the detokenization of `previous` (a failover): its first new ids extend that text."""
+        self.window = list(previous.window)
+        self.read_offset = previous.read_offset
+        self.pending_text = previous.pending_text
 
     def entry(self, update: worker_pb2.TokenUpdate) -> tokenizer_pb2.DetokenizeEntry:
         """The Detokenize entry for this update's new ids."""

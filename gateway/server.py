@@ -1,11 +1,11 @@
 """The gateway's gRPC server: the strata.v1.Gateway servicer, readiness, start and stop, and `main`.
 
-`start` binds the listen address (health NOT_SERVING), opens the tokenizer connection and one worker
-link per configured worker address, and returns at once; health turns SERVING when the tokenizer is
-serving and every route has a ready link, and follows them as they come and go. `main` runs until
-SIGTERM or SIGINT, then drains: NOT_SERVING, no new calls, running streams finish within the grace
-period, links close. This module must not hold request logic (pipeline.py) nor map errors to codes
-(errors.py).
+`start` binds the listen address (health NOT_SERVING), opens the tokenizer connection and the routes'
+worker links, and returns at once; health turns SERVING when the tokenizer is serving and every route
+has a ready link (or a fallback with one, which then serves it), and follows them as they come and
+go. `main` runs until SIGTERM or SIGINT, then drains: NOT_SERVING, no new calls, running streams
+finish within the grace period, links close. This module must not hold request logic (pipeline.py)
+nor map errors to codes (errors.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from gateway.router import Router
 from gateway.settings import GatewaySettings
 from gateway.tokenize_batcher import TokenizeBatcher
 from gateway.tokenizer_client import TokenizerClient
-from gateway.worker_link import WorkerLink
 from strata.rpc import RunningServer, shutdown_event, start_server
 from strata.service_main import run_service
 from strata.v1 import gateway_pb2, gateway_pb2_grpc
@@ -87,17 +86,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.ListModelsRequest, context: Context
     ) -> gateway_pb2.ListModelsResponse:
         models = []
-        for name in self._router.models:
-            status = self._router.status(name)
-            tokenizer = self._tokenizer.models.get(name)
+        for route in self._router.routes():
+            status = route.status()
+            tokenizer = self._tokenizer.models.get(route.name)
             models.append(
                 gateway_pb2.ModelInfo(
-                    name=name,
+                    name=route.name,
                     max_model_len=status.max_model_len,
                     ready_workers=status.ready_workers,
                     configured_workers=status.configured_workers,
                     tokenizer_fingerprint=tokenizer.fingerprint if tokenizer is not None else "",
-                    fallback_model="",
+                    fallback_model=route.fallback,
+                    queued_requests=status.queued_requests,
+                    fallback_enabled=bool(route.fallback) and route.fallback_enabled,
                 )
             )
         return gateway_pb2.ListModelsResponse(models=models, default_model=self._default_model)
@@ -109,18 +110,9 @@ class GatewayServer:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.tokenizer = TokenizerClient(settings, self._health_changed)
-        links = {
-            route.model: [
-                WorkerLink(address, route.model, settings, self.tokenizer, self._health_changed)
-                for address in route.workers
-            ]
-            for route in settings.routes
-        }
-        self.router = Router(settings, links)
-        self.batcher = TokenizeBatcher(
-            self.tokenizer, settings.tokenize_batch_window_ms, settings.max_tokenize_batch
-        )
-        self.pipeline = Pipeline(settings, self.router, self.batcher)
+        self.router = Router(settings, self.tokenizer, self._health_changed)
+        self.batcher = TokenizeBatcher(self.tokenizer, settings.max_batch_delay_ms, settings.max_batch_size)
+        self.pipeline = Pipeline(settings, self.router, self.batcher, self._fingerprint)
         self.running: RunningServer | None = None
         self.address = ""
         """host:port the server is bound to."""
@@ -134,6 +126,22 @@ class GatewayServer:
     def serving(self) -> bool:
         return self._serving
 
+    def _routes_served(self) -> bool:
+        """Every route has a ready worker, or a fallback that has one and may stand in for it."""
+        for route in self.router.routes():
+            if route.available():
+                continue
+            if not (
+                route.fallback and route.fallback_enabled and self.router.route(route.fallback).available()
+            ):
+                return False
+        return True
+
+    def _fingerprint(self, model: str) -> str:
+        """The tokenizer service's fingerprint for a route's model; "" before it answered."""
+        tokenizer = self.tokenizer.models.get(model)
+        return tokenizer.fingerprint if tokenizer is not None else ""
+
     def _health_changed(self) -> None:
         self._health_dirty.set()
 
@@ -142,7 +150,7 @@ class GatewayServer:
         while True:
             await self._health_dirty.wait()
             self._health_dirty.clear()
-            serving = not self._draining and self.tokenizer.reachable and self.router.all_ready()
+            serving = not self._draining and self.tokenizer.reachable and self._routes_served()
             if serving != self._serving:
                 self._serving = serving
                 await self.running.set_serving(serving)
@@ -162,8 +170,7 @@ class GatewayServer:
         self.address = self.running.address
         self._health_task = asyncio.create_task(self._follow_health(), name="gateway-health")
         self.tokenizer.start()
-        for link in self.router.links():
-            link.start()
+        self.router.start()
         log.info("gateway listening on %s, routes: %s", self.address, ", ".join(self.router.models))
 
     async def wait_ready(self, timeout: float) -> bool:
@@ -191,7 +198,7 @@ class GatewayServer:
             self._health_task.cancel()
             await asyncio.gather(self._health_task, return_exceptions=True)
         await self.batcher.close()
-        await asyncio.gather(*(link.close() for link in self.router.links()))
+        await self.router.close()
         await self.tokenizer.close()
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from strata.rpc import MIB
@@ -16,21 +16,51 @@ from strata.settings import ServiceSettings
 
 
 class RouteSettings(BaseModel):
-    """One model name and the workers that serve it."""
+    """One model name, the workers that serve it, its admission limits and its fallback."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: str
     """The model name clients ask for (and the tokenizer service knows)."""
-    workers: tuple[str, ...]
-    """host:port of each worker serving this model."""
+    workers: tuple[str, ...] = ()
+    """host:port of each worker serving this model (a static list); set this or `dns`."""
+    dns: str = ""
+    """name:port whose addresses are the workers (a Kubernetes headless service); set this or `workers`."""
+    dns_refresh_s: float = 5.0
+    """How often `dns` is resolved again; new addresses get links, vanished ones close once idle."""
+    fallback: str = ""
+    """Another route's model: the smaller model, with the same tokenizer, that serves when this one can't."""
+    fallback_enabled: bool = True
+    """False never uses `fallback` for this route."""
+    max_queued_requests: int = 64
+    """Requests waiting for a worker credit at most; more are refused (RESOURCE_EXHAUSTED) at once."""
+    max_queued_tokens: int = 32768
+    """Prompt tokens waiting for a worker credit at most (a lone request always fits)."""
+    ttft_slo_ms: float = 2000.0
+    """A predicted time to first token above this counts as saturated; 0 turns the check off."""
 
-    @field_validator("workers")
-    @classmethod
-    def _some_workers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        if not value:
-            raise ValueError("must list at least one worker address, e.g. [127.0.0.1:50053]")
-        return value
+    @model_validator(mode="after")
+    def _check(self) -> RouteSettings:
+        if bool(self.workers) == bool(self.dns):
+            raise ValueError(
+                f"route {self.model!r} must set exactly one of workers (e.g. [127.0.0.1:50053]) "
+                "or dns (e.g. strata-worker.default.svc:50053)"
+            )
+        if self.dns and not _has_port(self.dns):
+            raise ValueError(f"route {self.model!r}: dns={self.dns!r} must be name:port, e.g. workers:50053")
+        if not self.dns_refresh_s > 0:
+            raise ValueError(f"route {self.model!r}: dns_refresh_s={self.dns_refresh_s} must be > 0, e.g. 5")
+        if self.fallback == self.model:
+            raise ValueError(f"route {self.model!r} names itself as its fallback; name another route")
+        for name in ("max_queued_requests", "max_queued_tokens", "ttft_slo_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"route {self.model!r}: {name}={getattr(self, name)} must be >= 0")
+        return self
+
+
+def _has_port(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit()
 
 
 class GatewaySettings(ServiceSettings):
@@ -59,17 +89,18 @@ class GatewaySettings(ServiceSettings):
     """Longest stop string, in UTF-8 bytes."""
     max_request_id_chars: int = 128
     """Longest caller-chosen request id."""
-    tokenize_batch_window_ms: float = 2.0
-    """How long the first arrival waits for others to share its Tokenize call."""
-    max_tokenize_batch: int = 64
+    max_batch_delay_ms: float = 2.0
+    """Under load, how long an arrival waits for others to share its Tokenize call (and so its
+    worker submission); an arrival at an idle gateway goes at once."""
+    max_batch_size: int = 64
     """Most prompts in one Tokenize call."""
     connect_timeout_s: float = 120.0
     """How long to wait at start for the tokenizer and each worker to be ready."""
     tokenizer_timeout_s: float = 10.0
     """Bound on one call to the tokenizer service (Tokenize, Detokenize, GetTokenizerInfo)."""
     overload_retry_after_s: float = 1.0
-    """Retry hint sent with RESOURCE_EXHAUSTED when no worker of the route has credit left."""
-    reconnect_backoff_max_s: float = 5.0
+    """Retry hint sent with RESOURCE_EXHAUSTED while the gateway has no measured wait to offer."""
+    reconnect_backoff_max_s: float = 1.0
     """Longest wait between attempts to reach a worker or the tokenizer service again."""
     shutdown_grace_s: float = 30.0
     """On SIGTERM or SIGINT, how long running streams may take to finish before they are cancelled."""
@@ -85,10 +116,16 @@ class GatewaySettings(ServiceSettings):
             raise ValueError(f"default_model={self.default_model!r} is not among the routes {names}")
         if self.default_max_new_tokens < 1:
             raise ValueError(f"default_max_new_tokens={self.default_max_new_tokens} must be >= 1, e.g. 64")
-        if self.tokenize_batch_window_ms < 0:
-            raise ValueError(f"tokenize_batch_window_ms={self.tokenize_batch_window_ms} must be >= 0, e.g. 2")
-        if self.max_tokenize_batch < 1:
-            raise ValueError(f"max_tokenize_batch={self.max_tokenize_batch} must be >= 1, e.g. 64")
+        for route in self.routes:
+            if route.fallback and route.fallback not in names:
+                raise ValueError(
+                    f"route {route.model!r} falls back to {route.fallback!r}, "
+                    f"which is not among the routes {names}"
+                )
+        if self.max_batch_delay_ms < 0:
+            raise ValueError(f"max_batch_delay_ms={self.max_batch_delay_ms} must be >= 0, e.g. 2")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size={self.max_batch_size} must be >= 1, e.g. 64")
         for name in ("tokenizer_timeout_s", "overload_retry_after_s", "reconnect_backoff_max_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0, e.g. 1")

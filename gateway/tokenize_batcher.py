@@ -2,19 +2,22 @@
 
 An arrival while no Tokenize call is in flight is sent at once, so an idle gateway adds no latency to
 time to first token. Under load, an arrival while a call is in flight opens a batch and arms one timer
-of `tokenize_batch_window_ms`; later arrivals join it, and it is sent when the timer fires, when it
-holds `max_tokenize_batch` entries, or when its prompts reach MAX_BATCH_BYTES. Each caller awaits its
-own future and gets its own TokenizeResult, or the GatewayError its entry (or the whole call) failed
-with. Nothing polls: one timer handle per open batch, one task per call in flight. This module must not
-know the request pipeline.
+of `max_batch_delay_ms`; later arrivals join it, and it is sent when the timer fires, when it holds
+`max_batch_size` entries, or when its prompts reach MAX_BATCH_BYTES. A call's timeout is the longest
+time any of its callers has left (bounded by tokenizer_timeout_s), so a client's deadline travels to
+the tokenizer. Each caller awaits its own future and gets its own TokenizeResult, or the GatewayError
+its entry (or the whole call) failed with. Nothing polls: one timer handle per open batch, one task per
+call in flight. This module must not know the request pipeline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING
 
-from gateway.errors import GatewayError, Unavailable, from_code
+from gateway.errors import DeadlineExceeded, GatewayError, Unavailable, from_code
+from gateway.metrics import TOKENIZE_BATCH_SIZE
 from strata.rpc import MIB
 from strata.v1 import tokenizer_pb2
 
@@ -23,8 +26,9 @@ if TYPE_CHECKING:
 
 # Keeps one Tokenize call well inside the tokenizer service's default 16 MiB message bound.
 MAX_BATCH_BYTES = 4 * MIB
+MIN_TIMEOUT_S = 0.001
 
-_Pending = tuple[tokenizer_pb2.TokenizeEntry, "asyncio.Future[tokenizer_pb2.TokenizeResult]"]
+_Pending = tuple[tokenizer_pb2.TokenizeEntry, "asyncio.Future[tokenizer_pb2.TokenizeResult]", float | None]
 
 
 class TokenizeBatcher:
@@ -39,14 +43,22 @@ class TokenizeBatcher:
         self._timer: asyncio.TimerHandle | None = None
         self._calls: set[asyncio.Task[None]] = set()
 
-    async def tokenize(self, entry: tokenizer_pb2.TokenizeEntry) -> tokenizer_pb2.TokenizeResult:
-        """The entry's tokens; raises the GatewayError its entry failed with."""
+    async def tokenize(
+        self, entry: tokenizer_pb2.TokenizeEntry, deadline: float | None = None
+    ) -> tokenizer_pb2.TokenizeResult:
+        """The entry's tokens; raises the GatewayError its entry failed with.
+
+        `deadline` (time.monotonic(); None: none) is the caller's: the call waits no longer than the
+        latest deadline among the entries sharing it.
+        """
+        if deadline is not None and deadline <= time.monotonic():
+            raise DeadlineExceeded("the request's deadline passed before it could be tokenized")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[tokenizer_pb2.TokenizeResult] = loop.create_future()
         size = entry.ByteSize()
         if self._pending and self._pending_bytes + size > MAX_BATCH_BYTES:
             self._flush()
-        self._pending.append((entry, future))
+        self._pending.append((entry, future, deadline))
         self._pending_bytes += size
         if len(self._pending) >= self._max_batch or not self._calls:
             self._flush()
@@ -64,7 +76,7 @@ class TokenizeBatcher:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        batch = [(entry, future) for entry, future in self._pending if not future.done()]
+        batch = [pending for pending in self._pending if not pending[1].done()]
         self._pending = []
         self._pending_bytes = 0
         if not batch:
@@ -74,11 +86,17 @@ class TokenizeBatcher:
         task.add_done_callback(self._calls.discard)
 
     async def _call(self, batch: list[_Pending]) -> None:
-        request = tokenizer_pb2.TokenizeRequest(entries=[entry for entry, _ in batch])
+        request = tokenizer_pb2.TokenizeRequest(entries=[entry for entry, _, _ in batch])
+        deadlines = [deadline for _, _, deadline in batch]
+        timeout = None
+        if None not in deadlines:
+            # grpc reads a zero timeout as none: a call whose callers all ran out still gets a bound.
+            timeout = max(MIN_TIMEOUT_S, max(d for d in deadlines if d is not None) - time.monotonic())
+        TOKENIZE_BATCH_SIZE.observe(len(batch))
         try:
-            response = await self._client.tokenize(request)
+            response = await self._client.tokenize(request, timeout)
         except GatewayError as exc:
-            for _, future in batch:
+            for _, future, _ in batch:
                 if not future.done():
                     future.set_exception(exc)
             return
@@ -86,11 +104,11 @@ class TokenizeBatcher:
             error = Unavailable(
                 f"tokenizer service answered {len(response.results)} results for {len(batch)} prompts"
             )
-            for _, future in batch:
+            for _, future, _ in batch:
                 if not future.done():
                     future.set_exception(error)
             return
-        for (_, future), result in zip(batch, response.results, strict=True):
+        for (_, future, _), result in zip(batch, response.results, strict=True):
             if future.done():  # the caller went away while the call was in flight
                 continue
             if result.HasField("error"):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.errors import GatewayError, Unavailable, from_rpc_error
+from gateway.errors import DeadlineExceeded, GatewayError, Unavailable, from_rpc_error
 from strata.rpc import MIB, SERVING, channel_options
 from strata.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
@@ -58,12 +58,18 @@ class TokenizerClient:
             await asyncio.gather(self._watcher, return_exceptions=True)
         await self._channel.close()
 
-    async def tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
+    async def tokenize(
+        self, request: tokenizer_pb2.TokenizeRequest, timeout: float | None = None
+    ) -> tokenizer_pb2.TokenizeResponse:
+        """Tokenize within min(tokenizer_timeout_s, `timeout`): the callers' remaining time bounds it."""
+        bound = self._timeout if timeout is None else min(self._timeout, timeout)
         try:
-            response: tokenizer_pb2.TokenizeResponse = await self._stub.Tokenize(
-                request, timeout=self._timeout
-            )
+            response: tokenizer_pb2.TokenizeResponse = await self._stub.Tokenize(request, timeout=bound)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and bound < self._timeout:
+                raise DeadlineExceeded(
+                    f"the request's deadline passed while tokenizing ({bound:.3f} s were left)"
+                ) from exc
             raise from_rpc_error(exc, "tokenizer service (Tokenize)") from exc
         return response
 

@@ -5,10 +5,12 @@ the tokenizer service's fingerprint, then runs a writer task (merging the submis
 cancellations queued in the same event-loop tick into one ConnectRequest) and a reader loop. For
 each ConnectResponse the reader makes ONE batched Detokenize call covering every update in it, keeps
 each request's detokenization state (window, read offset, held-back text), and pushes one Delta per
-request onto that request's queue. A broken stream fails its open requests with UNAVAILABLE and
-reconnects with backoff; a FAILED_PRECONDITION answer (another model or tokenizer) leaves the link
-refused, with the reason kept for the error clients see. This module must not choose between links
-(router.py does) nor shape client responses (pipeline.py does).
+request onto that request's queue. Its credits (credit_ledger.py) never exceed what the worker
+accepts; every change of them is signalled to the route's dispatcher through `on_capacity`. A broken
+stream fails its open requests with UNAVAILABLE and reconnects with backoff; a FAILED_PRECONDITION
+answer (another model or tokenizer) leaves the link refused, with the reason kept for the error
+clients see. This module must not choose between links (router.py does) nor shape client responses
+(pipeline.py does).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.credit_ledger import CreditLedger
 from gateway.errors import GatewayError, Unavailable, from_code
+from gateway.metrics import SUBMISSION_BATCH_SIZE, WORKER_SUBMISSIONS
 from gateway.request_state import Delta, OpenRequest
 from gateway.tokenizer_client import INITIAL_BACKOFF_S, INTERNAL_MESSAGE_BYTES
 from strata.rpc import MIB, SERVING, channel_options
@@ -55,21 +59,29 @@ class WorkerLink:
         settings: GatewaySettings,
         tokenizer: TokenizerClient,
         on_change: Callable[[], None],
+        on_capacity: Callable[[], None] | None = None,
     ) -> None:
         self.address = address
         self.model = model
         self._settings = settings
         self._tokenizer = tokenizer
         self._on_change = on_change
+        self._on_capacity = on_capacity or (lambda: None)
         self._channel = grpc.aio.insecure_channel(address, options=channel_options(INTERNAL_MESSAGE_BYTES))
         self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._task: asyncio.Task[None] | None = None
         self._outbound: asyncio.Queue[worker_pb2.Submission | str] = asyncio.Queue()
         self._open: dict[str, OpenRequest] = {}
-        self._reported_credits = 0
-        self._sent_since_report = 0
+        self._idle = asyncio.Event()
+        self._delivering = False
+        """A message's deltas are being detokenized: a finished request's last one is not out yet."""
+        self.ledger = CreditLedger()
         self.ready = False
+        self.retiring = False
+        """Set when the worker's address vanished from discovery: no new requests, close when idle."""
+        self.submitted = 0
+        """Requests submitted over this link's life."""
         self.info: worker_pb2.GetWorkerInfoResponse | None = None
         """The worker's hello, kept after a disconnect (its limits rarely change)."""
         self.refusal = ""
@@ -78,10 +90,34 @@ class WorkerLink:
 
     @property
     def credits(self) -> int:
-        """The worker's last reported credits minus the submissions sent since."""
-        if not self.ready:
+        """Requests this gateway may still send the worker: 0 when the link is not usable."""
+        if not self.ready or self.retiring:
             return 0
-        return max(0, self._reported_credits - self._sent_since_report)
+        return self.ledger.available(len(self._open))
+
+    @property
+    def open_requests(self) -> int:
+        return len(self._open)
+
+    def reserve(self) -> None:
+        """Hold one credit for a request admission granted; its submit (or release) gives it back."""
+        self.ledger.reserve()
+
+    def release(self) -> None:
+        """Give back a reserved credit whose request will not be submitted."""
+        self.ledger.release()
+        self._on_capacity()
+
+    def retire(self, retiring: bool = True) -> None:
+        """Take no new requests (or take them again); the open ones run to their end."""
+        self.retiring = retiring
+        self._on_capacity()
+
+    async def wait_idle(self) -> None:
+        """Return once no request is open on this link and every delta is delivered."""
+        while self._open or self._delivering:
+            self._idle.clear()
+            await self._idle.wait()
 
     @property
     def not_ready_reason(self) -> str:
@@ -98,14 +134,20 @@ class WorkerLink:
         await self._channel.close()
 
     def submit(self, submission: worker_pb2.Submission, stop: tuple[str, ...]) -> OpenRequest:
-        """Queue a submission for the next write; its deltas arrive on the returned request's queue."""
+        """Queue a submission for the next write; its deltas arrive on the returned request's queue.
+
+        It uses the credit admission reserved for it, if any, even when it fails.
+        """
+        self.ledger.release()
         if not self.ready:
             raise Unavailable(f"worker {self.address} is not ready: {self.not_ready_reason}")
         if submission.request_id in self._open:
             raise Unavailable(f"request id {submission.request_id!r} is already open on {self.address}")
         request = OpenRequest(submission.request_id, self.model, stop)
         self._open[request.wire_id] = request
-        self._sent_since_report += 1
+        self.ledger.sent(request.wire_id, time.monotonic())
+        self.submitted += 1
+        WORKER_SUBMISSIONS.labels(self.model, self.address).inc()
         self._outbound.put_nowait(submission)
         return request
 
@@ -113,7 +155,16 @@ class WorkerLink:
         """Abort a request that is still open on this stream, freeing its KV blocks in the worker."""
         if self._open.get(request.wire_id) is request:
             del self._open[request.wire_id]
+            self.ledger.forget(request.wire_id)
             self._outbound.put_nowait(request.wire_id)
+            self._note_idle()
+            # The worker reads this cancellation before any submission queued after it: the credit
+            # is free for the next one already.
+            self._on_capacity()
+
+    def _note_idle(self) -> None:
+        if not self._open and not self._delivering:
+            self._idle.set()
 
     async def _run(self) -> None:
         backoff = INITIAL_BACKOFF_S
@@ -163,17 +214,17 @@ class WorkerLink:
                 raise StreamClosedError(f"worker {self.address} answered the hello without its own")
             self.info = first.hello.info
             self._outbound = asyncio.Queue()
-            self._sent_since_report = 0
-            self._reported_credits = first.credits.requests
+            self.ledger.reset(first.hello.info.max_requests, first.credits.requests)
             self.ready = True
             self.refusal = ""
             log.info(
                 "connected to worker %s for model %s (%d credits)",
                 self.address,
                 self.model,
-                self._reported_credits,
+                first.credits.requests,
             )
             self._on_change()
+            self._on_capacity()
             writer = asyncio.create_task(self._write(call, self._outbound), name=f"writer-{self.address}")
             while True:
                 response = await call.read()
@@ -203,6 +254,8 @@ class WorkerLink:
                     if full or outbound.empty():
                         break
                     item = outbound.get_nowait()
+                if message.submissions:
+                    SUBMISSION_BATCH_SIZE.labels(self.model).observe(len(message.submissions))
                 await call.write(message)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             # The reader sees the same broken stream and reconnects; make sure it wakes up.
@@ -210,9 +263,7 @@ class WorkerLink:
             call.cancel()
 
     async def _handle(self, response: worker_pb2.ConnectResponse) -> None:
-        if response.HasField("credits"):
-            self._reported_credits = response.credits.requests
-            self._sent_since_report = 0
+        self.ledger.time(response, time.monotonic())
         for rejection in response.rejections:
             rejected = self._open.pop(rejection.request_id, None)
             if rejected is not None:
@@ -229,8 +280,16 @@ class WorkerLink:
                 del self._open[update.request_id]
             targets.append((request, update))
             entries.append(request.entry(update))
+        if response.HasField("credits"):
+            self.ledger.report(response.credits.requests, len(self._open))
+        self._on_capacity()
         if entries:
-            await self._detokenize(targets, entries)
+            self._delivering = True
+            try:
+                await self._detokenize(targets, entries)
+            finally:
+                self._delivering = False
+        self._note_idle()
 
     async def _detokenize(
         self,
@@ -268,9 +327,12 @@ class WorkerLink:
         self.ready = False
         self.last_error = f"worker {self.address}: {reason}"
         failed, self._open = self._open, {}
+        self.ledger.reset(0, 0)
         error = Unavailable(f"worker {self.address} for model {self.model!r} is gone: {reason}")
         for request in failed.values():
             request.deltas.put_nowait(Delta(error=error))
+        self._note_idle()
+        self._on_capacity()
         if was_ready:
             level = logging.INFO if expected else logging.WARNING
             log.log(level, "link to worker %s for model %s closed: %s", self.address, self.model, reason)

@@ -29,20 +29,44 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+# A peer that stops answering (SIGSTOP, a frozen VM, a cut link) while its TCP connection stays up is
+# noticed only by HTTP/2 pings: one every KEEPALIVE_MS, closing the transport when its ack is
+# PING_TIMEOUT_MS late, so a frozen peer is dropped within about two seconds, not at some deadline.
+KEEPALIVE_MS = 1_000
+PING_TIMEOUT_MS = 1_000
+# Servers must accept pings that often, or they answer GOAWAY "too_many_pings" and the client backs off.
+MIN_RECV_PING_INTERVAL_MS = 500
+# A peer that comes back (SIGCONT, a restart) is reached again within about a second: gRPC's own
+# reconnect backoff would otherwise grow to two minutes, and a connection attempt to a frozen peer
+# would hang for twenty seconds.
+RECONNECT_BACKOFF_MS = (100, 1_000)
+CONNECT_TIMEOUT_MS = 1_000
+
+
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Bounds on message size both ways, and keepalive so a dead peer is noticed on idle streams."""
+    """Bounds on message size both ways, keepalive pings with a timeout, and a short reconnect backoff."""
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+        ("grpc.keepalive_timeout_ms", PING_TIMEOUT_MS),
+        ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_MS),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
+        ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
     ]
 
 
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [*channel_options(max_message_bytes), ("grpc.http2.min_ping_interval_without_data_ms", 10_000)]
+    """The channel options (so a server notices a frozen client too) and tolerance of clients' pings."""
+    return [
+        *channel_options(max_message_bytes),
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_RECV_PING_INTERVAL_MS),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_RECV_PING_INTERVAL_MS),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]
 
 
 @dataclass

@@ -3,9 +3,10 @@
 Each service maps failures to gRPC status codes in one place (gateway/errors.py,
 services/tokenizer/errors.py, services/worker/errors.py); this module gives the first two the shared
 vocabulary: a StatusError whose class fixes its code, a message that names the field or the limit, and
-for RESOURCE_EXHAUSTED a retry hint sent as a google.rpc.RetryInfo in the `grpc-status-details-bin`
-trailer (the rich-error convention standard clients decode; strata.retry reads it back). This module
-must not decide when anything fails.
+for RESOURCE_EXHAUSTED a retry hint sent twice: as a google.rpc.RetryInfo in the
+`grpc-status-details-bin` trailer (the rich-error convention standard clients decode; strata.retry
+reads it back) and as the `grpc-retry-pushback-ms` trailer that gRPC's own retry policy obeys. This
+module must not decide when anything fails.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
 
 class StatusError(Exception):
@@ -96,9 +98,16 @@ def retry_delay_s(details: bytes) -> float | None:
     return None
 
 
+def trailers(error: StatusError) -> tuple[tuple[str, str | bytes], ...]:
+    """The trailing metadata for `error`: rich-status details, and the pushback of a retry hint."""
+    metadata: tuple[tuple[str, str | bytes], ...] = ((STATUS_DETAILS_KEY, status_details(error)),)
+    if isinstance(error, ResourceExhausted):
+        pushback_ms = round(max(0.0, error.retry_after_s) * 1000)
+        metadata += ((RETRY_PUSHBACK_KEY, str(pushback_ms)),)
+    return metadata
+
+
 async def abort(context: grpc.aio.ServicerContext[object, object], error: StatusError) -> NoReturn:
-    """End the call with the error's status, message and rich-status details."""
-    await context.abort(
-        error.code, error.message, trailing_metadata=((STATUS_DETAILS_KEY, status_details(error)),)
-    )
+    """End the call with the error's status, message, rich-status details and retry pushback."""
+    await context.abort(error.code, error.message, trailing_metadata=trailers(error))
     raise AssertionError("context.abort returned")  # grpc raises; this keeps NoReturn honest

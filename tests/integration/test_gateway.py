@@ -97,12 +97,14 @@ class Stack:
         self.servers.append(server)
         return str(server.address)
 
-    def start_gateway(self, tokenizer: str, worker: str, *, wait: bool = True) -> Any:
+    def start_gateway(
+        self, tokenizer: str, worker: str, *, wait: bool = True, route: dict[str, Any] | None = None
+    ) -> Any:
         settings = GatewaySettings.build(
             {
                 "listen": "127.0.0.1:0",
                 "tokenizer_address": tokenizer,
-                "routes": [{"model": "tiny", "workers": [worker]}],
+                "routes": [{"model": "tiny", "workers": [worker], **(route or {})}],
                 "max_message_bytes": MAX_MESSAGE_BYTES,
                 "reconnect_backoff_max_s": 0.5,
                 "overload_retry_after_s": RETRY_AFTER_S,
@@ -453,7 +455,8 @@ def test_worker_with_another_tokenizer_is_refused(env: Env, tiny_serving_dir: Pa
 def test_overload_gets_a_retry_hint_and_a_lost_worker_fails_its_streams(env: Env) -> None:
     stack = env.stack
     worker = stack.start_worker(stack.model_dir, max_requests=2)
-    gateway = stack.start_gateway(env.tokenizer_address, worker)
+    # No queue: a request that finds no credit is refused at once.
+    gateway = stack.start_gateway(env.tokenizer_address, worker, route={"max_queued_requests": 0})
     stub = gateway_pb2_grpc.GatewayStub(stack.channel(gateway.address))
     long = _request("Keep going", max_new_tokens=230, ignore_eos=True)
     streams = [stub.GenerateStream(long, timeout=120) for _ in range(2)]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from gateway.errors import InvalidArgument, NotFound, Unavailable
+from gateway.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable
 from gateway.settings import GatewaySettings
 from gateway.tokenize_batcher import TokenizeBatcher
 from gateway.tokenizer_client import TokenizerClient
@@ -20,13 +21,17 @@ if TYPE_CHECKING:
 
 
 class CountingClient(TokenizerClient):
-    """The real client, recording the size of every Tokenize call it makes."""
+    """The real client, recording the size and timeout of every Tokenize call it makes."""
 
     calls: list[int]
+    timeouts: list[float | None]
 
-    async def tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
+    async def tokenize(
+        self, request: tokenizer_pb2.TokenizeRequest, timeout: float | None = None
+    ) -> tokenizer_pb2.TokenizeResponse:
         self.calls.append(len(request.entries))
-        return await super().tokenize(request)
+        self.timeouts.append(timeout)
+        return await super().tokenize(request, timeout)
 
 
 def _settings(address: str) -> GatewaySettings:
@@ -47,6 +52,7 @@ async def _with_tokenizer(model_dir: Path, window_ms: float, max_batch: int) -> 
     )
     client = CountingClient(_settings(server.address), lambda: None)
     client.calls = []
+    client.timeouts = []
     batcher = TokenizeBatcher(client, window_ms, max_batch)
     try:
         prompts = [f"Hello world number {i}" for i in range(10)]
@@ -108,3 +114,40 @@ def test_arrivals_share_calls_and_get_their_own_results(
     assert isinstance(too_long, InvalidArgument) and "5" in too_long.message
     assert isinstance(truncated, tokenizer_pb2.TokenizeResult)
     assert len(truncated.token_ids) == 5 and truncated.truncated_tokens > 0
+
+
+def test_the_callers_deadline_bounds_the_tokenize_call(tiny_serving_dir: Path) -> None:
+    async def main() -> tuple[list[int], list[float | None], list[BaseException | object]]:
+        server = await start_tokenizer(
+            TokenizerSettings.build({"listen": "127.0.0.1:0", "models": {"tiny": tiny_serving_dir}})
+        )
+        client = CountingClient(_settings(server.address), lambda: None)
+        client.calls, client.timeouts = [], []
+        batcher = TokenizeBatcher(client, 20.0, 64)
+        try:
+            now = time.monotonic()
+            await batcher.tokenize(_entry("no deadline"))
+            await batcher.tokenize(_entry("a deadline"), deadline=now + 5.0)
+            # The opener goes alone; the two behind it share a call that waits as long as the more
+            # patient one may.
+            await asyncio.gather(
+                batcher.tokenize(_entry("opener")),
+                batcher.tokenize(_entry("soon"), deadline=now + 3.0),
+                batcher.tokenize(_entry("later"), deadline=now + 4.0),
+            )
+            expired = await asyncio.gather(
+                batcher.tokenize(_entry("too late"), deadline=time.monotonic() - 1.0), return_exceptions=True
+            )
+            return list(client.calls), list(client.timeouts), list(expired)
+        finally:
+            await batcher.close()
+            await client.close()
+            await server.stop(0)
+
+    calls, timeouts, expired = asyncio.run(main())
+    assert calls == [1, 1, 1, 2]  # the expired entry never reaches the tokenizer
+    assert timeouts[0] is None and timeouts[2] is None
+    assert timeouts[1] is not None and 3.0 < timeouts[1] <= 5.0
+    assert timeouts[3] is not None and 3.0 < timeouts[3] <= 4.0
+    (error,) = expired
+    assert isinstance(error, DeadlineExceeded), error

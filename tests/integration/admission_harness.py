@@ -1,0 +1,190 @@
+"""In-process stacks for the admission tests: a tokenizer service, workers and gateways on one event
+loop in a background thread, blocking and asyncio clients, and readings of the gateway's metrics.
+
+Each test gives its route its own model name (the tokenizer serves the tiny model under every name),
+so the process-wide Prometheus counters it reads are its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from prometheus_client import REGISTRY
+
+from gateway.server import start as start_gateway
+from gateway.settings import GatewaySettings
+from services.tokenizer.server import start as start_tokenizer
+from services.tokenizer.settings import TokenizerSettings
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import LLMEngine
+from services.worker.engine.params import SamplingParams
+from services.worker.server import start as start_worker
+from services.worker.settings import WorkerSettings
+from strata.v1 import common_pb2, gateway_pb2, tokenizer_pb2, tokenizer_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Coroutine
+    from pathlib import Path
+
+    from gateway.server import GatewayServer
+    from services.worker.server import WorkerServer
+
+MODELS = ("burst", "deadline", "shed", "replicas", "dns", "stop", "cancel")
+WAIT_S = 60.0
+
+
+def engine_config(max_num_seqs: int) -> dict[str, Any]:
+    return {
+        "num_blocks": 128,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": 512,
+        "enable_fault_injection": True,
+    }
+
+
+class LoopThread:
+    """An event loop in a daemon thread, for servers the tests talk to."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 120.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, function: Callable[[], Any]) -> Any:
+        """Run a plain function on the loop's thread (the servers are not thread-safe)."""
+
+        async def wrapper() -> Any:
+            return function()
+
+        return self.run(wrapper())
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class Stack:
+    """A tokenizer service for every test model name, plus the workers and gateways tests start."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.loop = LoopThread()
+        self.model_dir = model_dir
+        self.servers: list[Any] = []
+        self.channels: list[grpc.Channel] = []
+        settings = TokenizerSettings.build(
+            {"listen": "127.0.0.1:0", "models": dict.fromkeys(MODELS, model_dir)}
+        )
+        tokenizer = self.loop.run(start_tokenizer(settings))
+        self.servers.append(tokenizer)
+        self.tokenizer_address = str(tokenizer.address)
+        self._engine: LLMEngine | None = None
+
+    def start_worker(self, model: str, *, max_requests: int, step_delay_s: float = 0.0) -> WorkerServer:
+        settings = WorkerSettings.build(
+            {
+                "listen": "127.0.0.1:0",
+                "model_name": model,
+                "model_path": self.model_dir,
+                "device": "cpu",
+                "threads": 1,
+                "max_requests": max_requests,
+                "engine": engine_config(max_requests),
+            }
+        )
+        server: WorkerServer = self.loop.run(start_worker(settings))
+        self.loop.run(server.wait_ready())
+        self.servers.append(server)
+        set_step_delay(server, step_delay_s)
+        return server
+
+    def start_gateway(self, route: dict[str, Any], **extra: Any) -> GatewayServer:
+        settings = GatewaySettings.build(
+            {
+                "listen": "127.0.0.1:0",
+                "tokenizer_address": self.tokenizer_address,
+                "routes": [route],
+                "reconnect_backoff_max_s": 0.5,
+                **extra,
+            }
+        )
+        gateway: GatewayServer = self.loop.run(start_gateway(settings))
+        self.servers.append(gateway)
+        assert self.loop.run(gateway.wait_ready(WAIT_S)), f"the gateway did not become ready in {WAIT_S} s"
+        return gateway
+
+    def channel(self, address: str) -> grpc.Channel:
+        channel = grpc.insecure_channel(address)
+        self.channels.append(channel)
+        return channel
+
+    def worker_stats(self, worker: WorkerServer) -> worker_pb2.GetWorkerStatsResponse:
+        stub = worker_pb2_grpc.WorkerServiceStub(self.channel(worker.address))
+        stats: worker_pb2.GetWorkerStatsResponse = stub.GetWorkerStats(
+            worker_pb2.GetWorkerStatsRequest(), timeout=10
+        )
+        return stats
+
+    def prompt_ids(self, model: str, prompt: str) -> list[int]:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(self.channel(self.tokenizer_address))
+        entry = tokenizer_pb2.TokenizeEntry(model=model, prompt=prompt, max_input_tokens=10_000)
+        (result,) = stub.Tokenize(tokenizer_pb2.TokenizeRequest(entries=[entry]), timeout=30).results
+        return list(result.token_ids)
+
+    def alone(self, model: str, prompt: str, max_new_tokens: int) -> list[int]:
+        """What the engine generates for this prompt alone, greedily."""
+        if self._engine is None:
+            self._engine = LLMEngine.from_model_dir(
+                self.model_dir, EngineConfig.model_validate(engine_config(16))
+            )
+        engine = self._engine
+        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+        (tokens,) = engine.generate([self.prompt_ids(model, prompt)], params)
+        return list(tokens)
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
+        for server in reversed(self.servers):
+            self.loop.run(server.stop(0))
+        self.loop.close()
+
+
+def set_step_delay(worker: WorkerServer, seconds: float) -> None:
+    """The engine's test-only fault switch: sleep this long before every step."""
+    worker.host.engine.engine.faults.set_step_delay(seconds)
+
+
+def request(
+    model: str,
+    prompt: str,
+    max_new_tokens: int,
+    priority: gateway_pb2.Priority.ValueType = gateway_pb2.PRIORITY_UNSPECIFIED,
+) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(
+        model=model,
+        prompt=prompt,
+        priority=priority,
+        sampling=common_pb2.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True),
+    )
+
+
+def metric(name: str, **labels: str) -> float:
+    """A sample of the default registry; 0 when it was never recorded."""
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"{what} within {timeout} s")
