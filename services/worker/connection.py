@@ -19,7 +19,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.worker.convert import ended_update, engine_priority, sampling_params, token_update
+from services.worker.convert import (
+    ended_update,
+    engine_priority,
+    engine_prompt,
+    sampling_params,
+    token_update,
+)
 from services.worker.engine.params import InvalidRequestError
 from services.worker.engine.sequence import FinishReason
 from services.worker.errors import (
@@ -50,6 +56,9 @@ class OpenRequest:
     request_id: str
     engine_id: str
     prompt_tokens: int
+    """The submission's prompt_ids, without any prior output."""
+    prior_tokens: int
+    """prior_output_ids of a failover: prefilled by the engine, counted as output, never sent back."""
     submitted: float
     """time.monotonic() at arrival."""
     first_step: float | None = None
@@ -167,7 +176,7 @@ class Connection:
                     "before the worker received the request"
                 )
         params = sampling_params(submission)
-        prompt = list(submission.prompt_ids)
+        prompt = engine_prompt(submission)
         # Validate before taking a credit: a bad request is INVALID_ARGUMENT even on a full worker.
         self.host.engine.engine.validate(prompt, params)
         engine_id = self._prefix + request_id
@@ -177,7 +186,10 @@ class Connection:
         except BaseException:
             self.host.retire(engine_id)
             raise
-        record = OpenRequest(request_id, engine_id, len(prompt), time.monotonic())
+        prior = len(submission.prior_output_ids)
+        record = OpenRequest(
+            request_id, engine_id, len(submission.prompt_ids), prior, time.monotonic(), output_tokens=prior
+        )
         if submission.deadline_unix_ms:
             record.deadline = asyncio.get_running_loop().call_later(remaining_s, self._expire, request_id)
         self._open[request_id] = record
@@ -223,9 +235,17 @@ class Connection:
             if record.first_step is None:
                 record.first_step = report.started
                 queue_ms = max(0.0, report.started - record.submitted) * 1000.0
-            record.output_tokens = out.num_output_tokens
+            record.output_tokens = out.num_output_tokens + record.prior_tokens
             forward_ms = record.forward_ms(report.ended)
-            updates.append(token_update(record.request_id, out, queue_ms=queue_ms, forward_ms=forward_ms))
+            updates.append(
+                token_update(
+                    record.request_id,
+                    out,
+                    queue_ms=queue_ms,
+                    forward_ms=forward_ms,
+                    prior_tokens=record.prior_tokens,
+                )
+            )
             if out.finished:
                 self._forget(record)
         return updates

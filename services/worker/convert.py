@@ -1,9 +1,11 @@
 """Translation between the worker's wire types and the engine's: sampling parameters, finish reasons,
-token updates and priorities.
+token updates, priorities and the continuation of a request another worker started.
 
 The proto leaves some sampling fields unset to mean "off"; this module fills the engine's defaults
-for them and rejects what the gateway must always fill. It must not validate ranges (the engine's
-SamplingParams.validate does) nor hold any state.
+for them and rejects what the gateway must always fill. A submission with `prior_output_ids` (a
+failover) runs in the engine as prompt + prior ids with max_new_tokens shortened by the prior count;
+token updates then count the prior ids as output, not prompt, and never carry them. It must not
+validate ranges (the engine's SamplingParams.validate does) nor hold any state.
 """
 
 from __future__ import annotations
@@ -32,8 +34,16 @@ def sampling_params(submission: worker_pb2.Submission) -> SamplingParams:
         raise InvalidRequestError(
             "sampling.max_new_tokens", 0, "must be >= 1: the gateway fills its default before submitting"
         )
+    prior = len(submission.prior_output_ids)
+    if prior >= wire.max_new_tokens:
+        raise InvalidRequestError(
+            "prior_output_ids",
+            f"{prior} tokens",
+            f"must be fewer than sampling.max_new_tokens={wire.max_new_tokens}: "
+            "a request with every token generated has nothing left to continue",
+        )
     return SamplingParams(
-        max_new_tokens=wire.max_new_tokens,
+        max_new_tokens=wire.max_new_tokens - prior,
         temperature=wire.temperature,
         top_k=wire.top_k,
         top_p=wire.top_p if wire.HasField("top_p") else 1.0,
@@ -45,21 +55,29 @@ def sampling_params(submission: worker_pb2.Submission) -> SamplingParams:
     )
 
 
+def engine_prompt(submission: worker_pb2.Submission) -> list[int]:
+    """What the engine prefills: the prompt, then the tokens a failed worker already generated."""
+    return [*submission.prompt_ids, *submission.prior_output_ids]
+
+
 def engine_priority(wire_priority: int) -> int:
     """The proto runs higher priorities first; the engine runs lower values first."""
     return -wire_priority
 
 
 def token_update(
-    request_id: str, output: StepOutput, *, queue_ms: float, forward_ms: float
+    request_id: str, output: StepOutput, *, queue_ms: float, forward_ms: float, prior_tokens: int = 0
 ) -> worker_pb2.TokenUpdate:
-    """One request's share of an engine step, under the id the gateway gave it."""
+    """One request's share of an engine step, under the id the gateway gave it.
+
+    `prior_tokens` ids of the engine's prompt were output of a failed worker: they count as output.
+    """
     update = worker_pb2.TokenUpdate(
         request_id=request_id,
         token_ids=output.new_token_ids,
         finished=output.finished,
-        prompt_tokens=output.num_prompt_tokens,
-        output_tokens=output.num_output_tokens,
+        prompt_tokens=output.num_prompt_tokens - prior_tokens,
+        output_tokens=output.num_output_tokens + prior_tokens,
         queue_ms=queue_ms,
         forward_ms=forward_ms,
     )

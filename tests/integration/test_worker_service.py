@@ -87,6 +87,34 @@ def test_requests_on_one_stream_get_exactly_their_greedy_tokens(tiny_serving_dir
     assert side.credits[-1] == 16  # every credit came back
 
 
+def test_prior_output_ids_continue_a_request_without_resending_them(tiny_serving_dir: Path) -> None:
+    prompt, total = [11, 12, 13, 14, 15], 24
+    whole = expected_tokens(tiny_serving_dir, prompt, total)
+    prior = whole[:9]
+    continuation = expected_tokens(tiny_serving_dir, prompt + prior, total - len(prior))
+
+    async def main() -> GatewaySide:
+        async with running_worker(tiny_serving_dir) as (_, stub):
+            side = await connect(stub, tiny_serving_dir)
+            await side.send(
+                submission("cont", prompt, total, prior_output_ids=prior),
+                submission("done", prompt, len(prior), prior_output_ids=prior),
+            )
+            await side.read_until(lambda s: "cont" in s.finals and "done" in s.rejections)
+            await wait_idle(stub)
+            return side
+
+    side = asyncio.run(main())
+    assert side.tokens["cont"] == continuation
+    assert len(continuation) == total - len(prior)
+    final = side.finals["cont"]
+    assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert (final.prompt_tokens, final.output_tokens) == (len(prompt), total)
+    assert side.firsts["cont"].output_tokens == len(prior) + len(side.firsts["cont"].token_ids)
+    rejection = side.rejections["done"]
+    assert rejection.code == INVALID_ARGUMENT and "prior_output_ids" in rejection.message
+
+
 def test_a_full_worker_rejects_with_resource_exhausted_while_others_run(tiny_serving_dir: Path) -> None:
     async def main() -> GatewaySide:
         async with running_worker(tiny_serving_dir, max_requests=2) as (server, stub):
