@@ -118,3 +118,24 @@ def tiny_serving_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tmp_path_factory.mktemp("tiny-serving"), "llama", seed=4, tie_word_embeddings=True
     )
     return write_tiny_tokenizer(directory)
+
+
+@pytest.fixture(scope="session")
+def tiny_fallback_dir(tiny_serving_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A smaller tiny Llama (2 layers, other weights) with tiny_serving_dir's tokenizer files copied in,
+    so both folders have the same tokenizer fingerprint: a primary and its fallback."""
+    import shutil
+
+    from strata.fingerprint import TOKENIZER_FILES
+
+    directory = build_tiny_model(
+        tmp_path_factory.mktemp("tiny-fallback"),
+        "llama",
+        seed=5,
+        tie_word_embeddings=True,
+        num_hidden_layers=2,
+    )
+    for name in TOKENIZER_FILES:
+        if (tiny_serving_dir / name).is_file():
+            shutil.copyfile(tiny_serving_dir / name, directory / name)
+    return directory
