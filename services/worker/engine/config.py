@@ -45,6 +45,9 @@ class EngineConfig(BaseModel):
     """On CUDA, replay decode-only steps from captured graphs (eager when False; ignored on CPU)."""
     enable_fault_injection: bool = False
     """Test mode only: let tests make the runner fail steps on purpose."""
+    fault_step_delay_s: float = 0.0
+    """Test mode only (needs enable_fault_injection): sleep this long before every step, so that a
+    test driving a worker process from outside can act while its requests are still running."""
     shed_recovery_steps: int = 16
     """After load shedding, successful steps between each +1 of the running limit."""
 
@@ -69,6 +72,17 @@ class EngineConfig(BaseModel):
             name = str(info.field_name)
             default = cls.model_fields[name].default
             raise _invalid(name, value, "must be >= 1", str(default))
+        return value
+
+    @field_validator("fault_step_delay_s")
+    @classmethod
+    def _delay(cls, value: float, info: ValidationInfo) -> float:
+        if value < 0:
+            raise _invalid("fault_step_delay_s", value, "must be >= 0", "0.05")
+        if value > 0 and not info.data.get("enable_fault_injection", False):
+            raise _invalid(
+                "fault_step_delay_s", value, "needs enable_fault_injection: true (test mode only)", "0"
+            )
         return value
 
     @field_validator("max_model_len")

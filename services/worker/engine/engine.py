@@ -66,6 +66,8 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         self.faults = FaultInjector(config.enable_fault_injection)
+        if config.fault_step_delay_s:
+            self.faults.set_step_delay(config.fault_step_delay_s)
         # Per step: (tokens computed, tokens sampled) and the step's seconds; benchmarks read them.
         self.step_log: list[tuple[int, int]] = []
         self.step_seconds: list[float] = []
