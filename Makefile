@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test test-fast lint bench bench-stack run clean
+.PHONY: setup model protos test test-fast lint bench bench-stack bench-fallback run clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,10 @@ bench: setup model
 # The gRPC stack against the in-process engine, same prompts, one run (about 6 minutes on 2 cores).
 bench-stack: setup model
 	$(BIN)/strata bench --spawn --engine-baseline --json bench/results/stack-cpu.json
+
+# Open-loop arrivals at about twice the primary's capacity, fallback off and on, 3 rounds (about 6 minutes).
+bench-fallback: setup model
+	$(BIN)/strata bench --spawn --rate auto --json bench/results/stack-rate-cpu.json
 
 # The whole stack in the foreground (Ctrl-C stops it); then, in another shell:
 #   .venv/bin/strata generate "What is the capital of France?" --chat

@@ -1,5 +1,7 @@
 """PNG plots of a `strata bench` record: throughput, time to first token and inter-token latency
-against concurrency, with the in-process engine's figures as reference marks when they were measured.
+against concurrency, with the in-process engine's figures as reference marks when they were measured;
+and of a `strata bench --rate` record: goodput with fallback off and on, TTFT p99 against the SLO,
+refusals by reason.
 
 Reads only the record's summary fields (what bench/stack.py writes), so a plot can be redrawn from a
 saved JSON. Renders with matplotlib's Agg backend (no display); this module must not measure anything.
@@ -74,6 +76,66 @@ def write_plots(record: dict[str, Any], path: Path) -> None:
     figure.suptitle(
         f"strata bench: {workload['model']}, {workload['prompt_tokens']} prompt + "
         f"{workload['new_tokens']} new tokens per request, {record['machine']['cpu_model']}"
+    )
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def write_rate_plot(record: dict[str, Any], path: Path) -> None:
+    """`strata bench --rate`: goodput off vs on, accepted requests' TTFT p99 against the SLO, refusals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = [record["phases"][name] for name in ("off", "on")]
+    labels = ["fallback off", "fallback on"]
+    colors = ["tab:gray", "tab:green"]
+    workload, target = record["workload"], record["target"]
+    figure, (goodput, ttft, refusals) = plt.subplots(1, 3, figsize=(15, 4.5))
+
+    for x, phase in enumerate(phases):
+        low, high = phase["goodput_tok_s_spread"]
+        median = phase["goodput_tok_s"]
+        goodput.bar(x, median, color=colors[x], yerr=[[median - low], [high - median]], capsize=6)
+        goodput.plot([x] * len(phase["goodput_tok_s_runs"]), phase["goodput_tok_s_runs"], "k.")
+    ratio = target["goodput_ratio"]
+    shown = "unbounded" if ratio is None else f"{ratio:.2f}x"
+    goodput.set_title(f"goodput (TTFT within SLO): on/off {shown}, target >= {target['goodput_ratio_min']}x")
+    goodput.set_ylabel("output tokens / s")
+
+    slo = workload["ttft_slo_ms"]
+    for x, phase in enumerate(phases):
+        runs = [value for value in phase["ttft_p99_ms_runs"] if value is not None]
+        if phase["ttft_ms"]["p99"] is not None:
+            ttft.bar(x, phase["ttft_ms"]["p99"], color=colors[x])
+        ttft.plot([x] * len(runs), runs, "k.")
+    ttft.axhline(slo, color="tab:red", linestyle="--", label=f"SLO {slo:.0f} ms")
+    ttft.set_title("time to first token p99, accepted requests")
+    ttft.set_ylabel("ms")
+    ttft.legend(fontsize="small")
+
+    reasons = sorted({reason for phase in phases for reason in phase["refusal_reasons"]})
+    bottoms = [0.0, 0.0]
+    for reason in reasons:
+        counts = [phase["refusal_reasons"].get(reason, 0) for phase in phases]
+        refusals.bar([0, 1], counts, bottom=bottoms, label=f"refused: {reason}")
+        bottoms = [b + c for b, c in zip(bottoms, counts, strict=True)]
+    served = [phase["fallback_served"] for phase in phases]
+    refusals.bar([0, 1], served, bottom=bottoms, color="tab:green", alpha=0.5, label="served by the fallback")
+    refusals.set_title(f"requests, all rounds (offered {phases[0]['offered']} per phase)")
+    refusals.set_ylabel("requests")
+    refusals.legend(fontsize="small")
+
+    for axis in (goodput, ttft, refusals):
+        axis.set_xticks([0, 1], labels)
+        axis.grid(True, axis="y", alpha=0.3)
+    figure.suptitle(
+        f"strata bench --rate {workload['rate_rps']:.2f}/s ({workload['arrival']}, "
+        f"{workload['rate_source']}): {workload['model']} -> {workload['fallback_model'] or 'no fallback'}, "
+        f"{workload['prompt_tokens']} + {workload['new_tokens']} tokens, {record['machine']['cpu_model']}"
     )
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,8 @@ percentiles, refusals and errors per level, as a JSON record and PNG plots. A le
 requests by default: from N = 8 on, one per stream, all at once (the workload the engine baseline
 runs); at N = 1, eight back to back, so its TTFT is a median of several. `--engine-baseline`
 times the in-process engine on the same token ids in the same run, alternating with the stack
-(bench/README.md's rules), and judges the stack against it. This module is the command line only:
+(bench/README.md's rules), and judges the stack against it. `--rate R` (or auto) replaces the sweep
+with open-loop arrivals, fallback off and on (bench/rate_run.py). This module is the command line only:
 it must stay cheap to import (`strata --help` builds this parser), so the work lives in
 bench/stack_run.py and is imported when the command runs.
 """
@@ -24,6 +25,23 @@ DEFAULT_CONCURRENCY = (1, 8, 32, 64)
 MIN_REQUESTS_PER_LEVEL = 8
 SMOKE = {"concurrency": (1, 4), "prompt_tokens": 16, "new_tokens": 8, "runs": 1, "warmup_requests": 2}
 DEFAULTS = {"prompt_tokens": 64, "new_tokens": 64, "runs": 3, "warmup_requests": 8}
+# Open loop (--rate): shorter requests, so three rounds of two phases take a few minutes on 2 cores.
+RATE_DEFAULTS = {
+    "prompt_tokens": 32,
+    "new_tokens": 32,
+    "runs": 3,
+    "warmup_requests": 4,
+    "duration": 20.0,
+    "gap": 3.0,
+}
+RATE_SMOKE = {
+    "prompt_tokens": 16,
+    "new_tokens": 8,
+    "runs": 1,
+    "warmup_requests": 2,
+    "duration": 3.0,
+    "gap": 0.5,
+}
 
 
 def _concurrency_list(text: str) -> tuple[int, ...]:
@@ -36,6 +54,56 @@ def _concurrency_list(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: every concurrency must be >= 1, e.g. 1,8,32,64")
     return tuple(sorted(set(values)))
+
+
+def _rate(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rate: requests/s > 0, or auto") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the rate must be > 0 requests/s, or auto")
+    return value
+
+
+def _add_rate_arguments(parser: argparse.ArgumentParser) -> None:
+    rate = parser.add_argument_group(
+        "open loop (--rate)",
+        "Requests arrive at R/s whatever the stack answers; each round runs the same schedule with "
+        "fallback off (no_fallback) then on (allow_fallback), and reports goodput within the TTFT SLO.",
+    )
+    rate.add_argument(
+        "--rate", type=_rate, help="requests/s, or auto: --rate-factor x the primary's measured capacity"
+    )
+    rate.add_argument("--duration", type=float, help="seconds of arrivals per phase (default: 20; smoke 3)")
+    rate.add_argument("--arrivals", type=int, help="requests per phase (default: rate x --duration)")
+    rate.add_argument(
+        "--arrival", choices=("poisson", "fixed"), default="poisson",
+        help="poisson: seeded exponential gaps; fixed: every 1/R s (default: %(default)s)",
+    )  # fmt: skip
+    rate.add_argument(
+        "--ttft-slo-ms", type=float,
+        help="goodput counts requests whose TTFT is within this (default: the route's ttft_slo_ms in "
+        "--config, else the gateway's default, else 2000)",
+    )  # fmt: skip
+    rate.add_argument("--gap", type=float, help="idle seconds between phases (default: 3; smoke 0.5)")
+    rate.add_argument(
+        "--rate-factor",
+        type=float,
+        default=2.0,
+        help="--rate auto: times the capacity (default: %(default)s)",
+    )
+    rate.add_argument(
+        "--capacity-concurrency", type=int,
+        help="--rate auto: closed-loop streams (default: the primary worker's engine.max_num_seqs)",
+    )  # fmt: skip
+    rate.add_argument(
+        "--capacity-requests",
+        type=int,
+        help="--rate auto: requests of the capacity run (default: 2 x streams)",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,6 +160,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads", type=int, help="engine baseline: torch threads (default: the worker's)"
     )
 
+    _add_rate_arguments(parser)
+
     output = parser.add_argument_group("output")
     output.add_argument("--json", type=Path, help="where to write the JSON record")
     output.add_argument("--plot", type=Path, help="where to write the PNG (default: the --json path, .png)")
@@ -101,8 +171,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _resolve_rate(args: argparse.Namespace) -> str | None:
+    if args.engine_baseline or args.concurrency is not None or args.requests_per_level is not None:
+        return "--rate is an open loop: --engine-baseline, --concurrency, --requests-per-level do not apply"
+    for name, default in RATE_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, RATE_SMOKE[name] if args.smoke else default)
+    if args.runs < 1 or (args.runs < 3 and not args.smoke):
+        return f"--runs {args.runs}: at least 3 rounds (median and spread); --smoke allows 1"
+    for name in ("prompt_tokens", "new_tokens", "arrivals", "capacity_concurrency", "capacity_requests"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            return f"--{name.replace('_', '-')} {value} must be >= 1"
+    for name in ("duration", "ttft_slo_ms", "rate_factor"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            return f"--{name.replace('_', '-')} {value} must be > 0"
+    if args.gap < 0 or args.warmup_requests < 0:
+        return "--gap and --warmup-requests must be >= 0"
+    if args.plot is None and args.json is not None:
+        args.plot = args.json.with_suffix(".png")
+    return None
+
+
 def resolve(args: argparse.Namespace) -> str | None:
-    """Fill the defaults that depend on --smoke; the problem with the options, or None."""
+    """Fill the defaults that depend on --smoke (and --rate); the problem with the options, or None."""
+    if args.rate is not None:
+        return _resolve_rate(args)
     if args.concurrency is None:
         args.concurrency = SMOKE["concurrency"] if args.smoke else DEFAULT_CONCURRENCY
     for name, default in DEFAULTS.items():
@@ -138,6 +233,10 @@ def run(args: argparse.Namespace) -> int:
     from bench.stack_run import BenchError, run_benchmark
 
     try:
+        if args.rate is not None:
+            from bench.rate_run import run_rate_benchmark
+
+            return run_rate_benchmark(args)
         return run_benchmark(args)
     except BenchError as exc:
         print(f"strata bench: error: {exc}", file=sys.stderr)

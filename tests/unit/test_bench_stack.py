@@ -212,7 +212,9 @@ def test_no_gateway_is_a_clear_error_not_a_hang(
     assert "no gateway answers at 127.0.0.1:1" in capsys.readouterr().err
 
 
-def _write_config(directory: Path, model_dir: Path, **worker: Any) -> Path:
+def _write_config(
+    directory: Path, model_dir: Path, route: dict[str, Any] | None = None, **worker: Any
+) -> Path:
     import yaml
 
     config = {
@@ -228,7 +230,11 @@ def _write_config(directory: Path, model_dir: Path, **worker: Any) -> Path:
                 **worker,
             }
         ],
-        "gateway": {"listen": "127.0.0.1:0", "default_model": "tiny"},
+        "gateway": {
+            "listen": "127.0.0.1:0",
+            "default_model": "tiny",
+            "routes": [{"model": "tiny", **(route or {})}],
+        },
     }
     path = directory / "stack.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -272,8 +278,8 @@ def test_refusals_are_counted_not_fatal(tmp_path: Path, tiny_serving_dir: Path) 
     from strata.rpc import channel_options
     from strata.v1 import gateway_pb2_grpc
 
-    # One credit: the gateway refuses what the worker cannot take, at once, with RESOURCE_EXHAUSTED.
-    config = _write_config(tmp_path, tiny_serving_dir, max_requests=1)
+    # One credit and no admission queue: the gateway refuses what the worker cannot take, at once.
+    config = _write_config(tmp_path, tiny_serving_dir, route={"max_queued_requests": 0}, max_requests=1)
     args = argparse.Namespace(spawn=True, config=config, log_dir=tmp_path / "logs", address="")
     prompts = build_prompts(load_tokenizer(tiny_serving_dir), 8, 16, seed="refusals")
     requests = [make_request(p, NEW_TOKENS, f"refusal-{i}") for i, p in enumerate(prompts)]
