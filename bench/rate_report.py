@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.load import latency_percentiles
+from bench.stack_report import counts_text as _counts
+from bench.stack_report import ms_text as _ms
+from bench.stack_report import pair_text as _pair
 from bench.stats import percentile, summarize
 
 if TYPE_CHECKING:
@@ -260,18 +263,6 @@ def build_rate_record(
             k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "handler"
         },
     }
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
-
-
-def _pair(latencies: dict[str, float | None]) -> str:
-    return f"{_ms(latencies['p50'])}/{_ms(latencies['p99'])}"
-
-
-def _counts(counts: dict[str, int]) -> str:
-    return ",".join(f"{key}:{n}" for key, n in counts.items()) or "0"
 
 
 def format_rate_report(record: dict[str, Any]) -> str:

@@ -13,7 +13,6 @@ bench/plots.py; this module only orchestrates and reads the config.
 from __future__ import annotations
 
 import asyncio
-import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -30,8 +29,8 @@ from bench.rate import (
 )
 from bench.rate_report import PHASES, aggregate_phase, build_rate_record, format_rate_report, summarize_phase
 from bench.stack_prompts import build_prompts, load_tokenizer
-from bench.stack_run import CONNECT_TIMEOUT_S, BenchError, stack_address
-from bench.stats import describe_machine, save_record
+from bench.stack_run import CONNECT_TIMEOUT_S, BenchError, publish, stack_address
+from bench.stats import describe_machine
 from strata.rpc import MIB, channel_options
 from strata.settings import DEFAULT_CONFIG, SettingsError, read_config
 from strata.v1 import gateway_pb2, gateway_pb2_grpc
@@ -248,18 +247,4 @@ def run_rate_benchmark(args: argparse.Namespace) -> int:
         args, stack=measured["stack"], machine=measured["machine"], workload=measured["workload"],
         capacity=measured["capacity"], phases=measured["phases"],
     )  # fmt: skip
-    save_record(record, args.json)
-    if args.plot is not None:
-        write_rate_plot(record, args.plot)
-    print(format_rate_report(record))
-    for path in (args.json, args.plot):
-        if path is not None:
-            print(f"wrote {path}")
-    if record["voided"]:
-        print(
-            "strata bench: requests failed or miscounted tokens: these numbers do not count", file=sys.stderr
-        )
-        return 1
-    if args.smoke:
-        print("strata bench: --smoke run: not a valid result", file=sys.stderr)
-    return 0
+    return publish(record, args, format_rate_report(record), write_rate_plot)

@@ -199,15 +199,15 @@ def build_record(
     }
 
 
-def _ms(value: float | None) -> str:
+def ms_text(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
-def _pair(latencies: dict[str, float | None]) -> str:
-    return f"{_ms(latencies['p50'])}/{_ms(latencies['p99'])}"
+def pair_text(latencies: dict[str, float | None]) -> str:
+    return f"{ms_text(latencies['p50'])}/{ms_text(latencies['p99'])}"
 
 
-def _counts(counts: dict[str, int]) -> str:
+def counts_text(counts: dict[str, int]) -> str:
     return ",".join(f"{code}:{n}" for code, n in counts.items()) or "0"
 
 
@@ -222,9 +222,10 @@ def format_report(record: dict[str, Any]) -> str:
         low, high = level["output_tok_s_spread"]
         lines.append(
             f"{level['concurrency']:>7} {level['requests']:>5} {level['output_tok_s']:>8.1f} "
-            f"{f'{low:.1f}-{high:.1f}':>15} {level['requests_per_s']:>6.2f} {_pair(level['ttft_ms']):>16} "
-            f"{_pair(level['itl_ms']):>15} {_pair(level['e2e_ms']):>15} {_counts(level['refusals']):>8} "
-            f"{_counts(level['errors']):>7}"
+            f"{f'{low:.1f}-{high:.1f}':>15} {level['requests_per_s']:>6.2f} "
+            f"{pair_text(level['ttft_ms']):>16} {pair_text(level['itl_ms']):>15} "
+            f"{pair_text(level['e2e_ms']):>15} {counts_text(level['refusals']):>8} "
+            f"{counts_text(level['errors']):>7}"
         )
     engine = record["engine_baseline"]
     if engine is not None:

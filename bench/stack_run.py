@@ -32,7 +32,7 @@ from strata.v1 import gateway_pb2, gateway_pb2_grpc
 
 if TYPE_CHECKING:
     import argparse
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
     from services.worker.settings import WorkerSettings
 
@@ -222,10 +222,20 @@ def run_benchmark(args: argparse.Namespace) -> int:
         baseline = engine_record(engine.describe(), level, engine_tok_s, engine_ttft, identical, compared)
         record["engine_baseline"] = baseline
         record["target"] = judge(levels, baseline)
+    return publish(record, args, format_report(record), write_plots)
+
+
+def publish(
+    record: dict[str, Any],
+    args: argparse.Namespace,
+    report: str,
+    plot: Callable[[dict[str, Any], Path], None],
+) -> int:
+    """Save the record and its plot, print the report; 1 when the record is void."""
     save_record(record, args.json)
     if args.plot is not None:
-        write_plots(record, args.plot)
-    print(format_report(record))
+        plot(record, args.plot)
+    print(report)
     for path in (args.json, args.plot):
         if path is not None:
             print(f"wrote {path}")
