@@ -11,6 +11,8 @@ the two would share the cores. This module must not talk to the stack.
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -48,7 +50,14 @@ class EngineBaseline:
     """One engine, loaded once, timed on demand between the stack's sweeps."""
 
     def __init__(self, settings: WorkerSettings, threads: int | None) -> None:
-        """`threads` None leaves torch's default, as the worker does when its settings leave it unset."""
+        """`threads` None leaves torch's default, as the worker does when its settings leave it unset.
+
+        The worker's OpenMP wait policy is applied too (strata up gives the worker process the same
+        variable), but only if torch has not loaded yet in this process: OpenMP reads it once.
+        """
+        if settings.omp_wait_policy is not None and "torch" not in sys.modules:
+            os.environ["OMP_WAIT_POLICY"] = settings.omp_wait_policy
+        self.omp_wait_policy = os.environ.get("OMP_WAIT_POLICY", "unset")
         import torch
 
         from services.worker.engine.engine import LLMEngine
@@ -68,6 +77,7 @@ class EngineBaseline:
             "device": self.device,
             "dtype": self.dtype,
             "threads": self.threads,
+            "omp_wait_policy": self.omp_wait_policy,
             "engine_config": self.engine.config.model_dump(),
             "max_model_len": self.engine.max_model_len,
         }
