@@ -16,7 +16,8 @@ in order. On Linux each child also gets SIGTERM if the launcher dies without sto
 death signal follows the *thread* that started the stack: start it from one that outlives it, e.g. the
 main thread). This module must not know any service's settings beyond the workers' model names and
 wait policies and the `model` and `workers` keys of the gateway's routes (the gateway validates the
-rest), nor decide when a service is ready (the services' health does).
+rest), nor decide when a service is ready (the services' health does, and the gateway's ListModels
+says when it has linked every worker).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from strata.settings import SettingsError, read_config
+from strata.v1 import gateway_pb2, gateway_pb2_grpc
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -319,7 +321,29 @@ class Stack:
         }
         gateway = self._spawn("gateway", "gateway", [], gateway_env)
         gateway_address = self._wait_ready(gateway, end, ready_timeout_s)
+        self._wait_linked(gateway, gateway_address, end, ready_timeout_s)
         self._addresses = StackAddresses(gateway_address, tokenizer_address, tuple(worker_addresses))
+
+    def _wait_linked(self, gateway: _Child, address: str, end: float, timeout_s: float) -> None:
+        """Until the gateway has a live link to every worker it started with.
+
+        A gateway whose route can be served by its fallback alone already reports SERVING; the stack
+        is ready only once the primaries are linked too, so its first requests go where they should.
+        """
+        with grpc.insecure_channel(address) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            while True:
+                self._fail_if_any_exited()
+                models = stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=5.0).models
+                if all(model.ready_workers >= model.configured_workers for model in models):
+                    return
+                if time.monotonic() >= end:
+                    late = ", ".join(f"{m.name} {m.ready_workers}/{m.configured_workers}" for m in models)
+                    raise StackError(
+                        f"the gateway did not link every worker within {timeout_s:.0f} s ({late}); "
+                        f"{gateway.log_tail()}"
+                    )
+                time.sleep(0.05)
 
 
 def start_stack(

@@ -74,6 +74,17 @@ def stack(tmp_path: Path, tiny_serving_dir: Path, tiny_fallback_dir: Path) -> It
         running.stop(timeout=30)
 
 
+def primary_ready(client: StrataClient) -> None:
+    """Wait until the gateway's link to the primary is up: the gateway turns SERVING as soon as the
+    route can serve, which its fallback alone already allows."""
+
+    def ready() -> bool:
+        models = {m.name: m.ready_workers for m in client.list_models(timeout=10).models}
+        return models.get("tiny", 0) >= 1
+
+    seconds_until(ready, 30.0, "the gateway's link to the primary")
+
+
 def serving_model(client: StrataClient) -> str:
     """The model that serves a small request now."""
     return client.generate(PROMPT, max_new_tokens=2, ignore_eos=True, timeout=30).model
@@ -100,6 +111,7 @@ def test_kill9_mid_stream_continues_on_the_fallback_and_the_primary_returns(
 ) -> None:
     total = 60
     with StrataClient(stack.addresses.gateway, retry=NO_RETRY) as client:
+        primary_ready(client)
         assert serving_model(client) == "tiny"
         stream = client.generate_stream(PROMPT, max_new_tokens=total, ignore_eos=True, timeout=120)
         received: list[int] = []
@@ -151,6 +163,7 @@ def test_kill9_mid_stream_continues_on_the_fallback_and_the_primary_returns(
 def test_sigstop_moves_traffic_to_the_fallback_and_sigcont_brings_it_back(stack: Stack) -> None:
     pid = stack.pids["worker 0"]
     with StrataClient(stack.addresses.gateway, retry=NO_RETRY) as client:
+        primary_ready(client)
         assert serving_model(client) == "tiny"
         os.kill(pid, signal.SIGSTOP)
         try:
