@@ -7,8 +7,6 @@ so the process-wide Prometheus counters it reads are its own.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -25,9 +23,10 @@ from services.worker.engine.params import SamplingParams
 from services.worker.server import start as start_worker
 from services.worker.settings import WorkerSettings
 from strata.v1 import common_pb2, gateway_pb2, tokenizer_pb2, tokenizer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.integration.loop_thread import LoopThread
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Coroutine
+    from collections.abc import Callable
     from pathlib import Path
 
     from gateway.server import GatewayServer
@@ -44,30 +43,6 @@ def engine_config(max_num_seqs: int) -> dict[str, Any]:
         "max_num_batched_tokens": 512,
         "enable_fault_injection": True,
     }
-
-
-class LoopThread:
-    """An event loop in a daemon thread, for servers the tests talk to."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 120.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def call(self, function: Callable[[], Any]) -> Any:
-        """Run a plain function on the loop's thread (the servers are not thread-safe)."""
-
-        async def wrapper() -> Any:
-            return function()
-
-        return self.run(wrapper())
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 class Stack:

@@ -11,11 +11,9 @@ mid-stream (its gRPC server stopped with no grace, as a crash looks to the gatew
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import socket
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -37,9 +35,10 @@ from services.worker.server import WorkerServer
 from services.worker.server import start as start_worker
 from services.worker.settings import WorkerSettings
 from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
+from tests.integration.loop_thread import LoopThread
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Coroutine, Iterator
+    from collections.abc import Callable, Iterator
     from pathlib import Path
 
 PRIMARY, FALLBACK = "tiny", "tiny-small"
@@ -55,22 +54,6 @@ PROMPT = "The capital of France"
 WAIT_S = 60.0
 # New requests must reach a restarted primary within 2 s (issue 5); bounds are 5x that.
 RECOVERY_BOUND_S = 10.0
-
-
-class LoopThread:
-    """An event loop in a daemon thread, for servers the blocking tests talk to."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 120.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 class Stack:

@@ -10,10 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 import pytest
@@ -21,131 +20,33 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gateway.errors import STATUS_DETAILS_KEY, retry_delay_s
-from gateway.server import start as start_gateway
-from gateway.settings import GatewaySettings
-from services.tokenizer.server import start as start_tokenizer
-from services.tokenizer.settings import TokenizerSettings
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.params import SamplingParams
-from services.worker.server import start as start_worker
-from services.worker.settings import WorkerSettings
 from strata.fingerprint import tokenizer_fingerprint
 from strata.v1 import (
     common_pb2,
     gateway_pb2,
     gateway_pb2_grpc,
-    tokenizer_pb2,
-    tokenizer_pb2_grpc,
     worker_pb2,
     worker_pb2_grpc,
 )
+from tests.integration.loop_thread import LoopThread
 
 if TYPE_CHECKING:
-    from collections.abc import Coroutine, Iterator
+    from collections.abc import Iterator
     from pathlib import Path
 
-ENGINE = {"num_blocks": 128, "max_num_seqs": 32, "max_num_batched_tokens": 256}
-MAX_MESSAGE_BYTES = 64 * 1024
-CONTEXT = 256  # the tiny model's max_position_embeddings
-RETRY_AFTER_S = 0.75
-
-
-class LoopThread:
-    """An event loop in a daemon thread, for servers the blocking tests talk to."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 120.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
-class Stack:
-    def __init__(self, loop: LoopThread, model_dir: Path) -> None:
-        self.loop = loop
-        self.model_dir = model_dir
-        self.servers: list[Any] = []
-        self.channels: list[grpc.Channel] = []
-
-    def start_tokenizer(self) -> str:
-        settings = TokenizerSettings.build({"listen": "127.0.0.1:0", "models": {"tiny": self.model_dir}})
-        server = self.loop.run(start_tokenizer(settings))
-        self.servers.append(server)
-        return str(server.address)
-
-    def start_worker(self, model_dir: Path, **extra: Any) -> str:
-        settings = WorkerSettings.build(
-            {
-                "listen": "127.0.0.1:0",
-                "model_name": "tiny",
-                "model_path": model_dir,
-                "device": "cpu",
-                "threads": 1,
-                "engine": ENGINE,
-                **extra,
-            }
-        )
-        server = self.loop.run(start_worker(settings))
-        self.loop.run(server.wait_ready())
-        self.servers.append(server)
-        return str(server.address)
-
-    def start_gateway(
-        self, tokenizer: str, worker: str, *, wait: bool = True, route: dict[str, Any] | None = None
-    ) -> Any:
-        settings = GatewaySettings.build(
-            {
-                "listen": "127.0.0.1:0",
-                "tokenizer_address": tokenizer,
-                "routes": [{"model": "tiny", "workers": [worker], **(route or {})}],
-                "max_message_bytes": MAX_MESSAGE_BYTES,
-                "reconnect_backoff_max_s": 0.5,
-                "overload_retry_after_s": RETRY_AFTER_S,
-            }
-        )
-        gateway = self.loop.run(start_gateway(settings))
-        self.servers.append(gateway)
-        if wait:
-            assert self.loop.run(gateway.wait_ready(60)), "the gateway did not become ready in 60 s"
-        return gateway
-
-    def channel(self, address: str) -> grpc.Channel:
-        channel = grpc.insecure_channel(address)
-        self.channels.append(channel)
-        return channel
-
-    def close(self) -> None:
-        for channel in self.channels:
-            channel.close()
-        for server in reversed(self.servers):
-            self.loop.run(server.stop(0))
-
-
-class Env:
-    """The module's stack and its clients."""
-
-    def __init__(self, stack: Stack, gateway: Any, tokenizer: str, worker: str) -> None:
-        self.stack = stack
-        self.gateway_server = gateway
-        self.tokenizer_address = tokenizer
-        self.gateway = gateway_pb2_grpc.GatewayStub(stack.channel(gateway.address))
-        self.tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(stack.channel(tokenizer))
-        self.worker = worker_pb2_grpc.WorkerServiceStub(stack.channel(worker))
-        self.gateway_channel = stack.channels[0]
-
-    def prompt_ids(self, prompt: str) -> list[int]:
-        entry = tokenizer_pb2.TokenizeEntry(model="tiny", prompt=prompt, max_input_tokens=10_000)
-        (result,) = self.tokenizer.Tokenize(
-            tokenizer_pb2.TokenizeRequest(entries=[entry]), timeout=30
-        ).results
-        return list(result.token_ids)
+from tests.integration.gateway_harness import (
+    CONTEXT,
+    ENGINE,
+    MAX_MESSAGE_BYTES,
+    RETRY_AFTER_S,
+    Env,
+    Stack,
+    make_request,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")
@@ -162,22 +63,8 @@ def env(tiny_serving_dir: Path) -> Iterator[Env]:
         loop.close()
 
 
-def _request(prompt: str = "Hello world", **sampling: Any) -> gateway_pb2.GenerateRequest:
-    return gateway_pb2.GenerateRequest(prompt=prompt, sampling=common_pb2.SamplingParams(**sampling))
-
-
-def _wait_for(condition: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what} within {timeout} s")
-
-
 def test_generate_answers_with_text_usage_timing_and_ids(env: Env) -> None:
-    response = env.gateway.Generate(_request(max_new_tokens=16, ignore_eos=True), timeout=60)
+    response = env.gateway.Generate(make_request(max_new_tokens=16, ignore_eos=True), timeout=60)
     assert response.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert len(response.token_ids) == 16
     assert response.usage.output_tokens == 16
@@ -190,7 +77,7 @@ def test_generate_answers_with_text_usage_timing_and_ids(env: Env) -> None:
 
 
 def test_stream_deltas_add_up_to_the_final_answer(env: Env) -> None:
-    request = _request("The capital of France", max_new_tokens=24, ignore_eos=True)
+    request = make_request("The capital of France", max_new_tokens=24, ignore_eos=True)
     request.request_id = "my-request"
     messages = list(env.gateway.GenerateStream(request, timeout=60))
     assert len(messages) >= 2
@@ -223,14 +110,16 @@ def test_chat_messages_use_the_chat_template(env: Env) -> None:
 
 
 def test_stop_string_cuts_the_text_where_it_begins(env: Env) -> None:
-    first = env.gateway.Generate(_request("Tell me a story", max_new_tokens=40, ignore_eos=True), timeout=60)
+    first = env.gateway.Generate(
+        make_request("Tell me a story", max_new_tokens=40, ignore_eos=True), timeout=60
+    )
     text = first.text
     start = len(text) // 2
     stop = text[start : start + 3]
     assert len(stop.strip()) > 0, f"pick another stop string from {text!r}"
     expected = text[: text.index(stop)]
     stopped = env.gateway.Generate(
-        _request("Tell me a story", max_new_tokens=40, ignore_eos=True, stop=[stop]), timeout=60
+        make_request("Tell me a story", max_new_tokens=40, ignore_eos=True, stop=[stop]), timeout=60
     )
     assert stopped.finish_reason == common_pb2.FINISH_REASON_STOP
     assert stopped.text == expected
@@ -238,7 +127,7 @@ def test_stop_string_cuts_the_text_where_it_begins(env: Env) -> None:
     assert list(stopped.token_ids) == list(first.token_ids[: len(stopped.token_ids)])
     streamed = list(
         env.gateway.GenerateStream(
-            _request("Tell me a story", max_new_tokens=40, ignore_eos=True, stop=[stop]), timeout=60
+            make_request("Tell me a story", max_new_tokens=40, ignore_eos=True, stop=[stop]), timeout=60
         )
     )
     assert "".join(m.text for m in streamed) == expected == streamed[-1].final.text
@@ -275,7 +164,7 @@ def test_concurrent_streams_match_the_engine_alone(env: Env, tiny_serving_dir: P
 
     def stream(prompt: str) -> list[int]:
         messages = env.gateway.GenerateStream(
-            _request(prompt, max_new_tokens=new_tokens, ignore_eos=True), timeout=120
+            make_request(prompt, max_new_tokens=new_tokens, ignore_eos=True), timeout=120
         )
         return [t for m in messages for t in m.token_ids]
 
@@ -304,7 +193,7 @@ def test_hundreds_of_concurrent_streams_all_complete(env: Env, tiny_serving_dir:
                 ids: list[int] = []
                 text: list[str] = []
                 final = gateway_pb2.GenerateResponse()
-                request = _request(f"stream {i} of many", max_new_tokens=new_tokens, ignore_eos=True)
+                request = make_request(f"stream {i} of many", max_new_tokens=new_tokens, ignore_eos=True)
                 async for message in stub.GenerateStream(request, timeout=300):
                     ids.extend(message.token_ids)
                     text.append(message.text)
@@ -323,11 +212,11 @@ def test_hundreds_of_concurrent_streams_all_complete(env: Env, tiny_serving_dir:
     gateway_stub = gateway_pb2_grpc.GatewayStub(env.stack.channel(gateway.address))
     for i in (0, 97, 255):
         unary = gateway_stub.Generate(
-            _request(f"stream {i} of many", max_new_tokens=new_tokens, ignore_eos=True), timeout=60
+            make_request(f"stream {i} of many", max_new_tokens=new_tokens, ignore_eos=True), timeout=60
         )
         assert list(unary.token_ids) == results[i][0]
     worker_stub = worker_pb2_grpc.WorkerServiceStub(env.stack.channel(worker))
-    _wait_for(
+    wait_for(
         lambda: (
             worker_stub.GetWorkerStats(worker_pb2.GetWorkerStatsRequest(), timeout=10).used_kv_blocks == 0
         ),
@@ -342,15 +231,15 @@ INVALID: list[tuple[str, gateway_pb2.GenerateRequest]] = [
         "messages[0].role",
         gateway_pb2.GenerateRequest(messages=[common_pb2.ChatMessage(role="robot", content="x")]),
     ),
-    ("sampling.max_new_tokens", _request(max_new_tokens=-3)),
-    ("sampling.max_new_tokens", _request(max_new_tokens=CONTEXT)),
-    ("sampling.temperature", _request(temperature=-1.0)),
-    ("sampling.top_p", _request(top_p=2.0)),
-    ("sampling.top_k", _request(top_k=-1)),
-    ("sampling.repetition_penalty", _request(repetition_penalty=-1.0)),
-    ("sampling.no_repeat_ngram_size", _request(no_repeat_ngram_size=-1)),
-    ("sampling.stop", _request(stop=["a"] * 9)),
-    ("sampling.stop[0]", _request(stop=["x" * 65])),
+    ("sampling.max_new_tokens", make_request(max_new_tokens=-3)),
+    ("sampling.max_new_tokens", make_request(max_new_tokens=CONTEXT)),
+    ("sampling.temperature", make_request(temperature=-1.0)),
+    ("sampling.top_p", make_request(top_p=2.0)),
+    ("sampling.top_k", make_request(top_k=-1)),
+    ("sampling.repetition_penalty", make_request(repetition_penalty=-1.0)),
+    ("sampling.no_repeat_ngram_size", make_request(no_repeat_ngram_size=-1)),
+    ("sampling.stop", make_request(stop=["a"] * 9)),
+    ("sampling.stop[0]", make_request(stop=["x" * 65])),
     ("request_id", gateway_pb2.GenerateRequest(prompt="hi", request_id="x" * 129)),
 ]
 
@@ -372,9 +261,9 @@ def test_unknown_model_oversized_request_and_recovery(env: Env) -> None:
         env.gateway.Generate(gateway_pb2.GenerateRequest(prompt="hi", model="nope"), timeout=30)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND and "tiny" in info.value.details()
     with pytest.raises(grpc.RpcError) as info:
-        env.gateway.Generate(_request("x" * (MAX_MESSAGE_BYTES + 1)), timeout=30)
+        env.gateway.Generate(make_request("x" * (MAX_MESSAGE_BYTES + 1)), timeout=30)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    response = env.gateway.Generate(_request(max_new_tokens=4, ignore_eos=True), timeout=60)
+    response = env.gateway.Generate(make_request(max_new_tokens=4, ignore_eos=True), timeout=60)
     assert len(response.token_ids) == 4
 
 
@@ -383,10 +272,10 @@ def test_prompt_too_long_is_refused_or_truncated_left(env: Env) -> None:
     length = len(env.prompt_ids(prompt))
     assert length > CONTEXT
     with pytest.raises(grpc.RpcError) as info:
-        env.gateway.Generate(_request(prompt, max_new_tokens=16), timeout=30)
+        env.gateway.Generate(make_request(prompt, max_new_tokens=16), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert str(length) in info.value.details() and str(CONTEXT - 16) in info.value.details()
-    request = _request(prompt, max_new_tokens=16, ignore_eos=True)
+    request = make_request(prompt, max_new_tokens=16, ignore_eos=True)
     request.truncation = gateway_pb2.TRUNCATION_LEFT
     response = env.gateway.Generate(request, timeout=60)
     assert response.usage.input_tokens == CONTEXT - 16
@@ -395,14 +284,16 @@ def test_prompt_too_long_is_refused_or_truncated_left(env: Env) -> None:
 
 def test_client_cancel_frees_the_kv_blocks(env: Env) -> None:
     stats = lambda: env.worker.GetWorkerStats(worker_pb2.GetWorkerStatsRequest(), timeout=10)  # noqa: E731
-    _wait_for(lambda: stats().used_kv_blocks == 0, 30, "the worker did not go idle")
+    wait_for(lambda: stats().used_kv_blocks == 0, 30, "the worker did not go idle")
     steps_before = stats().steps
-    call = env.gateway.GenerateStream(_request("Cancel me", max_new_tokens=230, ignore_eos=True), timeout=120)
+    call = env.gateway.GenerateStream(
+        make_request("Cancel me", max_new_tokens=230, ignore_eos=True), timeout=120
+    )
     first = next(call)
     assert first.token_ids
     assert stats().used_kv_blocks > 0
     call.cancel()
-    _wait_for(lambda: stats().used_kv_blocks == 0 and stats().open_requests == 0, 30, "KV blocks not freed")
+    wait_for(lambda: stats().used_kv_blocks == 0 and stats().open_requests == 0, 30, "KV blocks not freed")
     # Freed by the cancellation, not by running to the end: far fewer steps than 230 tokens need.
     assert stats().steps - steps_before < 200
 
@@ -417,12 +308,12 @@ def test_client_deadline_ends_the_request_everywhere(env: Env, tiny_serving_dir:
     stub = gateway_pb2_grpc.GatewayStub(env.stack.channel(gateway.address))
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as raised:
-        stub.Generate(_request("Too slow", max_new_tokens=200, ignore_eos=True), timeout=0.5)
+        stub.Generate(make_request("Too slow", max_new_tokens=200, ignore_eos=True), timeout=0.5)
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - started < 3.0
     worker = worker_pb2_grpc.WorkerServiceStub(env.stack.channel(worker_address))
     stats = lambda: worker.GetWorkerStats(worker_pb2.GetWorkerStatsRequest(), timeout=10)  # noqa: E731
-    _wait_for(lambda: stats().used_kv_blocks == 0 and stats().open_requests == 0, 30, "KV blocks not freed")
+    wait_for(lambda: stats().used_kv_blocks == 0 and stats().open_requests == 0, 30, "KV blocks not freed")
     assert stats().steps < 150  # ended by the deadline, not by running its 200 tokens
 
 
@@ -439,13 +330,13 @@ def test_worker_with_another_tokenizer_is_refused(env: Env, tiny_serving_dir: Pa
 
     def refused() -> str:
         try:
-            stub.Generate(_request(max_new_tokens=2), timeout=30)
+            stub.Generate(make_request(max_new_tokens=2), timeout=30)
         except grpc.RpcError as error:
             assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
             return error.details() if "fingerprint" in error.details() else ""
         raise AssertionError("a gateway routed to a refusing worker answered")
 
-    message = _wait_for(refused, 30, "the refusal did not reach clients")
+    message = wait_for(refused, 30, "the refusal did not reach clients")
     assert "refused" in message
     assert not gateway.serving
     (model,) = stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=10).models
@@ -458,12 +349,12 @@ def test_overload_gets_a_retry_hint_and_a_lost_worker_fails_its_streams(env: Env
     # No queue: a request that finds no credit is refused at once.
     gateway = stack.start_gateway(env.tokenizer_address, worker, route={"max_queued_requests": 0})
     stub = gateway_pb2_grpc.GatewayStub(stack.channel(gateway.address))
-    long = _request("Keep going", max_new_tokens=230, ignore_eos=True)
+    long = make_request("Keep going", max_new_tokens=230, ignore_eos=True)
     streams = [stub.GenerateStream(long, timeout=120) for _ in range(2)]
     for call in streams:
         assert next(call).token_ids
     with pytest.raises(grpc.RpcError) as info:
-        stub.Generate(_request(max_new_tokens=2), timeout=30)
+        stub.Generate(make_request(max_new_tokens=2), timeout=30)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
     trailers = dict(info.value.trailing_metadata() or ())
     assert retry_delay_s(trailers[STATUS_DETAILS_KEY]) == pytest.approx(RETRY_AFTER_S)
@@ -476,16 +367,16 @@ def test_overload_gets_a_retry_hint_and_a_lost_worker_fails_its_streams(env: Env
             list(call)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
         assert worker in info.value.details()
-    _wait_for(lambda: not gateway.serving, 10, "the gateway still reports SERVING without its worker")
+    wait_for(lambda: not gateway.serving, 10, "the gateway still reports SERVING without its worker")
     with pytest.raises(grpc.RpcError) as info:
-        stub.Generate(_request(max_new_tokens=2), timeout=30)
+        stub.Generate(make_request(max_new_tokens=2), timeout=30)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def test_stop_lets_running_streams_finish(env: Env) -> None:
     gateway = env.stack.start_gateway(env.tokenizer_address, env.gateway_server.router.links()[0].address)
     stub = gateway_pb2_grpc.GatewayStub(env.stack.channel(gateway.address))
-    call = stub.GenerateStream(_request("Finish me", max_new_tokens=60, ignore_eos=True), timeout=120)
+    call = stub.GenerateStream(make_request("Finish me", max_new_tokens=60, ignore_eos=True), timeout=120)
     first = next(call)
     stopping = asyncio.run_coroutine_threadsafe(gateway.stop(30), env.stack.loop.loop)
     rest = list(call)
@@ -494,5 +385,5 @@ def test_stop_lets_running_streams_finish(env: Env) -> None:
     stopping.result(30)
     assert not gateway.serving
     with pytest.raises(grpc.RpcError) as info:
-        stub.Generate(_request(max_new_tokens=2), timeout=10)
+        stub.Generate(make_request(max_new_tokens=2), timeout=10)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
