@@ -172,7 +172,12 @@ Global___Usage: _TypeAlias = Usage  # noqa: Y015
 
 @_typing.final
 class Timing(_message.Message):
-    """Where a request's time went, in milliseconds, measured by the gateway unless noted."""
+    """Where a request's time went, in milliseconds: the gateway's wall time for the request, from its arrival
+    to the final message, split by what the request was waiting on. The parts do not overlap and sum to
+    total_ms (within rounding). Remote parts are what the remote service measured itself; the hop's
+    remaining client-side time is network. Work that overlaps a later wait (detokenizing a stream's
+    earlier steps while the worker runs the next) is not counted twice: the last message's wait is.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -182,18 +187,29 @@ class Timing(_message.Message):
     DECODE_MS_FIELD_NUMBER: _builtins.int
     TIME_TO_FIRST_TOKEN_MS_FIELD_NUMBER: _builtins.int
     TOTAL_MS_FIELD_NUMBER: _builtins.int
+    NETWORK_MS_FIELD_NUMBER: _builtins.int
     preprocess_ms: _builtins.float
-    """Tokenization: chat template, truncation and tokenize, including the call to the tokenizer service."""
+    """The tokenizer service's own time for this request's Tokenize call(s): chat template, truncation,
+    tokenize.
+    """
     queue_ms: _builtins.float
-    """From the end of preprocessing until the worker first scheduled the request."""
+    """Waiting for a turn: the gateway's admission queue (and its tokenize batch), plus the worker's queue
+    from its receipt of the request until the first engine step that produced a token for it.
+    """
     forward_ms: _builtins.float
-    """From first scheduling to the last token, as the worker measured it: prefill and decode steps."""
+    """The worker's engine: from that first step to the end of the step that produced the last token."""
     decode_ms: _builtins.float
-    """Detokenization and stop-string matching, summed over the request's steps."""
+    """Detokenization and stop-string matching of the final step's tokens, as the tokenizer service
+    measured it, plus the gateway's own post-processing of that message.
+    """
     time_to_first_token_ms: _builtins.float
-    """From arrival at the gateway until the first token's text was ready to send."""
+    """From arrival at the gateway until the first token's text was ready to send (overlaps the parts)."""
     total_ms: _builtins.float
-    """From arrival at the gateway until the final message was ready to send."""
+    """From arrival at the gateway until the final message was ready to send: the request span's length."""
+    network_ms: _builtins.float
+    """Each hop's client-side time minus the server's own time: gateway to tokenizer and to worker and
+    back, including gRPC framing and a worker's outbound queue, and a failed worker's detection time.
+    """
     def __init__(
         self,
         *,
@@ -203,10 +219,11 @@ class Timing(_message.Message):
         decode_ms: _builtins.float = ...,
         time_to_first_token_ms: _builtins.float = ...,
         total_ms: _builtins.float = ...,
+        network_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_ms", b"decode_ms", "forward_ms", b"forward_ms", "preprocess_ms", b"preprocess_ms", "queue_ms", b"queue_ms", "time_to_first_token_ms", b"time_to_first_token_ms", "total_ms", b"total_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_ms", b"decode_ms", "forward_ms", b"forward_ms", "network_ms", b"network_ms", "preprocess_ms", b"preprocess_ms", "queue_ms", b"queue_ms", "time_to_first_token_ms", b"time_to_first_token_ms", "total_ms", b"total_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -147,6 +147,7 @@ class GenerateResponse(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     FAILOVER_AT_TOKEN_FIELD_NUMBER: _builtins.int
+    TRACE_ID_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """The generated text, cut before any stop string."""
     finish_reason: _common_pb2.FinishReason.ValueType
@@ -161,6 +162,8 @@ class GenerateResponse(_message.Message):
     """When the serving worker died mid-stream and the fallback model continued the generation: how many
     tokens the first model had produced (the fallback prefilled the prompt plus those). 0 when none.
     """
+    trace_id: _builtins.str
+    """The W3C trace id (32 hex digits) of the request's trace when it was sampled; empty otherwise."""
     @_builtins.property
     def usage(self) -> _common_pb2.Usage:
         """Token counts."""
@@ -185,10 +188,11 @@ class GenerateResponse(_message.Message):
         request_id: _builtins.str = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         failover_at_token: _builtins.int = ...,
+        trace_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timing", b"timing", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["failover_at_token", b"failover_at_token", "fallback_reason", b"fallback_reason", "finish_reason", b"finish_reason", "model", b"model", "request_id", b"request_id", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failover_at_token", b"failover_at_token", "fallback_reason", b"fallback_reason", "finish_reason", b"finish_reason", "model", b"model", "request_id", b"request_id", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "trace_id", b"trace_id", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

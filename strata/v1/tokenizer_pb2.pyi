@@ -50,11 +50,32 @@ class TokenizeEntry(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class TraceContextEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     MODEL_FIELD_NUMBER: _builtins.int
     PROMPT_FIELD_NUMBER: _builtins.int
     MESSAGES_FIELD_NUMBER: _builtins.int
     MAX_INPUT_TOKENS_FIELD_NUMBER: _builtins.int
     TRUNCATION_FIELD_NUMBER: _builtins.int
+    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model whose tokenizer and chat template to use."""
     prompt: _builtins.str
@@ -67,6 +88,12 @@ class TokenizeEntry(_message.Message):
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]:
         """A conversation rendered through the model's chat template with a generation prompt."""
 
+    @_builtins.property
+    def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """W3C trace context (traceparent, tracestate) of the entry's request: a batch carries several
+        requests, so each entry's preprocess span joins its own trace.
+        """
+
     def __init__(
         self,
         *,
@@ -75,10 +102,11 @@ class TokenizeEntry(_message.Message):
         messages: _abc.Iterable[_common_pb2.ChatMessage] | None = ...,
         max_input_tokens: _builtins.int = ...,
         truncation: _gateway_pb2.Truncation.ValueType = ...,
+        trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_input_tokens", b"max_input_tokens", "messages", b"messages", "model", b"model", "prompt", b"prompt", "truncation", b"truncation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_input_tokens", b"max_input_tokens", "messages", b"messages", "model", b"model", "prompt", b"prompt", "trace_context", b"trace_context", "truncation", b"truncation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -91,6 +119,11 @@ class TokenizeResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RESULTS_FIELD_NUMBER: _builtins.int
+    SERVER_MS_FIELD_NUMBER: _builtins.int
+    server_ms: _builtins.float
+    """Milliseconds the service spent on the call, from receipt to the response being ready: the
+    caller's client-side time minus this is the network's.
+    """
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenizeResult]:
         """One result per entry, in order."""
@@ -99,10 +132,11 @@ class TokenizeResponse(_message.Message):
         self,
         *,
         results: _abc.Iterable[Global___TokenizeResult] | None = ...,
+        server_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results", "server_ms", b"server_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -258,6 +292,11 @@ class DetokenizeResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RESULTS_FIELD_NUMBER: _builtins.int
+    SERVER_MS_FIELD_NUMBER: _builtins.int
+    server_ms: _builtins.float
+    """Milliseconds the service spent on the call, from receipt to the response being ready: the
+    caller's client-side time minus this is the network's.
+    """
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___DetokenizeResult]:
         """One result per entry, in order."""
@@ -266,10 +305,11 @@ class DetokenizeResponse(_message.Message):
         self,
         *,
         results: _abc.Iterable[Global___DetokenizeResult] | None = ...,
+        server_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results", "server_ms", b"server_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -248,6 +248,7 @@ class TokenUpdate(_message.Message):
     OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     QUEUE_MS_FIELD_NUMBER: _builtins.int
     FORWARD_MS_FIELD_NUMBER: _builtins.int
+    DEVICE_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request."""
     finished: _builtins.bool
@@ -262,6 +263,10 @@ class TokenUpdate(_message.Message):
     """Milliseconds from arrival at the worker until first scheduled; on the request's first update."""
     forward_ms: _builtins.float
     """Milliseconds from first scheduling to this update, as the worker measured them."""
+    device_memory_bytes: _builtins.int
+    """Bytes of device memory in use on the worker (CUDA allocations, or the process's resident memory on
+    the CPU); on the request's last update.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens generated since the previous update of this request."""
@@ -277,10 +282,11 @@ class TokenUpdate(_message.Message):
         output_tokens: _builtins.int = ...,
         queue_ms: _builtins.float = ...,
         forward_ms: _builtins.float = ...,
+        device_memory_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "finished", b"finished", "forward_ms", b"forward_ms", "output_tokens", b"output_tokens", "prompt_tokens", b"prompt_tokens", "queue_ms", b"queue_ms", "request_id", b"request_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_memory_bytes", b"device_memory_bytes", "finish_reason", b"finish_reason", "finished", b"finished", "forward_ms", b"forward_ms", "output_tokens", b"output_tokens", "prompt_tokens", b"prompt_tokens", "queue_ms", b"queue_ms", "request_id", b"request_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
