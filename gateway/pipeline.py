@@ -11,19 +11,18 @@ worker failure before the first token is retried there, and one mid-stream conti
 tokens the client already holds (`prior_output_ids`, with the detokenization state carried over so
 no text repeats). Closing the generator early (the client cancelled or went away) sends the worker a
 cancellation, so the request's KV blocks are freed. Failures raise GatewayError for the servicer to
-turn into a status. This module must not know gRPC servicer contexts (the servicer passes the
-deadline and trace context in) nor decide admission (router.py does).
+turn into a status. As the request moves, the pipeline moves its StageClock (the timing parts) and its
+RequestTrace turns each part into spans; however it ends, it is logged and counted. This module must
+not know gRPC servicer contexts (the servicer passes the deadline and trace context in) nor decide
+admission (router.py does).
 """
 
 from __future__ import annotations
 
-import itertools
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gateway.admission import (
-    Priority,
     Refused,
     Ticket,
     deadline_from_unix_ms,
@@ -32,14 +31,16 @@ from gateway.admission import (
 )
 from gateway.errors import GatewayError, ResourceExhausted, Unavailable
 from gateway.fallback import Detour, FallbackPolicy, received
-from gateway.metrics import FALLBACKS
+from gateway.job import TRACE_KEYS, Attempt, CallInfo, Job, wire_id
+from gateway.metrics import FALLBACKS, REQUEST_ERRORS, observe_finished
 from gateway.request_state import Delta, OpenRequest
-from gateway.summary import Chunk, Failure, Summary, ms_since
+from gateway.request_trace import CONNECT_RPC, TOKENIZE_RPC, RequestTrace
+from gateway.summary import Chunk, Failure, Summary
 from gateway.validation import validate
 from strata.v1 import common_pb2, tokenizer_pb2, worker_pb2
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncGenerator, Callable, Mapping
+    from collections.abc import AsyncGenerator, Callable
 
     from gateway.route import Route
     from gateway.router import Router
@@ -47,55 +48,10 @@ if TYPE_CHECKING:
     from gateway.tokenize_batcher import TokenizeBatcher
     from gateway.validation import ValidRequest
     from gateway.worker_link import WorkerLink
+    from strata.tracing import Tracing
     from strata.v1 import gateway_pb2
 
-__all__ = ["TRACE_KEYS", "CallInfo", "Chunk", "Pipeline", "wire_id"]
-
-TRACE_KEYS = ("traceparent", "tracestate")
-_WIRE_SEQUENCE = itertools.count(1)
-
-
-@dataclass(frozen=True, slots=True)
-class CallInfo:
-    """What the pipeline needs from the incoming call."""
-
-    deadline_unix_ms: int = 0
-    """Absolute deadline; 0 is none."""
-    trace_context: Mapping[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class _Job:
-    """One request's facts that every attempt shares."""
-
-    valid: ValidRequest
-    call: CallInfo
-    primary: Route
-    policy: FallbackPolicy
-    priority: Priority
-    deadline: float | None
-    """time.monotonic() deadline; None when the call has none."""
-
-    def ticket(self, prompt_tokens: int, prior_tokens: int = 0) -> Ticket:
-        return Ticket(
-            request_id=self.valid.request_id,
-            prompt_tokens=prompt_tokens + prior_tokens,
-            max_new_tokens=self.valid.sampling.max_new_tokens - prior_tokens,
-            priority=self.priority,
-            deadline=self.deadline,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class _Attempt:
-    """One submission of the request: where it runs and what it was sent."""
-
-    route: Route
-    link: WorkerLink | None
-    """None when the submission failed at once (its failure waits on `handle`)."""
-    handle: OpenRequest
-    prompt_ids: list[int]
-    detour: Detour | None
+__all__ = ["TRACE_KEYS", "CallInfo", "Chunk", "Pipeline"]
 
 
 class Pipeline:
@@ -107,26 +63,55 @@ class Pipeline:
         router: Router,
         batcher: TokenizeBatcher,
         fingerprint: Callable[[str], str],
+        tracing: Tracing,
     ) -> None:
         """`fingerprint(model)` is the tokenizer fingerprint of a route's model ("" when unknown)."""
         self._settings = settings
         self._router = router
         self._batcher = batcher
         self._fingerprint = fingerprint
+        self._tracing = tracing
 
     async def run(self, request: gateway_pb2.GenerateRequest, call: CallInfo) -> AsyncGenerator[Chunk, None]:
+        """The request's chunks; its spans, log line and metrics are recorded however it ends."""
         arrival = time.perf_counter()
-        valid = validate(request, self._settings, self._router.max_model_len)
+        trace = RequestTrace(self._tracing, request, arrival, call.trace_context)
+        request_id = request.request_id
+        done = False
+        try:
+            valid = validate(request, self._settings, self._router.max_model_len)
+            request_id = valid.request_id
+            trace.validated(valid)
+            async for chunk in self._run(valid, call, trace, arrival):
+                if chunk.final is not None:
+                    chunk.final.trace_id = trace.trace_id
+                    observe_finished(chunk.final)
+                    done = True
+                yield chunk
+        except GatewayError as error:
+            done = True
+            REQUEST_ERRORS.labels(request.model, error.code.name.lower()).inc()
+            trace.fail(request, request_id, error)
+            raise
+        finally:
+            if not done:  # the client cancelled or went away
+                trace.fail(request, request_id, None)
+
+    async def _run(
+        self, valid: ValidRequest, call: CallInfo, trace: RequestTrace, arrival: float
+    ) -> AsyncGenerator[Chunk, None]:
+        request = valid.request
         primary = self._router.route(valid.model)
-        job = _Job(
+        job = Job(
             valid=valid,
             call=call,
             primary=primary,
             policy=FallbackPolicy.of(primary, request),
             priority=priority_of(request.priority),
             deadline=deadline_from_unix_ms(call.deadline_unix_ms),
+            trace=trace,
         )
-        summary = Summary(valid, arrival, 0.0)
+        summary = Summary(valid, arrival)
         ticket = job.ticket(estimate_prompt_tokens(request))
         route, detour = self._choose(job, ticket)
         attempt = await self._attempt(job, summary, route, detour, ticket)
@@ -138,7 +123,11 @@ class Pipeline:
                 while not handle.deltas.empty():
                     deltas.append(handle.deltas.get_nowait())
                 chunk, failure = summary.add(deltas)
+                if failure is not None or (chunk is not None and chunk.final is not None):
+                    self._close_attempt(job, attempt, summary)
                 if chunk is not None:
+                    if chunk.final is not None:
+                        trace.finish(chunk.final, summary.device_memory_bytes)
                     yield chunk
                     if chunk.final is not None:
                         return
@@ -149,8 +138,18 @@ class Pipeline:
             for each in attempts:
                 if each.link is not None:
                     each.link.cancel(each.handle)  # a no-op once the request finished on the worker
+            if summary.ended_attempt is None or summary.ended_attempt.submitted != attempt.handle.submitted:
+                job.trace.close_hop(attempt.hop, time.perf_counter())
 
-    def _choose(self, job: _Job, ticket: Ticket) -> tuple[Route, Detour | None]:
+    @staticmethod
+    def _close_attempt(job: Job, attempt: Attempt, summary: Summary) -> None:
+        """Spans for the part of the request the attempt that just ended took."""
+        ended = summary.ended_attempt
+        assert ended is not None
+        job.trace.emit(summary.clock, {"worker": attempt.hop})
+        job.trace.close_hop(attempt.hop, ended.received if ended.received is not None else ended.ended)
+
+    def _choose(self, job: Job, ticket: Ticket) -> tuple[Route, Detour | None]:
         """The first route to queue on, decided at once: the primary unless it is down or saturated."""
         primary, fallback = job.primary, self._fallback(job)
         if fallback is None:
@@ -167,7 +166,7 @@ class Pipeline:
                 return fallback, detour
         return primary, None
 
-    def _fallback(self, job: _Job) -> Route | None:
+    def _fallback(self, job: Job) -> Route | None:
         """The fallback route when this request may use it at all."""
         return self._router.route(job.policy.fallback) if job.policy.usable else None
 
@@ -177,14 +176,14 @@ class Pipeline:
 
     async def _attempt(
         self,
-        job: _Job,
+        job: Job,
         summary: Summary,
         route: Route,
         detour: Detour | None,
         ticket: Ticket,
         prompt: list[int] | None = None,
         previous: OpenRequest | None = None,
-    ) -> _Attempt:
+    ) -> Attempt:
         """Queue on `route` (refusals are raised at once), tokenize while waiting, submit.
 
         `previous` is the handle of a stream that failed mid-way: its tokens become prior_output_ids and
@@ -196,19 +195,17 @@ class Pipeline:
         with admission:
             if prompt is None or not self._fits(job, route, len(prompt)):
                 prompt = await self._tokenize(job, route, summary)
-            waited = time.perf_counter()
             try:
                 link = await admission.granted(ticket.prompt_tokens if previous else len(prompt))
             except (Refused, Unavailable) as error:
                 lost: GatewayError = error
             else:
                 link = admission.hand_over()
-                summary.serve(route.name, len(prompt), ms_since(waited), detour.reason if detour else "")
                 return self._submit(job, route, link, prompt, detour, summary, previous)
         route, detour = self._requeue(job, route, lost, ticket)
         return await self._attempt(job, summary, route, detour, ticket, prompt, previous)
 
-    def _requeue(self, job: _Job, route: Route, lost: GatewayError, ticket: Ticket) -> tuple[Route, Detour]:
+    def _requeue(self, job: Job, route: Route, lost: GatewayError, ticket: Ticket) -> tuple[Route, Detour]:
         """Where a request the primary's queue let go goes next; raises `lost` when nowhere."""
         fallback = self._fallback(job)
         if route is not job.primary or fallback is None:
@@ -224,15 +221,16 @@ class Pipeline:
 
     def _submit(
         self,
-        job: _Job,
+        job: Job,
         route: Route,
         link: WorkerLink,
         prompt: list[int],
         detour: Detour | None,
         summary: Summary,
         previous: OpenRequest | None,
-    ) -> _Attempt:
+    ) -> Attempt:
         prior = list(summary.token_ids) if previous is not None else []
+        hop = job.trace.open_hop(CONNECT_RPC, time.perf_counter(), **{"server.address": link.address})
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(job.valid.sampling)
         sampling.ClearField("stop")  # stop strings are matched here, not by the worker
@@ -241,7 +239,7 @@ class Pipeline:
             prompt_ids=prompt,
             sampling=sampling,
             deadline_unix_ms=job.call.deadline_unix_ms,
-            trace_context=job.call.trace_context,
+            trace_context=job.trace.carrier(hop) or job.call.trace_context,
             priority=job.priority.worker_priority,
             prior_output_ids=prior,
         )
@@ -250,15 +248,31 @@ class Pipeline:
         except Unavailable as error:  # the link broke between the grant and now: fail this attempt
             handle = OpenRequest(submission.request_id, route.name, job.valid.stop)
             handle.deltas.put_nowait(Delta(error=error))
-            return _Attempt(route, None, handle, prompt, detour)
+            self._sent(job, summary, route, handle, prompt, detour)
+            return Attempt(route, None, handle, prompt, detour, hop)
+        self._sent(job, summary, route, handle, prompt, detour)
         if previous is not None:
             handle.resume(previous)  # before any update of the new stream is read: same event-loop tick
             summary.failover_at_token = len(prior)
         if detour is not None:
-            FALLBACKS.labels(route=job.primary.name, reason=detour.trigger.value).inc()
-        return _Attempt(route, link, handle, prompt, detour)
+            FALLBACKS.labels(model=job.primary.name, reason=detour.trigger.value).inc()
+        return Attempt(route, link, handle, prompt, detour, hop)
 
-    async def _recover(self, job: _Job, attempt: _Attempt, failure: Failure, summary: Summary) -> _Attempt:
+    @staticmethod
+    def _sent(
+        job: Job,
+        summary: Summary,
+        route: Route,
+        handle: OpenRequest,
+        prompt: list[int],
+        detour: Detour | None,
+    ) -> None:
+        """The request left for a worker: its wait so far was queueing; a new attempt starts."""
+        summary.clock.wait("queue", handle.submitted)
+        job.trace.emit(summary.clock)
+        summary.serve(route.name, len(prompt), handle.submitted, detour.reason if detour else "")
+
+    async def _recover(self, job: Job, attempt: Attempt, failure: Failure, summary: Summary) -> Attempt:
         """The next attempt after a worker failed this one, or the Unavailable that ends the request."""
         count = len(summary.token_ids)
         if attempt.detour is not None:
@@ -280,7 +294,7 @@ class Pipeline:
                 f"{error.message}; {received(count)}"
             ) from error
 
-    def _obstacle(self, job: _Job, fallback: Route | None, prompt_tokens: int) -> str | None:
+    def _obstacle(self, job: Job, fallback: Route | None, prompt_tokens: int) -> str | None:
         """Why `fallback` cannot continue this stream token for token; None when it can."""
         if fallback is None:
             return None  # the policy names the reason
@@ -290,7 +304,7 @@ class Pipeline:
             return f"the prompt and max_new_tokens do not fit its fallback {fallback.name!r}'s context"
         return None
 
-    def _fits(self, job: _Job, route: Route, prompt_tokens: int) -> bool:
+    def _fits(self, job: Job, route: Route, prompt_tokens: int) -> bool:
         """Whether ids tokenized for the primary mean the same to `route` and fit its context."""
         limit = route.max_model_len()
         return (
@@ -303,25 +317,27 @@ class Pipeline:
         mine = self._fingerprint(primary.name)
         return bool(mine) and mine == self._fingerprint(other.name)
 
-    async def _tokenize(self, job: _Job, route: Route, summary: Summary) -> list[int]:
-        started = time.perf_counter()
+    async def _tokenize(self, job: Job, route: Route, summary: Summary) -> list[int]:
         limit = self._router.context_limit(route.name)
         request = job.valid.request
-        tokenized = await self._batcher.tokenize(
-            tokenizer_pb2.TokenizeEntry(
-                model=route.name,
-                prompt=request.prompt,
-                messages=request.messages,
-                max_input_tokens=limit - job.valid.sampling.max_new_tokens,
-                truncation=request.truncation,
+        hop = job.trace.open_hop(TOKENIZE_RPC, time.perf_counter())
+        try:
+            tokenized, call = await self._batcher.tokenize_timed(
+                tokenizer_pb2.TokenizeEntry(
+                    model=route.name,
+                    prompt=request.prompt,
+                    messages=request.messages,
+                    max_input_tokens=limit - job.valid.sampling.max_new_tokens,
+                    truncation=request.truncation,
+                    trace_context=job.trace.carrier(hop),
+                )
             )
-        )
-        summary.timing.preprocess_ms += ms_since(started)
+        except BaseException:
+            job.trace.close_hop(hop, time.perf_counter())
+            raise
+        summary.clock.wait("queue", call.started)
+        job.trace.emit(summary.clock)
+        summary.clock.hop(call, "preprocess", "tokenize")
+        job.trace.emit(summary.clock, {"tokenize": hop})
+        job.trace.close_hop(hop, call.ended)
         return list(tokenized.token_ids)
-
-
-def wire_id(valid: ValidRequest) -> str:
-    """The id on the worker stream: unique there even when two callers choose the same request_id."""
-    if not valid.caller_chose_id:
-        return valid.request_id
-    return f"{valid.request_id}#{next(_WIRE_SEQUENCE)}"

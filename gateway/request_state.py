@@ -11,6 +11,7 @@ I/O: worker_link.py makes the one batched call per message.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,7 @@ from strata.v1 import common_pb2, tokenizer_pb2
 
 if TYPE_CHECKING:
     from gateway.errors import GatewayError
+    from gateway.stage_clock import Call
     from strata.v1 import worker_pb2
 
 
@@ -34,8 +36,15 @@ class Delta:
     prompt_tokens: int = 0
     output_tokens: int = 0
     queue_ms: float = 0.0
+    """The worker's queue time; on the request's first update."""
     forward_ms: float = 0.0
-    decode_ms: float = 0.0
+    """The worker's time from first scheduling to this update."""
+    received: float = 0.0
+    """time.perf_counter() when the worker's message with this update arrived."""
+    detokenize: Call | None = None
+    """The Detokenize call that turned this update into text."""
+    device_memory_bytes: int = 0
+    """The worker's device memory; on the last update."""
 
 
 @dataclass(slots=True, eq=False)
@@ -50,6 +59,10 @@ class OpenRequest:
     window: list[int] = field(default_factory=list)
     read_offset: int = 0
     pending_text: str = ""
+    submitted: float = field(default_factory=time.perf_counter)
+    """time.perf_counter() when the submission was queued for the worker."""
+    worker: str = ""
+    """The worker's address."""
 
     def resume(self, previous: OpenRequest) -> None:
         """Continue the detokenization of `previous` (a failover): its first new ids extend that text."""
@@ -70,7 +83,11 @@ class OpenRequest:
         )
 
     def advance(
-        self, update: worker_pb2.TokenUpdate, result: tokenizer_pb2.DetokenizeResult, decode_ms: float
+        self,
+        update: worker_pb2.TokenUpdate,
+        result: tokenizer_pb2.DetokenizeResult,
+        received: float,
+        detokenize: Call,
     ) -> Delta:
         """Keep the result's state for the next entry and return the client's delta.
 
@@ -91,5 +108,7 @@ class OpenRequest:
             output_tokens=update.output_tokens,
             queue_ms=update.queue_ms,
             forward_ms=update.forward_ms,
-            decode_ms=decode_ms,
+            received=received,
+            detokenize=detokenize,
+            device_memory_bytes=update.device_memory_bytes,
         )

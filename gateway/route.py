@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from gateway.admission import Admission, AdmissionQueue, Refused, Ticket, Waiter, predicted_wait_s
 from gateway.discovery import Discovery, resolve
 from gateway.errors import DeadlineExceeded, Unavailable
-from gateway.metrics import ADMISSION_DECISION_SECONDS, REFUSALS
+from gateway.metrics import ADMISSION_DECISION_SECONDS, REJECTIONS
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -196,7 +196,7 @@ class Route:
             raise Unavailable(self.unavailable_reason())
         verdict = self._assess(ticket)
         if verdict.reason:
-            REFUSALS.labels(self.name, verdict.reason).inc()
+            REJECTIONS.labels(self.name, verdict.reason).inc()
             ADMISSION_DECISION_SECONDS.labels(self.name, "refused").observe(time.perf_counter() - started)
             raise self._refusal(verdict.reason, verdict.text, verdict.wait_s)
         waiter = Waiter(ticket, asyncio.get_running_loop().create_future(), ticket.prompt_tokens)
@@ -240,7 +240,7 @@ class Route:
         self._queue.remove(victim)
         if victim.timer is not None:
             victim.timer.cancel()
-        REFUSALS.labels(self.name, "shed").inc()
+        REJECTIONS.labels(self.name, "shed").inc()
         text = "a batch request was shed to admit an interactive one"
         if not victim.future.done():
             victim.future.set_exception(self._refusal("shed", text, wait_s))
@@ -248,7 +248,7 @@ class Route:
     def _expire(self, waiter: Waiter) -> None:
         if not self._queue.remove(waiter):
             return
-        REFUSALS.labels(self.name, "deadline").inc()
+        REJECTIONS.labels(self.name, "deadline").inc()
         waited = time.monotonic() - waiter.enqueued
         if not waiter.future.done():
             waiter.future.set_exception(

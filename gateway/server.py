@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from gateway.errors import GatewayError, abort
+from gateway.metrics import ROUTER_GAUGES
 from gateway.pipeline import TRACE_KEYS, CallInfo, Pipeline
 from gateway.router import Router
 from gateway.settings import GatewaySettings
@@ -24,6 +25,7 @@ from gateway.tokenize_batcher import TokenizeBatcher
 from gateway.tokenizer_client import TokenizerClient
 from strata.rpc import RunningServer, shutdown_event, start_server
 from strata.service_main import run_service
+from strata.tracing import Tracing
 from strata.v1 import gateway_pb2, gateway_pb2_grpc
 
 if TYPE_CHECKING:
@@ -107,12 +109,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 class GatewayServer:
     """A running gateway: its server, tokenizer connection, links and readiness."""
 
-    def __init__(self, settings: GatewaySettings) -> None:
+    def __init__(self, settings: GatewaySettings, tracing: Tracing | None = None) -> None:
         self.settings = settings
+        self.tracing = tracing or Tracing.off()
         self.tokenizer = TokenizerClient(settings, self._health_changed)
         self.router = Router(settings, self.tokenizer, self._health_changed)
         self.batcher = TokenizeBatcher(self.tokenizer, settings.max_batch_delay_ms, settings.max_batch_size)
-        self.pipeline = Pipeline(settings, self.router, self.batcher, self._fingerprint)
+        self.pipeline = Pipeline(settings, self.router, self.batcher, self._fingerprint, self.tracing)
         self.running: RunningServer | None = None
         self.address = ""
         """host:port the server is bound to."""
@@ -136,6 +139,13 @@ class GatewayServer:
             ):
                 return False
         return True
+
+    def _load(self) -> list[tuple[str, int, int]]:
+        """(model, queued, in flight) per route, for the /metrics gauges."""
+        return [
+            (route.name, route.queued_requests, sum(link.open_requests for link in route.links))
+            for route in self.router.routes()
+        ]
 
     def _fingerprint(self, model: str) -> str:
         """The tokenizer service's fingerprint for a route's model; "" before it answered."""
@@ -169,6 +179,7 @@ class GatewayServer:
         )
         self.address = self.running.address
         self._health_task = asyncio.create_task(self._follow_health(), name="gateway-health")
+        ROUTER_GAUGES.add(self._load)
         self.tokenizer.start()
         self.router.start()
         log.info("gateway listening on %s, routes: %s", self.address, ", ".join(self.router.models))
@@ -194,6 +205,7 @@ class GatewayServer:
         if self.running is not None:
             await self.running.set_serving(False)
             await self.running.server.stop(grace)
+        ROUTER_GAUGES.remove(self._load)
         if self._health_task is not None:
             self._health_task.cancel()
             await asyncio.gather(self._health_task, return_exceptions=True)
@@ -202,17 +214,19 @@ class GatewayServer:
         await self.tokenizer.close()
 
 
-async def start(settings: GatewaySettings, announce_file: Path | None = None) -> GatewayServer:
+async def start(
+    settings: GatewaySettings, announce_file: Path | None = None, tracing: Tracing | None = None
+) -> GatewayServer:
     """Bind and start connecting; returns at once with health NOT_SERVING until the stack is ready."""
-    server = GatewayServer(settings)
+    server = GatewayServer(settings, tracing or Tracing.off())
     await server.start(announce_file)
     return server
 
 
-async def serve(settings: GatewaySettings, announce_file: Path | None = None) -> None:
+async def serve(settings: GatewaySettings, announce_file: Path | None, tracing: Tracing) -> None:
     """Run until SIGTERM or SIGINT, then stop gracefully."""
     stopping = shutdown_event()
-    server = await start(settings, announce_file)
+    server = await start(settings, announce_file, tracing)
     ready = asyncio.create_task(server.wait_ready(settings.connect_timeout_s))
     stop = asyncio.create_task(stopping.wait())
     await asyncio.wait({ready, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -234,4 +248,11 @@ async def serve(settings: GatewaySettings, announce_file: Path | None = None) ->
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m gateway [--config PATH] [--announce-file PATH]`."""
-    return run_service(GatewaySettings, serve, argv, prog="python -m gateway", description=__doc__)
+    return run_service(
+        GatewaySettings,
+        serve,
+        argv,
+        prog="python -m gateway",
+        description=__doc__,
+        service_name="strata-gateway",
+    )

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from gateway.errors import DeadlineExceeded, GatewayError, Unavailable, from_code
 from gateway.metrics import TOKENIZE_BATCH_SIZE
+from gateway.stage_clock import Call
 from strata.rpc import MIB
 from strata.v1 import tokenizer_pb2
 
@@ -28,7 +30,8 @@ if TYPE_CHECKING:
 MAX_BATCH_BYTES = 4 * MIB
 MIN_TIMEOUT_S = 0.001
 
-_Pending = tuple[tokenizer_pb2.TokenizeEntry, "asyncio.Future[tokenizer_pb2.TokenizeResult]", float | None]
+_Timed = tuple[tokenizer_pb2.TokenizeResult, Call]
+_Pending = tuple[tokenizer_pb2.TokenizeEntry, "asyncio.Future[_Timed]", float | None]
 
 
 class TokenizeBatcher:
@@ -46,7 +49,14 @@ class TokenizeBatcher:
     async def tokenize(
         self, entry: tokenizer_pb2.TokenizeEntry, deadline: float | None = None
     ) -> tokenizer_pb2.TokenizeResult:
-        """The entry's tokens; raises the GatewayError its entry failed with.
+        """The entry's tokens; raises the GatewayError its entry failed with."""
+        result, _ = await self.tokenize_timed(entry, deadline)
+        return result
+
+    async def tokenize_timed(
+        self, entry: tokenizer_pb2.TokenizeEntry, deadline: float | None = None
+    ) -> tuple[tokenizer_pb2.TokenizeResult, Call]:
+        """The entry's tokens and the times of the call that carried it; raises like tokenize.
 
         `deadline` (time.monotonic(); None: none) is the caller's: the call waits no longer than the
         latest deadline among the entries sharing it.
@@ -54,7 +64,7 @@ class TokenizeBatcher:
         if deadline is not None and deadline <= time.monotonic():
             raise DeadlineExceeded("the request's deadline passed before it could be tokenized")
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[tokenizer_pb2.TokenizeResult] = loop.create_future()
+        future: asyncio.Future[_Timed] = loop.create_future()
         size = entry.ByteSize()
         if self._pending and self._pending_bytes + size > MAX_BATCH_BYTES:
             self._flush()
@@ -92,7 +102,9 @@ class TokenizeBatcher:
         if None not in deadlines:
             # grpc reads a zero timeout as none: a call whose callers all ran out still gets a bound.
             timeout = max(MIN_TIMEOUT_S, max(d for d in deadlines if d is not None) - time.monotonic())
-        TOKENIZE_BATCH_SIZE.observe(len(batch))
+        for model, count in Counter(entry.model for entry, _, _ in batch).items():
+            TOKENIZE_BATCH_SIZE.labels(model).observe(count)
+        started = time.perf_counter()
         try:
             response = await self._client.tokenize(request, timeout)
         except GatewayError as exc:
@@ -108,10 +120,11 @@ class TokenizeBatcher:
                 if not future.done():
                     future.set_exception(error)
             return
+        call = Call(started, time.perf_counter(), response.server_ms)
         for (_, future, _), result in zip(batch, response.results, strict=True):
             if future.done():  # the caller went away while the call was in flight
                 continue
             if result.HasField("error"):
                 future.set_exception(from_code(result.error.code, result.error.message))
             else:
-                future.set_result(result)
+                future.set_result((result, call))

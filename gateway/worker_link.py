@@ -27,6 +27,7 @@ from gateway.credit_ledger import CreditLedger
 from gateway.errors import GatewayError, Unavailable, from_code
 from gateway.metrics import SUBMISSION_BATCH_SIZE, WORKER_SUBMISSIONS
 from gateway.request_state import Delta, OpenRequest
+from gateway.stage_clock import Call
 from gateway.tokenizer_client import INITIAL_BACKOFF_S, INTERNAL_MESSAGE_BYTES
 from strata.rpc import MIB, SERVING, channel_options
 from strata.v1 import tokenizer_pb2, worker_pb2, worker_pb2_grpc
@@ -143,7 +144,7 @@ class WorkerLink:
             raise Unavailable(f"worker {self.address} is not ready: {self.not_ready_reason}")
         if submission.request_id in self._open:
             raise Unavailable(f"request id {submission.request_id!r} is already open on {self.address}")
-        request = OpenRequest(submission.request_id, self.model, stop)
+        request = OpenRequest(submission.request_id, self.model, stop, worker=self.address)
         self._open[request.wire_id] = request
         self.ledger.sent(request.wire_id, time.monotonic())
         self.submitted += 1
@@ -230,7 +231,7 @@ class WorkerLink:
                 response = await call.read()
                 if response is grpc.aio.EOF:
                     return
-                await self._handle(response)
+                await self._handle(response, time.perf_counter())
         finally:
             if writer is not None:
                 writer.cancel()
@@ -262,7 +263,7 @@ class WorkerLink:
             log.debug("write to worker %s failed: %s", self.address, exc)
             call.cancel()
 
-    async def _handle(self, response: worker_pb2.ConnectResponse) -> None:
+    async def _handle(self, response: worker_pb2.ConnectResponse, received: float) -> None:
         self.ledger.time(response, time.monotonic())
         for rejection in response.rejections:
             rejected = self._open.pop(rejection.request_id, None)
@@ -286,7 +287,7 @@ class WorkerLink:
         if entries:
             self._delivering = True
             try:
-                await self._detokenize(targets, entries)
+                await self._detokenize(targets, entries, received)
             finally:
                 self._delivering = False
         self._note_idle()
@@ -295,6 +296,7 @@ class WorkerLink:
         self,
         targets: list[tuple[OpenRequest, worker_pb2.TokenUpdate]],
         entries: list[tokenizer_pb2.DetokenizeEntry],
+        received: float,
     ) -> None:
         started = time.perf_counter()
         try:
@@ -307,12 +309,12 @@ class WorkerLink:
             for request, _ in targets:
                 self._fail(request, exc)
             return
-        decode_ms = (time.perf_counter() - started) * 1000.0
+        call = Call(started, time.perf_counter(), answer.server_ms)
         for (request, update), result in zip(targets, answer.results, strict=True):
             if result.HasField("error"):
                 self._fail(request, from_code(result.error.code, result.error.message))
                 continue
-            delta = request.advance(update, result, decode_ms)
+            delta = request.advance(update, result, received, call)
             if result.stopped:
                 self.cancel(request)  # the worker may still be generating: free its KV blocks now
             request.deltas.put_nowait(delta)

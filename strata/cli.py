@@ -96,6 +96,10 @@ def _print_ready(stack: Stack) -> None:
     print(f"  tokenizer  {addresses.tokenizer}")
     for index, (address, model) in enumerate(zip(addresses.workers, stack.worker_models, strict=True)):
         print(f"  worker {index:<3} {address}  ({model})")
+    metrics = stack.metrics_addresses
+    if metrics:
+        for name, address in metrics.items():
+            print(f"  metrics    {name:<10} http://{address}/metrics")
     target = "" if addresses.gateway == DEFAULT_ADDRESS else f" --address {addresses.gateway}"
     print(f'try: {_strata_command()} generate "{EXAMPLE_PROMPT}" --chat{target}')
     print("Ctrl-C stops the stack.", flush=True)

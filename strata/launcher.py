@@ -90,6 +90,8 @@ class _Child:
     process: subprocess.Popen[bytes]
     announce_file: Path
     log_file: Path | None
+    metrics_address: str = ""
+    """host:port of its /metrics endpoint (from `<announce file>.metrics`); empty when it has none."""
 
     def log_tail(self) -> str:
         if self.log_file is None:
@@ -194,6 +196,11 @@ class Stack:
         return self._addresses
 
     @property
+    def metrics_addresses(self) -> dict[str, str]:
+        """host:port of each child's /metrics endpoint by service name (those that serve one)."""
+        return {child.name: child.metrics_address for child in self._children if child.metrics_address}
+
+    @property
     def pids(self) -> dict[str, int]:
         """Process id of each child by service name ("tokenizer", "worker 0", ..., "gateway")."""
         return {child.name: child.process.pid for child in self._children}
@@ -286,6 +293,9 @@ class Stack:
                 )
             time.sleep(_POLL_S)
         address = child.announce_file.read_text().strip()
+        metrics_file = child.announce_file.with_name(child.announce_file.name + ".metrics")
+        if metrics_file.exists():  # written before the address, so it is complete when present
+            child.metrics_address = metrics_file.read_text().strip()
         with grpc.insecure_channel(address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while True:

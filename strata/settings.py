@@ -3,7 +3,8 @@
 Each service declares one frozen pydantic-settings model (a subclass of ServiceSettings) naming its
 YAML section and environment prefix; `load` reads the file once at start. Environment variables win
 over the file so an operator can override one value without editing it. Relative paths in a file are
-relative to that file. This module must not read anything at import time nor know any service's fields.
+relative to that file; a top-level `telemetry:` section is the default of every service's own. This
+module must not read anything at import time nor know any service's fields.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 import yaml
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from strata.telemetry import TelemetrySettings
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -55,6 +58,9 @@ class ServiceSettings(BaseSettings):
 
     model_config = SettingsConfigDict(frozen=True, extra="forbid", env_nested_delimiter="__")
 
+    telemetry: TelemetrySettings = TelemetrySettings()
+    """Traces, metrics and logs; a top-level `telemetry:` section of the file is every service's default."""
+
     section: ClassVar[str] = ""
     """The service's key in the YAML file."""
     path_fields: ClassVar[tuple[str, ...]] = ()
@@ -89,6 +95,10 @@ class ServiceSettings(BaseSettings):
                 f"{path}: section '{cls.section}' must be a mapping, not {type(raw).__name__}"
             )
         data = dict(raw)
+        shared = config.get("telemetry")
+        if isinstance(shared, dict):
+            own = data.get("telemetry")
+            data["telemetry"] = {**shared, **own} if isinstance(own, dict) else {**shared}
         for name in cls.path_fields:
             if name in data:
                 data[name] = resolve_path(data[name], path.parent)

@@ -12,22 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING, Any, TypeAlias
+
+import grpc
 
 from services.tokenizer.detokenize import Detokenized, detokenize_entries
 from services.tokenizer.errors import InvalidArgument, NotReady, TokenizerError, abort, entry_error
+from services.tokenizer.metrics import record_call
 from services.tokenizer.registry import TokenizerRegistry, load_registry
 from services.tokenizer.settings import TokenizerSettings
 from services.tokenizer.tokenize import Tokenized, tokenize_entries
 from strata.rpc import RunningServer, shutdown_event, start_server
 from strata.service_main import run_service
+from strata.tracing import SpanKind, Tracing
 from strata.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 if TYPE_CHECKING:
     from collections.abc import Sized
     from pathlib import Path
-
-    import grpc
 
     Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
 
@@ -39,9 +42,10 @@ SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].ful
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     """strata.v1.TokenizerService over a registry that is set once the tokenizers are loaded."""
 
-    def __init__(self, max_batch_entries: int) -> None:
+    def __init__(self, max_batch_entries: int, tracing: Tracing | None = None) -> None:
         self.max_batch_entries = max_batch_entries
         self.registry: TokenizerRegistry | None = None
+        self.tracing = tracing or Tracing.off()
 
     def _ready(self, entries: Sized) -> TokenizerRegistry:
         if self.registry is None:
@@ -60,8 +64,49 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             registry = self._ready(request.entries)
         except TokenizerError as error:
             await abort(context, error)
+        started = time.perf_counter()
         outcomes = await asyncio.to_thread(tokenize_entries, registry, request.entries)
-        return tokenizer_pb2.TokenizeResponse(results=[_tokenize_result(outcome) for outcome in outcomes])
+        response = tokenizer_pb2.TokenizeResponse(results=[_tokenize_result(outcome) for outcome in outcomes])
+        ended = time.perf_counter()
+        response.server_ms = (ended - started) * 1000.0
+        entries, results = request.entries, response.results
+        record_call(
+            "tokenize",
+            ended - started,
+            [(e.model, len(r.token_ids), _code_name(r.error)) for e, r in zip(entries, results, strict=True)],
+        )
+        if self.tracing.enabled:
+            self._preprocess_spans(request, response, context, started, ended)
+        return response
+
+    def _preprocess_spans(
+        self,
+        request: tokenizer_pb2.TokenizeRequest,
+        response: tokenizer_pb2.TokenizeResponse,
+        context: Context,
+        started: float,
+        ended: float,
+    ) -> None:
+        """One `preprocess` span per entry, in the entry's trace (else the call metadata's)."""
+        metadata = context.invocation_metadata() or ()
+        call_carrier = {key: value for key, value in metadata if key == "traceparent"}
+        for entry, result in zip(request.entries, response.results, strict=True):
+            parent = self.tracing.extract(entry.trace_context or call_carrier)
+            self.tracing.span(
+                "preprocess",
+                parent=parent,
+                start=started,
+                end=ended,
+                kind=SpanKind.SERVER,
+                attributes={
+                    "gen_ai.request.model": entry.model,
+                    "gen_ai.usage.input_tokens": len(result.token_ids),
+                    "strata.truncated_tokens": result.truncated_tokens,
+                    "strata.chat": len(entry.messages) > 0,
+                    "strata.batch_entries": len(request.entries),
+                    "strata.error": result.error.message,
+                },
+            )
 
     async def Detokenize(
         self, request: tokenizer_pb2.DetokenizeRequest, context: Context
@@ -70,8 +115,20 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             registry = self._ready(request.entries)
         except TokenizerError as error:
             await abort(context, error)
+        started = time.perf_counter()
         outcomes = await asyncio.to_thread(detokenize_entries, registry, request.entries)
-        return tokenizer_pb2.DetokenizeResponse(results=[_detokenize_result(outcome) for outcome in outcomes])
+        response = tokenizer_pb2.DetokenizeResponse(
+            results=[_detokenize_result(outcome) for outcome in outcomes]
+        )
+        ended = time.perf_counter()
+        response.server_ms = (ended - started) * 1000.0
+        entries, results = request.entries, response.results
+        record_call(
+            "detokenize",
+            ended - started,
+            [(e.model, len(e.new_ids), _code_name(r.error)) for e, r in zip(entries, results, strict=True)],
+        )
+        return response
 
     async def GetTokenizerInfo(
         self, request: tokenizer_pb2.GetTokenizerInfoRequest, context: Context
@@ -91,6 +148,14 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 for model in registry.models.values()
             ]
         )
+
+
+def _code_name(error: tokenizer_pb2.EntryError) -> str:
+    """The gRPC code name of an entry's error ("" when it has none)."""
+    return grpc.StatusCode(_CODES[error.code]).name.lower() if error.code in _CODES else ""
+
+
+_CODES = {code.value[0]: code.value for code in grpc.StatusCode if code.value[0] != 0}
 
 
 def _tokenize_result(outcome: Tokenized | TokenizerError) -> tokenizer_pb2.TokenizeResult:
@@ -128,9 +193,11 @@ class TokenizerServer:
         await self.running.server.stop(grace)
 
 
-async def start(settings: TokenizerSettings, announce_file: Path | None = None) -> TokenizerServer:
+async def start(
+    settings: TokenizerSettings, announce_file: Path | None = None, tracing: Tracing | None = None
+) -> TokenizerServer:
     """Bind, load every tokenizer, then report SERVING; a folder that cannot be served is a SettingsError."""
-    servicer = TokenizerServicer(settings.max_batch_entries)
+    servicer = TokenizerServicer(settings.max_batch_entries, tracing or Tracing.off())
     running = await start_server(
         settings.listen,
         register=[lambda server: tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer, server)],
@@ -148,10 +215,10 @@ async def start(settings: TokenizerSettings, announce_file: Path | None = None) 
     return TokenizerServer(running, servicer)
 
 
-async def serve(settings: TokenizerSettings, announce_file: Path | None = None) -> None:
+async def serve(settings: TokenizerSettings, announce_file: Path | None, tracing: Tracing) -> None:
     """Run until SIGTERM or SIGINT, then stop gracefully."""
     stopping = shutdown_event()  # before loading, so a signal during a slow load is not lost
-    server = await start(settings, announce_file)
+    server = await start(settings, announce_file, tracing)
     await stopping.wait()
     log.info("tokenizer service stopping")
     await server.stop()
@@ -160,5 +227,10 @@ async def serve(settings: TokenizerSettings, announce_file: Path | None = None) 
 def main(argv: list[str] | None = None) -> int:
     """`python -m services.tokenizer [--config PATH] [--announce-file PATH]`."""
     return run_service(
-        TokenizerSettings, serve, argv, prog="python -m services.tokenizer", description=__doc__
+        TokenizerSettings,
+        serve,
+        argv,
+        prog="python -m services.tokenizer",
+        description=__doc__,
+        service_name="strata-tokenizer",
     )

@@ -36,6 +36,7 @@ from services.worker.errors import (
     rejection_code,
     status_of,
 )
+from services.worker.metrics import WORKER_REJECTIONS
 from services.worker.outbound import OutboundQueue
 from strata.v1 import worker_pb2
 
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from services.worker.engine.async_engine import StepReport
     from services.worker.engine.sequence import StepOutput
     from services.worker.host import WorkerHost
+    from services.worker.request_spans import RequestSpans
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,8 @@ class OpenRequest:
     """time.monotonic() at the start of the first step that produced one of its tokens."""
     output_tokens: int = 0
     deadline: asyncio.TimerHandle | None = None
+    spans: RequestSpans | None = None
+    """Its trace state; None when untraced."""
 
     def forward_ms(self, now: float) -> float:
         return 0.0 if self.first_step is None else (now - self.first_step) * 1000.0
@@ -153,7 +157,7 @@ class Connection:
             try:
                 self._submit(submission)
             except REFUSALS as exc:
-                rejections.append(_rejection(submission.request_id, exc))
+                rejections.append(self._rejection(submission.request_id, exc))
         # After the submissions, so a request submitted and cancelled in one batch is cancelled.
         ended = [self._abort(self._open[rid]) for rid in message.cancellations if rid in self._open]
         self._push(ended, rejections)
@@ -188,7 +192,13 @@ class Connection:
             raise
         prior = len(submission.prior_output_ids)
         record = OpenRequest(
-            request_id, engine_id, len(submission.prompt_ids), prior, time.monotonic(), output_tokens=prior
+            request_id,
+            engine_id,
+            len(submission.prompt_ids),
+            prior,
+            time.monotonic(),
+            output_tokens=prior,
+            spans=self.host.spans.start(submission.trace_context),
         )
         if submission.deadline_unix_ms:
             record.deadline = asyncio.get_running_loop().call_later(remaining_s, self._expire, request_id)
@@ -205,7 +215,7 @@ class Connection:
     ) -> worker_pb2.TokenUpdate:
         """Abort a running request (its KV blocks are free before the next step) and say so."""
         self.host.engine.abort(record.engine_id)
-        self._forget(record)
+        self._forget(record, reason.value, f"the worker ended the request: {reason.value}")
         return ended_update(
             record.request_id,
             reason,
@@ -214,11 +224,22 @@ class Connection:
             forward_ms=record.forward_ms(time.monotonic()),
         )
 
-    def _forget(self, record: OpenRequest) -> None:
+    def _forget(
+        self, record: OpenRequest, finish_reason: str, error: str = "", ended: float | None = None
+    ) -> None:
         if record.deadline is not None:
             record.deadline.cancel()
         del self._open[record.request_id]
         self.host.retire(record.engine_id)
+        self.host.spans.finish(
+            record.spans,
+            submitted=record.submitted,
+            first_step=record.first_step,
+            ended=time.monotonic() if ended is None else ended,
+            output_tokens=record.output_tokens,
+            finish_reason=finish_reason,
+            error=error,
+        )
 
     def _record(self, engine_id: str) -> OpenRequest | None:
         record = self._open.get(engine_id.removeprefix(self._prefix))
@@ -236,18 +257,20 @@ class Connection:
                 record.first_step = report.started
                 queue_ms = max(0.0, report.started - record.submitted) * 1000.0
             record.output_tokens = out.num_output_tokens + record.prior_tokens
+            self.host.spans.join(record.spans)
             forward_ms = record.forward_ms(report.ended)
-            updates.append(
-                token_update(
-                    record.request_id,
-                    out,
-                    queue_ms=queue_ms,
-                    forward_ms=forward_ms,
-                    prior_tokens=record.prior_tokens,
-                )
+            update = token_update(
+                record.request_id,
+                out,
+                queue_ms=queue_ms,
+                forward_ms=forward_ms,
+                prior_tokens=record.prior_tokens,
             )
+            updates.append(update)
             if out.finished:
-                self._forget(record)
+                update.device_memory_bytes = self.host.device_memory_bytes()
+                reason = out.finish_reason.value if out.finish_reason is not None else "stop"
+                self._forget(record, reason, ended=report.ended)
         return updates
 
     def send(self, updates: list[worker_pb2.TokenUpdate]) -> None:
@@ -259,9 +282,9 @@ class Connection:
         record = self._record(engine_id)
         if record is None:
             return
-        self._forget(record)
+        self._forget(record, "error", f"the engine could not run the request: {error}")
         if isinstance(error, InvalidRequestError):
-            self._push((), [_rejection(record.request_id, error)])
+            self._push((), [self._rejection(record.request_id, error)])
             return
         log.error("request %s failed in the engine: %r", record.request_id, error)
         update = ended_update(
@@ -288,7 +311,7 @@ class Connection:
         aborted = len(self._open)
         for record in list(self._open.values()):
             self.host.engine.abort(record.engine_id)
-            self._forget(record)
+            self._forget(record, "aborted", "the Connect stream ended")
         self.outbound.close()
         self.host.disconnect(self)
         log.info("stream %s of %s ended, %d requests aborted", self.name, self.client_name, aborted)
@@ -303,7 +326,7 @@ class Connection:
         self._credits_sent = credits.requests
         self.outbound.put(updates=updates, rejections=rejections, credits=credits)
 
-
-def _rejection(request_id: str, error: BaseException) -> worker_pb2.Rejection:
-    _, message = status_of(error)
-    return worker_pb2.Rejection(request_id=request_id, code=rejection_code(error), message=message)
+    def _rejection(self, request_id: str, error: BaseException) -> worker_pb2.Rejection:
+        code, message = status_of(error)
+        WORKER_REJECTIONS.labels(self.host.settings.model_name, code.name.lower()).inc()
+        return worker_pb2.Rejection(request_id=request_id, code=rejection_code(error), message=message)

@@ -21,11 +21,15 @@ import torch
 
 from services.worker.connection import Connection
 from services.worker.credits import CreditPool
+from services.worker.device_memory import device_memory_bytes
 from services.worker.engine.async_engine import AsyncEngine, EngineDeadError
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.params import SamplingParams
 from services.worker.errors import DrainingError, HelloMismatchError, NotReadyError, ProtocolError
+from services.worker.metrics import EngineMetrics
+from services.worker.request_spans import WorkerSpans
 from strata.fingerprint import tokenizer_fingerprint
+from strata.tracing import Tracing
 from strata.v1 import worker_pb2
 
 if TYPE_CHECKING:
@@ -63,11 +67,13 @@ def resolve_dtype(setting: str, device: str) -> torch.dtype:
 class WorkerHost:
     """One engine and everything its streams share. Used from the event loop only."""
 
-    def __init__(self, settings: WorkerSettings) -> None:
+    def __init__(self, settings: WorkerSettings, tracing: Tracing | None = None) -> None:
         self.settings = settings
         self.credits = CreditPool(settings.credit_limit)
         self.device = resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
+        self.spans = WorkerSpans(tracing or Tracing.off(), settings.model_name)
+        self.metrics = EngineMetrics(settings.model_name, self.device)
         self.engine = AsyncEngine(self._build)
         self.fingerprint = ""
         self.state = State.LOADING
@@ -187,7 +193,12 @@ class WorkerHost:
             )
         return worker_pb2.Credits(requests=self.credits.available)
 
+    def device_memory_bytes(self) -> int:
+        return device_memory_bytes(self.device)
+
     def _on_step(self, report: StepReport) -> None:
+        self.metrics.on_step(report)
+        self.spans.step(report)
         owned: dict[Connection, list[StepOutput]] = {}
         for out in report.outputs:
             connection = self._routes.get(out.request_id)

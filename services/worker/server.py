@@ -20,6 +20,7 @@ from services.worker.host import State, WorkerHost
 from services.worker.settings import WorkerSettings
 from strata.rpc import RunningServer, shutdown_event, start_server
 from strata.service_main import run_service
+from strata.tracing import Tracing
 from strata.v1 import worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:
@@ -144,9 +145,11 @@ class WorkerServer:
         log.info("worker stopped")
 
 
-async def start(settings: WorkerSettings, announce_file: Path | None = None) -> WorkerServer:
+async def start(
+    settings: WorkerSettings, announce_file: Path | None = None, tracing: Tracing | None = None
+) -> WorkerServer:
     """Listen (and announce) now; load and warm up in the background (see WorkerServer.wait_ready)."""
-    host = WorkerHost(settings)
+    host = WorkerHost(settings, tracing or Tracing.off())
     servicer = WorkerServicer(host)
     running = await start_server(
         settings.listen,
@@ -159,10 +162,10 @@ async def start(settings: WorkerSettings, announce_file: Path | None = None) -> 
     return WorkerServer(host, running)
 
 
-async def serve(settings: WorkerSettings, announce_file: Path | None = None) -> int:
+async def serve(settings: WorkerSettings, announce_file: Path | None, tracing: Tracing) -> int:
     """Run until SIGTERM/SIGINT (0, after a drain) or until the model fails to load or the engine dies (1)."""
     stop = shutdown_event()
-    server = await start(settings, announce_file)
+    server = await start(settings, announce_file, tracing)
     stopping = asyncio.create_task(stop.wait())
     failing = asyncio.create_task(server.wait_failed())
     await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
@@ -180,5 +183,11 @@ async def serve(settings: WorkerSettings, announce_file: Path | None = None) -> 
 def main(argv: list[str] | None = None) -> int:
     """`python -m services.worker [--config PATH] [--index N] [--announce-file PATH]`."""
     return run_service(
-        WorkerSettings, serve, argv, prog="python -m services.worker", description=__doc__, indexed=True
+        WorkerSettings,
+        serve,
+        argv,
+        prog="python -m services.worker",
+        description=__doc__,
+        service_name="strata-worker",
+        indexed=True,
     )

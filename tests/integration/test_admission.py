@@ -47,9 +47,9 @@ def test_a_burst_is_refused_at_once_and_exactly(stack: Stack) -> None:
     gateway = stack.start_gateway(
         {"model": model, "workers": [worker.address], "max_queued_requests": 32, "ttft_slo_ms": 0}
     )
-    tokenized_before = metric("strata_gateway_tokenize_batch_size_sum")
-    submissions_before = metric("strata_gateway_submission_batch_size_sum", route=model)
-    writes_before = metric("strata_gateway_submission_batch_size_count", route=model)
+    tokenized_before = metric("strata_gateway_tokenize_batch_size_sum", model=model)
+    submissions_before = metric("strata_gateway_submission_batch_size_sum", model=model)
+    writes_before = metric("strata_gateway_submission_batch_size_count", model=model)
     prompts = [f"burst request {i}: the quick brown fox" for i in range(count)]
     refused_all = threading.Event()
 
@@ -93,17 +93,17 @@ def test_a_burst_is_refused_at_once_and_exactly(stack: Stack) -> None:
             assert list(result.token_ids) == stack.alone(model, prompt, new_tokens), prompt
     # Decided at once: every refusal took under 5 ms inside the server, and no refused prompt
     # reached the tokenizer (only the 48 admitted ones were tokenized).
-    assert metric("strata_gateway_refusals_total", route=model, reason="queue_full") == count - 48
+    assert metric("strata_rejections_total", model=model, reason="queue_full") == count - 48
     fast = metric(
-        "strata_gateway_admission_decision_seconds_bucket", route=model, outcome="refused", le="0.005"
+        "strata_gateway_admission_decision_seconds_bucket", model=model, outcome="refused", le="0.005"
     )
     assert fast == count - 48
-    assert metric("strata_gateway_tokenize_batch_size_sum") - tokenized_before == 48
+    assert metric("strata_gateway_tokenize_batch_size_sum", model=model) - tokenized_before == 48
     # Admitted requests shared ConnectRequests: fewer writes than submissions.
-    submitted = metric("strata_gateway_submission_batch_size_sum", route=model) - submissions_before
-    writes = metric("strata_gateway_submission_batch_size_count", route=model) - writes_before
+    submitted = metric("strata_gateway_submission_batch_size_sum", model=model) - submissions_before
+    writes = metric("strata_gateway_submission_batch_size_count", model=model) - writes_before
     assert submitted == 48 and writes < submitted
-    total_s = metric("strata_gateway_admission_decision_seconds_sum", route=model, outcome="refused")
+    total_s = metric("strata_gateway_admission_decision_seconds_sum", model=model, outcome="refused")
     mean_us = total_s / (count - 48) * 1e6
     print(f"refusal decisions: mean {mean_us:.0f} us; 48 submissions in {writes:.0f} ConnectRequests")
     idle = lambda: (s := stack.worker_stats(worker)).open_requests == s.used_kv_blocks == s.running == 0  # noqa: E731
@@ -141,7 +141,7 @@ def test_deadlines_shorter_than_the_wait_end_in_the_queue_or_are_refused(stack: 
     # While they waited, the worker held only the two running streams: nothing of theirs was sent.
     assert (stats.open_requests, stats.running, stats.waiting) == (2, 2, 0)
     assert stack.loop.call(lambda: route.queued_requests) == 0
-    assert metric("strata_gateway_refusals_total", route=model, reason="deadline") == 3
+    assert metric("strata_rejections_total", model=model, reason="deadline") == 3
     for call in streams:
         assert len([t for m in call for t in m.token_ids]) == 9  # the rest of the 10 tokens
     # Now the service time is measured (2 credits, ~3 s a request): a deadline of 1 s behind two
@@ -153,7 +153,7 @@ def test_deadlines_shorter_than_the_wait_end_in_the_queue_or_are_refused(stack: 
     assert time.monotonic() - started < 0.5
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "exceeds the remaining deadline" in (info.value.details() or "")
-    assert metric("strata_gateway_refusals_total", route=model, reason="predicted_wait") == 1
+    assert metric("strata_rejections_total", model=model, reason="predicted_wait") == 1
     assert len(stub.Generate(request(model, "patient", 4), timeout=60).token_ids) == 4
     for call in streams:
         list(call)
@@ -197,8 +197,8 @@ def test_batch_requests_are_shed_before_interactive_ones(stack: Stack) -> None:
     list(running)
     # One credit: the waiting requests ran one at a time, interactive ones first.
     assert finished == ["i1", "i2", "b1"]
-    assert metric("strata_gateway_refusals_total", route=model, reason="shed") == 1
-    assert metric("strata_gateway_refusals_total", route=model, reason="queue_full") == 1
+    assert metric("strata_rejections_total", model=model, reason="shed") == 1
+    assert metric("strata_rejections_total", model=model, reason="queue_full") == 1
 
 
 def test_two_replicas_share_the_load_by_credits(stack: Stack) -> None:
@@ -222,7 +222,7 @@ def test_two_replicas_share_the_load_by_credits(stack: Stack) -> None:
     results = asyncio.run(run_all())
     assert all(len(result.token_ids) == 4 for result in results)
     shares = [
-        metric("strata_gateway_worker_submissions_total", route=model, worker=worker.address)
+        metric("strata_gateway_worker_submissions_total", model=model, worker=worker.address)
         for worker in workers
     ]
     assert sum(shares) == count

@@ -190,7 +190,7 @@ def _request(
 
 
 def _fallbacks(reason: str) -> float:
-    value = REGISTRY.get_sample_value("strata_gateway_fallbacks_total", {"route": PRIMARY, "reason": reason})
+    value = REGISTRY.get_sample_value("strata_fallbacks_total", {"model": PRIMARY, "reason": reason})
     return value or 0.0
 
 

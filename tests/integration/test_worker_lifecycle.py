@@ -23,6 +23,7 @@ from services.worker.model.config import ModelLoadError
 from services.worker.server import SERVICE_NAME, main, serve, start
 from services.worker.settings import WorkerSettings
 from strata.fingerprint import tokenizer_fingerprint
+from strata.tracing import Tracing
 from strata.v1 import common_pb2, worker_pb2
 from tests.integration.worker_harness import (
     ENGINE,
@@ -137,7 +138,8 @@ def test_a_worker_that_cannot_load_or_warm_up_never_serves(
         finally:
             await server.stop(grace=0)
         # The process entry point exits non-zero instead of serving NOT_SERVING forever.
-        assert await asyncio.wait_for(serve(worker_settings(model_dir, **extra)), WAIT_S) == 1
+        serving = serve(worker_settings(model_dir, **extra), None, Tracing.off())
+        assert await asyncio.wait_for(serving, WAIT_S) == 1
 
     asyncio.run(main())
 

@@ -16,8 +16,8 @@ from strata.v1 import common_pb2, gateway_pb2
 def _summary() -> Summary:
     request = gateway_pb2.GenerateRequest(prompt="hi")
     valid = ValidRequest(request, "big", "rid", False, common_pb2.SamplingParams(max_new_tokens=8))
-    summary = Summary(valid, time.perf_counter(), 1.5)
-    summary.serve("big", 3, 0.5)
+    summary = Summary(valid, time.perf_counter())
+    summary.serve("big", 3, time.perf_counter())
     return summary
 
 
@@ -53,15 +53,23 @@ def test_other_errors_end_the_request() -> None:
 def test_the_final_names_the_serving_model_the_reason_and_the_failover_point() -> None:
     summary = _summary()
     summary.add([Delta("ab", [1, 2])])
-    summary.serve("small", 3, 0.25, "primary big failed mid-stream after 2 tokens: gone")
+    summary.end_attempt()
+    submitted = time.perf_counter()
+    summary.serve("small", 3, submitted, "primary big failed mid-stream after 2 tokens: gone")
     summary.failover_at_token = 2
-    chunk, failure = summary.add([Delta("c", [3], common_pb2.FINISH_REASON_LENGTH, queue_ms=2.0)])
+    time.sleep(0.02)
+    received = time.perf_counter()
+    last = Delta("c", [3], common_pb2.FINISH_REASON_LENGTH, queue_ms=2.0, forward_ms=5.0, received=received)
+    chunk, failure = summary.add([last])
     assert failure is None and chunk is not None and chunk.final is not None
     final = chunk.final
     assert (final.text, list(final.token_ids), final.model) == ("abc", [1, 2, 3], "small")
     assert final.fallback_reason == "primary big failed mid-stream after 2 tokens: gone"
     assert (final.failover_at_token, final.usage.input_tokens, final.usage.output_tokens) == (2, 3, 3)
     assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH and final.request_id == "rid"
-    assert final.timing.preprocess_ms == 1.5 and final.timing.total_ms > 0
-    # Admission waits add up over attempts; the first delta with tokens fixes the queue time.
-    assert final.timing.queue_ms == pytest.approx(0.5)
+    timing = final.timing
+    parts = timing.network_ms + timing.preprocess_ms + timing.queue_ms + timing.forward_ms + timing.decode_ms
+    assert timing.total_ms > 20.0 and parts == pytest.approx(timing.total_ms, abs=1e-6)
+    # The fallback's attempt: its worker's own queue and forward time, the rest of the wait network.
+    assert timing.forward_ms == pytest.approx(5.0) and timing.queue_ms >= 2.0
+    assert timing.network_ms >= (received - submitted) * 1000.0 - 7.0

@@ -45,6 +45,8 @@ class StepReport:
     """time.monotonic() just before the step began (the inbox was already applied)."""
     ended: float
     """time.monotonic() just after the step returned its outputs."""
+    stats: EngineStats
+    """The engine's snapshot after the step: its batch's shape, the queues, the KV cache."""
 
 
 StepListener = Callable[[StepReport], None]
@@ -229,8 +231,8 @@ class AsyncEngine:
                 outputs = self.engine.step()
                 ended = time.monotonic()
                 self._stats = self.engine.stats()
-                if outputs:
-                    self._post(self._dispatch, StepReport(outputs, started, ended))
+                # Steps without outputs (a chunk of a long prompt) still reach listeners: metrics, spans.
+                self._post(self._dispatch, StepReport(outputs, started, ended, self._stats))
         except BaseException as exc:  # the loop must report any death, even KeyboardInterrupt
             log.exception("engine step loop died")
             self._error = exc

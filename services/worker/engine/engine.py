@@ -43,6 +43,8 @@ class EngineStats(SchedulerStats):
     last_step_ms: float
     last_batch_size: int
     last_batch_tokens: int
+    last_num_decodes: int
+    """Sequences of the last step that decoded one token (the rest of its tokens were prefill)."""
 
 
 class LLMEngine:
@@ -76,6 +78,7 @@ class LLMEngine:
         self._last_step_ms = 0.0
         self._last_batch_size = 0
         self._last_batch_tokens = 0
+        self._last_num_decodes = 0
 
     @classmethod
     def from_model_dir(
@@ -137,6 +140,7 @@ class LLMEngine:
         self.step_seconds.append(elapsed)
         self._last_batch_size = len(batch.entries)
         self._last_batch_tokens = batch.num_batched_tokens
+        self._last_num_decodes = batch.num_decodes
         self.step_log.append((batch.num_batched_tokens, batch.num_samples))
         return outputs
 
@@ -197,4 +201,5 @@ class LLMEngine:
             last_step_ms=self._last_step_ms,
             last_batch_size=self._last_batch_size,
             last_batch_tokens=self._last_batch_tokens,
+            last_num_decodes=self._last_num_decodes,
         )

@@ -1,0 +1,191 @@
+"""One request's spans in the gateway, and the line it logs when it ends.
+
+The request span opens at arrival (a child of the caller's trace context when the call carried one)
+and is named and attributed by the GenAI semantic conventions. Each hop gets a CLIENT span opened
+before the call so the remote service can hang its own spans under it: `Tokenize` (the tokenizer's
+`preprocess` joins it) and one `Connect` per worker attempt (the worker's `queue` and `forward`
+join it). The gateway-side parts of the StageClock become spans as the clock gives them out: `queue`
+(admission), `network` (half before and half after each remote span), `decode`. So the leaf spans of
+a trace tile the request span, and each stage's spans add up to that part of the response timing.
+With tracing off no span is built, but the log line is still written. This module must not decide
+where a request goes nor measure time (the pipeline and the StageClock do).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from opentelemetry.trace import Status, StatusCode
+
+from strata.tracing import SpanKind, trace_id_hex
+from strata.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from opentelemetry.trace import Span
+
+    from gateway.errors import GatewayError
+    from gateway.stage_clock import StageClock
+    from gateway.validation import ValidRequest
+    from strata.tracing import Tracing
+    from strata.v1 import gateway_pb2
+
+log = logging.getLogger("strata.requests")
+
+TOKENIZE_RPC = "strata.v1.TokenizerService/Tokenize"
+CONNECT_RPC = "strata.v1.WorkerService/Connect"
+
+
+def finish_reason_name(reason: common_pb2.FinishReason.ValueType) -> str:
+    return common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+
+
+class RequestTrace:
+    """The spans of one request (none when tracing is off) and its final log line."""
+
+    def __init__(
+        self,
+        tracing: Tracing,
+        request: gateway_pb2.GenerateRequest,
+        arrival: float,
+        caller: Mapping[str, str],
+    ) -> None:
+        self._tracing = tracing
+        self._arrival = arrival
+        operation = "chat" if len(request.messages) else "text_completion"
+        self._operation = operation
+        self.span = tracing.span(
+            f"{operation} {request.model}".strip(),
+            parent=tracing.extract(caller),
+            start=arrival,
+            kind=SpanKind.SERVER,
+            attributes={
+                "gen_ai.operation.name": operation,
+                "gen_ai.request.model": request.model,
+                "gen_ai.request.max_tokens": request.sampling.max_new_tokens,
+                "gen_ai.request.temperature": request.sampling.temperature,
+                "gen_ai.request.top_p": request.sampling.top_p,
+                "rpc.system": "grpc",
+            },
+        )
+        self.trace_id = trace_id_hex(self.span)
+        self._emitted = 0
+        self._ended = False
+
+    def validated(self, valid: ValidRequest) -> None:
+        """The request's resolved model and sampling (defaults filled in)."""
+        if self.span is not None:
+            self.span.update_name(f"{self._operation} {valid.model}")
+            self.span.set_attributes(
+                {
+                    "gen_ai.request.model": valid.model,
+                    "gen_ai.request.max_tokens": valid.sampling.max_new_tokens,
+                    "gen_ai.request.temperature": valid.sampling.temperature,
+                    "gen_ai.request.top_p": valid.sampling.top_p,
+                    "strata.request_id": valid.request_id,
+                }
+            )
+
+    def open_hop(self, rpc: str, start: float, **attributes: str) -> Span | None:
+        """A CLIENT span for one call to another service, child of the request span."""
+        if self.span is None:
+            return None
+        service, _, method = rpc.partition("/")
+        return self._tracing.span(
+            rpc,
+            parent=self.span,
+            start=start,
+            kind=SpanKind.CLIENT,
+            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method, **attributes},
+        )
+
+    def carrier(self, hop: Span | None) -> dict[str, str]:
+        """The trace context a remote service's spans take as their parent (empty when untraced)."""
+        return self._tracing.carrier(hop)
+
+    def close_hop(self, hop: Span | None, end: float) -> None:
+        self._tracing.end(hop, end)
+
+    def emit(self, clock: StageClock, hops: Mapping[str, Span | None] | None = None) -> None:
+        """Spans for the clock's segments given out since the last call; a hop's go under its span."""
+        segments = clock.segments[self._emitted :]
+        self._emitted = len(clock.segments)
+        if self.span is None:
+            return
+        for segment in segments:
+            parent = (hops or {}).get(segment.hop) or self.span
+            attributes = {"strata.hop": segment.hop} if segment.hop else None
+            self._tracing.span(
+                segment.stage, parent=parent, start=segment.start, end=segment.end, attributes=attributes
+            )
+
+    def finish(self, response: gateway_pb2.GenerateResponse, device_memory_bytes: int) -> None:
+        """The request completed: GenAI attributes, the timing parts, the log line; ends the span."""
+        timing = response.timing
+        finish = finish_reason_name(response.finish_reason)
+        if self.span is not None:
+            self.span.set_attributes(
+                {
+                    "gen_ai.response.model": response.model,
+                    "gen_ai.response.id": response.request_id,
+                    "gen_ai.usage.input_tokens": response.usage.input_tokens,
+                    "gen_ai.usage.output_tokens": response.usage.output_tokens,
+                    "gen_ai.response.finish_reasons": [finish],
+                    "strata.fallback_reason": response.fallback_reason,
+                    "strata.time_to_first_token_ms": timing.time_to_first_token_ms,
+                    "strata.failover_at_token": response.failover_at_token,
+                    **{f"strata.{stage}_ms": getattr(timing, f"{stage}_ms") for stage in _STAGES},
+                }
+            )
+            self._end(self._arrival + timing.total_ms / 1000.0)
+        fields = {
+            "event": "request_finished",
+            "request_id": response.request_id,
+            "trace_id": self.trace_id,
+            "model": response.model,
+            "input_tokens": response.usage.input_tokens,
+            "output_tokens": response.usage.output_tokens,
+            "finish_reason": finish,
+            "fallback_reason": response.fallback_reason,
+            "timing_ms": {field: round(getattr(timing, field), 3) for field in _TIMING_FIELDS},
+            "device_memory_bytes": device_memory_bytes,
+        }
+        log.info("request %s finished", response.request_id, extra={"fields": fields})
+
+    def fail(self, request: gateway_pb2.GenerateRequest, request_id: str, error: GatewayError | None) -> None:
+        """The request ended without a final response: an error status, or the client went away."""
+        code = "cancelled" if error is None else error.code.name.lower()
+        message = "the client cancelled or went away" if error is None else error.message
+        if self.span is not None and not self._ended:
+            self.span.set_attribute("error.type", code)
+            self.span.set_status(Status(StatusCode.ERROR, message))
+            self._end(time.perf_counter())
+        fields = {
+            "event": "request_failed",
+            "request_id": request_id,
+            "trace_id": self.trace_id,
+            "model": request.model,
+            "code": code,
+            "error": message,
+            "elapsed_ms": round((time.perf_counter() - self._arrival) * 1000.0, 3),
+        }
+        log.info("request %s failed: %s", request_id or "-", code, extra={"fields": fields})
+
+    def _end(self, at: float) -> None:
+        self._ended = True
+        self._tracing.end(self.span, at)
+
+
+_STAGES = ("network", "preprocess", "queue", "forward", "decode")
+_TIMING_FIELDS = (
+    "total_ms",
+    "time_to_first_token_ms",
+    "network_ms",
+    "preprocess_ms",
+    "queue_ms",
+    "forward_ms",
+    "decode_ms",
+)
