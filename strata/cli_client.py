@@ -69,18 +69,20 @@ def _print_stream(
 
 
 def _print_timing(response: gateway_pb2.GenerateResponse) -> None:
-    from strata.v1 import common_pb2
+    import shutil
 
-    timing = response.timing
-    stages = [
-        ("preprocess", timing.preprocess_ms),
-        ("queue", timing.queue_ms),
-        ("forward", timing.forward_ms),
-        ("decode", timing.decode_ms),
-        ("TTFT", timing.time_to_first_token_ms),
-        ("total", timing.total_ms),
-    ]
-    print("timing: " + " | ".join(f"{name} {ms:.1f} ms" for name, ms in stages), file=sys.stderr)
+    from strata.v1 import common_pb2
+    from strata.waterfall import render_waterfall
+
+    # The waterfall goes to stderr, so that is the stream whose terminal decides colour; NO_COLOR
+    # (no-color.org) turns it off when set to anything nonempty.
+    color = sys.stderr.isatty() and not os.environ.get("NO_COLOR")
+    # The rows' text takes about 35 columns; the bars get what the terminal has left, up to 60.
+    width = max(20, min(60, shutil.get_terminal_size().columns - 36))
+    print(
+        render_waterfall(response.timing, width=width, color=color, trace_id=response.trace_id),
+        file=sys.stderr,
+    )
     fallback = f" (fallback: {response.fallback_reason})" if response.fallback_reason else ""
     finish = common_pb2.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_")
     print(

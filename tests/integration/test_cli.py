@@ -85,8 +85,11 @@ def test_chat_applies_the_template_and_timing_goes_to_stderr(gateway: str) -> No
 
     done = strata("generate", "hello", "--address", gateway, "--chat", "--timing", "--max-new-tokens", "3")
     assert done.returncode == 0, done.stderr
-    for stage in ("preprocess", "queue", "forward", "decode", "TTFT", "total"):
-        assert re.search(rf"\b{stage} \d+\.\d ms", done.stderr), done.stderr
+    for stage in ("network", "preprocess", "queue", "forward", "decode", "TTFT", "total"):
+        assert re.search(rf"^{stage} +\d+\.\d ms +\d+\.\d%", done.stderr, re.MULTILINE), done.stderr
+    forward = re.search(r"^forward .*%  +(\S+)$", done.stderr, re.MULTILINE)
+    assert forward is not None and set(forward[1]) <= set("▏▎▍▌▋▊▉█"), done.stderr
+    assert "\x1b[" not in done.stderr, "no colour when stderr is not a terminal"
     assert "model tiny" in done.stderr
     assert "timing" not in done.stdout
 
