@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test test-fast lint bench bench-stack bench-fallback run clean
+.PHONY: setup model protos test test-fast lint bench bench-stack bench-fallback bench-tracing run clean
 
 setup: $(STAMP)
 
@@ -56,6 +56,10 @@ bench-stack: setup model
 # Open-loop arrivals at about twice the primary's capacity, fallback off and on, 3 rounds (about 6 minutes).
 bench-fallback: setup model
 	$(BIN)/strata bench --spawn --rate auto --json bench/results/stack-rate-cpu.json
+
+# Tracing's CPU cost: the whole stack at sampling 1.0 against tracing off, 5 fresh stacks each, alternated.
+bench-tracing: setup model
+	$(BIN)/python -m bench.trace_overhead --json bench/results/trace-overhead-cpu.json
 
 # The whole stack in the foreground (Ctrl-C stops it); then, in another shell:
 #   .venv/bin/strata generate "What is the capital of France?" --chat
