@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import start_http_server
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from strata.tracing import Tracing
 
@@ -46,6 +46,14 @@ class TelemetrySettings(BaseModel):
     """host:port of the Prometheus /metrics endpoint; port 0 takes a free one; empty turns it off."""
     log_format: Literal["json", "text"] = "json"
     """json: one object per line (a finished request is one line with its breakdown); text: for people."""
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if value and not (sep and host and port.isdigit() and int(port) < 65536):
+            raise ValueError(f"must be host:port (port 0 takes a free one), e.g. 0.0.0.0:9464, not {value!r}")
+        return value
 
 
 class JsonFormatter(logging.Formatter):

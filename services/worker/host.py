@@ -34,6 +34,7 @@ from strata.v1 import worker_pb2
 
 if TYPE_CHECKING:
     from services.worker.engine.async_engine import StepReport
+    from services.worker.engine.engine import EngineStats
     from services.worker.engine.sequence import StepOutput
     from services.worker.settings import WorkerSettings
 
@@ -73,7 +74,7 @@ class WorkerHost:
         self.device = resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
         self.spans = WorkerSpans(tracing or Tracing.off(), settings.model_name)
-        self.metrics = EngineMetrics(settings.model_name, self.device)
+        self.metrics = EngineMetrics(settings.model_name, self.device, self._snapshot)
         self.engine = AsyncEngine(self._build)
         self.fingerprint = ""
         self.state = State.LOADING
@@ -192,6 +193,12 @@ class WorkerHost:
                 requests=self.credits.available, kv_tokens=self.engine.stats().free_kv_tokens
             )
         return worker_pb2.Credits(requests=self.credits.available)
+
+    def _snapshot(self) -> EngineStats | None:
+        try:
+            return self.engine.stats()
+        except EngineDeadError:  # not built yet
+            return None
 
     def device_memory_bytes(self) -> int:
         return device_memory_bytes(self.device)

@@ -1,8 +1,8 @@
 """The worker's Prometheus metrics, every series labelled with the model the worker serves.
 
-`EngineMetrics` is a step listener: after each engine step it sets the batch-size, running, waiting
-and KV-usage gauges from the step's stats snapshot, observes the step's time, and counts the tokens
-it produced. Device memory is read when Prometheus scrapes. Rejected submissions are counted by code
+`EngineMetrics` reads the batch-size, running, waiting, KV-usage and device-memory gauges from the
+engine's latest snapshot when Prometheus scrapes, and, as a step listener, observes each step's time
+and counts the tokens it computed. Rejected submissions are counted by code
 where connection.py rejects them. This module must not decide anything nor touch gRPC.
 """
 
@@ -15,7 +15,10 @@ from prometheus_client import Counter, Gauge, Histogram
 from services.worker.device_memory import device_memory_bytes
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from services.worker.engine.async_engine import StepReport
+    from services.worker.engine.engine import EngineStats
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
@@ -44,18 +47,30 @@ WORKER_REJECTIONS = Counter(
 
 
 class EngineMetrics:
-    """Updates the engine gauges after every step of one worker's engine."""
+    """The gauges of one worker's engine, read from its latest snapshot when Prometheus scrapes (an
+    idle engine runs no steps, so a value set per step would go stale), and its per-step series."""
 
-    def __init__(self, model: str, device: str) -> None:
+    def __init__(self, model: str, device: str, snapshot: Callable[[], EngineStats | None]) -> None:
+        """`snapshot()` is the engine's latest stats, None before it is built."""
         self._model = model
+        self._snapshot = snapshot
         DEVICE_MEMORY.labels(model, device).set_function(lambda: device_memory_bytes(device))
+        BATCH_SIZE.labels(model).set_function(lambda: self._read(_batch_size))
+        REQUESTS_RUNNING.labels(model).set_function(lambda: self._read(lambda stats: stats.num_running))
+        REQUESTS_WAITING.labels(model).set_function(lambda: self._read(lambda stats: stats.num_waiting))
+        KV_CACHE_USAGE.labels(model).set_function(lambda: self._read(lambda stats: stats.kv_cache_usage))
+
+    def _read(self, field: Callable[[EngineStats], float]) -> float:
+        stats = self._snapshot()
+        return 0.0 if stats is None else float(field(stats))
 
     def on_step(self, report: StepReport) -> None:
         stats, model = report.stats, self._model
-        BATCH_SIZE.labels(model).set(stats.last_batch_size)
-        REQUESTS_RUNNING.labels(model).set(stats.num_running)
-        REQUESTS_WAITING.labels(model).set(stats.num_waiting)
-        KV_CACHE_USAGE.labels(model).set(stats.kv_cache_usage)
         STEP_SECONDS.labels(model).observe(report.ended - report.started)
         STEP_TOKENS.labels(model, "decode").inc(stats.last_num_decodes)
         STEP_TOKENS.labels(model, "prefill").inc(stats.last_batch_tokens - stats.last_num_decodes)
+
+
+def _batch_size(stats: EngineStats) -> float:
+    """The last step's sequences; 0 once the engine has nothing left to run."""
+    return float(stats.last_batch_size if stats.num_running or stats.num_waiting else 0)
