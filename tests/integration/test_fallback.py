@@ -23,143 +23,17 @@ import pytest
 from prometheus_client import REGISTRY
 
 from gateway.errors import STATUS_DETAILS_KEY, retry_delay_s
-from gateway.server import GatewayServer
-from gateway.server import start as start_gateway
-from gateway.settings import GatewaySettings
-from services.tokenizer.server import start as start_tokenizer
-from services.tokenizer.settings import TokenizerSettings
-from services.worker.engine.config import EngineConfig
-from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
-from services.worker.server import WorkerServer
-from services.worker.server import start as start_worker
-from services.worker.settings import WorkerSettings
-from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
-from tests.integration.loop_thread import LoopThread
+from strata.v1 import common_pb2, gateway_pb2
+from tests.integration.fallback_harness import FALLBACK, OTHER, PRIMARY, PROMPT, WAIT_S, Stack, wait_for
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from pathlib import Path
 
-PRIMARY, FALLBACK = "tiny", "tiny-small"
-OTHER = "tiny-other"
-"""A fallback whose tokenizer files differ in bytes (so in fingerprint) though not in meaning."""
-ENGINE: dict[str, Any] = {
-    "num_blocks": 128,
-    "max_num_seqs": 16,
-    "max_num_batched_tokens": 256,
-    "enable_fault_injection": True,
-}
-PROMPT = "The capital of France"
-WAIT_S = 60.0
+    from services.worker.server import WorkerServer
+
 # New requests must reach a restarted primary within 2 s (issue 5); bounds are 5x that.
 RECOVERY_BOUND_S = 10.0
-
-
-class Stack:
-    """The module's tokenizer and fallback worker; primaries and gateways come and go per test."""
-
-    def __init__(self, primary_dir: Path, fallback_dir: Path, other_dir: Path) -> None:
-        self.loop = LoopThread()
-        self.primary_dir = primary_dir
-        self.fallback_dir = fallback_dir
-        self.servers: list[Any] = []
-        self.channels: list[grpc.Channel] = []
-        models = {PRIMARY: primary_dir, FALLBACK: fallback_dir, OTHER: other_dir}
-        tokenizer = self.loop.run(
-            start_tokenizer(TokenizerSettings.build({"listen": "127.0.0.1:0", "models": models}))
-        )
-        self.servers.append(tokenizer)
-        self.tokenizer_address = str(tokenizer.address)
-        self.tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(self.channel(self.tokenizer_address))
-        self.fallback = self.start_worker(FALLBACK, fallback_dir)
-        self.engines = {
-            PRIMARY: LLMEngine.from_model_dir(primary_dir, EngineConfig(**ENGINE)),
-            FALLBACK: LLMEngine.from_model_dir(fallback_dir, EngineConfig(**ENGINE)),
-        }
-
-    def start_worker(
-        self, model: str, model_dir: Path, listen: str = "127.0.0.1:0", **extra: Any
-    ) -> WorkerServer:
-        settings = WorkerSettings.build(
-            {
-                "listen": listen,
-                "model_name": model,
-                "model_path": model_dir,
-                "device": "cpu",
-                "threads": 1,
-                "engine": ENGINE,
-                **extra,
-            }
-        )
-        server: WorkerServer = self.loop.run(start_worker(settings))
-        self.loop.run(server.wait_ready())
-        self.servers.append(server)
-        return server
-
-    def start_primary(self, listen: str = "127.0.0.1:0", **extra: Any) -> WorkerServer:
-        return self.start_worker(PRIMARY, self.primary_dir, listen, **extra)
-
-    def start_gateway(
-        self,
-        primary_address: str,
-        *,
-        fallback: WorkerServer | None = None,
-        wait_primary: bool = True,
-        **route: Any,
-    ) -> tuple[GatewayServer, Any]:
-        """A gateway routing PRIMARY to `primary_address`, falling back to `fallback` (the module's)."""
-        fallback = fallback or self.fallback
-        name = fallback.host.settings.model_name
-        settings = GatewaySettings.build(
-            {
-                "listen": "127.0.0.1:0",
-                "tokenizer_address": self.tokenizer_address,
-                "routes": [
-                    {"model": PRIMARY, "workers": [primary_address], "fallback": name, **route},
-                    {"model": name, "workers": [fallback.address]},
-                ],
-            }
-        )
-        gateway: GatewayServer = self.loop.run(start_gateway(settings))
-        self.servers.append(gateway)
-        assert self.loop.run(gateway.wait_ready(WAIT_S)), "the gateway did not become ready"
-        if wait_primary:  # readiness needs only the fallback: wait for the primary's link too
-            _wait_for(gateway.router.route(PRIMARY).available, WAIT_S, "the primary's link did not connect")
-        return gateway, gateway_pb2_grpc.GatewayStub(self.channel(gateway.address))
-
-    def crash(self, worker: WorkerServer) -> None:
-        """Tear the worker's gRPC server down with no grace: its streams break as in a crash."""
-        self.loop.run(worker.running.server.stop(0))
-
-    def channel(self, address: str) -> grpc.Channel:
-        channel = grpc.insecure_channel(address)
-        self.channels.append(channel)
-        return channel
-
-    def prompt_ids(self, prompt: str = PROMPT) -> list[int]:
-        entry = tokenizer_pb2.TokenizeEntry(model=PRIMARY, prompt=prompt, max_input_tokens=10_000)
-        request = tokenizer_pb2.TokenizeRequest(entries=[entry])
-        return list(self.tokenizer.Tokenize(request, timeout=30).results[0].token_ids)
-
-    def text(self, ids: list[int]) -> str:
-        entry = tokenizer_pb2.DetokenizeEntry(model=PRIMARY, new_ids=ids, final=True)
-        return str(
-            self.tokenizer.Detokenize(tokenizer_pb2.DetokenizeRequest(entries=[entry]), timeout=30)
-            .results[0]
-            .text
-        )
-
-    def greedy(self, model: str, prompt: list[int], max_new_tokens: int) -> list[int]:
-        """What the model's engine alone generates for this prompt."""
-        return self.engines[model].generate([prompt], SamplingParams(max_new_tokens=max_new_tokens))[0]
-
-    def close(self) -> None:
-        for channel in self.channels:
-            channel.close()
-        for server in reversed(self.servers):
-            self.loop.run(server.stop(0))
-        self.loop.close()
 
 
 @pytest.fixture(scope="module")
@@ -194,16 +68,6 @@ def _fallbacks(reason: str) -> float:
     return value or 0.0
 
 
-def _wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"{what} within {timeout} s")
-
-
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -222,7 +86,7 @@ def _measure_return(stack: Stack, stub: Any, listen: str) -> tuple[WorkerServer,
     """Start the primary on `listen`; seconds from its readiness until the gateway serves from it."""
     primary = stack.start_primary(listen)
     ready = time.monotonic()
-    _wait_for(_served_by(stub, PRIMARY), RECOVERY_BOUND_S, "the returned primary did not serve")
+    wait_for(_served_by(stub, PRIMARY), RECOVERY_BOUND_S, "the returned primary did not serve")
     elapsed = time.monotonic() - ready
     return primary, elapsed
 
@@ -249,7 +113,7 @@ def test_an_unavailable_primary_is_served_by_the_fallback_until_it_returns(stack
     assert list(response.token_ids) == stack.greedy(PRIMARY, stack.prompt_ids(), 8)
 
     stack.loop.run(primary.stop(0))
-    response = _wait_for(_served_by(stub, FALLBACK), WAIT_S, "the fallback did not take over")
+    response = wait_for(_served_by(stub, FALLBACK), WAIT_S, "the fallback did not take over")
     assert response.fallback_reason.startswith(f"primary {PRIMARY} unavailable: ")
     _, second_return = _measure_return(stack, stub, listen)
     print(f"primary served again {first_return:.2f} s and {second_return:.2f} s after it was ready")
@@ -271,7 +135,7 @@ def test_a_saturated_primary_sends_only_allow_fallback_requests_to_the_fallback(
             models = stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=10).models
             return any(m.name == PRIMARY and m.queued_requests == 2 for m in models)
 
-        _wait_for(queue_full, WAIT_S, "two requests did not queue")
+        wait_for(queue_full, WAIT_S, "two requests did not queue")
         before = _fallbacks("primary_saturated")
         served = stub.Generate(_request(6, allow_fallback=True), timeout=30)
         assert served.model == FALLBACK
@@ -310,7 +174,7 @@ def test_a_failure_before_the_first_token_is_retried_on_the_fallback(stack: Stac
     primary.host.engine.engine.faults.set_step_delay(3.0)
     with ThreadPoolExecutor(1) as pool:
         pending: Future[gateway_pb2.GenerateResponse] = pool.submit(stub.Generate, _request(8), timeout=60)
-        _wait_for(lambda: primary.host.credits.open == 1, WAIT_S, "the primary did not receive the request")
+        wait_for(lambda: primary.host.credits.open == 1, WAIT_S, "the primary did not receive the request")
         stack.crash(primary)
         response = pending.result(WAIT_S)
     assert response.model == FALLBACK
@@ -406,6 +270,6 @@ def test_a_fallback_with_another_tokenizer_serves_new_requests_but_cannot_contin
     assert f"its fallback '{OTHER}' has another tokenizer" in details
     assert details.endswith(f"the client received {count} tokens before the failure")
     # A new request starts afresh, so the other tokenizer serves it (its own tokenization of the prompt).
-    response = _wait_for(_served_by(stub, OTHER), WAIT_S, "the other fallback did not take over")
+    response = wait_for(_served_by(stub, OTHER), WAIT_S, "the other fallback did not take over")
     assert response.fallback_reason.startswith(f"primary {PRIMARY} unavailable: ")
     stack.loop.run(other.stop(0))

@@ -1,21 +1,18 @@
 """`strata bench --rate`: the arrival schedule, the goodput accounting, refusal reasons, the verdict, the
-options and the plot; the open-loop driver against an in-process gRPC gateway that answers slowly and
-refuses some requests with a retry hint."""
+options and the plot. The open-loop driver, the config reads and the smoke run are
+tests/unit/test_bench_rate_driver.py's."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 import statistics
-import time
 from typing import TYPE_CHECKING, Any
 
-import grpc
 import pytest
 
 from bench.plots import write_rate_plot
-from bench.rate import arrival_offsets, arrivals_per_phase, drain, rate_request, run_phase
+from bench.rate import arrival_offsets, arrivals_per_phase, rate_request
 from bench.rate_report import (
     RateResult,
     aggregate_phase,
@@ -24,20 +21,15 @@ from bench.rate_report import (
     format_rate_report,
     judge_rate,
     refusal_reason,
-    summarize_phase,
 )
 from bench.stack import add_arguments, main, resolve
 from bench.stack_prompts import Prompt
-from strata.status import ResourceExhausted, abort
-from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from strata.v1 import gateway_pb2
+from tests.unit.bench_rate_helpers import FALLBACK, NEW, PRIMARY, SLO_MS, phase_summary
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
     from pathlib import Path
 
-PRIMARY, FALLBACK = "primary", "fallback"
-NEW = 4
-SLO_MS = 1000.0
 SATURATED = "primary saturated: queue full: 4 requests waiting"
 
 
@@ -115,13 +107,6 @@ def _refused(index: int, message: str, decision_s: float, hint: float | None = 1
     )  # fmt: skip
 
 
-def _phase(name: str, results: list[RateResult], wall_s: float = 2.0) -> dict[str, Any]:
-    return summarize_phase(
-        results, phase=name, wall_s=wall_s, input_tokens=[8] * len(results), new_tokens=NEW,
-        slo_ms=SLO_MS, primary=PRIMARY,
-    )  # fmt: skip
-
-
 def test_goodput_counts_only_completed_requests_within_the_slo() -> None:
     results = [
         _ok(0, 0.2),
@@ -134,7 +119,7 @@ def test_goodput_counts_only_completed_requests_within_the_slo() -> None:
         _refused(7, "predicted time to first token 3.0 s exceeds the SLO 1.0 s", 0.004, hint=None),
         RateResult(index=8, send_lag_s=0.0, status="UNAVAILABLE", ttft_s=None, e2e_s=0.1, message="gone"),
     ]
-    summary = _phase("on", results)
+    summary = phase_summary("on", results)
     assert summary["offered"] == 9 and summary["completed"] == 6 and summary["refused"] == 2
     assert summary["good_requests"] == 5
     assert summary["good_tokens"] == 4 * NEW + NEW - 1
@@ -161,7 +146,7 @@ def test_goodput_counts_only_completed_requests_within_the_slo() -> None:
 def _round(off_tokens: int, on_tokens: int, on_ttft_s: float) -> tuple[dict[str, Any], dict[str, Any]]:
     off = [_ok(i, 0.1) for i in range(off_tokens)] + [_refused(99, "queue full", 0.001)]
     on = [_ok(i, on_ttft_s) for i in range(on_tokens)]
-    return _phase("off", off, 1.0), _phase("on", on, 1.0)
+    return phase_summary("off", off, 1.0), phase_summary("on", on, 1.0)
 
 
 def test_rounds_reduce_to_medians_and_the_verdict_judges_ratio_and_slo() -> None:
@@ -184,7 +169,7 @@ def test_rounds_reduce_to_medians_and_the_verdict_judges_ratio_and_slo() -> None
     # Late requests are no goodput at all: the ratio drops to 0 and TTFT p99 breaks the SLO.
     assert failed["goodput_ratio"] == 0.0 and failed["ttft_pass"] is False and failed["pass"] is False
 
-    nothing = aggregate_phase([_phase("off", [_refused(0, "queue full", 0.001)])])
+    nothing = aggregate_phase([phase_summary("off", [_refused(0, "queue full", 0.001)])])
     unbounded = judge_rate(nothing, aggregate_phase([rounds[0][1]]), SLO_MS)
     assert unbounded["goodput_ratio"] is None and unbounded["goodput_pass"] is True
 
@@ -202,7 +187,10 @@ def _record(tmp_path: Path, off: list[RateResult], on: list[RateResult]) -> dict
         "model": PRIMARY, "fallback_model": FALLBACK, "prompt_tokens": 8, "new_tokens": NEW, "rate_rps": 4.0,
         "rate_source": "--rate", "arrival": "poisson", "arrivals_per_phase": len(off), "ttft_slo_ms": SLO_MS,
     }  # fmt: skip
-    phases = {"off": aggregate_phase([_phase("off", off)]), "on": aggregate_phase([_phase("on", on)])}
+    phases = {
+        "off": aggregate_phase([phase_summary("off", off)]),
+        "on": aggregate_phase([phase_summary("on", on)]),
+    }
     return build_rate_record(
         args, stack={}, machine={"cpu_model": "test cpu"}, workload=workload, capacity=None, phases=phases
     )
@@ -265,171 +253,3 @@ def test_requests_say_whether_the_fallback_may_serve_them() -> None:
         assert request.priority == gateway_pb2.PRIORITY_INTERACTIVE
         assert request.sampling.ignore_eos and request.sampling.temperature == 0.0
         assert request.sampling.max_new_tokens == NEW and request.model == PRIMARY
-
-
-class _SlowGateway(gateway_pb2_grpc.GatewayServicer):
-    """Holds every stream `hold_s` before its tokens; refuses requests whose id ends in an odd digit."""
-
-    def __init__(self, hold_s: float) -> None:
-        self.hold_s = hold_s
-        self.in_flight = 0
-        self.most_in_flight = 0
-        self.list_calls = 0
-
-    async def Generate(
-        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> gateway_pb2.GenerateResponse:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the driver streams")
-        raise AssertionError("abort returned")
-
-    async def ListModels(
-        self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> gateway_pb2.ListModelsResponse:
-        self.list_calls += 1
-        queued = max(0, 2 - self.list_calls)  # the queue reads empty from the second call on
-        return gateway_pb2.ListModelsResponse(
-            models=[gateway_pb2.ModelInfo(name=PRIMARY, queued_requests=queued)]
-        )
-
-    async def GenerateStream(
-        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
-        if int(request.request_id[-1]) % 2:
-            await abort(context, ResourceExhausted("queue full: 2 requests waiting", 0.25))
-        self.in_flight += 1
-        self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        await asyncio.sleep(self.hold_s)
-        self.in_flight -= 1
-        model = FALLBACK if request.allow_fallback else PRIMARY
-        yield gateway_pb2.GenerateStreamResponse(token_ids=list(range(NEW)))
-        usage = common_pb2.Usage(input_tokens=2, output_tokens=NEW)
-        final = gateway_pb2.GenerateResponse(model=model, usage=usage, fallback_reason="primary saturated")
-        yield gateway_pb2.GenerateStreamResponse(final=final)
-
-
-def test_the_driver_sends_on_schedule_without_waiting_for_answers() -> None:
-    async def drive() -> tuple[list[RateResult], float, int]:
-        server = grpc.aio.server()
-        servicer = _SlowGateway(hold_s=0.5)
-        gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub: Any = gateway_pb2_grpc.GatewayStub(channel)
-                prompt = Prompt("x", (1, 2))
-                requests = [rate_request(prompt, NEW, f"r{i}", PRIMARY, fallback=True) for i in range(10)]
-                offsets = arrival_offsets(50.0, 10, "fixed", "s")
-                results, wall = await run_phase(
-                    stub, requests, offsets, timeout_s=30.0, label="t", progress=False
-                )
-                await drain(stub, 0.0)
-        finally:
-            await server.stop(None)
-        assert servicer.list_calls == 2  # drain polled until the queue read empty
-        return results, wall, servicer.most_in_flight
-
-    started = time.perf_counter()
-    results, wall, most_in_flight = asyncio.run(drive())
-    assert [r.index for r in results] == list(range(10))
-    # Open loop: the five accepted streams overlapped instead of running one after another.
-    assert most_in_flight == 5
-    assert wall < 5 * (0.18 + 0.5) and time.perf_counter() - started < 10.0
-    accepted = [r for r in results if r.status == "OK"]
-    refused = [r for r in results if r.status == "RESOURCE_EXHAUSTED"]
-    assert [r.index for r in accepted] == [0, 2, 4, 6, 8]
-    assert all(r.ttft_s is not None and r.ttft_s >= 0.45 for r in accepted)
-    assert all(r.model == FALLBACK and r.usage_output_tokens == NEW for r in accepted)
-    assert all(r.message == "queue full: 2 requests waiting" for r in refused)
-    assert all(r.retry_hint_s == pytest.approx(0.25) for r in refused)
-    assert all(r.e2e_s < 0.45 for r in refused)  # answered at once, not after the hold
-    summary = _phase("on", results)
-    assert summary["refusal_reasons"] == {"queue_full": 5} and summary["fallback_served"] == 5
-
-
-def test_the_slo_and_the_primary_worker_come_from_the_config(tmp_path: Path) -> None:
-    import yaml
-
-    from bench.rate_run import DEFAULT_SLO_MS, primary_worker, route_slo_ms
-
-    def config(routes: list[dict[str, Any]]) -> Path:
-        workers = [
-            {
-                "model_name": name,
-                "model_path": str(tmp_path),
-                "threads": threads,
-                "engine": {"max_num_seqs": seqs},
-            }
-            for name, threads, seqs in ((PRIMARY, 1, 12), (FALLBACK, 2, 6))
-        ]
-        path = tmp_path / "stack.yaml"
-        path.write_text(yaml.safe_dump({"workers": workers, "gateway": {"routes": routes}}))
-        return path
-
-    path = config([{"model": PRIMARY, "ttft_slo_ms": 750}])
-    assert route_slo_ms(path, PRIMARY) == (750.0, f"{path}: gateway.routes[{PRIMARY}].ttft_slo_ms")
-    fallback = primary_worker(path, FALLBACK)
-    assert fallback is not None and (fallback.threads, fallback.engine.max_num_seqs) == (2, 6)
-    assert primary_worker(path, "absent") is None
-    # No SLO for the route: the gateway's own default; the check turned off: the bench's default.
-    assert route_slo_ms(config([]), PRIMARY)[0] == 2000.0
-    slo, source = route_slo_ms(config([{"model": PRIMARY, "ttft_slo_ms": 0}]), PRIMARY)
-    assert slo == DEFAULT_SLO_MS and "off" in source
-
-
-@pytest.mark.slow
-def test_smoke_run_against_a_spawned_tiny_stack_with_a_fallback(
-    tmp_path: Path, tiny_serving_dir: Path, tiny_fallback_dir: Path
-) -> None:
-    import json
-
-    import yaml
-
-    def worker(name: str, path: Path) -> dict[str, Any]:
-        # Two sequences, two credits: the primary saturates at a few times its capacity.
-        engine = {"num_blocks": 32, "max_num_seqs": 2, "max_num_batched_tokens": 64}
-        return {"model_name": name, "model_path": str(path), "device": "cpu", "threads": 1, "engine": engine,
-                "max_requests": 2}  # fmt: skip
-
-    route = {"model": PRIMARY, "fallback": FALLBACK, "max_queued_requests": 2, "ttft_slo_ms": 5000}
-    models = {PRIMARY: str(tiny_serving_dir), FALLBACK: str(tiny_fallback_dir)}
-    config = {
-        "tokenizer": {"listen": "127.0.0.1:0", "models": models},
-        "workers": [worker(PRIMARY, tiny_serving_dir), worker(FALLBACK, tiny_fallback_dir)],
-        "gateway": {"listen": "127.0.0.1:0", "default_model": PRIMARY, "routes": [route]},
-    }
-    path = tmp_path / "stack.yaml"
-    path.write_text(yaml.safe_dump(config))
-    out = tmp_path / "rate.json"
-    argv = [
-        "--spawn", "--config", str(path), "--smoke", "--rate", "auto", "--rate-factor", "3",
-        "--arrival", "fixed", "--arrivals", "40", "--json", str(out), "--no-progress",
-        "--log-dir", str(tmp_path / "logs"),
-    ]  # fmt: skip
-    assert main(argv) == 0
-    record = json.loads(out.read_text())
-    assert record["smoke"] is True and record["voided"] is False
-    capacity, workload = record["capacity"], record["workload"]
-    assert capacity["concurrency"] == 2 and capacity["completed"] == capacity["requests"] == 4
-    assert workload["rate_rps"] == pytest.approx(3 * capacity["requests_per_s"])
-    assert workload["fallback_model"] == FALLBACK and workload["ttft_slo_ms"] == 5000.0
-    off, on = record["phases"]["off"], record["phases"]["on"]
-    for phase in (off, on):
-        assert phase["offered"] == 40 and phase["errors"] == {} and phase["token_mismatches"] == 0
-        assert phase["completed"] + phase["refused"] == 40
-    # Fallback off: the primary alone, the overflow refused at once with a reason and a retry hint.
-    assert off["served_by"] == {PRIMARY: off["completed"]} and off["refused"] > 0
-    assert set(off["refusal_reasons"]) <= {"queue_full", "ttft_slo", "predicted_wait"}
-    assert off["runs"][0]["refusals_with_retry_hint"] == off["refused"]
-    assert off["refusal_decision_ms"]["p99"] is not None
-    # Fallback on: the fallback took some of the overflow, and said why.
-    assert on["fallback_served"] > 0 and on["served_by"].get(FALLBACK) == on["fallback_served"]
-    assert all(key.startswith("primary_saturated") for key in on["fallback_reasons"])
-    assert {"goodput_ratio", "ttft_pass", "pass"} <= set(record["target"])
-    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
-
-
-def test_no_gateway_is_a_clear_error_for_the_open_loop_too(capsys: pytest.CaptureFixture[str]) -> None:
-    # Port 1 needs root to listen on: nothing answers there.
-    assert main(["--rate", "5", "--address", "127.0.0.1:1", "--smoke", "--no-progress"]) == 1
-    assert "no gateway answers at 127.0.0.1:1" in capsys.readouterr().err
