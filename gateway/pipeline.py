@@ -53,6 +53,8 @@ if TYPE_CHECKING:
 
 __all__ = ["TRACE_KEYS", "CallInfo", "Chunk", "Pipeline"]
 
+UNKNOWN_MODEL = "unknown"
+
 
 class Pipeline:
     """Runs requests through the tokenizer and a worker link of the route (or of its fallback)."""
@@ -77,6 +79,9 @@ class Pipeline:
         arrival = time.perf_counter()
         trace = RequestTrace(self._tracing, request, arrival, call.trace_context)
         request_id = request.request_id
+        model = request.model or self._settings.default_route
+        if model not in self._router.models:
+            model = UNKNOWN_MODEL  # a metric label: never a name a client made up
         done = False
         try:
             valid = validate(request, self._settings, self._router.max_model_len)
@@ -90,7 +95,7 @@ class Pipeline:
                 yield chunk
         except GatewayError as error:
             done = True
-            REQUEST_ERRORS.labels(request.model, error.code.name.lower()).inc()
+            REQUEST_ERRORS.labels(model, error.code.name.lower()).inc()
             trace.fail(request, request_id, error)
             raise
         finally:

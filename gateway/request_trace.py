@@ -58,16 +58,13 @@ class RequestTrace:
         operation = "chat" if len(request.messages) else "text_completion"
         self._operation = operation
         self.span = tracing.span(
-            f"{operation} {request.model}".strip(),
+            operation,  # the model joins the name once validated: span names stay few
             parent=tracing.extract(caller),
             start=arrival,
             kind=SpanKind.SERVER,
             attributes={
                 "gen_ai.operation.name": operation,
                 "gen_ai.request.model": request.model,
-                "gen_ai.request.max_tokens": request.sampling.max_new_tokens,
-                "gen_ai.request.temperature": request.sampling.temperature,
-                "gen_ai.request.top_p": request.sampling.top_p,
                 "rpc.system": "grpc",
             },
         )
@@ -79,15 +76,17 @@ class RequestTrace:
         """The request's resolved model and sampling (defaults filled in)."""
         if self.span is not None:
             self.span.update_name(f"{self._operation} {valid.model}")
+            sampling = valid.sampling
             self.span.set_attributes(
                 {
                     "gen_ai.request.model": valid.model,
-                    "gen_ai.request.max_tokens": valid.sampling.max_new_tokens,
-                    "gen_ai.request.temperature": valid.sampling.temperature,
-                    "gen_ai.request.top_p": valid.sampling.top_p,
+                    "gen_ai.request.max_tokens": sampling.max_new_tokens,
+                    "gen_ai.request.temperature": sampling.temperature,
                     "strata.request_id": valid.request_id,
                 }
             )
+            if sampling.HasField("top_p"):
+                self.span.set_attribute("gen_ai.request.top_p", sampling.top_p)
 
     def open_hop(self, rpc: str, start: float, **attributes: str) -> Span | None:
         """A CLIENT span for one call to another service, child of the request span."""

@@ -169,7 +169,9 @@ def test_write_config_sets_telemetry_and_makes_paths_absolute(tmp_path: Path) ->
     path = write_config(DEFAULT_CONFIG, telemetry, tmp_path, "on")
     assert path.parent == tmp_path
     written = yaml.safe_load(path.read_text())
-    assert written["telemetry"] == telemetry
+    # The source's own telemetry keys stay unless the run sets them.
+    source_telemetry = yaml.safe_load(DEFAULT_CONFIG.read_text()).get("telemetry") or {}
+    assert written["telemetry"] == {**source_telemetry, **telemetry}
     primary = WorkerSettings.load(path, index=0)
     assert primary.model_path == WorkerSettings.load(DEFAULT_CONFIG, index=0).model_path
     assert primary.model_path.is_absolute()
