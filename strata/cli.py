@@ -105,8 +105,12 @@ def _print_ready(stack: Stack) -> None:
     print("Ctrl-C stops the stack.", flush=True)
 
 
+_POLL_S = 0.2
+
+
 def _up(args: argparse.Namespace) -> int:
     import signal
+    import threading
 
     from strata.launcher import READY_TIMEOUT_S, StackError, start_stack
     from strata.settings import DEFAULT_CONFIG, SettingsError
@@ -134,12 +138,21 @@ def _up(args: argparse.Namespace) -> int:
         print("strata up: stopped while starting", file=sys.stderr)
         return 0
     status = 0
+    stopping = threading.Event()
     try:
+        # From here a signal only sets a flag: an exception raised at an arbitrary point could leave a
+        # Popen's wait lock held, and the stop below would then wait on it forever.
+        signal.signal(signal.SIGINT, lambda *_: stopping.set())
+        signal.signal(signal.SIGTERM, lambda *_: stopping.set())
         _print_ready(stack)
-        ended = stack.wait()
-        print(f"strata up: {ended}; stopping the stack", file=sys.stderr)
-        status = 1
-    except KeyboardInterrupt:
+        while (ended := stack.wait(_POLL_S)) is None and not stopping.is_set():
+            pass
+        if ended is not None:
+            print(f"strata up: {ended}; stopping the stack", file=sys.stderr)
+            status = 1
+        else:
+            print("strata up: stopping the stack", file=sys.stderr)
+    except KeyboardInterrupt:  # a signal that came before the handlers above were in place
         print("strata up: stopping the stack", file=sys.stderr)
     finally:
         # The stop is bounded (SIGKILL after its timeout); a second signal must not cut it short.

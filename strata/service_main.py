@@ -54,23 +54,18 @@ def run_service(
     )
     args = parser.parse_args(argv)
     telemetry.configure_logging("text")  # until the settings say otherwise
+    started: telemetry.Telemetry | None = None
     try:
         settings = settings_cls.load(args.config, index=args.index if indexed else None)
         started = telemetry.start(settings.telemetry, service_name, args.announce_file)
-    except SettingsError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    except OSError as exc:
-        log.error("%s could not start: %s", prog, exc)
-        return 1
-    try:
         result = asyncio.run(serve(settings, args.announce_file, started.tracing))
-    except SettingsError as exc:  # a value only checked at start (a model folder, say)
+    except SettingsError as exc:  # also a value only checked at start (a model folder, say)
         print(exc, file=sys.stderr)
         return 2
     except OSError as exc:
         log.error("%s could not start: %s", prog, exc)
         return 1
     finally:
-        started.close()
+        if started is not None:
+            started.close()
     return result or 0

@@ -7,7 +7,6 @@ tests and asserts nothing about fallback itself (that is tests/integration/test_
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -24,10 +23,10 @@ from services.worker.server import WorkerServer
 from services.worker.server import start as start_worker
 from services.worker.settings import WorkerSettings
 from strata.v1 import gateway_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
+from tests.integration.admission_harness import wait_for
 from tests.integration.loop_thread import LoopThread
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from pathlib import Path
 
 PRIMARY, FALLBACK = "tiny", "tiny-small"
@@ -41,17 +40,6 @@ ENGINE: dict[str, Any] = {
 }
 PROMPT = "The capital of France"
 WAIT_S = 60.0
-
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    """The first truthy value of `condition`, polled; an AssertionError naming `what` after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"{what} within {timeout} s")
 
 
 class Stack:

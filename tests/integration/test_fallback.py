@@ -24,7 +24,8 @@ from prometheus_client import REGISTRY
 
 from gateway.errors import STATUS_DETAILS_KEY, retry_delay_s
 from strata.v1 import common_pb2, gateway_pb2
-from tests.integration.fallback_harness import FALLBACK, OTHER, PRIMARY, PROMPT, WAIT_S, Stack, wait_for
+from tests.integration.admission_harness import wait_for
+from tests.integration.fallback_harness import FALLBACK, OTHER, PRIMARY, PROMPT, WAIT_S, Stack
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
