@@ -176,6 +176,7 @@ class GatewayServer:
             service_names=[SERVICE_NAME],
             max_message_bytes=self.settings.max_message_bytes,
             announce_file=announce_file,
+            health_listen=self.settings.health_listen,
         )
         self.address = self.running.address
         self._health_task = asyncio.create_task(self._follow_health(), name="gateway-health")
@@ -204,7 +205,7 @@ class GatewayServer:
         self._serving = False
         if self.running is not None:
             await self.running.set_serving(False)
-            await self.running.server.stop(grace)
+            await self.running.stop(grace)
         ROUTER_GAUGES.remove(self._load)
         if self._health_task is not None:
             self._health_task.cancel()

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 MIB = 1 << 20
 HEALTH_SERVICE = "grpc.health.v1.Health"
+LIVENESS = "liveness"
+"""The health service name a liveness probe asks for: SERVING while the process serves at all."""
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -71,18 +73,27 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 @dataclass
 class RunningServer:
-    """A started server, the address it is bound to, and its health servicer."""
+    """A started server, the address it is bound to, its health servicer and its health-only server."""
 
     server: grpc.aio.Server
     address: str
     health: health.aio.HealthServicer
     service_names: tuple[str, ...]
+    health_server: grpc.aio.Server | None = None
+    health_address: str = ""
+    """host:port of the plaintext health-only server; empty when there is none."""
 
     async def set_serving(self, serving: bool) -> None:
-        """Readiness of the whole server and of each service it hosts."""
+        """Readiness of the whole server and of each service it hosts (never liveness)."""
         status = SERVING if serving else NOT_SERVING
         for name in ("", *self.service_names):
             await self.health.set(name, status)
+
+    async def stop(self, grace: float | None) -> None:
+        """Stop serving calls (letting those in flight finish for `grace` seconds), then health."""
+        await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(None)
 
 
 async def start_server(
@@ -93,8 +104,14 @@ async def start_server(
     max_message_bytes: int,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     announce_file: Path | None = None,
+    health_listen: str = "",
 ) -> RunningServer:
-    """Bind, register services plus health and reflection, start; health starts NOT_SERVING."""
+    """Bind, register services plus health and reflection, start; readiness starts NOT_SERVING.
+
+    With `health_listen`, a second plaintext server there serves only grpc.health.v1.Health (the
+    same statuses), for probes that must work whatever the main port's transport security; there
+    LIVENESS reads SERVING for as long as the process serves, whatever its readiness.
+    """
     server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=list(interceptors))
     for add in register:
         add(server)
@@ -109,10 +126,23 @@ async def start_server(
     address = f"{host}:{port}"
     running = RunningServer(server, address, health_servicer, names)
     await running.set_serving(False)
+    await health_servicer.set(LIVENESS, SERVING)
+    if health_listen:
+        running.health_server, running.health_address = _health_only(health_servicer, health_listen)
+        await running.health_server.start()
     await server.start()
     if announce_file is not None:
         announce(announce_file, address)
     return running
+
+
+def _health_only(servicer: health.aio.HealthServicer, listen: str) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server(options=server_options(64 * 1024))
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"could not bind health_listen {listen}; choose a free port")
+    return server, f"{listen.rsplit(':', 1)[0]}:{port}"
 
 
 def announce(path: Path, address: str) -> None:

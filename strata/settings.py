@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import yaml
-from pydantic import ValidationError
+from pydantic import ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from strata.telemetry import TelemetrySettings
@@ -60,6 +60,17 @@ class ServiceSettings(BaseSettings):
 
     telemetry: TelemetrySettings = TelemetrySettings()
     """Traces, metrics and logs; a top-level `telemetry:` section of the file is every service's default."""
+    health_listen: str = ""
+    """host:port of a plaintext server that serves only gRPC health (probes: readiness under "" and the
+    service's name, `liveness` while the process serves); empty: health on the main port only."""
+
+    @field_validator("health_listen")
+    @classmethod
+    def _health_host_port(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if value and not (sep and host and port.isdigit() and int(port) < 65536):
+            raise ValueError(f"must be host:port, e.g. 0.0.0.0:8081, not {value!r}")
+        return value
 
     section: ClassVar[str] = ""
     """The service's key in the YAML file."""

@@ -190,7 +190,7 @@ class TokenizerServer:
     async def stop(self, grace: float = 5.0) -> None:
         """Report NOT_SERVING, then let calls in flight finish for up to `grace` seconds."""
         await self.running.set_serving(False)
-        await self.running.server.stop(grace)
+        await self.running.stop(grace)
 
 
 async def start(
@@ -204,11 +204,12 @@ async def start(
         service_names=[SERVICE_NAME],
         max_message_bytes=settings.max_message_bytes,
         announce_file=announce_file,
+        health_listen=settings.health_listen,
     )
     try:
         servicer.registry = await asyncio.to_thread(load_registry, settings.models)
     except BaseException:
-        await running.server.stop(None)
+        await running.stop(None)
         raise
     await running.set_serving(True)
     log.info("tokenizer service serving %s on %s", ", ".join(settings.models), running.address)

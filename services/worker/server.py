@@ -140,7 +140,7 @@ class WorkerServer:
                 await task
         await self.running.set_serving(False)
         await self.host.drain(self.host.settings.drain_timeout_s if grace is None else grace)
-        await self.running.server.stop(STREAM_END_GRACE_S)
+        await self.running.stop(STREAM_END_GRACE_S)
         await self.host.close()
         log.info("worker stopped")
 
@@ -157,6 +157,7 @@ async def start(
         service_names=[SERVICE_NAME],
         max_message_bytes=settings.max_message_bytes,
         announce_file=announce_file,
+        health_listen=settings.health_listen,
     )
     log.info("worker listening on %s (NOT_SERVING until the model is loaded)", running.address)
     return WorkerServer(host, running)
