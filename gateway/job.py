@@ -72,6 +72,8 @@ class Attempt:
     detour: Detour | None
     hop: Span | None = None
     """The attempt's Connect span (None when untraced)."""
+    replica_retries: int = 0
+    """Attempts before this one on other replicas of the same route, after losing a worker."""
 
 
 def wire_id(valid: ValidRequest) -> str:

@@ -19,7 +19,9 @@ admission (router.py does).
 
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from gateway.admission import (
@@ -53,7 +55,11 @@ if TYPE_CHECKING:
 
 __all__ = ["TRACE_KEYS", "CallInfo", "Chunk", "Pipeline"]
 
+log = logging.getLogger(__name__)
+
 UNKNOWN_MODEL = "unknown"
+# A lost worker's request tries at most this many other replicas of its route before the fallback.
+MAX_REPLICA_RETRIES = 2
 
 
 class Pipeline:
@@ -255,11 +261,12 @@ class Pipeline:
             handle.deltas.put_nowait(Delta(error=error))
             self._sent(job, summary, route, handle, prompt, detour)
             return Attempt(route, None, handle, prompt, detour, hop)
+        first_detour = detour is not None and not summary.fallback_reason  # a replica retry is not another
         self._sent(job, summary, route, handle, prompt, detour)
         if previous is not None:
             handle.resume(previous)  # before any update of the new stream is read: same event-loop tick
             summary.failover_at_token = len(prior)
-        if detour is not None:
+        if detour is not None and first_detour:
             FALLBACKS.labels(model=job.primary.name, reason=detour.trigger.value).inc()
         return Attempt(route, link, handle, prompt, detour, hop)
 
@@ -278,8 +285,17 @@ class Pipeline:
         summary.serve(route.name, len(prompt), handle.submitted, detour.reason if detour else "")
 
     async def _recover(self, job: Job, attempt: Attempt, failure: Failure, summary: Summary) -> Attempt:
-        """The next attempt after a worker failed this one, or the Unavailable that ends the request."""
+        """The next attempt after a worker failed this one, or the Unavailable that ends the request.
+
+        A lost worker's request goes first to another replica of the same route, if one is ready:
+        same model, same tokenizer, so a stream continues token for token (prior_output_ids). Only
+        then, or after an engine error, does the fallback policy decide.
+        """
         count = len(summary.token_ids)
+        if failure.worker_lost and attempt.replica_retries < MAX_REPLICA_RETRIES:
+            retry = await self._other_replica(job, attempt, summary)
+            if retry is not None:
+                return retry
         if attempt.detour is not None:
             raise Unavailable(
                 f"fallback model {attempt.route.name!r} failed the request too: {failure.reason} "
@@ -298,6 +314,27 @@ class Pipeline:
                 f"{detour.reason}; its fallback {fallback.name!r} could not take the request: "
                 f"{error.message}; {received(count)}"
             ) from error
+
+    async def _other_replica(self, job: Job, attempt: Attempt, summary: Summary) -> Attempt | None:
+        """The request on another ready replica of the attempt's route; None when none can take it now."""
+        if not attempt.route.available():
+            return None
+        count = len(summary.token_ids)
+        ticket = job.ticket(len(attempt.prompt_ids), count)
+        previous = attempt.handle if count else None
+        try:
+            retry = await self._attempt(
+                job, summary, attempt.route, attempt.detour, ticket, attempt.prompt_ids, previous
+            )
+        except (Unavailable, ResourceExhausted) as error:
+            log.info(
+                "request %s: no other replica of %r took it: %s",
+                job.valid.request_id,
+                attempt.route.name,
+                error,
+            )
+            return None
+        return replace(retry, replica_retries=attempt.replica_retries + 1)
 
     def _obstacle(self, job: Job, fallback: Route | None, prompt_tokens: int) -> str | None:
         """Why `fallback` cannot continue this stream token for token; None when it can."""

@@ -40,6 +40,8 @@ class Failure:
     """A worker failed the request: the attempt is over, the request may not be."""
 
     reason: str
+    worker_lost: bool = False
+    """The worker went away or refused (UNAVAILABLE), rather than its engine failing the request."""
 
 
 def ms_since(start: float) -> float:
@@ -95,7 +97,7 @@ class Summary:
             if delta.error is not None:
                 if not isinstance(delta.error, Unavailable):
                     raise delta.error
-                failure = Failure(delta.error.message)
+                failure = Failure(delta.error.message, worker_lost=True)
                 self.end_attempt()
                 break
             if delta.token_ids or delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:

@@ -32,7 +32,7 @@ def test_tokens_before_a_broken_stream_still_reach_the_client() -> None:
         ]
     )
     assert chunk is not None and (chunk.text, chunk.token_ids, chunk.final) == ("Hello", [5, 6, 7], None)
-    assert failure == Failure("worker w is gone")
+    assert failure == Failure("worker w is gone", worker_lost=True)
     assert summary.token_ids == [5, 6, 7]
 
 
@@ -42,7 +42,7 @@ def test_an_engine_error_ends_the_attempt_after_its_tokens() -> None:
     assert chunk is not None and chunk.token_ids == [1, 2] and chunk.final is None
     assert failure == Failure(ENGINE_ERROR)
     empty, failure = _summary().add([Delta(error=Unavailable("refused"))])
-    assert empty is None and failure == Failure("refused")
+    assert empty is None and failure == Failure("refused", worker_lost=True)
 
 
 def test_other_errors_end_the_request() -> None:
