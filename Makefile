@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test test-fast lint bench bench-stack bench-fallback bench-tracing run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tracing run clean
 
 setup: $(STAMP)
 
@@ -29,8 +29,12 @@ $(STAMP): pyproject.toml requirements.lock
 model: setup
 	$(BIN)/strata fetch-model
 
-test: setup model
+test: setup model testdeps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# System packages the tests need (libnss-wrapper for the scale-out test); installs them as root.
+testdeps:
+	scripts/install_test_deps.sh
 
 test-fast: setup
 	$(BIN)/python -m pytest -m "not real_model and not slow" $(PYTEST_ARGS)

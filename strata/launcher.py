@@ -162,17 +162,24 @@ def routes_json(models: list[str], addresses: list[str], options: Sequence[Mappi
     """STRATA_GATEWAY_ROUTES: one route per worker model name, listing its workers in index order.
 
     Each route takes the keys of the `options` entry naming the same model (fallback, queue limits,
-    ...); an entry for a model no worker here serves (one reached by `dns`, say) is passed on as is.
+    ...); an entry with `dns` keeps it instead of the address list (the name must resolve to the
+    workers started here), and one for a model no worker here serves is passed on as is.
     """
     served: dict[str, list[str]] = {}
     for model, address in zip(models, addresses, strict=True):
         served.setdefault(model, []).append(address)
     by_model = check_route_options(models, options)
-    routes = [
-        {**by_model.get(model, {}), "model": model, "workers": workers} for model, workers in served.items()
-    ]
+    routes = [_route(by_model.get(model, {}), model, workers) for model, workers in served.items()]
     routes += [dict(entry) for model, entry in by_model.items() if model not in served]
     return json.dumps(routes)
+
+
+def _route(entry: Mapping[str, Any], model: str, workers: list[str]) -> dict[str, Any]:
+    """A served model's route: its options, and the started workers' addresses unless it finds its
+    workers by a DNS name (replicas behind one name; the gateway resolves it)."""
+    if "dns" in entry:
+        return {**entry, "model": model}
+    return {**entry, "model": model, "workers": workers}
 
 
 class Stack:
