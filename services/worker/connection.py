@@ -152,14 +152,19 @@ class Connection:
                 f"{len(message.submissions)} submissions in one ConnectRequest exceed the worker's limit "
                 f"of {limit} (max_submissions_per_message): split the batch"
             )
+        # Requests already open are cancelled first: the gateway counts their credits free at once and
+        # may have merged a submission that needs one into this same message.
+        early = {rid for rid in message.cancellations if rid in self._open}
+        ended = [self._abort(self._open[rid]) for rid in early]
         rejections: list[worker_pb2.Rejection] = []
         for submission in message.submissions:
             try:
                 self._submit(submission)
             except REFUSALS as exc:
                 rejections.append(self._rejection(submission.request_id, exc))
-        # After the submissions, so a request submitted and cancelled in one batch is cancelled.
-        ended = [self._abort(self._open[rid]) for rid in message.cancellations if rid in self._open]
+        # Then those submitted and cancelled in this one message.
+        late = [rid for rid in message.cancellations if rid in self._open and rid not in early]
+        ended += [self._abort(self._open[rid]) for rid in late]
         self._push(ended, rejections)
 
     def _submit(self, submission: worker_pb2.Submission) -> None:

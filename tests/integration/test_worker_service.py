@@ -267,6 +267,29 @@ def test_two_streams_share_credits_and_may_use_the_same_ids(tiny_serving_dir: Pa
     assert len(b.tokens["s"]) == 4
 
 
+def test_a_cancellation_frees_its_credit_for_a_submission_in_the_same_message(tiny_serving_dir: Path) -> None:
+    """The gateway counts a cancelled request's credit free at once, so its writer may merge the next
+    submission into the cancellation's message; a request submitted and cancelled together ends."""
+
+    async def main() -> GatewaySide:
+        async with running_worker(tiny_serving_dir, max_requests=1) as (server, stub):
+            slow_steps(server, 0.02)
+            side = await connect(stub, tiny_serving_dir)
+            await side.send(submission("old", [8] * 10, 200))
+            await side.read_until(lambda s: "old" in s.tokens)
+            await side.send(submission("new", [2, 3], 4), cancel=("old",))
+            await side.read_until(lambda s: {"old", "new"} <= s.finals.keys() or bool(s.rejections))
+            await side.send(submission("gone", [2, 3], 4), cancel=("gone",))
+            await side.read_until(lambda s: "gone" in s.finals or "gone" in s.rejections)
+            return side
+
+    side = asyncio.run(main())
+    assert not side.rejections, side.rejections
+    assert side.finals["old"].finish_reason == common_pb2.FINISH_REASON_CANCELLED
+    assert len(side.tokens["new"]) == 4
+    assert side.finals["gone"].finish_reason == common_pb2.FINISH_REASON_CANCELLED
+
+
 def test_stats_follow_the_engine_and_open_requests(tiny_serving_dir: Path) -> None:
     async def main() -> None:
         async with running_worker(tiny_serving_dir) as (server, stub):
