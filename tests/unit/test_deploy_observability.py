@@ -112,7 +112,11 @@ def scrape_targets(path: Path) -> dict[str, list[str]]:
     for job in config["scrape_configs"]:
         relabel = job["relabel_configs"]
         assert {"source_labels": ["job"], "target_label": "service"} in relabel
-        targets[job["job_name"]] = [t for static in job["static_configs"] for t in static["targets"]]
+        static = [t for entry in job.get("static_configs", []) for t in entry["targets"]]
+        by_dns = [
+            f"{name}:{entry['port']}" for entry in job.get("dns_sd_configs", []) for name in entry["names"]
+        ]
+        targets[job["job_name"]] = static + by_dns
     return targets
 
 
