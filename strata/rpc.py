@@ -45,6 +45,14 @@ RECONNECT_BACKOFF_MS = (100, 1_000)
 CONNECT_TIMEOUT_MS = 1_000
 
 
+def check_listen(value: str, example: str) -> str:
+    """`value` when it is empty or host:port (a settings validator); ValueError naming `example` else."""
+    host, sep, port = value.rpartition(":")
+    if value and not (sep and host and port.isdigit() and int(port) < 65536):
+        raise ValueError(f"must be host:port (port 0 takes a free one), e.g. {example}, not {value!r}")
+    return value
+
+
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """Bounds on message size both ways, keepalive pings with a timeout, and a short reconnect backoff."""
     return [

@@ -16,6 +16,7 @@ import yaml
 from pydantic import ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from strata.rpc import check_listen
 from strata.telemetry import TelemetrySettings
 
 if TYPE_CHECKING:
@@ -67,10 +68,7 @@ class ServiceSettings(BaseSettings):
     @field_validator("health_listen")
     @classmethod
     def _health_host_port(cls, value: str) -> str:
-        host, sep, port = value.rpartition(":")
-        if value and not (sep and host and port.isdigit() and int(port) < 65536):
-            raise ValueError(f"must be host:port, e.g. 0.0.0.0:8081, not {value!r}")
-        return value
+        return check_listen(value, "0.0.0.0:8081")
 
     section: ClassVar[str] = ""
     """The service's key in the YAML file."""

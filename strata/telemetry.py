@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from prometheus_client import start_http_server
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from strata.rpc import check_listen
 from strata.tracing import Tracing
 
 if TYPE_CHECKING:
@@ -50,10 +51,7 @@ class TelemetrySettings(BaseModel):
     @field_validator("metrics_listen")
     @classmethod
     def _host_port(cls, value: str) -> str:
-        host, sep, port = value.rpartition(":")
-        if value and not (sep and host and port.isdigit() and int(port) < 65536):
-            raise ValueError(f"must be host:port (port 0 takes a free one), e.g. 0.0.0.0:9464, not {value!r}")
-        return value
+        return check_listen(value, "0.0.0.0:9464")
 
 
 class JsonFormatter(logging.Formatter):
