@@ -25,6 +25,7 @@ from gateway.tokenize_batcher import TokenizeBatcher
 from gateway.tokenizer_client import TokenizerClient
 from strata.rpc import RunningServer, shutdown_event, start_server
 from strata.service_main import run_service
+from strata.strict_handlers import add_servicer
 from strata.tracing import Tracing
 from strata.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -38,7 +39,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"]
+SERVICE_NAME = SERVICE.full_name
 
 
 def call_info(context: Context) -> CallInfo:
@@ -172,7 +174,7 @@ class GatewayServer:
         servicer = GatewayServicer(self.pipeline, self.router, self.tokenizer, self.settings.default_route)
         self.running = await start_server(
             self.settings.listen,
-            register=[lambda server: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)],
+            register=[lambda server: add_servicer(server, servicer, SERVICE)],
             service_names=[SERVICE_NAME],
             max_message_bytes=self.settings.max_message_bytes,
             announce_file=announce_file,

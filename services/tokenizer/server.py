@@ -25,6 +25,7 @@ from services.tokenizer.settings import TokenizerSettings
 from services.tokenizer.tokenize import Tokenized, tokenize_entries
 from strata.rpc import RunningServer, shutdown_event, start_server
 from strata.service_main import run_service
+from strata.strict_handlers import add_servicer
 from strata.tracing import SpanKind, Tracing
 from strata.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
@@ -36,7 +37,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
+SERVICE = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"]
+SERVICE_NAME = SERVICE.full_name
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
@@ -200,7 +202,7 @@ async def start(
     servicer = TokenizerServicer(settings.max_batch_entries, tracing or Tracing.off())
     running = await start_server(
         settings.listen,
-        register=[lambda server: tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer, server)],
+        register=[lambda server: add_servicer(server, servicer, SERVICE)],
         service_names=[SERVICE_NAME],
         max_message_bytes=settings.max_message_bytes,
         announce_file=announce_file,

@@ -20,6 +20,7 @@ from services.worker.host import State, WorkerHost
 from services.worker.settings import WorkerSettings
 from strata.rpc import RunningServer, shutdown_event, start_server
 from strata.service_main import run_service
+from strata.strict_handlers import add_servicer
 from strata.tracing import Tracing
 from strata.v1 import worker_pb2, worker_pb2_grpc
 
@@ -31,7 +32,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
+SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"]
+SERVICE_NAME = SERVICE.full_name
 # After a drain every stream has ended by itself; this only bounds a reader that never lets go.
 STREAM_END_GRACE_S = 5.0
 
@@ -153,7 +155,7 @@ async def start(
     servicer = WorkerServicer(host)
     running = await start_server(
         settings.listen,
-        register=[lambda server: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)],
+        register=[lambda server: add_servicer(server, servicer, SERVICE)],
         service_names=[SERVICE_NAME],
         max_message_bytes=settings.max_message_bytes,
         announce_file=announce_file,
