@@ -83,7 +83,9 @@ class Pipeline:
     async def run(self, request: gateway_pb2.GenerateRequest, call: CallInfo) -> AsyncGenerator[Chunk, None]:
         """The request's chunks; its spans, log line and metrics are recorded however it ends."""
         arrival = time.perf_counter()
-        trace = RequestTrace(self._tracing, request, arrival, call.trace_context)
+        trace = RequestTrace(
+            self._tracing, request, arrival, call.trace_context, self._settings.telemetry.record_content
+        )
         request_id = request.request_id
         model = request.model or self._settings.default_route
         if model not in self._router.models:

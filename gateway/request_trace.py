@@ -7,8 +7,9 @@ before the call so the remote service can hang its own spans under it: `Tokenize
 join it). The gateway-side parts of the StageClock become spans as the clock gives them out: `queue`
 (admission), `network` (half before and half after each remote span), `decode`. So the leaf spans of
 a trace tile the request span, and each stage's spans add up to that part of the response timing.
-With tracing off no span is built, but the log line is still written. This module must not decide
-where a request goes nor measure time (the pipeline and the StageClock do).
+With tracing off no span is built, but the log line is still written. No text of the request (prompt
+or completion) goes into a span or a log line unless `telemetry.record_content` is on. This module
+must not decide where a request goes nor measure time (the pipeline and the StageClock do).
 """
 
 from __future__ import annotations
@@ -52,9 +53,12 @@ class RequestTrace:
         request: gateway_pb2.GenerateRequest,
         arrival: float,
         caller: Mapping[str, str],
+        record_content: bool = False,
     ) -> None:
+        """`record_content` puts the prompt and the completion into the span and the log line."""
         self._tracing = tracing
         self._arrival = arrival
+        self._content = _content(request) if record_content else None
         operation = "chat" if len(request.messages) else "text_completion"
         self._operation = operation
         self.span = tracing.span(
@@ -139,6 +143,8 @@ class RequestTrace:
                     **{f"strata.{stage}_ms": getattr(timing, f"{stage}_ms") for stage in _STAGES},
                 }
             )
+            if self._content is not None:
+                self.span.set_attributes({"gen_ai.prompt": self._content, "gen_ai.completion": response.text})
             self._end(self._arrival + timing.total_ms / 1000.0)
         fields = {
             "event": "request_finished",
@@ -152,6 +158,8 @@ class RequestTrace:
             "timing_ms": {field: round(getattr(timing, field), 3) for field in _TIMING_FIELDS},
             "device_memory_bytes": device_memory_bytes,
         }
+        if self._content is not None:
+            fields.update(prompt=self._content, completion=response.text)
         log.info("request %s finished", response.request_id, extra={"fields": fields})
 
     def fail(self, request: gateway_pb2.GenerateRequest, request_id: str, error: GatewayError | None) -> None:
@@ -176,6 +184,13 @@ class RequestTrace:
     def _end(self, at: float) -> None:
         self._ended = True
         self._tracing.end(self.span, at)
+
+
+def _content(request: gateway_pb2.GenerateRequest) -> str:
+    """The request's text: its prompt, or its chat messages as `role: content` lines."""
+    if len(request.messages):
+        return "\n".join(f"{message.role}: {message.content}" for message in request.messages)
+    return request.prompt
 
 
 _STAGES = ("network", "preprocess", "queue", "forward", "decode")

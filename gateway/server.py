@@ -16,6 +16,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+from gateway.auth import ApiKeyInterceptor
 from gateway.errors import GatewayError, abort
 from gateway.metrics import ROUTER_GAUGES
 from gateway.pipeline import TRACE_KEYS, CallInfo, Pipeline
@@ -179,6 +180,8 @@ class GatewayServer:
             max_message_bytes=self.settings.max_message_bytes,
             announce_file=announce_file,
             health_listen=self.settings.health_listen,
+            tls=self.settings.tls,
+            interceptors=[ApiKeyInterceptor(keys)] if (keys := self.settings.accepted_keys()) else [],
         )
         self.address = self.running.address
         self._health_task = asyncio.create_task(self._follow_health(), name="gateway-health")

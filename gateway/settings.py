@@ -6,13 +6,15 @@ routes as JSON in STRATA_GATEWAY_ROUTES). This module must not open connections.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from strata.rpc import MIB
 from strata.settings import ServiceSettings
+from strata.tls import ClientTlsSettings
 
 
 class RouteSettings(BaseModel):
@@ -68,6 +70,7 @@ class GatewaySettings(ServiceSettings):
 
     model_config = SettingsConfigDict(env_prefix="STRATA_GATEWAY_")
     section: ClassVar[str] = "gateway"
+    path_fields: ClassVar[tuple[str, ...]] = ("api_keys_file",)
 
     listen: str = "127.0.0.1:50051"
     """host:port clients call; port 0 takes a free one (announced with --announce-file)."""
@@ -104,6 +107,25 @@ class GatewaySettings(ServiceSettings):
     """Longest wait between attempts to reach a worker or the tokenizer service again."""
     shutdown_grace_s: float = 30.0
     """On SIGTERM or SIGINT, how long running streams may take to finish before they are cancelled."""
+    max_new_tokens_limit: int = 4096
+    """The most tokens one request may ask for; more is INVALID_ARGUMENT (before any worker is asked)."""
+    internal_tls: ClientTlsSettings | None = None
+    """TLS to the tokenizer service and the workers: the CA that signed their certificates and, for
+    mutual TLS, the gateway's own certificate and key; unset: plaintext."""
+    api_keys: tuple[SecretStr, ...] = ()
+    """Keys clients must send as `authorization: Bearer <key>`; with none here or in api_keys_file,
+    the gateway takes every call."""
+    api_keys_file: Path | None = None
+    """A file of keys, one per line (blank lines and # comments ignored), read at start."""
+
+    def accepted_keys(self) -> tuple[bytes, ...]:
+        """Every API key, from the settings and the file, as bytes for a constant-time comparison."""
+        keys = [key.get_secret_value() for key in self.api_keys]
+        if self.api_keys_file is not None:
+            for line in self.api_keys_file.read_text().splitlines():
+                if line.strip() and not line.strip().startswith("#"):
+                    keys.append(line.strip())
+        return tuple(key.encode() for key in keys)
 
     @model_validator(mode="after")
     def _check(self) -> GatewaySettings:
@@ -131,6 +153,18 @@ class GatewaySettings(ServiceSettings):
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0, e.g. 1")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s={self.shutdown_grace_s} must be >= 0, e.g. 30")
+        if self.max_new_tokens_limit < self.default_max_new_tokens:
+            raise ValueError(
+                f"max_new_tokens_limit={self.max_new_tokens_limit} is below default_max_new_tokens="
+                f"{self.default_max_new_tokens}; raise it, e.g. 4096"
+            )
+        if self.api_keys_file is not None:
+            try:
+                self.accepted_keys()
+            except OSError as exc:
+                raise ValueError(f"api_keys_file: cannot read {self.api_keys_file}: {exc.strerror}") from exc
+        if any(not key.get_secret_value().strip() for key in self.api_keys):
+            raise ValueError("api_keys must not hold an empty key; remove it")
         return self
 
     @property

@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import DeadlineExceeded, GatewayError, Unavailable, from_rpc_error
-from strata.rpc import MIB, SERVING, channel_options
+from strata.rpc import MIB, SERVING, aio_channel, channel_options
 from strata.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 if TYPE_CHECKING:
@@ -39,8 +39,8 @@ class TokenizerClient:
         self._settings = settings
         self._timeout = settings.tokenizer_timeout_s
         self._on_change = on_change
-        self._channel = grpc.aio.insecure_channel(
-            settings.tokenizer_address, options=channel_options(INTERNAL_MESSAGE_BYTES)
+        self._channel = aio_channel(
+            settings.tokenizer_address, channel_options(INTERNAL_MESSAGE_BYTES), settings.internal_tls
         )
         self._stub = tokenizer_pb2_grpc.TokenizerServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)

@@ -57,6 +57,11 @@ def validate(
         raise NotFound(f"model: no route serves {model!r}; known models: {', '.join(known)}")
     if sampling.max_new_tokens == 0:
         sampling.max_new_tokens = settings.default_max_new_tokens
+    if sampling.max_new_tokens > settings.max_new_tokens_limit:
+        raise InvalidArgument(
+            f"sampling.max_new_tokens: {sampling.max_new_tokens} is over this gateway's limit of "
+            f"{settings.max_new_tokens_limit} (max_new_tokens_limit); ask for at most that"
+        )
     limit = context_limit(model)
     if limit is not None and sampling.max_new_tokens >= limit:
         raise InvalidArgument(

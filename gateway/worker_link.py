@@ -29,7 +29,7 @@ from gateway.metrics import SUBMISSION_BATCH_SIZE, WORKER_SUBMISSIONS
 from gateway.request_state import Delta, OpenRequest
 from gateway.stage_clock import Call
 from gateway.tokenizer_client import INITIAL_BACKOFF_S, INTERNAL_MESSAGE_BYTES
-from strata.rpc import MIB, SERVING, channel_options
+from strata.rpc import MIB, SERVING, aio_channel, channel_options
 from strata.v1 import tokenizer_pb2, worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ class WorkerLink:
         self._tokenizer = tokenizer
         self._on_change = on_change
         self._on_capacity = on_capacity or (lambda: None)
-        self._channel = grpc.aio.insecure_channel(address, options=channel_options(INTERNAL_MESSAGE_BYTES))
+        self._channel = aio_channel(address, channel_options(INTERNAL_MESSAGE_BYTES), settings.internal_tls)
         self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._task: asyncio.Task[None] | None = None

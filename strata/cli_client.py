@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
     from typing import TypeAlias
 
+    from strata.client import StrataClient
     from strata.v1 import gateway_pb2
 
     SubParsers: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -105,10 +106,8 @@ def _generate(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf.json_format import MessageToJson
 
-    from strata.client import StrataClient
-
     request = _generate_request(args)
-    with StrataClient(_address(args)) as client:
+    with _client(args) as client:
         try:
             if args.json:
                 response = client.send(request, timeout=args.timeout)
@@ -185,9 +184,7 @@ def add_generate(subparsers: SubParsers) -> None:
 def _models(args: argparse.Namespace) -> int:
     import grpc
 
-    from strata.client import StrataClient
-
-    with StrataClient(_address(args)) as client:
+    with _client(args) as client:
         try:
             reply = client.list_models(timeout=args.timeout)
         except grpc.RpcError as error:
@@ -221,6 +218,22 @@ def _add_address(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--address", help="gateway HOST:PORT (default: $STRATA_ADDRESS, else 127.0.0.1:50051)"
     )
+    parser.add_argument("--api-key", help="the gateway's API key (default: $STRATA_API_KEY)")
+    parser.add_argument("--tls-ca", type=Path, help="speak TLS; PEM CA that signed the gateway's certificate")
+    parser.add_argument("--tls-cert", type=Path, help="with --tls-ca: PEM client certificate (mutual TLS)")
+    parser.add_argument("--tls-key", type=Path, help="with --tls-cert: its PEM private key")
+
+
+def _client(args: argparse.Namespace) -> StrataClient:
+    """A client of the gateway the options name, with their API key and TLS files."""
+    from strata.client import StrataClient
+    from strata.tls import ClientTlsSettings
+
+    tls = None
+    if args.tls_ca or args.tls_cert:
+        tls = ClientTlsSettings(ca_file=args.tls_ca, cert_file=args.tls_cert, key_file=args.tls_key)
+    api_key = args.api_key or os.environ.get("STRATA_API_KEY")
+    return StrataClient(_address(args), api_key=api_key, tls=tls)
 
 
 def _rpc_failed(error: BaseException) -> int:

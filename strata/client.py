@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Self, TypedDict, TypeVar
 import grpc
 
 from strata.retry import RetryPolicy, delay_for_error
-from strata.rpc import MIB, channel_options
+from strata.rpc import MIB, aio_channel, channel_options, sync_channel
 from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 if TYPE_CHECKING:
@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from types import TracebackType
 
     from typing_extensions import Unpack
+
+    from strata.tls import ClientTlsSettings
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_MAX_MESSAGE_BYTES = 16 * MIB
@@ -135,6 +137,11 @@ class _Deadline:
         return None if self._end is None else max(0.0, self._end - time.monotonic())
 
 
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata that carries an API key (none without one)."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
 class StrataClient:
     """A blocking client of one gateway. Thread-safe; close it (or use `with`) to free the channel."""
 
@@ -144,11 +151,15 @@ class StrataClient:
         *,
         retry: RetryPolicy | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        api_key: str | None = None,
+        tls: ClientTlsSettings | None = None,
     ) -> None:
+        """`api_key` is sent as `authorization: Bearer <key>`; `tls` makes the channel TLS."""
         self.address = address
         self.retry = retry or RetryPolicy()
         self._rng = random.Random()
-        self._channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+        self._metadata = auth_metadata(api_key)
+        self._channel = sync_channel(address, channel_options(max_message_bytes), tls)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
     def generate(
@@ -182,7 +193,7 @@ class StrataClient:
         attempt = 0
         while True:
             attempt += 1
-            call = self._stub.GenerateStream(request, timeout=deadline.remaining())
+            call = self._stub.GenerateStream(request, timeout=deadline.remaining(), metadata=self._metadata)
             received = False
             try:
                 for message in call:
@@ -207,7 +218,7 @@ class StrataClient:
         while True:
             attempt += 1
             try:
-                response: ResponseT = method(request, timeout=deadline.remaining())
+                response: ResponseT = method(request, timeout=deadline.remaining(), metadata=self._metadata)
                 return response
             except grpc.RpcError as error:
                 delay = self._delay(error, attempt, deadline)
@@ -239,11 +250,15 @@ class AsyncStrataClient:
         *,
         retry: RetryPolicy | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        api_key: str | None = None,
+        tls: ClientTlsSettings | None = None,
     ) -> None:
+        """`api_key` is sent as `authorization: Bearer <key>`; `tls` makes the channel TLS."""
         self.address = address
         self.retry = retry or RetryPolicy()
         self._rng = random.Random()
-        self._channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        self._metadata = auth_metadata(api_key)
+        self._channel = aio_channel(address, channel_options(max_message_bytes), tls)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
     async def generate(
@@ -277,7 +292,7 @@ class AsyncStrataClient:
         attempt = 0
         while True:
             attempt += 1
-            call = self._stub.GenerateStream(request, timeout=deadline.remaining())
+            call = self._stub.GenerateStream(request, timeout=deadline.remaining(), metadata=self._metadata)
             received = False
             try:
                 async for message in call:
@@ -301,7 +316,9 @@ class AsyncStrataClient:
         while True:
             attempt += 1
             try:
-                response: ResponseT = await method(request, timeout=deadline.remaining())
+                response: ResponseT = await method(
+                    request, timeout=deadline.remaining(), metadata=self._metadata
+                )
                 return response
             except grpc.RpcError as error:
                 delay = self._delay(error, attempt, deadline)

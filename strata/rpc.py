@@ -13,7 +13,7 @@ import contextlib
 import os
 import signal
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,6 +22,8 @@ from grpc_reflection.v1alpha import reflection
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from pathlib import Path
+
+    from strata.tls import ClientTlsSettings, TlsSettings
 
 MIB = 1 << 20
 HEALTH_SERVICE = "grpc.health.v1.Health"
@@ -69,6 +71,26 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+def aio_channel(
+    address: str, options: Sequence[tuple[str, Any]], tls: ClientTlsSettings | None = None
+) -> grpc.aio.Channel:
+    """An asyncio channel to `address`: TLS (mutual when `tls` names a client certificate) or plaintext."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=list(options))
+    return grpc.aio.secure_channel(
+        address, tls.channel_credentials(), options=[*options, *tls.channel_options()]
+    )
+
+
+def sync_channel(
+    address: str, options: Sequence[tuple[str, Any]], tls: ClientTlsSettings | None = None
+) -> grpc.Channel:
+    """A blocking channel to `address`, like aio_channel."""
+    if tls is None:
+        return grpc.insecure_channel(address, options=list(options))
+    return grpc.secure_channel(address, tls.channel_credentials(), options=[*options, *tls.channel_options()])
+
+
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """The channel options (so a server notices a frozen client too) and tolerance of clients' pings."""
     return [
@@ -113,12 +135,14 @@ async def start_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     announce_file: Path | None = None,
     health_listen: str = "",
+    tls: TlsSettings | None = None,
 ) -> RunningServer:
     """Bind, register services plus health and reflection, start; readiness starts NOT_SERVING.
 
     With `health_listen`, a second plaintext server there serves only grpc.health.v1.Health (the
     same statuses), for probes that must work whatever the main port's transport security; there
-    LIVENESS reads SERVING for as long as the process serves, whatever its readiness.
+    LIVENESS reads SERVING for as long as the process serves, whatever its readiness. With `tls` the
+    main port speaks TLS (mutual TLS when it names a client CA); the health-only port stays plaintext.
     """
     server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=list(interceptors))
     for add in register:
@@ -127,7 +151,10 @@ async def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = tuple(service_names)
     reflection.enable_server_reflection((*names, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(listen)
+    if tls is None:
+        port = server.add_insecure_port(listen)
+    else:
+        port = server.add_secure_port(listen, tls.server_credentials())
     if port == 0:
         raise OSError(f"could not bind {listen}; choose a free port (port 0 lets the OS choose)")
     host = listen.rsplit(":", 1)[0]

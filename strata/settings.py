@@ -18,12 +18,15 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from strata.rpc import check_listen
 from strata.telemetry import TelemetrySettings
+from strata.tls import TlsSettings
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
 # The embedded default stack: SmolLM2-135M-Instruct, gateway on 127.0.0.1:50051.
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
+# Nested sections whose `*_file` values are paths relative to the config file.
+TLS_SECTIONS = ("tls", "internal_tls")
 
 
 class SettingsError(ValueError):
@@ -61,6 +64,10 @@ class ServiceSettings(BaseSettings):
 
     telemetry: TelemetrySettings = TelemetrySettings()
     """Traces, metrics and logs; a top-level `telemetry:` section of the file is every service's default."""
+    tls: TlsSettings | None = None
+    """TLS on the main port: this server's certificate and key, and with client_ca_file mutual TLS
+    (callers must present a certificate that CA signed); unset: plaintext. The health port stays
+    plaintext."""
     health_listen: str = ""
     """host:port of a plaintext server that serves only gRPC health (probes: readiness under "" and the
     service's name, `liveness` while the process serves); empty: health on the main port only."""
@@ -111,6 +118,12 @@ class ServiceSettings(BaseSettings):
         for name in cls.path_fields:
             if name in data:
                 data[name] = resolve_path(data[name], path.parent)
+        for name in TLS_SECTIONS:
+            if isinstance(data.get(name), dict):
+                data[name] = {
+                    key: resolve_path(value, path.parent) if key.endswith("_file") else value
+                    for key, value in data[name].items()
+                }
         return cls.resolve_nested_paths(data, path.parent)
 
     @classmethod

@@ -45,6 +45,8 @@ class TelemetrySettings(BaseModel):
     """Fraction of new traces kept (a sampled caller's trace is always kept); unset: OTEL_TRACES_SAMPLER."""
     metrics_listen: str = "127.0.0.1:0"
     """host:port of the Prometheus /metrics endpoint; port 0 takes a free one; empty turns it off."""
+    record_content: bool = False
+    """Put prompts and completions into spans and request log lines; off, no text of a request is kept."""
     log_format: Literal["json", "text"] = "json"
     """json: one object per line (a finished request is one line with its breakdown); text: for people."""
 

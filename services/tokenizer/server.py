@@ -207,6 +207,7 @@ async def start(
         max_message_bytes=settings.max_message_bytes,
         announce_file=announce_file,
         health_listen=settings.health_listen,
+        tls=settings.tls,
     )
     try:
         servicer.registry = await asyncio.to_thread(load_registry, settings.models)

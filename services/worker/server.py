@@ -160,6 +160,7 @@ async def start(
         max_message_bytes=settings.max_message_bytes,
         announce_file=announce_file,
         health_listen=settings.health_listen,
+        tls=settings.tls,
     )
     log.info("worker listening on %s (NOT_SERVING until the model is loaded)", running.address)
     return WorkerServer(host, running)

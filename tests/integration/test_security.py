@@ -1,0 +1,355 @@
+"""TLS on every hop, mutual TLS between the services, API keys on the gateway, and what stays private.
+
+Certificates are made at test time with the openssl command: a CA, a server certificate for
+127.0.0.1/localhost, a client certificate for the gateway, and a rogue client certificate signed by
+nobody the services trust. The tokenizer service and the worker demand a client certificate from
+their CA; the gateway speaks TLS to clients, mutual TLS to the services, and wants an API key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from gateway.server import start as start_gateway
+from gateway.settings import GatewaySettings
+from services.tokenizer.server import start as start_tokenizer
+from services.tokenizer.settings import TokenizerSettings
+from services.worker.server import start as start_worker
+from services.worker.settings import WorkerSettings
+from strata.client import StrataClient
+from strata.retry import NO_RETRY
+from strata.rpc import LIVENESS
+from strata.settings import SettingsError
+from strata.tls import ClientTlsSettings
+from strata.tracing import Tracing
+from strata.v1 import worker_pb2, worker_pb2_grpc
+from tests.integration.loop_thread import LoopThread
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
+
+KEY, FILE_KEY = "k-3f9a2c", "k-from-the-file"
+SECRET = "zebra-quartz-7731"
+"""A prompt marker that must appear in no span and no log line."""
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+
+def _certificates(directory: Path) -> dict[str, Path]:
+    paths = {
+        name: directory / f"{name}.pem"
+        for name in ("ca", "ca-key", "server", "server-key", "client", "client-key", "rogue", "rogue-key")
+    }
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=strata-test-ca",
+        "-keyout",
+        str(paths["ca-key"]),
+        "-out",
+        str(paths["ca"]),
+    )
+    san = directory / "san.cnf"
+    san.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    for name, subject in (("server", "/CN=localhost"), ("client", "/CN=strata-gateway")):
+        request = directory / f"{name}.csr"
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            subject,
+            "-keyout",
+            str(paths[f"{name}-key"]),
+            "-out",
+            str(request),
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            str(request),
+            "-CA",
+            str(paths["ca"]),
+            "-CAkey",
+            str(paths["ca-key"]),
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            str(san),
+            "-out",
+            str(paths[name]),
+        )
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=rogue",
+        "-keyout",
+        str(paths["rogue-key"]),
+        "-out",
+        str(paths["rogue"]),
+    )
+    return paths
+
+
+class SecureStack:
+    def __init__(self, model_dir: Path, certs: dict[str, Path], keys_file: Path) -> None:
+        self.loop = LoopThread()
+        self.spans = InMemorySpanExporter()
+        server_tls = {"cert_file": certs["server"], "key_file": certs["server-key"]}
+        mutual = {**server_tls, "client_ca_file": certs["ca"]}
+        common = {"listen": "127.0.0.1:0", "health_listen": "127.0.0.1:0", "tls": mutual}
+        tracing = {
+            name: Tracing.with_exporter(name, self.spans, 1.0, batch=False) for name in ("g", "t", "w")
+        }
+        self.tokenizer = self.loop.run(
+            start_tokenizer(
+                TokenizerSettings.build({**common, "models": {"tiny": model_dir}}), tracing=tracing["t"]
+            )
+        )
+        self.worker = self.loop.run(
+            start_worker(
+                WorkerSettings.build(
+                    {**common, "model_name": "tiny", "model_path": model_dir, "device": "cpu", "threads": 1}
+                ),
+                tracing=tracing["w"],
+            )
+        )
+        self.loop.run(self.worker.wait_ready())
+        self.gateway = self.loop.run(
+            start_gateway(
+                GatewaySettings.build(
+                    {
+                        "listen": "127.0.0.1:0",
+                        "tls": server_tls,
+                        "tokenizer_address": self.tokenizer.address,
+                        "routes": [{"model": "tiny", "workers": [self.worker.address]}],
+                        "internal_tls": {
+                            "ca_file": certs["ca"],
+                            "cert_file": certs["client"],
+                            "key_file": certs["client-key"],
+                        },
+                        "api_keys": [KEY],
+                        "api_keys_file": keys_file,
+                        "default_max_new_tokens": 4,
+                        "max_new_tokens_limit": 64,
+                    }
+                ),
+                tracing=tracing["g"],
+            )
+        )
+        assert self.loop.run(self.gateway.wait_ready(60)), "the gateway never linked over mutual TLS"
+
+    def close(self) -> None:
+        self.loop.run(self.gateway.stop(0))
+        self.loop.run(self.worker.stop(grace=0))
+        self.loop.run(self.tokenizer.stop(grace=0))
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return _certificates(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(scope="module")
+def stack(
+    tiny_serving_dir: Path, certs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SecureStack]:
+    keys = tmp_path_factory.mktemp("keys") / "api-keys"
+    keys.write_text(f"# one key per line\n\n{FILE_KEY}\n")
+    running = SecureStack(tiny_serving_dir, certs, keys)
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+def _client(stack: SecureStack, certs: dict[str, Path], key: str | None) -> StrataClient:
+    return StrataClient(
+        stack.gateway.address, api_key=key, tls=ClientTlsSettings(ca_file=certs["ca"]), retry=NO_RETRY
+    )
+
+
+def test_a_client_with_a_key_is_served_over_tls_end_to_end(
+    stack: SecureStack, certs: dict[str, Path]
+) -> None:
+    for key in (KEY, FILE_KEY):
+        with _client(stack, certs, key) as client:
+            response = client.generate("hello", timeout=30)
+        assert response.usage.output_tokens == 4 and response.model == "tiny"
+
+
+@pytest.mark.parametrize("key", [None, "wrong", KEY + "x", ""])
+def test_a_missing_or_wrong_key_is_unauthenticated(
+    stack: SecureStack, certs: dict[str, Path], key: str | None
+) -> None:
+    with _client(stack, certs, key) as client, pytest.raises(grpc.RpcError) as error:
+        client.generate("hello", timeout=30)
+    assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+    assert "authorization: Bearer" in error.value.details()  # type: ignore[attr-defined]
+
+
+def test_health_needs_no_key_and_plaintext_reaches_nothing_but_the_health_ports(
+    stack: SecureStack, certs: dict[str, Path]
+) -> None:
+    with grpc.secure_channel(
+        stack.gateway.address, grpc.ssl_channel_credentials(certs["ca"].read_bytes())
+    ) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    for address in (stack.gateway.address, stack.worker.address, stack.tokenizer.address):
+        with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as error:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    for server in (stack.worker, stack.tokenizer):
+        with grpc.insecure_channel(server.running.health_address) as channel:
+            alive = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=LIVENESS), timeout=5
+            )
+        assert alive.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize("identity", ["none", "rogue", "gateway"])
+def test_only_a_certificate_from_the_ca_reaches_the_worker(
+    stack: SecureStack, certs: dict[str, Path], identity: str
+) -> None:
+    pair: dict[str, Any] = {}
+    if identity != "none":
+        name = "client" if identity == "gateway" else "rogue"
+        pair = {
+            "certificate_chain": certs[name].read_bytes(),
+            "private_key": certs[f"{name}-key"].read_bytes(),
+        }
+    credentials = grpc.ssl_channel_credentials(certs["ca"].read_bytes(), **pair)
+    with grpc.secure_channel(stack.worker.address, credentials) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        if identity == "gateway":
+            assert stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10).model == "tiny"
+            return
+        with pytest.raises(grpc.RpcError) as error:
+            stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10)
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+
+
+def test_no_prompt_text_in_spans_or_logs_and_the_max_new_tokens_cap(
+    stack: SecureStack, certs: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    stack.spans.clear()
+    with _client(stack, certs, KEY) as client:
+        client.generate(f"tell me about {SECRET}", timeout=30)
+        with pytest.raises(grpc.RpcError) as capped:
+            client.generate(f"{SECRET} again", timeout=30, max_new_tokens=65)
+    assert capped.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert "max_new_tokens_limit" in capped.value.details()  # type: ignore[attr-defined]
+    spans = stack.spans.get_finished_spans()
+    assert spans, "the request was traced"
+    for span in spans:
+        assert SECRET not in span.name and SECRET not in repr(dict(span.attributes or {}))
+    logged = [record.getMessage() + repr(getattr(record, "fields", "")) for record in caplog.records]
+    assert any("request_finished" in line for line in logged)
+    assert not any(SECRET in line for line in logged)
+
+
+def test_bad_tls_settings_name_the_field(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError) as error:
+        TokenizerSettings.build(
+            {"models": {"m": "."}, "tls": {"cert_file": tmp_path / "no.pem", "key_file": tmp_path / "no"}}
+        )
+    assert "tokenizer.tls" in str(error.value) and "cannot read" in str(error.value)
+    with pytest.raises(SettingsError) as half:
+        GatewaySettings.build(
+            {
+                "tokenizer_address": "t:1",
+                "routes": [{"model": "m", "workers": ["w:1"]}],
+                "internal_tls": {"cert_file": tmp_path / "x"},
+            }
+        )
+    assert "cert_file and key_file go together" in str(half.value)
+
+
+def test_record_content_puts_the_text_in_the_span(tiny_serving_dir: Path) -> None:
+    """Turned on in the settings, the prompt and completion are kept (and only then)."""
+
+    async def main() -> dict[str, Any]:
+        spans = InMemorySpanExporter()
+        tracing = Tracing.with_exporter("g", spans, 1.0, batch=False)
+        tokenizer = await start_tokenizer(
+            TokenizerSettings.build({"listen": "127.0.0.1:0", "models": {"tiny": tiny_serving_dir}})
+        )
+        worker = await start_worker(
+            WorkerSettings.build(
+                {
+                    "listen": "127.0.0.1:0",
+                    "model_name": "tiny",
+                    "model_path": tiny_serving_dir,
+                    "device": "cpu",
+                    "threads": 1,
+                }
+            )
+        )
+        await worker.wait_ready()
+        gateway = await start_gateway(
+            GatewaySettings.build(
+                {
+                    "listen": "127.0.0.1:0",
+                    "tokenizer_address": tokenizer.address,
+                    "routes": [{"model": "tiny", "workers": [worker.address]}],
+                    "telemetry": {"record_content": True},
+                }
+            ),
+            tracing=tracing,
+        )
+        await gateway.wait_ready(30)
+        try:
+            await asyncio.to_thread(
+                lambda: StrataClient(gateway.address).generate(SECRET, timeout=30, max_new_tokens=2)
+            )
+        finally:
+            await gateway.stop(0)
+            await worker.stop(grace=0)
+            await tokenizer.stop(grace=0)
+        [request] = [span for span in spans.get_finished_spans() if span.name.startswith("text_completion")]
+        return dict(request.attributes or {})
+
+    attributes = asyncio.run(main())
+    assert attributes["gen_ai.prompt"] == SECRET and isinstance(attributes["gen_ai.completion"], str)
+
+
+def test_the_cli_speaks_tls_with_a_key(stack: SecureStack, certs: dict[str, Path]) -> None:
+    import sys
+
+    base = [sys.executable, "-m", "strata.cli", "generate", "hi", "--address", stack.gateway.address]
+    base += ["--tls-ca", str(certs["ca"]), "--max-new-tokens", "2"]
+    keyed = [*base, "--api-key", KEY]
+    served = subprocess.run(keyed, check=False, capture_output=True, text=True, timeout=120)
+    assert served.returncode == 0, served.stderr
+    clean = {"PATH": "/usr/bin"}  # no STRATA_API_KEY from this environment
+    refused = subprocess.run(base, check=False, capture_output=True, text=True, timeout=120, env=clean)
+    assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr
