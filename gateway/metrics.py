@@ -80,6 +80,11 @@ REQUEST_ERRORS = Counter(
     "Requests that ended with an error status, by gRPC code name (invalid_argument, unavailable, ...).",
     ["model", "code"],
 )
+STUCK_STREAMS = Counter(
+    "strata_gateway_stuck_streams_total",
+    "Streams cancelled because the client read nothing for stream_idle_timeout_s.",
+    ["model"],
+)
 ADMISSION_DECISION_SECONDS = Histogram(
     "strata_gateway_admission_decision_seconds",
     "Time to decide whether a request joins a route's admission queue (outcome admitted or refused).",

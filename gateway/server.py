@@ -16,9 +16,11 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+import grpc
+
 from gateway.auth import ApiKeyInterceptor
 from gateway.errors import GatewayError, abort
-from gateway.metrics import ROUTER_GAUGES
+from gateway.metrics import ROUTER_GAUGES, STUCK_STREAMS
 from gateway.pipeline import TRACE_KEYS, CallInfo, Pipeline
 from gateway.router import Router
 from gateway.settings import GatewaySettings
@@ -31,10 +33,7 @@ from strata.tracing import Tracing
 from strata.v1 import gateway_pb2, gateway_pb2_grpc
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
     from pathlib import Path
-
-    import grpc
 
     Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
 
@@ -56,12 +55,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """strata.v1.Gateway over a pipeline and its router."""
 
     def __init__(
-        self, pipeline: Pipeline, router: Router, tokenizer: TokenizerClient, default_model: str
+        self,
+        pipeline: Pipeline,
+        router: Router,
+        tokenizer: TokenizerClient,
+        default_model: str,
+        idle_timeout_s: float,
     ) -> None:
         self._pipeline = pipeline
         self._router = router
         self._tokenizer = tokenizer
         self._default_model = default_model
+        self._idle_timeout_s = idle_timeout_s
 
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: Context
@@ -75,15 +80,26 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await abort(context, error)
         raise AssertionError("the pipeline ended without a final chunk")
 
-    async def GenerateStream(
+    async def GenerateStream(  # type: ignore[override]  # writes through context.write, returns None
         self, request: gateway_pb2.GenerateRequest, context: Context
-    ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+    ) -> None:
+        """Streams the chunks; a client that takes none of them for stream_idle_timeout_s loses the
+        request (cancelled on the worker), so a stuck reader holds no KV blocks and no buffers."""
         try:
             async with contextlib.aclosing(self._pipeline.run(request, call_info(context))) as chunks:
                 async for chunk in chunks:
-                    yield gateway_pb2.GenerateStreamResponse(
+                    message = gateway_pb2.GenerateStreamResponse(
                         text=chunk.text, token_ids=chunk.token_ids, final=chunk.final
                     )
+                    try:
+                        await asyncio.wait_for(context.write(message), self._idle_timeout_s)
+                    except TimeoutError:
+                        STUCK_STREAMS.labels(request.model or self._default_model).inc()
+                        await context.abort(
+                            grpc.StatusCode.CANCELLED,
+                            f"the client read nothing for {self._idle_timeout_s:g} s "
+                            "(stream_idle_timeout_s): the request was cancelled",
+                        )
         except GatewayError as error:
             await abort(context, error)
 
@@ -172,7 +188,13 @@ class GatewayServer:
                 self._ready_changed = asyncio.Event()
 
     async def start(self, announce_file: Path | None) -> None:
-        servicer = GatewayServicer(self.pipeline, self.router, self.tokenizer, self.settings.default_route)
+        servicer = GatewayServicer(
+            self.pipeline,
+            self.router,
+            self.tokenizer,
+            self.settings.default_route,
+            self.settings.stream_idle_timeout_s,
+        )
         self.running = await start_server(
             self.settings.listen,
             register=[lambda server: add_servicer(server, servicer, SERVICE)],

@@ -107,6 +107,9 @@ class GatewaySettings(ServiceSettings):
     """Longest wait between attempts to reach a worker or the tokenizer service again."""
     shutdown_grace_s: float = 30.0
     """On SIGTERM or SIGINT, how long running streams may take to finish before they are cancelled."""
+    stream_idle_timeout_s: float = 30.0
+    """A streaming client that takes no message for this long loses its request (cancelled on the
+    worker, its KV blocks freed): a stuck reader cannot hold memory."""
     max_new_tokens_limit: int = 4096
     """The most tokens one request may ask for; more is INVALID_ARGUMENT (before any worker is asked)."""
     internal_tls: ClientTlsSettings | None = None
@@ -153,6 +156,8 @@ class GatewaySettings(ServiceSettings):
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0, e.g. 1")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s={self.shutdown_grace_s} must be >= 0, e.g. 30")
+        if not self.stream_idle_timeout_s > 0:
+            raise ValueError(f"stream_idle_timeout_s={self.stream_idle_timeout_s} must be > 0, e.g. 30")
         if self.max_new_tokens_limit < self.default_max_new_tokens:
             raise ValueError(
                 f"max_new_tokens_limit={self.max_new_tokens_limit} is below default_max_new_tokens="

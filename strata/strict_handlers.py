@@ -10,6 +10,7 @@ by message. This module must not know any service: it works from descriptors.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -65,7 +66,7 @@ def _handler(method: MethodDescriptor, behavior: Any) -> grpc.RpcMethodHandler:
             return await behavior(request, context)
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, parse, serialize)
-    if not method.client_streaming:
+    if not method.client_streaming and inspect.isasyncgenfunction(behavior):
 
         async def unary_stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             if isinstance(request, Malformed):
@@ -74,6 +75,14 @@ def _handler(method: MethodDescriptor, behavior: Any) -> grpc.RpcMethodHandler:
                 yield response
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, parse, serialize)
+    if not method.client_streaming:  # a coroutine that writes through context.write
+
+        async def unary_stream_writer(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+            if isinstance(request, Malformed):
+                await _refuse(context, request)
+            await behavior(request, context)
+
+        return grpc.unary_stream_rpc_method_handler(unary_stream_writer, parse, serialize)
     if method.server_streaming:
 
         async def stream_stream(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
