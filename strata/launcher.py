@@ -22,7 +22,6 @@ says when it has linked every worker).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -32,19 +31,25 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Self
+from typing import IO, TYPE_CHECKING, Self
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from strata.settings import SettingsError, read_config
+from strata.stack_config import (
+    check_route_options,
+    gateway_is_open,
+    route_options,
+    routes_json,
+    worker_env,
+    worker_settings,
+)
 from strata.v1 import gateway_pb2, gateway_pb2_grpc
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Mapping
     from types import TracebackType
 
-    from services.worker.settings import WorkerSettings
 
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
@@ -101,85 +106,6 @@ class _Child:
         except OSError as exc:
             return f"(its log {self.log_file} is unreadable: {exc})"
         return f"last lines of {self.log_file}:\n" + "\n".join(f"  | {line}" for line in lines)
-
-
-def worker_settings(config_path: Path) -> list[WorkerSettings]:
-    """Each worker's settings in the config, in index order (environment applied)."""
-    from services.worker.settings import WorkerSettings
-
-    workers = read_config(config_path).get("workers")
-    if not isinstance(workers, list) or not workers:
-        raise SettingsError(f"{config_path}: section 'workers' must list at least one worker")
-    return [WorkerSettings.load(config_path, index=i) for i in range(len(workers))]
-
-
-def worker_models(config_path: Path) -> list[str]:
-    """The model name of each worker in the config, in index order (settings and environment applied)."""
-    return [settings.model_name for settings in worker_settings(config_path)]
-
-
-def worker_env(settings: WorkerSettings) -> dict[str, str]:
-    """What a worker's process must find in its environment before torch loads."""
-    if settings.omp_wait_policy is None:
-        return {}
-    return {"OMP_WAIT_POLICY": settings.omp_wait_policy}
-
-
-def route_options(config_path: Path) -> list[dict[str, Any]]:
-    """The config's `gateway.routes` entries, each a mapping with a `model` (per-route options)."""
-    gateway = read_config(config_path).get("gateway") or {}
-    entries = gateway.get("routes", []) if isinstance(gateway, dict) else []
-    if not isinstance(entries, list) or not all(
-        isinstance(entry, dict) and isinstance(entry.get("model"), str) for entry in entries
-    ):
-        raise SettingsError(
-            f"{config_path}: gateway.routes must list mappings that each name a model, e.g. "
-            "[{model: smollm2-135m-instruct, fallback: smollm2-135m-instruct-int8}]"
-        )
-    return [dict(entry) for entry in entries]
-
-
-def check_route_options(
-    models: Sequence[str], options: Sequence[Mapping[str, Any]]
-) -> dict[str, Mapping[str, Any]]:
-    """The `gateway.routes` entries by model; SettingsError for one named twice or one listing workers
-    for a model this config's workers serve (strata up fills those in)."""
-    by_model: dict[str, Mapping[str, Any]] = {}
-    for entry in options:
-        model = entry["model"]
-        if model in by_model:
-            raise SettingsError(f"gateway.routes names model {model!r} twice; merge the two entries")
-        if model in models and "workers" in entry:
-            raise SettingsError(
-                f"gateway.routes entry {model!r} lists workers, but this config's workers serve that model "
-                "and strata up fills in their addresses: remove its workers key"
-            )
-        by_model[model] = entry
-    return by_model
-
-
-def routes_json(models: list[str], addresses: list[str], options: Sequence[Mapping[str, Any]] = ()) -> str:
-    """STRATA_GATEWAY_ROUTES: one route per worker model name, listing its workers in index order.
-
-    Each route takes the keys of the `options` entry naming the same model (fallback, queue limits,
-    ...); an entry with `dns` keeps it instead of the address list (the name must resolve to the
-    workers started here), and one for a model no worker here serves is passed on as is.
-    """
-    served: dict[str, list[str]] = {}
-    for model, address in zip(models, addresses, strict=True):
-        served.setdefault(model, []).append(address)
-    by_model = check_route_options(models, options)
-    routes = [_route(by_model.get(model, {}), model, workers) for model, workers in served.items()]
-    routes += [dict(entry) for model, entry in by_model.items() if model not in served]
-    return json.dumps(routes)
-
-
-def _route(entry: Mapping[str, Any], model: str, workers: list[str]) -> dict[str, Any]:
-    """A served model's route: its options, and the started workers' addresses unless it finds its
-    workers by a DNS name (replicas behind one name; the gateway resolves it)."""
-    if "dns" in entry:
-        return {**entry, "model": model}
-    return {**entry, "model": model, "workers": workers}
 
 
 class Stack:
@@ -303,7 +229,10 @@ class Stack:
         metrics_file = child.announce_file.with_name(child.announce_file.name + ".metrics")
         if metrics_file.exists():  # written before the address, so it is complete when present
             child.metrics_address = metrics_file.read_text().strip()
-        with grpc.insecure_channel(address) as channel:
+        # A service's plaintext health port answers even when its main port wants TLS.
+        health_file = child.announce_file.with_name(child.announce_file.name + ".health")
+        probe = health_file.read_text().strip() if health_file.exists() else address
+        with grpc.insecure_channel(probe) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while True:
                 self._fail_if_any_exited()
@@ -338,7 +267,8 @@ class Stack:
         }
         gateway = self._spawn("gateway", "gateway", [], gateway_env)
         gateway_address = self._wait_ready(gateway, end, ready_timeout_s)
-        self._wait_linked(gateway, gateway_address, end, ready_timeout_s)
+        if gateway_is_open(self.config_path):
+            self._wait_linked(gateway, gateway_address, end, ready_timeout_s)
         self._addresses = StackAddresses(gateway_address, tokenizer_address, tuple(worker_addresses))
 
     def _wait_linked(self, gateway: _Child, address: str, end: float, timeout_s: float) -> None:

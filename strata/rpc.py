@@ -167,6 +167,8 @@ async def start_server(
         await running.health_server.start()
     await server.start()
     if announce_file is not None:
+        if running.health_address:  # first, so a reader of the address finds it complete
+            announce(announce_file.with_name(announce_file.name + ".health"), running.health_address)
         announce(announce_file, address)
     return running
 

@@ -20,8 +20,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.worker.settings import WorkerSettings
 from strata.client import StrataClient
-from strata.launcher import StackError, route_options, routes_json, start_stack, worker_env
+from strata.launcher import StackError, start_stack
 from strata.settings import SettingsError
+from strata.stack_config import route_options, routes_json, worker_env
 
 if TYPE_CHECKING:
     from pathlib import Path
