@@ -35,6 +35,7 @@ __all__ = [
     "InvalidArgument",
     "NotFound",
     "ResourceExhausted",
+    "TokenizerUnavailable",
     "Unavailable",
     "abort",
     "from_code",
@@ -42,6 +43,12 @@ __all__ = [
     "retry_delay_s",
     "status_details",
 ]
+
+
+class TokenizerUnavailable(Unavailable):
+    """The tokenizer service failed a request mid-way (it could not detokenize its tokens): no worker
+    retry helps, since every worker's tokens pass through the same service."""
+
 
 _BY_CODE: dict[int, type[GatewayError]] = {
     grpc.StatusCode.INVALID_ARGUMENT.value[0]: InvalidArgument,

@@ -77,7 +77,7 @@ class Attempt:
 
 
 def wire_id(valid: ValidRequest) -> str:
-    """The id on the worker stream: unique there even when two callers choose the same request_id."""
-    if not valid.caller_chose_id:
-        return valid.request_id
+    """The id of one submission on the worker stream: `<request_id>#<n>`, unique there even when two
+    callers choose the same request_id, and for each attempt of one request, so a retry on the same
+    worker is never confused with the attempt it replaces (its late updates, its cancellation)."""
     return f"{valid.request_id}#{next(_WIRE_SEQUENCE)}"

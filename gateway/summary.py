@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from gateway.errors import DeadlineExceeded, Unavailable
+from gateway.errors import DeadlineExceeded, TokenizerUnavailable, Unavailable
 from gateway.metrics import INTER_TOKEN_LATENCY
 from gateway.stage_clock import StageClock, WorkerAttempt
 from strata.v1 import common_pb2, gateway_pb2
@@ -95,7 +95,7 @@ class Summary:
         failure: Failure | None = None
         for delta in deltas:
             if delta.error is not None:
-                if not isinstance(delta.error, Unavailable):
+                if not isinstance(delta.error, Unavailable) or isinstance(delta.error, TokenizerUnavailable):
                     raise delta.error
                 failure = Failure(delta.error.message, worker_lost=True)
                 self.end_attempt()

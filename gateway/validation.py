@@ -33,7 +33,6 @@ class ValidRequest:
     model: str
     request_id: str
     """The caller's id, or a generated uuid4 hex."""
-    caller_chose_id: bool
     sampling: common_pb2.SamplingParams
     """The request's sampling with max_new_tokens resolved."""
 
@@ -72,7 +71,6 @@ def validate(
         request=request,
         model=model,
         request_id=request_id or uuid.uuid4().hex,
-        caller_chose_id=bool(request_id),
         sampling=sampling,
     )
 

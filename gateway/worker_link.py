@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.credit_ledger import CreditLedger
-from gateway.errors import GatewayError, Unavailable, from_code
+from gateway.errors import GatewayError, TokenizerUnavailable, Unavailable, from_code
 from gateway.metrics import SUBMISSION_BATCH_SIZE, WORKER_SUBMISSIONS
 from gateway.request_state import Delta, OpenRequest
 from gateway.stage_clock import Call
@@ -306,8 +306,11 @@ class WorkerLink:
                     f"tokenizer service answered {len(answer.results)} results for {len(entries)} entries"
                 )
         except GatewayError as exc:
+            lost = TokenizerUnavailable(
+                f"the tokenizer service could not detokenize the request's tokens: {exc}"
+            )
             for request, _ in targets:
-                self._fail(request, exc)
+                self._fail(request, lost)
             return
         call = Call(started, time.perf_counter(), answer.server_ms)
         for (request, update), result in zip(targets, answer.results, strict=True):

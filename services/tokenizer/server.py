@@ -11,6 +11,7 @@ or SIGINT, then stops gracefully. This module must not tokenize itself nor choos
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -30,7 +31,7 @@ from strata.tracing import SpanKind, Tracing
 from strata.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 if TYPE_CHECKING:
-    from collections.abc import Sized
+    from collections.abc import Iterator, Sized
     from pathlib import Path
 
     Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
@@ -48,6 +49,25 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self.max_batch_entries = max_batch_entries
         self.registry: TokenizerRegistry | None = None
         self.tracing = tracing or Tracing.off()
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.contextmanager
+    def _call(self) -> Iterator[None]:
+        """Counts a Tokenize or Detokenize call in flight, for a stop that waits for them."""
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
+
+    async def idle(self) -> None:
+        """Return once no Tokenize or Detokenize call is in flight."""
+        await self._idle.wait()
 
     def _ready(self, entries: Sized) -> TokenizerRegistry:
         if self.registry is None:
@@ -67,7 +87,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         except TokenizerError as error:
             await abort(context, error)
         started = time.perf_counter()
-        outcomes = await asyncio.to_thread(tokenize_entries, registry, request.entries)
+        with self._call():
+            outcomes = await asyncio.to_thread(tokenize_entries, registry, request.entries)
         response = tokenizer_pb2.TokenizeResponse(results=[_tokenize_result(outcome) for outcome in outcomes])
         ended = time.perf_counter()
         response.server_ms = (ended - started) * 1000.0
@@ -118,7 +139,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         except TokenizerError as error:
             await abort(context, error)
         started = time.perf_counter()
-        outcomes = await asyncio.to_thread(detokenize_entries, registry, request.entries)
+        with self._call():
+            outcomes = await asyncio.to_thread(detokenize_entries, registry, request.entries)
         response = tokenizer_pb2.DetokenizeResponse(
             results=[_detokenize_result(outcome) for outcome in outcomes]
         )
@@ -190,9 +212,13 @@ class TokenizerServer:
         """host:port the server is bound to."""
 
     async def stop(self, grace: float = 5.0) -> None:
-        """Report NOT_SERVING, then let calls in flight finish for up to `grace` seconds."""
+        """Report NOT_SERVING, let Tokenize and Detokenize calls in flight finish for up to `grace`
+        seconds, then stop. Long-lived health watches are not waited for: they would hold the stop
+        for the whole grace."""
         await self.running.set_serving(False)
-        await self.running.stop(grace)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.servicer.idle(), grace)
+        await self.running.stop(0)
 
 
 async def start(
@@ -225,7 +251,7 @@ async def serve(settings: TokenizerSettings, announce_file: Path | None, tracing
     server = await start(settings, announce_file, tracing)
     await stopping.wait()
     log.info("tokenizer service stopping")
-    await server.stop()
+    await server.stop(settings.shutdown_grace_s)
 
 
 def main(argv: list[str] | None = None) -> int:

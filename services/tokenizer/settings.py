@@ -30,6 +30,8 @@ class TokenizerSettings(ServiceSettings):
     """Largest request or response message."""
     max_batch_entries: int = 4096
     """Most entries in one Tokenize or Detokenize call."""
+    shutdown_grace_s: float = 5.0
+    """On SIGTERM or SIGINT, how long calls in flight may take to finish before the service exits."""
 
     @field_validator("models")
     @classmethod

@@ -15,7 +15,7 @@ from strata.v1 import common_pb2, gateway_pb2
 
 def _summary() -> Summary:
     request = gateway_pb2.GenerateRequest(prompt="hi")
-    valid = ValidRequest(request, "big", "rid", False, common_pb2.SamplingParams(max_new_tokens=8))
+    valid = ValidRequest(request, "big", "rid", common_pb2.SamplingParams(max_new_tokens=8))
     summary = Summary(valid, time.perf_counter())
     summary.serve("big", 3, time.perf_counter())
     return summary

@@ -87,7 +87,6 @@ def test_defaults_are_filled() -> None:
     assert valid.model == "tiny"
     assert valid.sampling.max_new_tokens == 32
     assert len(valid.request_id) == 32 and int(valid.request_id, 16) >= 0
-    assert not valid.caller_chose_id
     # The caller's request is not modified.
     assert _request().sampling.max_new_tokens == 0
 
@@ -100,6 +99,6 @@ def test_valid_request_keeps_fields() -> None:
         messages=[],
     )
     valid = validate(request, SETTINGS, _limit)  # big has no known limit yet: no context check
-    assert (valid.model, valid.request_id, valid.caller_chose_id) == ("big", "my id-1", True)
+    assert (valid.model, valid.request_id) == ("big", "my id-1")
     assert valid.stop == ("\n\n", "é" * 32)
     assert valid.sampling.max_new_tokens == 5
