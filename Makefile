@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tracing run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tracing reliability run clean
 
 setup: $(STAMP)
 
@@ -64,6 +64,11 @@ bench-fallback: setup model
 # Tracing's CPU cost: the whole stack at sampling 1.0 against tracing off, 5 fresh stacks each, alternated.
 bench-tracing: setup model
 	$(BIN)/python -m bench.trace_overhead --json bench/results/trace-overhead-cpu.json
+
+# The reliability suite's full versions (tests/reliability, about 10 minutes on 2 cores); writes
+# docs/reliability.md: per scenario what was done, what must hold, the figures measured, pass or fail.
+reliability: setup
+	$(BIN)/python scripts/reliability_report.py
 
 # The whole stack in the foreground (Ctrl-C stops it); then, in another shell:
 #   .venv/bin/strata generate "What is the capital of France?" --chat

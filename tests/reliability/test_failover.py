@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from strata.launcher import Stack
+    from tests.reliability.conftest import Figure
 
 pytestmark = pytest.mark.slow
 
@@ -107,7 +108,7 @@ def fallback_continuation(model_dir: Path, prompt_ids: list[int], prior: list[in
 
 
 def test_kill9_mid_stream_continues_on_the_fallback_and_the_primary_returns(
-    stack: Stack, tiny_serving_dir: Path, tiny_fallback_dir: Path, tmp_path: Path
+    stack: Stack, tiny_serving_dir: Path, tiny_fallback_dir: Path, tmp_path: Path, figure: Figure
 ) -> None:
     total = 60
     with StrataClient(stack.addresses.gateway, retry=NO_RETRY) as client:
@@ -124,6 +125,7 @@ def test_kill9_mid_stream_continues_on_the_fallback_and_the_primary_returns(
             if len(received) >= 5 and not killed_at:
                 os.kill(stack.pids["worker 0"], signal.SIGKILL)
                 killed_at = time.monotonic()
+        stream_done = time.monotonic()
         assert final is not None
         assert final.model == "tiny-fb" and "mid-stream" in final.fallback_reason
         prior_len = final.failover_at_token
@@ -139,6 +141,10 @@ def test_kill9_mid_stream_continues_on_the_fallback_and_the_primary_returns(
             f"({time.monotonic() - killed_at:.2f} s after the kill, the failed-over stream included)"
         )
         assert new_request < 5.0  # the issue asks for 1 s
+        figure(2, "tokens before the kill, on the primary", prior_len)
+        figure(2, "tokens continued on the fallback (none lost or repeated)", total - prior_len)
+        figure(2, "failed-over stream complete after the kill", stream_done - killed_at, "s")
+        figure(2, "new request served by the fallback", new_request, "s")
 
         # Restart the primary on its old port: new requests go back to it.
         port = stack.addresses.workers[0].rsplit(":", 1)[1]
@@ -155,12 +161,15 @@ def test_kill9_mid_stream_continues_on_the_fallback_and_the_primary_returns(
             back = seconds_until(lambda: serving_model(client) == "tiny", 10.0, "primary serves again")
             print(f"primary serves again {back:.2f} s after it reported SERVING")
             assert back < 10.0  # the issue asks for 2 s
+            figure(2, "primary serves again after its restart reported SERVING", back, "s")
         finally:
             restarted.terminate()
             restarted.wait(30)
 
 
-def test_sigstop_moves_traffic_to_the_fallback_and_sigcont_brings_it_back(stack: Stack) -> None:
+def test_sigstop_moves_traffic_to_the_fallback_and_sigcont_brings_it_back(
+    stack: Stack, figure: Figure
+) -> None:
     pid = stack.pids["worker 0"]
     with StrataClient(stack.addresses.gateway, retry=NO_RETRY) as client:
         primary_ready(client)
@@ -170,10 +179,12 @@ def test_sigstop_moves_traffic_to_the_fallback_and_sigcont_brings_it_back(stack:
             moved = seconds_until(lambda: serving_model(client) == "tiny-fb", 15.0, "traffic on the fallback")
             print(f"SIGSTOP noticed, traffic on the fallback after {moved:.2f} s")
             assert moved < 15.0  # the issue asks for 3 s
+            figure(3, "SIGSTOP noticed: traffic on the fallback", moved, "s")
         finally:
             os.kill(pid, signal.SIGCONT)
         back = seconds_until(lambda: serving_model(client) == "tiny", 10.0, "primary serves again")
         print(f"after SIGCONT the primary serves again in {back:.2f} s")
+        figure(3, "after SIGCONT the primary serves again", back, "s")
 
 
 def _serving(address: str) -> bool:
