@@ -353,3 +353,15 @@ def test_the_cli_speaks_tls_with_a_key(stack: SecureStack, certs: dict[str, Path
     clean = {"PATH": "/usr/bin"}  # no STRATA_API_KEY from this environment
     refused = subprocess.run(base, check=False, capture_output=True, text=True, timeout=120, env=clean)
     assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr
+
+
+def test_services_bind_to_loopback_unless_told_otherwise(tiny_serving_dir: Path) -> None:
+    tokenizer = TokenizerSettings.build({"models": {"tiny": tiny_serving_dir}})
+    worker = WorkerSettings.build({"model_name": "tiny", "model_path": tiny_serving_dir})
+    gateway = GatewaySettings.build(
+        {"tokenizer_address": "t:1", "routes": [{"model": "m", "workers": ["w:1"]}]}
+    )
+    for settings in (tokenizer, worker, gateway):
+        assert settings.listen.startswith("127.0.0.1:"), settings.listen
+        assert settings.telemetry.metrics_listen.startswith("127.0.0.1:")
+        assert not settings.telemetry.record_content and settings.tls is None
