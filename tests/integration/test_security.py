@@ -30,7 +30,7 @@ from strata.rpc import LIVENESS
 from strata.settings import SettingsError
 from strata.tls import ClientTlsSettings
 from strata.tracing import Tracing
-from strata.v1 import worker_pb2, worker_pb2_grpc
+from strata.v1 import tokenizer_pb2, tokenizer_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.integration.loop_thread import LoopThread
 
 if TYPE_CHECKING:
@@ -235,9 +235,10 @@ def test_health_needs_no_key_and_plaintext_reaches_nothing_but_the_health_ports(
         assert alive.status == health_pb2.HealthCheckResponse.SERVING
 
 
+@pytest.mark.parametrize("service", ["worker", "tokenizer"])
 @pytest.mark.parametrize("identity", ["none", "rogue", "gateway"])
-def test_only_a_certificate_from_the_ca_reaches_the_worker(
-    stack: SecureStack, certs: dict[str, Path], identity: str
+def test_only_a_certificate_from_the_ca_reaches_the_internal_services(
+    stack: SecureStack, certs: dict[str, Path], identity: str, service: str
 ) -> None:
     pair: dict[str, Any] = {}
     if identity != "none":
@@ -247,13 +248,25 @@ def test_only_a_certificate_from_the_ca_reaches_the_worker(
             "private_key": certs[f"{name}-key"].read_bytes(),
         }
     credentials = grpc.ssl_channel_credentials(certs["ca"].read_bytes(), **pair)
-    with grpc.secure_channel(stack.worker.address, credentials) as channel:
-        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    address = stack.worker.address if service == "worker" else stack.tokenizer.address
+    with grpc.secure_channel(address, credentials) as channel:
+
+        def call() -> str:
+            if service == "worker":
+                info = worker_pb2_grpc.WorkerServiceStub(channel).GetWorkerInfo(
+                    worker_pb2.GetWorkerInfoRequest(), timeout=10
+                )
+                return str(info.model)
+            tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(channel).GetTokenizerInfo(
+                tokenizer_pb2.GetTokenizerInfoRequest(), timeout=10
+            )
+            return str(tokenizer.models[0].name)
+
         if identity == "gateway":
-            assert stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10).model == "tiny"
+            assert call() == "tiny"
             return
         with pytest.raises(grpc.RpcError) as error:
-            stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=10)
+            call()
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
 
 
