@@ -32,6 +32,7 @@ from strata.tls import ClientTlsSettings
 from strata.tracing import Tracing
 from strata.v1 import tokenizer_pb2, tokenizer_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.integration.loop_thread import LoopThread
+from tests.integration.tiny_stack import tiny_stack
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -313,41 +314,12 @@ def test_record_content_puts_the_text_in_the_span(tiny_serving_dir: Path) -> Non
     async def main() -> dict[str, Any]:
         spans = InMemorySpanExporter()
         tracing = Tracing.with_exporter("g", spans, 1.0, batch=False)
-        tokenizer = await start_tokenizer(
-            TokenizerSettings.build({"listen": "127.0.0.1:0", "models": {"tiny": tiny_serving_dir}})
-        )
-        worker = await start_worker(
-            WorkerSettings.build(
-                {
-                    "listen": "127.0.0.1:0",
-                    "model_name": "tiny",
-                    "model_path": tiny_serving_dir,
-                    "device": "cpu",
-                    "threads": 1,
-                }
-            )
-        )
-        await worker.wait_ready()
-        gateway = await start_gateway(
-            GatewaySettings.build(
-                {
-                    "listen": "127.0.0.1:0",
-                    "tokenizer_address": tokenizer.address,
-                    "routes": [{"model": "tiny", "workers": [worker.address]}],
-                    "telemetry": {"record_content": True},
-                }
-            ),
-            tracing=tracing,
-        )
-        await gateway.wait_ready(30)
-        try:
+        options = {"telemetry": {"record_content": True}}
+        async with tiny_stack(tiny_serving_dir, gateway=options, gateway_tracing=tracing) as stack:
+            address = stack.gateway.address
             await asyncio.to_thread(
-                lambda: StrataClient(gateway.address).generate(SECRET, timeout=30, max_new_tokens=2)
+                lambda: StrataClient(address).generate(SECRET, timeout=30, max_new_tokens=2)
             )
-        finally:
-            await gateway.stop(0)
-            await worker.stop(grace=0)
-            await tokenizer.stop(grace=0)
         [request] = [span for span in spans.get_finished_spans() if span.name.startswith("text_completion")]
         return dict(request.attributes or {})
 

@@ -8,20 +8,15 @@ real tokenizer service, worker and gateway run in-process on loopback.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client import REGISTRY
 
-from gateway.server import start as start_gateway
-from gateway.settings import GatewaySettings
-from services.tokenizer.server import start as start_tokenizer
-from services.tokenizer.settings import TokenizerSettings
-from services.worker.server import start as start_worker
-from services.worker.settings import WorkerSettings
 from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.integration.loop_thread import LoopThread
+from tests.integration.tiny_stack import tiny_stack
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -40,78 +35,45 @@ def _stuck(model: str) -> float:
 def test_a_client_that_stops_reading_loses_its_request_and_frees_the_worker(
     tiny_serving_dir: Path, figure: Figure
 ) -> None:
-    loop = LoopThread()
-    servers: list[Any] = []
-    try:
-        tokenizer = loop.run(
-            start_tokenizer(
-                TokenizerSettings.build({"listen": "127.0.0.1:0", "models": {"tiny": tiny_serving_dir}})
-            )
-        )
-        worker = loop.run(
-            start_worker(
-                WorkerSettings.build(
-                    {
-                        "listen": "127.0.0.1:0",
-                        "model_name": "tiny",
-                        "model_path": tiny_serving_dir,
-                        "device": "cpu",
-                        "threads": 1,
-                        # Slow steps keep the request running long after the client stops reading.
-                        "engine": {"enable_fault_injection": True, "fault_step_delay_s": 0.02},
-                    }
-                )
-            )
-        )
-        servers[:0] = [tokenizer, worker]
-        loop.run(worker.wait_ready())
-        gateway = loop.run(
-            start_gateway(
-                GatewaySettings.build(
-                    {
-                        "listen": "127.0.0.1:0",
-                        "tokenizer_address": tokenizer.address,
-                        "routes": [{"model": "tiny", "workers": [worker.address]}],
-                        "stream_idle_timeout_s": IDLE_TIMEOUT_S,
-                    }
-                )
-            )
-        )
-        servers.insert(0, gateway)
-        assert loop.run(gateway.wait_ready(WAIT_S))
-        before = _stuck("tiny")
-        request = gateway_pb2.GenerateRequest(
-            model="tiny",
-            prompt="a",
-            sampling=common_pb2.SamplingParams(max_new_tokens=240, ignore_eos=True),
-        )
-        with grpc.insecure_channel(gateway.address, options=STUCK_WINDOW) as channel:
-            stream = gateway_pb2_grpc.GatewayStub(channel).GenerateStream(request, timeout=120)
-            assert next(stream).token_ids
-            stopped = time.monotonic()  # from here the client reads nothing
-            with grpc.insecure_channel(worker.address) as worker_channel:
-                stats = worker_pb2_grpc.WorkerServiceStub(worker_channel)
-                while True:
-                    now = stats.GetWorkerStats(worker_pb2.GetWorkerStatsRequest(), timeout=5)
-                    if not (now.open_requests or now.running or now.used_kv_blocks):
-                        break
-                    assert time.monotonic() - stopped < WAIT_S, (
-                        f"the stuck stream still holds the worker: {now}"
-                    )
-                    time.sleep(0.05)
-            freed_after = time.monotonic() - stopped
-            generated = _generated(stream)
-        assert _stuck("tiny") == before + 1, "the gateway cancelled the stream for its idle client"
-        assert generated < 240, "the request was cut short, not run to its end"
-        # Not before the idle timeout; the time the window took to fill comes on top.
-        assert freed_after >= IDLE_TIMEOUT_S
-        figure(9, "KV blocks freed after the client stopped reading", freed_after, "s")
-        figure(9, "idle timeout", IDLE_TIMEOUT_S, "s")
-        figure(9, "tokens the stuck client had been sent", generated)
-    finally:
-        for server in servers:  # the gateway first
-            loop.run(server.stop(0))
-        loop.close()
+    # Slow steps keep the request running long after the client stops reading.
+    worker = {"engine": {"enable_fault_injection": True, "fault_step_delay_s": 0.02}}
+    gateway = {"stream_idle_timeout_s": IDLE_TIMEOUT_S}
+
+    async def main() -> tuple[float, int]:
+        async with tiny_stack(tiny_serving_dir, worker=worker, gateway=gateway) as stack:
+            return await asyncio.to_thread(_stop_reading, stack.gateway.address, stack.worker.address)
+
+    before = _stuck("tiny")
+    freed_after, generated = asyncio.run(main())
+    assert _stuck("tiny") == before + 1, "the gateway cancelled the stream for its idle client"
+    assert generated < 240, "the request was cut short, not run to its end"
+    # Not before the idle timeout; the time the window took to fill comes on top.
+    assert freed_after >= IDLE_TIMEOUT_S
+    figure(9, "KV blocks freed after the client stopped reading", freed_after, "s")
+    figure(9, "idle timeout", IDLE_TIMEOUT_S, "s")
+    figure(9, "tokens the stuck client had been sent", generated)
+
+
+def _stop_reading(gateway: str, worker: str) -> tuple[float, int]:
+    """Read one message, then nothing until the worker has let the request go; (seconds, tokens)."""
+    request = gateway_pb2.GenerateRequest(
+        model="tiny",
+        prompt="a",
+        sampling=common_pb2.SamplingParams(max_new_tokens=240, ignore_eos=True),
+    )
+    with grpc.insecure_channel(gateway, options=STUCK_WINDOW) as channel:
+        stream = gateway_pb2_grpc.GatewayStub(channel).GenerateStream(request, timeout=120)
+        assert next(stream).token_ids
+        stopped = time.monotonic()  # from here the client reads nothing
+        with grpc.insecure_channel(worker) as worker_channel:
+            stats = worker_pb2_grpc.WorkerServiceStub(worker_channel)
+            while True:
+                now = stats.GetWorkerStats(worker_pb2.GetWorkerStatsRequest(), timeout=5)
+                if not (now.open_requests or now.running or now.used_kv_blocks):
+                    break
+                assert time.monotonic() - stopped < WAIT_S, f"the stuck stream still holds the worker: {now}"
+                time.sleep(0.05)
+        return time.monotonic() - stopped, _generated(stream)
 
 
 def _generated(stream: grpc.Call) -> int:
