@@ -47,74 +47,25 @@ def _openssl(*args: str) -> None:
     subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
 
 
+def _self_signed(subject: str, key: Path, cert: Path) -> None:
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", subject,
+             "-keyout", str(key), "-out", str(cert))  # fmt: skip
+
+
 def _certificates(directory: Path) -> dict[str, Path]:
-    paths = {
-        name: directory / f"{name}.pem"
-        for name in ("ca", "ca-key", "server", "server-key", "client", "client-key", "rogue", "rogue-key")
-    }
-    _openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=strata-test-ca",
-        "-keyout",
-        str(paths["ca-key"]),
-        "-out",
-        str(paths["ca"]),
-    )
+    names = ("ca", "ca-key", "server", "server-key", "client", "client-key", "rogue", "rogue-key")
+    paths = {name: directory / f"{name}.pem" for name in names}
+    _self_signed("/CN=strata-test-ca", paths["ca-key"], paths["ca"])
     san = directory / "san.cnf"
     san.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
     for name, subject in (("server", "/CN=localhost"), ("client", "/CN=strata-gateway")):
         request = directory / f"{name}.csr"
-        _openssl(
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-subj",
-            subject,
-            "-keyout",
-            str(paths[f"{name}-key"]),
-            "-out",
-            str(request),
-        )
-        _openssl(
-            "x509",
-            "-req",
-            "-in",
-            str(request),
-            "-CA",
-            str(paths["ca"]),
-            "-CAkey",
-            str(paths["ca-key"]),
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            str(san),
-            "-out",
-            str(paths[name]),
-        )
-    _openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=rogue",
-        "-keyout",
-        str(paths["rogue-key"]),
-        "-out",
-        str(paths["rogue"]),
-    )
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subject,
+                 "-keyout", str(paths[f"{name}-key"]), "-out", str(request))  # fmt: skip
+        _openssl("x509", "-req", "-in", str(request), "-CA", str(paths["ca"]), "-CAkey", str(paths["ca-key"]),
+                 "-CAcreateserial", "-days", "2", "-extfile", str(san), "-out", str(paths[name]))  # fmt: skip
+    # Signed by nobody the services trust.
+    _self_signed("/CN=rogue", paths["rogue-key"], paths["rogue"])
     return paths
 
 
