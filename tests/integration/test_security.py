@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -25,6 +26,7 @@ from services.tokenizer.settings import TokenizerSettings
 from services.worker.server import start as start_worker
 from services.worker.settings import WorkerSettings
 from strata.client import StrataClient
+from strata.launcher import start_stack
 from strata.retry import NO_RETRY
 from strata.rpc import LIVENESS
 from strata.settings import SettingsError
@@ -143,9 +145,11 @@ def stack(
 
 
 def _client(stack: SecureStack, certs: dict[str, Path], key: str | None) -> StrataClient:
-    return StrataClient(
-        stack.gateway.address, api_key=key, tls=ClientTlsSettings(ca_file=certs["ca"]), retry=NO_RETRY
-    )
+    return _client_of(stack.gateway.address, certs, key)
+
+
+def _client_of(address: str, certs: dict[str, Path], key: str | None) -> StrataClient:
+    return StrataClient(address, api_key=key, tls=ClientTlsSettings(ca_file=certs["ca"]), retry=NO_RETRY)
 
 
 def test_a_client_with_a_key_is_served_over_tls_end_to_end(
@@ -301,3 +305,34 @@ def test_services_bind_to_loopback_unless_told_otherwise(tiny_serving_dir: Path)
         assert settings.listen.startswith("127.0.0.1:"), settings.listen
         assert settings.telemetry.metrics_listen.startswith("127.0.0.1:")
         assert not settings.telemetry.record_content and settings.tls is None
+
+
+def test_strata_up_starts_a_stack_with_tls_and_keys(
+    tiny_serving_dir: Path, certs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The launcher probes each service's plaintext health port, since the main ports want TLS."""
+    server = {"cert_file": str(certs["server"]), "key_file": str(certs["server-key"])}
+    mutual = {**server, "client_ca_file": str(certs["ca"])}
+    internal = {"listen": "127.0.0.1:0", "health_listen": "127.0.0.1:0", "tls": mutual}
+    config = {
+        "tokenizer": {**internal, "models": {"tiny": str(tiny_serving_dir)}},
+        "workers": [{**internal, "model_name": "tiny", "model_path": str(tiny_serving_dir), "threads": 1}],
+        "gateway": {
+            "listen": "127.0.0.1:0",
+            "health_listen": "127.0.0.1:0",
+            "tls": server,
+            "internal_tls": {
+                "ca_file": str(certs["ca"]),
+                "cert_file": str(certs["client"]),
+                "key_file": str(certs["client-key"]),
+            },
+            "api_keys": [KEY],
+        },
+    }
+    path = tmp_path / "secure.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with (
+        start_stack(path, log_dir=tmp_path / "logs") as stack,
+        _client_of(stack.addresses.gateway, certs, KEY) as client,
+    ):
+        assert client.generate("hello", timeout=60, max_new_tokens=3).usage.output_tokens == 3
