@@ -50,7 +50,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         context: grpc.aio.ServicerContext[worker_pb2.ConnectRequest, worker_pb2.ConnectResponse],
     ) -> AsyncIterator[worker_pb2.ConnectResponse]:
         try:
-            self.host.check_accepting()
+            # The hello is read before the worker says whether it accepts (connect checks): a refusal
+            # sent before it arrived could fail the caller's write of it instead of reaching its read.
             first = await anext(request_iterator, None)
             if first is None:
                 return  # the gateway closed before saying hello
