@@ -17,6 +17,8 @@ from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gateway.stage_clock import STAGES
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
@@ -28,7 +30,6 @@ DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
-STAGES = ("network", "preprocess", "queue", "forward", "decode")
 
 TIME_TO_FIRST_TOKEN = Histogram(
     "strata_time_to_first_token_seconds",

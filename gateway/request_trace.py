@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from opentelemetry.trace import Status, StatusCode
 
+from gateway.stage_clock import STAGES
 from strata.tracing import SpanKind, trace_id_hex
 from strata.v1 import common_pb2
 
@@ -140,7 +141,7 @@ class RequestTrace:
                     "strata.fallback_reason": response.fallback_reason,
                     "strata.time_to_first_token_ms": timing.time_to_first_token_ms,
                     "strata.failover_at_token": response.failover_at_token,
-                    **{f"strata.{stage}_ms": getattr(timing, f"{stage}_ms") for stage in _STAGES},
+                    **{f"strata.{stage}_ms": getattr(timing, f"{stage}_ms") for stage in STAGES},
                 }
             )
             if self._content is not None:
@@ -193,7 +194,6 @@ def _content(request: gateway_pb2.GenerateRequest) -> str:
     return request.prompt
 
 
-_STAGES = ("network", "preprocess", "queue", "forward", "decode")
 _TIMING_FIELDS = (
     "total_ms",
     "time_to_first_token_ms",

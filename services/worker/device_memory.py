@@ -6,6 +6,8 @@ allocate nor hold state.
 
 from __future__ import annotations
 
+import functools
+
 import psutil
 import torch
 
@@ -14,4 +16,10 @@ def device_memory_bytes(device: str) -> int:
     """Bytes in use on `device` ("cpu" counts this process's resident set: weights, KV cache, rest)."""
     if device.startswith("cuda"):
         return int(torch.cuda.memory_allocated(torch.device(device)))
-    return int(psutil.Process().memory_info().rss)
+    return int(_this_process().memory_info().rss)
+
+
+@functools.cache
+def _this_process() -> psutil.Process:
+    """This process's handle, made once: it is read for every finished request."""
+    return psutil.Process()

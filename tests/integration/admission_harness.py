@@ -62,17 +62,7 @@ class Stack:
         self._engine: LLMEngine | None = None
 
     def start_worker(self, model: str, *, max_requests: int, step_delay_s: float = 0.0) -> WorkerServer:
-        settings = WorkerSettings.build(
-            {
-                "listen": "127.0.0.1:0",
-                "model_name": model,
-                "model_path": self.model_dir,
-                "device": "cpu",
-                "threads": 1,
-                "max_requests": max_requests,
-                "engine": engine_config(max_requests),
-            }
-        )
+        settings = worker_settings(self.model_dir, model, max_requests)
         server: WorkerServer = self.loop.run(start_worker(settings))
         self.loop.run(server.wait_ready())
         self.servers.append(server)
@@ -129,6 +119,21 @@ class Stack:
         for server in reversed(self.servers):
             self.loop.run(server.stop(0))
         self.loop.close()
+
+
+def worker_settings(model_dir: Path, model: str, max_requests: int) -> WorkerSettings:
+    """A tiny worker of `model` on a free port, its engine sized for `max_requests`."""
+    return WorkerSettings.build(
+        {
+            "listen": "127.0.0.1:0",
+            "model_name": model,
+            "model_path": model_dir,
+            "device": "cpu",
+            "threads": 1,
+            "max_requests": max_requests,
+            "engine": engine_config(max_requests),
+        }
+    )
 
 
 def set_step_delay(worker: WorkerServer, seconds: float) -> None:

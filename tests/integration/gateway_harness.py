@@ -4,7 +4,6 @@ loop in a background thread, with blocking clients, plus the small request helpe
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -118,13 +117,3 @@ class Env:
 
 def make_request(prompt: str = "Hello world", **sampling: Any) -> gateway_pb2.GenerateRequest:
     return gateway_pb2.GenerateRequest(prompt=prompt, sampling=common_pb2.SamplingParams(**sampling))
-
-
-def wait_for(condition: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what} within {timeout} s")

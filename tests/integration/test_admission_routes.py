@@ -28,9 +28,8 @@ from gateway.tokenizer_client import TokenizerClient
 from services.tokenizer.server import start as start_tokenizer
 from services.tokenizer.settings import TokenizerSettings
 from services.worker.server import start as start_worker
-from services.worker.settings import WorkerSettings
 from strata.v1 import common_pb2, worker_pb2
-from tests.integration.admission_harness import MODELS, WAIT_S, engine_config, set_step_delay
+from tests.integration.admission_harness import MODELS, WAIT_S, engine_config, set_step_delay, worker_settings
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -60,17 +59,7 @@ class Scene:
         self.tokenizer_address = tokenizer.address
 
     async def worker(self, model: str, max_requests: int = 4) -> WorkerServer:
-        settings = WorkerSettings.build(
-            {
-                "listen": "127.0.0.1:0",
-                "model_name": model,
-                "model_path": self.model_dir,
-                "device": "cpu",
-                "threads": 1,
-                "max_requests": max_requests,
-                "engine": engine_config(max_requests),
-            }
-        )
+        settings = worker_settings(self.model_dir, model, max_requests)
         server = await start_worker(settings)
         await asyncio.wait_for(server.wait_ready(), WAIT_S)
         self.servers.append(server)

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
     from pathlib import Path
 
+from tests.integration.admission_harness import wait_for
 from tests.integration.gateway_harness import (
     CONTEXT,
     ENGINE,
@@ -45,7 +46,6 @@ from tests.integration.gateway_harness import (
     Env,
     Stack,
     make_request,
-    wait_for,
 )
 
 

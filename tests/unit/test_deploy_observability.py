@@ -181,7 +181,7 @@ def test_dashboard_queries_only_metrics_the_services_declare() -> None:
 
 
 def test_dashboard_breaks_latency_down_by_every_stage() -> None:
-    from gateway.metrics import STAGES
+    from gateway.stage_clock import STAGES
 
     (panel,) = [p for p in load_dashboard()["panels"] if p["title"] == "Latency breakdown by stage"]
     assert panel["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
