@@ -1,11 +1,10 @@
-"""Admission for one route: tickets, the bounded two-priority queue, the wait model, and the
-Admission handle a request holds from arrival until it is submitted.
+"""Admission for one route: tickets, the bounded two-priority queue of waiting slots, and the wait model.
 
 A Ticket is what admission knows of a request: its prompt size, priority and deadline. It is decided
 on at arrival, before tokenizing, so no refusal waits for the tokenizer: the prompt size is then an
 upper bound (its UTF-8 bytes plus template overhead), replaced by the exact count once tokenized. The
 queue holds the tickets waiting for a worker credit, interactive ones served first and FIFO within a
-priority, bounded by `max_queued_requests` and `max_queued_tokens` (a lone waiter always fits, so one
+priority, bounded by `max_queued_requests` and `max_queued_tokens` (a lone slot always fits, so one
 long prompt is never refused by the token budget alone). When it is full, an interactive arrival
 evicts the newest batch tickets, which are refused with reason "shed".
 
@@ -14,30 +13,31 @@ submission to their last token (a moving average the links measure on every requ
 every D / C seconds, and a route frees one every 1 / sum(C / D) over its ready links. A ticket with k
 tickets ahead of it and no free credit is predicted to wait (k + 1) times that. Before any request
 has finished there is no prediction, and nothing is refused on one. The predicted time to first token
-adds the links' moving average of submission to first token. Only a ticket that would wait can be
-saturated by a prediction: one that gets a credit at once is admitted, so the measurements stay fresh.
-This module does no I/O and must not choose links: route.py dispatches.
+adds the links' moving average of submission to first token (ServiceTimes, fed by each link). Only a
+ticket that would wait can be saturated by a prediction: one that gets a credit at once is admitted,
+so the measurements stay fresh. This module does no I/O and must not choose links: route.py
+dispatches, and credits.py counts the credits.
 """
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from strata.status import ResourceExhausted
-from strata.v1 import gateway_pb2
+from strata.v1 import common_pb2, gateway_pb2
 
 if TYPE_CHECKING:
-    from gateway.request_state import OpenRequest
-    from gateway.worker_link import WorkerLink
+    from gateway.credits import Slot
     from strata.v1 import worker_pb2
 
 # Tokens a chat template adds around each message, and around the conversation, at most.
 TEMPLATE_TOKENS_PER_MESSAGE = 16
+EWMA_WEIGHT = 0.2
+COMPLETED = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
 
 
 class Priority(enum.IntEnum):
@@ -100,25 +100,13 @@ class Refused(ResourceExhausted):
         self.reason = reason
 
 
-@dataclass(eq=False, slots=True)
-class Waiter:
-    """A ticket in the queue (or just granted): its current token count and the future its caller awaits."""
-
-    ticket: Ticket
-    future: asyncio.Future[WorkerLink]
-    tokens: int
-    enqueued: float = field(default_factory=time.monotonic)
-    timer: asyncio.TimerHandle | None = None
-    """Fires at the ticket's deadline while it waits."""
-
-
 class AdmissionQueue:
-    """Waiting tickets by priority, FIFO within each, with their request and token totals."""
+    """Waiting slots by priority, FIFO within each, with their request and token totals."""
 
     def __init__(self, max_requests: int, max_tokens: int) -> None:
         self.max_requests = max_requests
         self.max_tokens = max_tokens
-        self._lanes: dict[Priority, deque[Waiter]] = {priority: deque() for priority in Priority}
+        self._lanes: dict[Priority, deque[Slot]] = {priority: deque() for priority in Priority}
         self.tokens = 0
 
     @property
@@ -131,10 +119,10 @@ class AdmissionQueue:
             return len(self._lanes[Priority.INTERACTIVE])
         return self.requests
 
-    def victims(self, ticket: Ticket) -> list[Waiter] | tuple[str, str]:
-        """The batch waiters to shed so `ticket` fits (often none), or (reason, text) when it cannot fit."""
+    def victims(self, ticket: Ticket) -> list[Slot] | tuple[str, str]:
+        """The batch slots to shed so `ticket` fits (often none), or (reason, text) when it cannot fit."""
         count, tokens = self.requests, self.tokens
-        shed: list[Waiter] = []
+        shed: list[Slot] = []
         sheddable = (
             reversed(self._lanes[Priority.BATCH]) if ticket.priority is Priority.INTERACTIVE else iter(())
         )
@@ -154,43 +142,43 @@ class AdmissionQueue:
             tokens -= victim.tokens
         return shed
 
-    def push(self, waiter: Waiter) -> None:
-        self._lanes[waiter.ticket.priority].append(waiter)
-        self.tokens += waiter.tokens
+    def push(self, slot: Slot) -> None:
+        self._lanes[slot.ticket.priority].append(slot)
+        self.tokens += slot.tokens
 
-    def remove(self, waiter: Waiter) -> bool:
-        """Take a waiter out (cancelled, expired, shed); False when it was not waiting."""
-        lane = self._lanes[waiter.ticket.priority]
+    def remove(self, slot: Slot) -> bool:
+        """Take a slot out (cancelled, expired, shed); False when it was not waiting."""
+        lane = self._lanes[slot.ticket.priority]
         try:
-            lane.remove(waiter)
+            lane.remove(slot)
         except ValueError:
             return False
-        self.tokens -= waiter.tokens
+        self.tokens -= slot.tokens
         return True
 
-    def pop_next(self) -> Waiter | None:
-        """The next waiter to serve: the oldest interactive one, else the oldest batch one."""
+    def pop_next(self) -> Slot | None:
+        """The next slot to serve: the oldest interactive one, else the oldest batch one."""
         for priority in Priority:
             lane = self._lanes[priority]
             if lane:
-                waiter = lane.popleft()
-                self.tokens -= waiter.tokens
-                return waiter
+                slot = lane.popleft()
+                self.tokens -= slot.tokens
+                return slot
         return None
 
-    def set_tokens(self, waiter: Waiter, tokens: int) -> None:
+    def set_tokens(self, slot: Slot, tokens: int) -> None:
         """The exact prompt size, once tokenized, replaces the estimate in the totals."""
-        if waiter in self._lanes[waiter.ticket.priority]:
-            self.tokens += tokens - waiter.tokens
-        waiter.tokens = tokens
+        if slot in self._lanes[slot.ticket.priority]:
+            self.tokens += tokens - slot.tokens
+        slot.tokens = tokens
 
-    def clear(self) -> list[Waiter]:
-        """Empty the queue, returning every waiter (oldest interactive first)."""
-        waiters = [waiter for priority in Priority for waiter in self._lanes[priority]]
+    def clear(self) -> list[Slot]:
+        """Empty the queue, returning every slot (oldest interactive first)."""
+        slots = [slot for priority in Priority for slot in self._lanes[priority]]
         for lane in self._lanes.values():
             lane.clear()
         self.tokens = 0
-        return waiters
+        return slots
 
 
 def predicted_wait_s(ahead: int, free_credits: int, per_grant_s: float | None) -> float | None:
@@ -202,65 +190,49 @@ def predicted_wait_s(ahead: int, free_credits: int, per_grant_s: float | None) -
     return (ahead - free_credits + 1) * per_grant_s
 
 
-class Queue(Protocol):
-    """What an Admission needs of its route."""
-
-    def set_tokens(self, waiter: Waiter, tokens: int) -> None: ...
-
-    def withdraw(self, waiter: Waiter) -> None: ...
+def ewma(previous: float | None, sample: float) -> float:
+    return sample if previous is None else previous + EWMA_WEIGHT * (sample - previous)
 
 
-class Admission:
-    """One request's place at a route, from arrival until it is submitted or given up."""
+class ServiceTimes:
+    """How long one worker stream's requests take: submission to first update, and to the last one."""
 
-    def __init__(self, route: Queue, waiter: Waiter) -> None:
-        self._route = route
-        self._waiter = waiter
-        self._done = False
+    def __init__(self) -> None:
+        self._sent_at: dict[str, float] = {}
+        self._waiting_first: set[str] = set()
+        self.first_token_s: float | None = None
+        """Moving average of the seconds from submission to a request's first update."""
+        self.service_s: float | None = None
+        """Moving average of the seconds from submission to a completed request's last update."""
 
-    @property
-    def ticket(self) -> Ticket:
-        return self._waiter.ticket
+    def clear(self) -> None:
+        """A new stream: nothing of the old one is still on its way."""
+        self._sent_at.clear()
+        self._waiting_first.clear()
 
-    async def granted(self, prompt_tokens: int | None = None) -> WorkerLink:
-        """Wait for a credit (the exact prompt size replaces the estimate); the link it is reserved on.
+    def sent(self, wire_id: str, now: float) -> None:
+        """A submission was queued for the worker."""
+        self._sent_at[wire_id] = now
+        self._waiting_first.add(wire_id)
 
-        Raises Refused ("shed"), DeadlineExceeded or Unavailable when the ticket leaves the queue.
-        """
-        if prompt_tokens is not None:
-            self._route.set_tokens(self._waiter, prompt_tokens)
-        try:
-            return await self._waiter.future
-        except asyncio.CancelledError:
-            self.close()
-            raise
+    def forget(self, wire_id: str) -> None:
+        """The request ended without a completed generation (cancelled, rejected): it is not timed."""
+        self._sent_at.pop(wire_id, None)
+        self._waiting_first.discard(wire_id)
 
-    def submit(self, submission: worker_pb2.Submission, stop: tuple[str, ...]) -> OpenRequest:
-        """Submit on the granted link, using the credit reserved for this request."""
-        link = self._waiter.future.result()
-        self._done = True
-        return link.submit(submission, stop)
-
-    def hand_over(self) -> WorkerLink:
-        """The granted link; its reserved credit now belongs to the caller's next `link.submit`."""
-        link = self._waiter.future.result()
-        self._done = True
-        return link
-
-    def close(self) -> None:
-        """Give up the place or the reserved credit, whichever the request holds; idempotent."""
-        if self._done:
-            return
-        self._done = True
-        future = self._waiter.future
-        self._route.withdraw(self._waiter)
-        if not future.done():
-            future.cancel()
-        elif not future.cancelled() and future.exception() is None:
-            future.result().release()
-
-    def __enter__(self) -> Admission:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def time(self, response: worker_pb2.ConnectResponse, now: float) -> None:
+        """Time the first and last updates in a worker message."""
+        for rejection in response.rejections:
+            self.forget(rejection.request_id)
+        for update in response.updates:
+            wire_id = update.request_id
+            sent = self._sent_at.get(wire_id)
+            if sent is None:
+                continue
+            if wire_id in self._waiting_first:
+                self._waiting_first.discard(wire_id)
+                self.first_token_s = ewma(self.first_token_s, now - sent)
+            if update.finished:
+                del self._sent_at[wire_id]
+                if update.finish_reason in COMPLETED:  # an aborted request says nothing of the rate
+                    self.service_s = ewma(self.service_s, now - sent)

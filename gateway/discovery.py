@@ -5,7 +5,7 @@ headless service, `name:port`) is resolved with the event loop's getaddrinfo at 
 `dns_refresh_s`: each new address gets a link; an address that vanished stops taking requests and its
 link closes once its open requests have ended (or comes back if the address does). A failed
 resolution keeps the links it has. Duplicate answers (one per socket type or family alias) collapse
-to one address. This module must not choose between links nor queue requests: router.py does.
+to one address. This module must not choose between links nor queue requests: route.py does.
 """
 
 from __future__ import annotations
@@ -56,11 +56,6 @@ class Discovery:
         self.last_error = ""
         """Why the last DNS resolution failed; empty after a success."""
 
-    @property
-    def active(self) -> list[WorkerLink]:
-        """The links that may take new requests."""
-        return [link for link in self.links.values() if not link.retiring]
-
     def start(self) -> None:
         if self._settings.dns:
             self._task = asyncio.create_task(self._follow_dns(), name=f"dns-{self._settings.model}")
@@ -76,7 +71,7 @@ class Discovery:
         await asyncio.gather(*(link.close() for link in links))
 
     def apply(self, addresses: list[str]) -> None:
-        """Make the links match `addresses`: new ones start, vanished ones retire and close when idle."""
+        """Make the links match `addresses`: new ones start, vanished ones leave and close when idle."""
         wanted = set(addresses)
         changed = False
         for address in addresses:
@@ -87,15 +82,15 @@ class Discovery:
                 link.start()
                 changed = True
                 log.info("route %s: worker %s added", self._settings.model, address)
-            elif link.retiring:
-                link.retire(False)
+            elif link.leaving:
+                link.set_leaving(False)
                 changed = True
         for address, link in list(self.links.items()):
-            if address not in wanted and not link.retiring:
-                link.retire()
+            if address not in wanted and not link.leaving:
+                link.set_leaving()
                 changed = True
                 log.info("route %s: worker %s left; closing it once idle", self._settings.model, address)
-                task = asyncio.create_task(self._close_when_idle(address, link), name=f"retire-{address}")
+                task = asyncio.create_task(self._close_when_idle(address, link), name=f"leave-{address}")
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
         if changed:
@@ -103,7 +98,7 @@ class Discovery:
 
     async def _close_when_idle(self, address: str, link: WorkerLink) -> None:
         await link.wait_idle()
-        if not link.retiring:  # the address came back while its requests ran
+        if not link.leaving:  # the address came back while its requests ran
             return
         await link.close()
         if self.links.get(address) is link:

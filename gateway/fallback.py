@@ -36,7 +36,7 @@ class Trigger(enum.StrEnum):
 
 
 class RouteConfig(Protocol):
-    """What the policy reads from a route (gateway.router.Route has it)."""
+    """What the policy reads from a route (gateway.route.Route has it)."""
 
     @property
     def name(self) -> str: ...

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
     from gateway.errors import GatewayError
+    from gateway.request import Incoming
     from gateway.stage_clock import StageClock
     from gateway.validation import ValidRequest
     from strata.tracing import Tracing
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("strata.requests")
 
+TRACE_KEYS = ("traceparent", "tracestate")
+"""The W3C trace context a front door reads from the caller (gRPC metadata, HTTP headers)."""
 TOKENIZE_RPC = "strata.v1.TokenizerService/Tokenize"
 CONNECT_RPC = "strata.v1.WorkerService/Connect"
 
@@ -49,28 +52,27 @@ class RequestTrace:
     """The spans of one request (none when tracing is off) and its final log line."""
 
     def __init__(
-        self,
-        tracing: Tracing,
-        request: gateway_pb2.GenerateRequest,
-        arrival: float,
-        caller: Mapping[str, str],
-        record_content: bool = False,
+        self, tracing: Tracing, incoming: Incoming, arrival: float, record_content: bool = False
     ) -> None:
         """`record_content` puts the prompt and the completion into the span and the log line."""
+        request = incoming.request
         self._tracing = tracing
         self._arrival = arrival
         self._content = _content(request) if record_content else None
         operation = "chat" if len(request.messages) else "text_completion"
         self._operation = operation
+        protocol = {"rpc.system": "grpc"} if incoming.protocol == "grpc" else {}
         self.span = tracing.span(
             operation,  # the model joins the name once validated: span names stay few
-            parent=tracing.extract(caller),
+            parent=tracing.extract(incoming.trace_context),
             start=arrival,
             kind=SpanKind.SERVER,
             attributes={
                 "gen_ai.operation.name": operation,
                 "gen_ai.request.model": request.model,
-                "rpc.system": "grpc",
+                "network.protocol.name": incoming.protocol,
+                "strata.tenant": incoming.tenant,
+                **protocol,
             },
         )
         self.trace_id = trace_id_hex(self.span)

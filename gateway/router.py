@@ -11,10 +11,9 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from gateway.admission import Admission, Priority, Refused, Ticket
 from gateway.discovery import resolve
 from gateway.errors import NotFound, Unavailable
-from gateway.route import Route, RouteStatus
+from gateway.route import Route
 from gateway.worker_link import WorkerLink
 
 if TYPE_CHECKING:
@@ -23,8 +22,6 @@ if TYPE_CHECKING:
     from gateway.discovery import Resolver
     from gateway.settings import GatewaySettings
     from gateway.tokenizer_client import TokenizerClient
-
-__all__ = ["Admission", "Priority", "Refused", "Route", "RouteStatus", "Router", "Ticket"]
 
 
 class Router:
@@ -67,12 +64,6 @@ class Router:
     async def close(self) -> None:
         await asyncio.gather(*(route.close() for route in self._routes.values()))
 
-    def ready(self, model: str) -> bool:
-        return self.route(model).available()
-
-    def all_ready(self) -> bool:
-        return all(route.available() for route in self._routes.values())
-
     def max_model_len(self, model: str) -> int | None:
         return self.route(model).max_model_len()
 
@@ -83,6 +74,3 @@ class Router:
         if limit is None:
             raise Unavailable(route.unavailable_reason())
         return limit
-
-    def status(self, model: str) -> RouteStatus:
-        return self.route(model).status()

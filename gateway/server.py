@@ -21,7 +21,9 @@ import grpc
 from gateway.auth import ApiKeyInterceptor
 from gateway.errors import GatewayError, abort
 from gateway.metrics import ROUTER_GAUGES, STUCK_STREAMS
-from gateway.pipeline import TRACE_KEYS, CallInfo, Pipeline
+from gateway.pipeline import Pipeline
+from gateway.request import Incoming
+from gateway.request_trace import TRACE_KEYS
 from gateway.router import Router
 from gateway.settings import GatewaySettings
 from gateway.tokenize_batcher import TokenizeBatcher
@@ -43,12 +45,12 @@ SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"]
 SERVICE_NAME = SERVICE.full_name
 
 
-def call_info(context: Context) -> CallInfo:
-    """The deadline and W3C trace context of an incoming call."""
+def incoming(request: gateway_pb2.GenerateRequest, context: Context) -> Incoming:
+    """The pipeline's view of a gRPC call: the request, its deadline and its W3C trace context."""
     remaining = context.time_remaining()
     deadline = 0 if remaining is None else int((time.time() + remaining) * 1000)
     trace = {key: value for key, value in (context.invocation_metadata() or ()) if key in TRACE_KEYS}
-    return CallInfo(deadline_unix_ms=deadline, trace_context=trace)
+    return Incoming(request, protocol="grpc", deadline_unix_ms=deadline, trace_context=trace)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -72,7 +74,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.GenerateRequest, context: Context
     ) -> gateway_pb2.GenerateResponse:
         try:
-            async with contextlib.aclosing(self._pipeline.run(request, call_info(context))) as chunks:
+            async with contextlib.aclosing(self._pipeline.run(incoming(request, context))) as chunks:
                 async for chunk in chunks:
                     if chunk.final is not None:
                         return chunk.final
@@ -86,7 +88,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         """Streams the chunks; a client that takes none of them for stream_idle_timeout_s loses the
         request (cancelled on the worker), so a stuck reader holds no KV blocks and no buffers."""
         try:
-            async with contextlib.aclosing(self._pipeline.run(request, call_info(context))) as chunks:
+            async with contextlib.aclosing(self._pipeline.run(incoming(request, context))) as chunks:
                 async for chunk in chunks:
                     message = gateway_pb2.GenerateStreamResponse(
                         text=chunk.text, token_ids=chunk.token_ids, final=chunk.final

@@ -48,23 +48,6 @@ class Segment:
     """For network: which hop (tokenize, worker, detokenize)."""
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerAttempt:
-    """What the gateway saw of one submission, from its send to the end of the attempt."""
-
-    submitted: float
-    ended: float
-    """When the attempt's last delta (final or failure) was taken up."""
-    received: float | None = None
-    """When the message with the attempt's last update arrived; None when none arrived."""
-    worker_queue_ms: float = 0.0
-    """The worker's queue time (its first update's queue_ms)."""
-    worker_ms: float = 0.0
-    """The worker's time from receipt to its last update: queue_ms plus that update's forward_ms."""
-    detokenize: Call | None = None
-    """The last update's Detokenize call."""
-
-
 @dataclass(slots=True)
 class StageClock:
     """A request's stages so far; the cursor is the end of the time already given out."""
@@ -96,26 +79,41 @@ class StageClock:
         self._give("network", ended - half, ended, hop)
         self.cursor = ended
 
-    def worker_attempt(self, attempt: WorkerAttempt) -> None:
-        """Give the attempt's time to network, the worker's queue and forward, and decode."""
-        self.wait("queue", attempt.submitted)
+    def worker_attempt(
+        self,
+        *,
+        submitted: float,
+        ended: float,
+        received: float | None,
+        worker_queue_ms: float,
+        worker_ms: float,
+        detokenize: Call | None,
+    ) -> None:
+        """Give one attempt's time to network, the worker's queue and forward, and decode.
+
+        The attempt was sent at `submitted` and its last delta (final or failure) taken up at `ended`;
+        the message with its last update arrived at `received` (None when none arrived); the worker
+        reported `worker_queue_ms` of queueing (its first update) and `worker_ms` in all up to its last
+        update; `detokenize` is the last update's Detokenize call.
+        """
+        self.wait("queue", submitted)
         start = self.cursor
-        ended = max(attempt.ended, start)
-        if attempt.received is None:
+        ended = max(ended, start)
+        if received is None:
             self._give("network", start, ended, "worker")
             self.cursor = ended
             return
-        received = min(max(attempt.received, start), ended)
-        on_worker = min(attempt.worker_ms / 1000.0, received - start)
-        queued = min(attempt.worker_queue_ms / 1000.0, on_worker)
+        received = min(max(received, start), ended)
+        on_worker = min(worker_ms / 1000.0, received - start)
+        queued = min(worker_queue_ms / 1000.0, on_worker)
         self.parts["queue"] += queued
         self.parts["forward"] += on_worker - queued
         half = (received - start - on_worker) / 2.0
         self._give("network", start, start + half, "worker")
         self._give("network", received - half, received, "worker")
         detokenize_network = 0.0
-        if attempt.detokenize is not None:
-            detokenize_network = min(attempt.detokenize.network_s, ended - received)
+        if detokenize is not None:
+            detokenize_network = min(detokenize.network_s, ended - received)
         self._give("decode", received, ended - detokenize_network)
         self._give("network", ended - detokenize_network, ended, "detokenize")
         self.cursor = ended

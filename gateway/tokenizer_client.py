@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.errors import DeadlineExceeded, GatewayError, Unavailable, from_rpc_error
+from gateway.errors import DeadlineExceeded, GatewayError, TokenizerUnavailable, Unavailable, from_rpc_error
+from gateway.stage_clock import Call
 from strata.rpc import MIB, SERVING, aio_channel, channel_options
 from strata.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
@@ -73,14 +75,27 @@ class TokenizerClient:
             raise from_rpc_error(exc, "tokenizer service (Tokenize)") from exc
         return response
 
-    async def detokenize(self, request: tokenizer_pb2.DetokenizeRequest) -> tokenizer_pb2.DetokenizeResponse:
+    async def detokenize(
+        self, entries: list[tokenizer_pb2.DetokenizeEntry]
+    ) -> tuple[list[tokenizer_pb2.DetokenizeResult], Call]:
+        """One result per entry, and the times of the call; TokenizerUnavailable when it failed, since
+        then no worker retry helps (every worker's tokens pass through this service)."""
+        started = time.perf_counter()
         try:
             response: tokenizer_pb2.DetokenizeResponse = await self._stub.Detokenize(
-                request, timeout=self._timeout
+                tokenizer_pb2.DetokenizeRequest(entries=entries), timeout=self._timeout
             )
         except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc, "tokenizer service (Detokenize)") from exc
-        return response
+            error = from_rpc_error(exc, "tokenizer service (Detokenize)")
+            raise TokenizerUnavailable(
+                f"the tokenizer service could not detokenize the request's tokens: {error}"
+            ) from exc
+        if len(response.results) != len(entries):
+            raise TokenizerUnavailable(
+                "the tokenizer service could not detokenize the request's tokens: tokenizer service "
+                f"answered {len(response.results)} results for {len(entries)} entries"
+            )
+        return list(response.results), Call(started, time.perf_counter(), response.server_ms)
 
     async def refresh_info(self) -> dict[str, tokenizer_pb2.TokenizerModel]:
         try:

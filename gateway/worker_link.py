@@ -1,16 +1,15 @@
 """One long-lived Connect stream to one worker, multiplexing every request the gateway sends it.
 
-The link waits for the worker's health to say SERVING, introduces itself with the route's model and
-the tokenizer service's fingerprint, then runs a writer task (merging the submissions and
-cancellations queued in the same event-loop tick into one ConnectRequest) and a reader loop. For
-each ConnectResponse the reader makes ONE batched Detokenize call covering every update in it, keeps
-each request's detokenization state (window, read offset, held-back text), and pushes one Delta per
-request onto that request's queue. Its credits (credit_ledger.py) never exceed what the worker
-accepts; every change of them is signalled to the route's dispatcher through `on_capacity`. A broken
-stream fails its open requests with UNAVAILABLE and reconnects with backoff; a FAILED_PRECONDITION
-answer (another model or tokenizer) leaves the link refused, with the reason kept for the error
-clients see. This module must not choose between links (router.py does) nor shape client responses
-(pipeline.py does).
+The link waits for the worker's health to say SERVING, introduces itself with the route's model and the
+tokenizer service's fingerprint, then runs a writer task (link_writer.py) and a reader loop. For each
+ConnectResponse the reader makes ONE batched Detokenize call covering every update in it and hands each
+request its result (request.py keeps the state that call needs). Each submission rides on a Slot granted
+on this link (credits.py counts them, so the worker is never sent more than it accepts); releasing the
+slot cancels the submission if the worker still runs it, and every change of the credits is signalled to
+the route's dispatcher through `on_capacity`. A broken stream fails its open requests with UNAVAILABLE
+and reconnects with backoff; a FAILED_PRECONDITION answer (another model or tokenizer) leaves the link
+refused, with the reason kept for the error clients see. This module must not choose between links
+(route.py does) nor shape client responses (request.py does).
 """
 
 from __future__ import annotations
@@ -23,27 +22,26 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.credit_ledger import CreditLedger
+from gateway.admission import ServiceTimes
+from gateway.credits import StreamCredits
 from gateway.errors import GatewayError, TokenizerUnavailable, Unavailable, from_code
-from gateway.metrics import SUBMISSION_BATCH_SIZE, WORKER_SUBMISSIONS
-from gateway.request_state import Delta, OpenRequest
-from gateway.stage_clock import Call
+from gateway.link_writer import write_merged
+from gateway.metrics import WORKER_SUBMISSIONS
 from gateway.tokenizer_client import INITIAL_BACKOFF_S, INTERNAL_MESSAGE_BYTES
-from strata.rpc import MIB, SERVING, aio_channel, channel_options
+from strata.rpc import SERVING, aio_channel, channel_options
 from strata.v1 import tokenizer_pb2, worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from gateway.credits import Slot
+    from gateway.request import Request
     from gateway.settings import GatewaySettings
     from gateway.tokenizer_client import TokenizerClient
 
 log = logging.getLogger(__name__)
 
 WORKER_SERVICE = "strata.v1.WorkerService"
-MAX_SUBMISSIONS_PER_MESSAGE = 1024
-# Stop merging once a ConnectRequest is this big, well inside the worker's 16 MiB default bound.
-MAX_MERGED_BYTES = 4 * MIB
 
 
 class StreamClosedError(Exception):
@@ -73,13 +71,15 @@ class WorkerLink:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._task: asyncio.Task[None] | None = None
         self._outbound: asyncio.Queue[worker_pb2.Submission | str] = asyncio.Queue()
-        self._open: dict[str, OpenRequest] = {}
+        self._open: dict[str, Request] = {}
+        """The requests the worker runs for this stream, by wire id."""
         self._idle = asyncio.Event()
         self._delivering = False
         """A message's deltas are being detokenized: a finished request's last one is not out yet."""
-        self.ledger = CreditLedger()
+        self.credits = StreamCredits()
+        self.times = ServiceTimes()
         self.ready = False
-        self.retiring = False
+        self.leaving = False
         """Set when the worker's address vanished from discovery: no new requests, close when idle."""
         self.submitted = 0
         """Requests submitted over this link's life."""
@@ -90,28 +90,19 @@ class WorkerLink:
         self.last_error = "not connected yet"
 
     @property
-    def credits(self) -> int:
-        """Requests this gateway may still send the worker: 0 when the link is not usable."""
-        if not self.ready or self.retiring:
+    def free_credits(self) -> int:
+        """Slots the route may still grant on this link: 0 when the link is not usable."""
+        if not self.ready or self.leaving:
             return 0
-        return self.ledger.available(len(self._open))
+        return self.credits.available()
 
     @property
     def open_requests(self) -> int:
         return len(self._open)
 
-    def reserve(self) -> None:
-        """Hold one credit for a request admission granted; its submit (or release) gives it back."""
-        self.ledger.reserve()
-
-    def release(self) -> None:
-        """Give back a reserved credit whose request will not be submitted."""
-        self.ledger.release()
-        self._on_capacity()
-
-    def retire(self, retiring: bool = True) -> None:
-        """Take no new requests (or take them again); the open ones run to their end."""
-        self.retiring = retiring
+    def set_leaving(self, leaving: bool = True) -> None:
+        """Take no new requests (the address left discovery), or take them again; open ones run on."""
+        self.leaving = leaving
         self._on_capacity()
 
     async def wait_idle(self) -> None:
@@ -134,34 +125,34 @@ class WorkerLink:
         self._drop("the gateway is shutting down", expected=True)
         await self._channel.close()
 
-    def submit(self, submission: worker_pb2.Submission, stop: tuple[str, ...]) -> OpenRequest:
-        """Queue a submission for the next write; its deltas arrive on the returned request's queue.
-
-        It uses the credit admission reserved for it, if any, even when it fails.
-        """
-        self.ledger.release()
+    def submit(self, slot: Slot, submission: worker_pb2.Submission, request: Request) -> None:
+        """Queue a submission (named by its wire id) for the next write, on the credit `slot` holds
+        here; `request` gets what the worker sends back for it. Unavailable when the stream is down."""
+        assert slot.link is self, "a submission rides on a slot granted on this link"
         if not self.ready:
             raise Unavailable(f"worker {self.address} is not ready: {self.not_ready_reason}")
-        if submission.request_id in self._open:
-            raise Unavailable(f"request id {submission.request_id!r} is already open on {self.address}")
-        request = OpenRequest(submission.request_id, self.model, stop, worker=self.address)
-        self._open[request.wire_id] = request
-        self.ledger.sent(request.wire_id, time.monotonic())
+        wire_id = slot.wire_id = submission.request_id
+        self._open[wire_id] = request
+        self.times.sent(wire_id, time.monotonic())
         self.submitted += 1
         WORKER_SUBMISSIONS.labels(self.model, self.address).inc()
         self._outbound.put_nowait(submission)
-        return request
 
-    def cancel(self, request: OpenRequest) -> None:
-        """Abort a request that is still open on this stream, freeing its KV blocks in the worker."""
-        if self._open.get(request.wire_id) is request:
-            del self._open[request.wire_id]
-            self.ledger.forget(request.wire_id)
-            self._outbound.put_nowait(request.wire_id)
+    def slot_released(self, slot: Slot) -> None:
+        """A slot granted here was released: cancel its submission if the worker still runs it.
+
+        The worker reads a cancellation before any submission queued after it, so the credit is free
+        for the next one already.
+        """
+        self._cancel(slot.wire_id)
+        self._on_capacity()
+
+    def _cancel(self, wire_id: str) -> None:
+        """Abort a request still open on this stream, freeing its KV blocks in the worker."""
+        if wire_id and self._open.pop(wire_id, None) is not None:
+            self.times.forget(wire_id)
+            self._outbound.put_nowait(wire_id)
             self._note_idle()
-            # The worker reads this cancellation before any submission queued after it: the credit
-            # is free for the next one already.
-            self._on_capacity()
 
     def _note_idle(self) -> None:
         if not self._open and not self._delivering:
@@ -215,7 +206,8 @@ class WorkerLink:
                 raise StreamClosedError(f"worker {self.address} answered the hello without its own")
             self.info = first.hello.info
             self._outbound = asyncio.Queue()
-            self.ledger.reset(first.hello.info.max_requests, first.credits.requests)
+            self.credits.reset(first.hello.info.max_requests, first.credits.requests)
+            self.times.clear()
             self.ready = True
             self.refusal = ""
             log.info(
@@ -226,7 +218,9 @@ class WorkerLink:
             )
             self._on_change()
             self._on_capacity()
-            writer = asyncio.create_task(self._write(call, self._outbound), name=f"writer-{self.address}")
+            writer = asyncio.create_task(
+                write_merged(call, self._outbound, self.model, self.address), name=f"writer-{self.address}"
+            )
             while True:
                 response = await call.read()
                 if response is grpc.aio.EOF:
@@ -237,41 +231,14 @@ class WorkerLink:
                 writer.cancel()
             call.cancel()
 
-    async def _write(
-        self, call: grpc.aio.StreamStreamCall, outbound: asyncio.Queue[worker_pb2.Submission | str]
-    ) -> None:
-        try:
-            while True:
-                message = worker_pb2.ConnectRequest()
-                item = await outbound.get()
-                size = 0
-                while True:
-                    if isinstance(item, str):
-                        message.cancellations.append(item)
-                    else:
-                        message.submissions.append(item)
-                        size += item.ByteSize()
-                    full = len(message.submissions) >= MAX_SUBMISSIONS_PER_MESSAGE or size >= MAX_MERGED_BYTES
-                    if full or outbound.empty():
-                        break
-                    item = outbound.get_nowait()
-                if message.submissions:
-                    SUBMISSION_BATCH_SIZE.labels(self.model).observe(len(message.submissions))
-                await call.write(message)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-            # The reader sees the same broken stream and reconnects; make sure it wakes up.
-            log.debug("write to worker %s failed: %s", self.address, exc)
-            call.cancel()
-
     async def _handle(self, response: worker_pb2.ConnectResponse, received: float) -> None:
-        self.ledger.time(response, time.monotonic())
+        self.times.time(response, time.monotonic())
         for rejection in response.rejections:
             rejected = self._open.pop(rejection.request_id, None)
             if rejected is not None:
                 message = f"worker {self.address}: {rejection.message}"
-                error = from_code(rejection.code, message, self._settings.overload_retry_after_s)
-                rejected.deltas.put_nowait(Delta(error=error))
-        targets: list[tuple[OpenRequest, worker_pb2.TokenUpdate]] = []
+                rejected.fail(from_code(rejection.code, message, self._settings.overload_retry_after_s))
+        targets: list[tuple[str, Request, worker_pb2.TokenUpdate]] = []
         entries: list[tokenizer_pb2.DetokenizeEntry] = []
         for update in response.updates:
             request = self._open.get(update.request_id)
@@ -279,10 +246,10 @@ class WorkerLink:
                 continue
             if update.finished:
                 del self._open[update.request_id]
-            targets.append((request, update))
+            targets.append((update.request_id, request, update))
             entries.append(request.entry(update))
         if response.HasField("credits"):
-            self.ledger.report(response.credits.requests, len(self._open))
+            self.credits.report(response.credits.requests, len(self._open))
         self._on_capacity()
         if entries:
             self._delivering = True
@@ -294,37 +261,25 @@ class WorkerLink:
 
     async def _detokenize(
         self,
-        targets: list[tuple[OpenRequest, worker_pb2.TokenUpdate]],
+        targets: list[tuple[str, Request, worker_pb2.TokenUpdate]],
         entries: list[tokenizer_pb2.DetokenizeEntry],
         received: float,
     ) -> None:
-        started = time.perf_counter()
         try:
-            answer = await self._tokenizer.detokenize(tokenizer_pb2.DetokenizeRequest(entries=entries))
-            if len(answer.results) != len(entries):
-                raise Unavailable(
-                    f"tokenizer service answered {len(answer.results)} results for {len(entries)} entries"
-                )
-        except GatewayError as exc:
-            lost = TokenizerUnavailable(
-                f"the tokenizer service could not detokenize the request's tokens: {exc}"
-            )
-            for request, _ in targets:
-                self._fail(request, lost)
+            results, call = await self._tokenizer.detokenize(entries)
+        except TokenizerUnavailable as lost:
+            for wire_id, request, _ in targets:
+                self._cancel(wire_id)
+                request.fail(lost)
             return
-        call = Call(started, time.perf_counter(), answer.server_ms)
-        for (request, update), result in zip(targets, answer.results, strict=True):
+        for (wire_id, request, update), result in zip(targets, results, strict=True):
             if result.HasField("error"):
-                self._fail(request, from_code(result.error.code, result.error.message))
+                self._cancel(wire_id)
+                request.fail(from_code(result.error.code, result.error.message))
                 continue
-            delta = request.advance(update, result, received, call)
             if result.stopped:
-                self.cancel(request)  # the worker may still be generating: free its KV blocks now
-            request.deltas.put_nowait(delta)
-
-    def _fail(self, request: OpenRequest, error: GatewayError) -> None:
-        self.cancel(request)
-        request.deltas.put_nowait(Delta(error=error))
+                self._cancel(wire_id)  # the worker may still be generating: free its KV blocks now
+            request.deliver(update, result, received, call)
 
     def _drop(self, reason: str, *, expected: bool = False) -> None:
         """Fail every open request and mark the link not ready; a loss nobody planned is a warning."""
@@ -332,10 +287,11 @@ class WorkerLink:
         self.ready = False
         self.last_error = f"worker {self.address}: {reason}"
         failed, self._open = self._open, {}
-        self.ledger.reset(0, 0)
+        self.credits.reset(0, 0)
+        self.times.clear()
         error = Unavailable(f"worker {self.address} for model {self.model!r} is gone: {reason}")
         for request in failed.values():
-            request.deltas.put_nowait(Delta(error=error))
+            request.fail(error)
         self._note_idle()
         self._on_capacity()
         if was_ready:

@@ -20,21 +20,26 @@ import pytest
 import yaml
 
 from gateway.admission import Ticket
+from gateway.attempt import Attempt
+from gateway.credits import Slot
 from gateway.discovery import resolve
 from gateway.errors import Unavailable
+from gateway.request import Incoming, Request
+from gateway.request_trace import RequestTrace
 from gateway.router import Router
 from gateway.settings import GatewaySettings
 from gateway.tokenizer_client import TokenizerClient
+from gateway.validation import ValidRequest
 from services.tokenizer.server import start as start_tokenizer
 from services.tokenizer.settings import TokenizerSettings
 from services.worker.server import start as start_worker
-from strata.v1 import common_pb2, worker_pb2
+from strata.tracing import Tracing
+from strata.v1 import common_pb2, gateway_pb2, worker_pb2
 from tests.integration.admission_harness import MODELS, WAIT_S, engine_config, set_step_delay, worker_settings
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from gateway.request_state import OpenRequest
     from gateway.route import Route
     from services.worker.server import WorkerServer
 
@@ -96,26 +101,34 @@ def ticket(name: str, deadline: float | None = None) -> Ticket:
     return Ticket(request_id=name, prompt_tokens=3, max_new_tokens=4, deadline=deadline)
 
 
+def request_of(route: Route, name: str, new_tokens: int) -> Request:
+    """A request of three prompt ids for `route`, as the pipeline makes one after tokenizing."""
+    incoming = Incoming(gateway_pb2.GenerateRequest(prompt="x", request_id=name))
+    sampling = common_pb2.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    valid = ValidRequest(incoming.request, route.name, name, sampling)
+    arrival = time.perf_counter()
+    request = Request(incoming, valid, route, RequestTrace(Tracing.off(), incoming, arrival), arrival)
+    request.prompt_ids = [5, 6, 7]
+    return request
+
+
 async def generate(route: Route, name: str, new_tokens: int = 4) -> list[int]:
-    """Admit, submit and collect one request's tokens."""
-    with route.enqueue(ticket(name)) as admission:
-        await admission.granted(3)
-        sampling = common_pb2.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-        handle = admission.submit(
-            worker_pb2.Submission(request_id=name, prompt_ids=[5, 6, 7], sampling=sampling), ()
-        )
-    return await collect(handle)
+    """Place, send and collect one request's tokens, as the pipeline's attempt does."""
+    request = request_of(route, name, new_tokens)
+    with Attempt.place(request, route, None, 0) as attempt:
+        attempt.send(await attempt.granted())
+        return await collect(request)
 
 
-async def collect(handle: OpenRequest) -> list[int]:
+async def collect(request: Request) -> list[int]:
     tokens: list[int] = []
     while True:
-        delta = await asyncio.wait_for(handle.deltas.get(), WAIT_S)
-        if delta.error is not None:
-            raise delta.error
-        tokens.extend(delta.token_ids)
-        if delta.finish_reason:
-            return tokens
+        for delta in await asyncio.wait_for(request.next_deltas(), WAIT_S):
+            if delta.error is not None:
+                raise delta.error
+            tokens.extend(delta.token_ids)
+            if delta.finish_reason:
+                return tokens
 
 
 def test_a_dns_route_resolves_localhost_and_follows_its_changes(tiny_serving_dir: Path) -> None:
@@ -160,7 +173,7 @@ def test_a_dns_route_resolves_localhost_and_follows_its_changes(tiny_serving_dir
             running = asyncio.ensure_future(generate_on(route, leaving, "last-one", 30))
             await until(lambda: leaving.open_requests == 1, 10, "a request runs on the leaving replica")
             zone.remove(first.address)
-            await until(lambda: leaving.retiring, 10, "the vanished replica retires")
+            await until(lambda: leaving.leaving, 10, "the vanished replica takes no new requests")
             assert len(await running) == 30
             await until(
                 lambda: [link.address for link in route.links] == [second.address], 10, "the link closed"
@@ -173,10 +186,19 @@ def test_a_dns_route_resolves_localhost_and_follows_its_changes(tiny_serving_dir
 
 
 async def generate_on(route: Route, link: Any, name: str, new_tokens: int) -> list[int]:
-    """A request submitted straight to one link (bypassing the dispatcher's choice)."""
-    sampling = common_pb2.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    handle = link.submit(worker_pb2.Submission(request_id=name, prompt_ids=[5, 6, 7], sampling=sampling), ())
-    return await collect(handle)
+    """A request submitted straight to one link: its slot granted there, bypassing the dispatcher."""
+    request = request_of(route, name, new_tokens)
+    slot = Slot(ticket(name), route)
+    slot.grant(link)
+    try:
+        sampling = common_pb2.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        submission = worker_pb2.Submission(
+            request_id=f"{name}#direct", prompt_ids=[5, 6, 7], sampling=sampling
+        )
+        link.submit(slot, submission, request)
+        return await collect(request)
+    finally:
+        slot.release()
 
 
 def test_a_cancelled_caller_leaves_the_queue_and_a_lost_worker_fails_the_waiting(

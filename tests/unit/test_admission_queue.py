@@ -1,5 +1,6 @@
 """Admission bookkeeping alone: the two-priority bounded queue, shedding, the wait model, the prompt
-estimate, the credit ledger and the route settings. No I/O."""
+estimate, a stream's credits and the slots that hold them, service times and the route settings.
+No I/O."""
 
 from __future__ import annotations
 
@@ -14,14 +15,14 @@ from gateway.admission import (
     AdmissionQueue,
     Priority,
     Refused,
+    ServiceTimes,
     Ticket,
-    Waiter,
     deadline_from_unix_ms,
     estimate_prompt_tokens,
     predicted_wait_s,
     priority_of,
 )
-from gateway.credit_ledger import CreditLedger
+from gateway.credits import Slot, StreamCredits
 from gateway.settings import GatewaySettings
 from strata.settings import SettingsError
 from strata.status import RETRY_PUSHBACK_KEY, STATUS_DETAILS_KEY, Unavailable, retry_delay_s, trailers
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 @pytest.fixture(autouse=True)
 def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    """Waiters hold futures, which need a loop (nothing runs on it)."""
+    """Slots hold futures, which need a loop (nothing runs on it)."""
     new_loop = asyncio.new_event_loop()
     asyncio.set_event_loop(new_loop)
     yield new_loop
@@ -42,25 +43,58 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     new_loop.close()
 
 
-def waiter(name: str, tokens: int = 10, priority: Priority = Priority.INTERACTIVE) -> Waiter:
+class RecordingRoute:
+    """What a Slot calls back on its route: recorded, since these tests drive the queue by hand."""
+
+    def __init__(self) -> None:
+        self.withdrawn: list[Slot] = []
+
+    def set_tokens(self, slot: Slot, tokens: int) -> None:
+        slot.tokens = tokens
+
+    def withdraw(self, slot: Slot) -> None:
+        self.withdrawn.append(slot)
+
+
+class RecordingLink:
+    """What a granted Slot calls on its link: its credits, and the release that may cancel a submission."""
+
+    def __init__(self) -> None:
+        self.credits = StreamCredits()
+        self.released: list[Slot] = []
+
+    def slot_released(self, slot: Slot) -> None:
+        self.released.append(slot)
+
+
+def slot(
+    name: str,
+    tokens: int = 10,
+    priority: Priority = Priority.INTERACTIVE,
+    route: RecordingRoute | None = None,
+) -> Slot:
     ticket = Ticket(request_id=name, prompt_tokens=tokens, max_new_tokens=8, priority=priority)
-    return Waiter(ticket, asyncio.get_event_loop().create_future(), tokens)
+
+    async def make() -> Slot:  # a slot belongs to the running loop, as on a route
+        return Slot(ticket, route or RecordingRoute())
+
+    return asyncio.get_event_loop().run_until_complete(make())
 
 
 def order(queue: AdmissionQueue) -> list[str]:
     names = []
-    while (next_waiter := queue.pop_next()) is not None:
-        names.append(next_waiter.ticket.request_id)
+    while (next_slot := queue.pop_next()) is not None:
+        names.append(next_slot.ticket.request_id)
     return names
 
 
 def test_interactive_first_then_fifo_within_a_priority() -> None:
     queue = AdmissionQueue(max_requests=10, max_tokens=1000)
     for w in (
-        waiter("b1", priority=Priority.BATCH),
-        waiter("i1"),
-        waiter("b2", priority=Priority.BATCH),
-        waiter("i2"),
+        slot("b1", priority=Priority.BATCH),
+        slot("i1"),
+        slot("b2", priority=Priority.BATCH),
+        slot("i2"),
     ):
         queue.push(w)
     assert (queue.requests, queue.tokens) == (4, 40)
@@ -71,44 +105,44 @@ def test_interactive_first_then_fifo_within_a_priority() -> None:
 
 def test_full_queue_sheds_the_newest_batch_for_an_interactive_arrival() -> None:
     queue = AdmissionQueue(max_requests=3, max_tokens=1000)
-    old_batch, new_batch = waiter("b-old", priority=Priority.BATCH), waiter("b-new", priority=Priority.BATCH)
-    for w in (old_batch, waiter("i1"), new_batch):
+    old_batch, new_batch = slot("b-old", priority=Priority.BATCH), slot("b-new", priority=Priority.BATCH)
+    for w in (old_batch, slot("i1"), new_batch):
         queue.push(w)
-    assert queue.victims(waiter("i2").ticket) == [new_batch]
-    assert queue.victims(waiter("b3", priority=Priority.BATCH).ticket) == (
+    assert queue.victims(slot("i2").ticket) == [new_batch]
+    assert queue.victims(slot("b3", priority=Priority.BATCH).ticket) == (
         "queue_full",
         "queue full: 3 requests waiting (max_queued_requests=3)",
     )
     only_interactive = AdmissionQueue(max_requests=1, max_tokens=1000)
-    only_interactive.push(waiter("i1"))
-    assert only_interactive.victims(waiter("i2").ticket)[0] == "queue_full"
+    only_interactive.push(slot("i1"))
+    assert only_interactive.victims(slot("i2").ticket)[0] == "queue_full"
 
 
 def test_token_budget_counts_waiting_prompt_tokens_but_a_lone_ticket_always_fits() -> None:
     queue = AdmissionQueue(max_requests=10, max_tokens=100)
-    assert queue.victims(waiter("huge", tokens=5000).ticket) == []
-    queue.push(waiter("a", tokens=60))
-    assert queue.victims(waiter("fits", tokens=40).ticket) == []
-    reason, text = queue.victims(waiter("over", tokens=41).ticket)  # type: ignore[misc]
+    assert queue.victims(slot("huge", tokens=5000).ticket) == []
+    queue.push(slot("a", tokens=60))
+    assert queue.victims(slot("fits", tokens=40).ticket) == []
+    reason, text = queue.victims(slot("over", tokens=41).ticket)  # type: ignore[misc]
     assert reason == "token_budget"
     assert text == "token budget: 60 prompt tokens waiting + 41 would exceed max_queued_tokens=100"
-    batch = waiter("b", tokens=30, priority=Priority.BATCH)
+    batch = slot("b", tokens=30, priority=Priority.BATCH)
     queue = AdmissionQueue(max_requests=10, max_tokens=100)
-    queue.push(waiter("a", tokens=60))
+    queue.push(slot("a", tokens=60))
     queue.push(batch)
-    assert queue.victims(waiter("i", tokens=40).ticket) == [batch]
+    assert queue.victims(slot("i", tokens=40).ticket) == [batch]
 
 
 def test_exact_token_counts_replace_estimates_and_removal_is_exact() -> None:
     queue = AdmissionQueue(max_requests=10, max_tokens=1000)
-    a, b = waiter("a", tokens=100), waiter("b", tokens=50)
+    a, b = slot("a", tokens=100), slot("b", tokens=50)
     queue.push(a)
     queue.push(b)
     queue.set_tokens(a, 30)
     assert queue.tokens == 80
     assert queue.remove(a) and not queue.remove(a)
     assert (queue.requests, queue.tokens) == (1, 50)
-    outside = waiter("c", tokens=7)
+    outside = slot("c", tokens=7)
     queue.set_tokens(outside, 3)
     assert outside.tokens == 3 and queue.tokens == 50
     assert [w.ticket.request_id for w in queue.clear()] == ["b"]
@@ -160,40 +194,54 @@ def _response(
     return response
 
 
-def test_ledger_counts_its_own_open_requests_and_learns_others_from_reports() -> None:
-    ledger = CreditLedger()
-    ledger.reset(limit=4, reported=4)
-    ledger.reserve()
-    ledger.reserve()
-    assert ledger.available(open_requests=0) == 2
-    ledger.release()  # a reservation turns into a submission (open request)
-    ledger.release()
-    assert ledger.available(open_requests=3) == 1
-    # A report written before the worker read our three submissions still says 4: never more than 1.
-    ledger.report(reported=4, open_requests=3)
-    assert ledger.available(open_requests=3) == 1
-    # Another gateway took one credit: the worker, holding our three, reports none left.
-    ledger.report(reported=0, open_requests=3)
-    assert (ledger.others, ledger.available(open_requests=3)) == (1, 0)
-    ledger.report(reported=1, open_requests=2)  # one of ours finished
-    assert ledger.available(open_requests=2) == 1
-    ledger.release()  # more releases than reservations never go negative
-    assert ledger.reserved == 0
-    ledger.reset(limit=4, reported=1)  # a new stream to a worker where others hold 3
-    assert ledger.available(open_requests=0) == 1
+def test_stream_credits_count_held_slots_and_learn_others_from_reports() -> None:
+    credits = StreamCredits()
+    credits.reset(limit=4, reported=4)
+    credits.held = 3  # three slots granted, not sent yet
+    assert credits.available() == 1
+    # A report written before the worker read any of our submissions still says 4: never more than 1.
+    credits.report(reported=4, open_on_worker=0)
+    assert credits.available() == 1
+    # All three sent, and another gateway took one credit: the worker, holding our three, reports none.
+    credits.report(reported=0, open_on_worker=3)
+    assert (credits.others, credits.available()) == (1, 0)
+    credits.held = 2  # one of ours finished and its slot was released
+    credits.report(reported=1, open_on_worker=2)
+    assert credits.available() == 1
+    credits.held = 0
+    credits.reset(limit=4, reported=1)  # a new stream to a worker where others hold 3
+    assert credits.available() == 1
 
 
-def test_ledger_times_first_and_last_updates_of_completed_requests() -> None:
-    ledger = CreditLedger()
-    ledger.reset(limit=4, reported=4)
+def test_a_slot_takes_one_credit_when_granted_and_gives_it_back_exactly_once() -> None:
+    route, link = RecordingRoute(), RecordingLink()
+    link.credits.reset(limit=2, reported=2)
+    granted = slot("g", route=route)
+    granted.grant(link)  # type: ignore[arg-type]
+    assert granted.decided and link.credits.available() == 1
+    granted.release()
+    granted.release()
+    assert link.credits.held == 0 and link.released == [granted] and route.withdrawn == []
+    waiting = slot("w", route=route)
+    waiting.release()
+    waiting.release()
+    assert route.withdrawn == [waiting] and waiting.decided  # it left the queue, once
+    refused = slot("r", route=route)
+    refused.refuse(Unavailable("no worker"))
+    with pytest.raises(Unavailable):
+        asyncio.get_event_loop().run_until_complete(refused.granted(10))
+
+
+def test_service_times_track_first_and_last_updates_of_completed_requests() -> None:
+    times = ServiceTimes()
     for name, now in (("r1", 0.0), ("r2", 0.0), ("r3", 0.1), ("cancelled", 0.1)):
-        ledger.sent(name, now)
-    ledger.time(_response(3, (("r2", False),)), now=0.5)
-    assert ledger.first_token_s == pytest.approx(0.5)
-    ledger.forget("cancelled")
-    ledger.time(_response(1, (("r3", False), ("r2", True), ("cancelled", True)), rejected=("r1",)), now=1.0)
-    assert ledger.first_token_s == pytest.approx(0.5 + 0.2 * (0.9 - 0.5))
-    assert ledger.service_s == pytest.approx(1.0)
+        times.sent(name, now)
+    times.time(_response(3, (("r2", False),)), now=0.5)
+    assert times.first_token_s == pytest.approx(0.5)
+    times.forget("cancelled")
+    times.time(_response(1, (("r3", False), ("r2", True), ("cancelled", True)), rejected=("r1",)), now=1.0)
+    assert times.first_token_s == pytest.approx(0.5 + 0.2 * (0.9 - 0.5))
+    assert times.service_s == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.stage_clock import Call, StageClock, WorkerAttempt
+from gateway.stage_clock import Call, StageClock
 
 
 def _ms(clock: StageClock) -> dict[str, float]:
@@ -17,7 +17,7 @@ def test_a_request_splits_into_its_stages_exactly() -> None:
     clock.hop(Call(started=10.001, ended=10.005, server_ms=3.0), "preprocess", "tokenize")
     # Admitted 2 ms later; the worker reports 5 ms queue + 80 ms forward; the last update arrives at
     # 10.097 (so 10 ms of network), is detokenized in 1.5 ms (1 ms on the server), done at 10.099.
-    attempt = WorkerAttempt(
+    clock.worker_attempt(
         submitted=10.007,
         ended=10.099,
         received=10.097,
@@ -25,7 +25,6 @@ def test_a_request_splits_into_its_stages_exactly() -> None:
         worker_ms=85.0,
         detokenize=Call(started=10.0972, ended=10.0987, server_ms=1.0),
     )
-    clock.worker_attempt(attempt)
     parts = _ms(clock)
     assert parts == pytest.approx(
         {
@@ -45,7 +44,9 @@ def test_segments_tile_the_gateway_side_and_halve_each_hops_network() -> None:
     clock.hop(Call(0.0, 0.010, server_ms=6.0), "preprocess", "tokenize")
     tokenize_network = [s for s in clock.segments if s.hop == "tokenize"]
     assert [(s.start, s.end) for s in tokenize_network] == [(0.0, 0.002), (0.008, 0.010)]
-    clock.worker_attempt(WorkerAttempt(submitted=0.020, ended=0.120, received=0.110, worker_ms=70.0))
+    clock.worker_attempt(
+        submitted=0.020, ended=0.120, received=0.110, worker_queue_ms=0.0, worker_ms=70.0, detokenize=None
+    )
     worker_network = [s for s in clock.segments if s.hop == "worker"]
     assert [t for s in worker_network for t in (s.start, s.end)] == pytest.approx(
         [0.020, 0.030, 0.100, 0.110]
@@ -62,7 +63,9 @@ def test_segments_tile_the_gateway_side_and_halve_each_hops_network() -> None:
 
 def test_a_worker_that_never_answered_is_all_network() -> None:
     clock = StageClock(cursor=1.0)
-    clock.worker_attempt(WorkerAttempt(submitted=1.5, ended=3.0))
+    clock.worker_attempt(
+        submitted=1.5, ended=3.0, received=None, worker_queue_ms=0.0, worker_ms=0.0, detokenize=None
+    )
     assert _ms(clock) == pytest.approx(
         {"network": 1500.0, "preprocess": 0.0, "queue": 500.0, "forward": 0.0, "decode": 0.0}
     )
@@ -72,7 +75,7 @@ def test_a_worker_reporting_more_than_the_gateway_saw_is_capped() -> None:
     """Clocks differ between processes: the worker's time never exceeds the interval that held it."""
     clock = StageClock(cursor=0.0)
     clock.worker_attempt(
-        WorkerAttempt(submitted=0.0, ended=0.051, received=0.050, worker_queue_ms=70.0, worker_ms=90.0)
+        submitted=0.0, ended=0.051, received=0.050, worker_queue_ms=70.0, worker_ms=90.0, detokenize=None
     )
     parts = _ms(clock)
     assert parts["queue"] == pytest.approx(50.0) and parts["forward"] == 0.0 and parts["network"] == 0.0

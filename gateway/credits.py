@@ -1,0 +1,119 @@
+"""Worker credits in the gateway: one stream's count of them, and the Slot through which a request holds one.
+
+A worker accepts at most `limit` requests (its hello's max_requests), shared by every gateway connected
+to it, and reports its free credits in every message. A report may predate submissions still on the
+wire, so the gateway does not subtract from the report: it learns from each report only how many
+credits *other* gateways hold (limit - reported - the requests this stream has open there, never below
+zero, since the worker cannot have counted more of ours than we sent). The credits this gateway may
+still use are limit - others - held, where held counts the Slots granted on the stream and not yet
+released. With one gateway this is exact at every moment; with several, another gateway's submissions
+in flight can still make a submission arrive to a full worker, which the worker then refuses.
+
+A Slot is one request's claim on a credit for one submission, from its place in a route's queue to its
+end: the route's dispatcher grants it on a link (taking the credit), and `release` is the only way the
+credit returns. `release` is idempotent and covers every state: a waiting slot leaves the queue, a
+granted one gives its credit back, and one whose submission is still open on the worker has it
+cancelled there. The pipeline, which owns the request's lifecycle, releases every slot it was given,
+on every path. This module does no I/O and must not choose links (route.py does) nor queue requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from gateway.admission import Ticket
+    from gateway.worker_link import WorkerLink
+
+
+class SlotQueue(Protocol):
+    """What a waiting Slot needs of its route's queue."""
+
+    def set_tokens(self, slot: Slot, tokens: int) -> None: ...
+
+    def withdraw(self, slot: Slot) -> None: ...
+
+
+class StreamCredits:
+    """One worker stream's credit limit, other gateways' share, and the slots held on it."""
+
+    def __init__(self) -> None:
+        self.limit = 0
+        self.others = 0
+        """Credits other gateways held at the worker's last report."""
+        self.held = 0
+        """Slots granted on this stream and not released: its requests about to be sent, or sent."""
+
+    def available(self) -> int:
+        """Credits free for new grants."""
+        return max(0, self.limit - self.others - self.held)
+
+    def reset(self, limit: int, reported: int) -> None:
+        """A new stream: the worker's limit and its credits before this stream sent anything."""
+        self.limit = limit
+        self.others = max(0, limit - reported)
+
+    def report(self, reported: int, open_on_worker: int) -> None:
+        """The worker's credits in a message, with this stream's requests still open on the worker."""
+        self.others = max(0, self.limit - reported - open_on_worker)
+
+
+class Slot:
+    """One request's claim on a worker credit for one submission. Used from the event loop only."""
+
+    def __init__(self, ticket: Ticket, queue: SlotQueue) -> None:
+        self.ticket = ticket
+        self.tokens = ticket.prompt_tokens
+        """The prompt size the queue counts: the estimate, then the exact count."""
+        self.enqueued = time.monotonic()
+        self.timer: asyncio.TimerHandle | None = None
+        """Fires at the ticket's deadline while the slot waits."""
+        self.link: WorkerLink | None = None
+        """The link the credit was granted on; None while waiting."""
+        self.wire_id = ""
+        """The submission's id on the link's stream, once submitted."""
+        self._queue = queue
+        self._outcome: asyncio.Future[WorkerLink] = asyncio.get_running_loop().create_future()
+        self._released = False
+
+    @property
+    def decided(self) -> bool:
+        """Granted, refused, or given up: no longer waiting for the dispatcher."""
+        return self._outcome.done()
+
+    def grant(self, link: WorkerLink) -> None:
+        """The dispatcher's grant: take one of `link`'s credits for this slot."""
+        link.credits.held += 1
+        self.link = link
+        self._outcome.set_result(link)
+
+    def refuse(self, error: Exception) -> None:
+        """The slot left the queue without a credit (shed, expired, no worker left)."""
+        if not self._outcome.done():
+            self._outcome.set_exception(error)
+
+    async def granted(self, prompt_tokens: int) -> WorkerLink:
+        """Wait for the grant (the exact prompt size replaces the estimate); the link it is on.
+
+        Raises what `refuse` was given: Refused ("shed"), DeadlineExceeded or Unavailable.
+        """
+        self._queue.set_tokens(self, prompt_tokens)
+        return await self._outcome
+
+    def release(self) -> None:
+        """Give the claim up, whatever its state; idempotent."""
+        if self._released:
+            return
+        self._released = True
+        if self.timer is not None:
+            self.timer.cancel()
+        if not self._outcome.done():
+            self._outcome.cancel()
+        link = self.link
+        if link is None:
+            self._queue.withdraw(self)
+            return
+        link.credits.held -= 1
+        link.slot_released(self)
