@@ -1,9 +1,10 @@
 """One Connect stream: what the gateway sends (submissions, cancellations) and what it is sent back.
 
-A Connection admits or rejects each submission (credits, deadline, parameters, duplicate ids), runs
-the accepted ones on the host's engine under stream-unique engine ids (so two gateways may use the
-same request id), ends requests whose deadline passes, turns each engine step's outputs into token
-updates, and writes everything through its OutboundQueue so the step loop never waits on a write.
+A Connection rejects a submission whose deadline already passed or whose fields do not convert, and
+hands the rest to its host (a StreamHost: the one check of parameters and ids, then a credit, then the
+engine) under stream-unique engine ids (so two gateways may use the same request id). It ends
+requests whose deadline passes, turns each engine step's outputs into token updates, and writes
+everything through its OutboundQueue so the step loop never waits on a write.
 When the stream ends for any reason, every request it still holds is aborted. Timing is measured on
 the event loop: queue_ms runs from arrival to the start of the first step that produced a token for
 the request, so with a prompt prefilled in several chunks the earlier chunks count as queueing;
@@ -17,7 +18,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from services.worker.convert import (
     ended_update,
@@ -44,15 +45,41 @@ if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, AsyncIterable, Iterable
 
     from services.worker.engine.async_engine import StepReport
+    from services.worker.engine.params import SamplingParams
     from services.worker.engine.sequence import StepOutput
-    from services.worker.host import WorkerHost
-    from services.worker.request_spans import RequestSpans
+    from services.worker.request_spans import RequestSpans, WorkerSpans
 
 log = logging.getLogger(__name__)
 
 
+class StreamHost(Protocol):
+    """What a Connection needs of the worker that runs its requests (host.py's WorkerHost)."""
+
+    @property
+    def spans(self) -> WorkerSpans: ...
+
+    def info(self) -> worker_pb2.GetWorkerInfoResponse: ...
+
+    def credits_message(self) -> worker_pb2.Credits: ...
+
+    def accept(
+        self, engine_id: str, prompt: list[int], params: SamplingParams, priority: int, owner: Connection
+    ) -> None:
+        """Check the request once, take a credit, queue it on the engine; raise what refuses it."""
+
+    def abort(self, engine_id: str) -> None:
+        """Abort an accepted request in the engine; its credit comes back through `finished`."""
+
+    def finished(self, engine_id: str) -> None:
+        """An accepted request ended in the engine: give its credit back."""
+
+    def device_memory_bytes(self) -> int: ...
+
+    def disconnect(self, connection: Connection) -> None: ...
+
+
 @dataclass(slots=True)
-class OpenRequest:
+class AcceptedRequest:
     """A request accepted on this stream and not yet finished."""
 
     request_id: str
@@ -77,14 +104,19 @@ class OpenRequest:
 class Connection:
     """The state of one Connect stream. Used from the event loop only."""
 
-    def __init__(self, host: WorkerHost, stream_id: int, client_name: str) -> None:
+    def __init__(
+        self, host: StreamHost, stream_id: int, client_name: str, *, model: str, max_submissions: int
+    ) -> None:
+        """`max_submissions` is the most submissions one ConnectRequest may carry; `model` labels metrics."""
         self.host = host
         self.client_name = client_name or "<unnamed>"
+        self._model = model
+        self._max_submissions = max_submissions
         self.outbound = OutboundQueue()
         self.failure: BaseException | None = None
         """Why the stream must end with an error status; None when it ends normally."""
         self._prefix = f"s{stream_id}/"
-        self._open: dict[str, OpenRequest] = {}
+        self._open: dict[str, AcceptedRequest] = {}
         self._credits_sent: int | None = None
         self._ended = False
 
@@ -146,7 +178,7 @@ class Connection:
     def _receive(self, message: worker_pb2.ConnectRequest, *, first: bool) -> None:
         if not first and message.HasField("hello"):
             raise ProtocolError("hello is only allowed on the stream's first ConnectRequest")
-        limit = self.host.settings.max_submissions_per_message
+        limit = self._max_submissions
         if len(message.submissions) > limit:
             raise TooManySubmissionsError(
                 f"{len(message.submissions)} submissions in one ConnectRequest exceed the worker's limit "
@@ -168,14 +200,9 @@ class Connection:
         self._push(ended, rejections)
 
     def _submit(self, submission: worker_pb2.Submission) -> None:
-        self.host.check_accepting()
         request_id = submission.request_id
         if not request_id:
             raise InvalidRequestError("request_id", "", "must not be empty: ids name requests on the stream")
-        if request_id in self._open:
-            raise InvalidRequestError(
-                "request_id", request_id, "a request with this id is still open on this stream"
-            )
         remaining_s = 0.0
         if submission.deadline_unix_ms:
             remaining_s = submission.deadline_unix_ms / 1000.0 - time.time()
@@ -184,19 +211,16 @@ class Connection:
                     f"deadline_unix_ms={submission.deadline_unix_ms} had passed {-remaining_s * 1000:.0f} ms "
                     "before the worker received the request"
                 )
-        params = sampling_params(submission)
-        prompt = engine_prompt(submission)
-        # Validate before taking a credit: a bad request is INVALID_ARGUMENT even on a full worker.
-        self.host.engine.engine.validate(prompt, params)
         engine_id = self._prefix + request_id
-        self.host.admit(engine_id, self)
-        try:
-            self.host.engine.add_request(engine_id, prompt, params, engine_priority(submission.priority))
-        except BaseException:
-            self.host.retire(engine_id)
-            raise
+        self.host.accept(
+            engine_id,
+            engine_prompt(submission),
+            sampling_params(submission),
+            engine_priority(submission.priority),
+            self,
+        )
         prior = len(submission.prior_output_ids)
-        record = OpenRequest(
+        record = AcceptedRequest(
             request_id,
             engine_id,
             len(submission.prompt_ids),
@@ -216,10 +240,10 @@ class Connection:
             self._push([self._abort(record)], ())
 
     def _abort(
-        self, record: OpenRequest, reason: FinishReason = FinishReason.ABORTED
+        self, record: AcceptedRequest, reason: FinishReason = FinishReason.ABORTED
     ) -> worker_pb2.TokenUpdate:
         """Abort a running request (its KV blocks are free before the next step) and say so."""
-        self.host.engine.abort(record.engine_id)
+        self.host.abort(record.engine_id)
         self._forget(record, reason.value, f"the worker ended the request: {reason.value}")
         return ended_update(
             record.request_id,
@@ -230,12 +254,12 @@ class Connection:
         )
 
     def _forget(
-        self, record: OpenRequest, finish_reason: str, error: str = "", ended: float | None = None
+        self, record: AcceptedRequest, finish_reason: str, error: str = "", ended: float | None = None
     ) -> None:
         if record.deadline is not None:
             record.deadline.cancel()
         del self._open[record.request_id]
-        self.host.retire(record.engine_id)
+        self.host.finished(record.engine_id)
         self.host.spans.finish(
             record.spans,
             submitted=record.submitted,
@@ -246,7 +270,7 @@ class Connection:
             error=error,
         )
 
-    def _record(self, engine_id: str) -> OpenRequest | None:
+    def _record(self, engine_id: str) -> AcceptedRequest | None:
         record = self._open.get(engine_id.removeprefix(self._prefix))
         return record if record is not None and record.engine_id == engine_id else None
 
@@ -283,14 +307,11 @@ class Connection:
         self._push(updates, ())
 
     def fail(self, engine_id: str, error: BaseException) -> None:
-        """The engine could not run a request: refused at admission, or the engine died."""
+        """The engine died with the request in it."""
         record = self._record(engine_id)
         if record is None:
             return
         self._forget(record, "error", f"the engine could not run the request: {error}")
-        if isinstance(error, InvalidRequestError):
-            self._push((), [self._rejection(record.request_id, error)])
-            return
         log.error("request %s failed in the engine: %r", record.request_id, error)
         update = ended_update(
             record.request_id,
@@ -315,7 +336,7 @@ class Connection:
         self._ended = True
         aborted = len(self._open)
         for record in list(self._open.values()):
-            self.host.engine.abort(record.engine_id)
+            self.host.abort(record.engine_id)
             self._forget(record, "aborted", "the Connect stream ended")
         self.outbound.close()
         self.host.disconnect(self)
@@ -333,5 +354,5 @@ class Connection:
 
     def _rejection(self, request_id: str, error: BaseException) -> worker_pb2.Rejection:
         code, message = status_of(error)
-        WORKER_REJECTIONS.labels(self.host.settings.model_name, code.name.lower()).inc()
+        WORKER_REJECTIONS.labels(self._model, code.name.lower()).inc()
         return worker_pb2.Rejection(request_id=request_id, code=rejection_code(error), message=message)

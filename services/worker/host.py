@@ -2,7 +2,9 @@
 
 It resolves device and dtype from the settings, builds the engine on its step thread, proves it with
 a one-token generation before declaring itself ready, and owns what every stream shares: the
-credits, the map from engine request ids to the stream that owns each, and the drain on shutdown.
+credits (a request takes one in `accept`, after the one check of its parameters and id, and gives it
+back in `finished`), the map from engine request ids to the stream that owns each, and the drain on
+shutdown. Streams reach it only through the StreamHost protocol (connection.py).
 Each engine step it hands every stream its outputs, then every stream its credits, so no stream
 reads credits that another stream's finished requests are about to free. This module must not
 speak gRPC (server.py does) nor build stream messages (connection.py does).
@@ -85,7 +87,8 @@ class WorkerHost:
         self._idle.set()
         self._streams = itertools.count(1)
         self._connections: set[Connection] = set()
-        self._routes: dict[str, Connection] = {}
+        self._owners: dict[str, Connection] = {}
+        """The stream that owns each accepted request, by engine id."""
 
     def _build(self) -> LLMEngine:
         # On the step thread, which runs every forward pass, so its OpenMP team gets the setting.
@@ -166,22 +169,42 @@ class WorkerHost:
                 f"{self.settings.model_path} has {self.fingerprint}; point the tokenizer service and the "
                 "worker at the same model folder"
             )
-        connection = Connection(self, next(self._streams), hello.client_name)
+        connection = Connection(
+            self,
+            next(self._streams),
+            hello.client_name,
+            model=self.settings.model_name,
+            max_submissions=self.settings.max_submissions_per_message,
+        )
         self._connections.add(connection)
         return connection
 
     def disconnect(self, connection: Connection) -> None:
         self._connections.discard(connection)
 
-    def admit(self, engine_id: str, connection: Connection) -> None:
-        """Take a credit for a request of `connection` (NoCreditError when none is left)."""
-        self.credits.acquire()
-        self._routes[engine_id] = connection
-        self._idle.clear()
+    def accept(
+        self, engine_id: str, prompt: list[int], params: SamplingParams, priority: int, owner: Connection
+    ) -> None:
+        """Check the request once, take a credit for `owner`, queue it on the engine.
 
-    def retire(self, engine_id: str) -> None:
-        """A request admitted by admit ended: give its credit back."""
-        if self._routes.pop(engine_id, None) is None:
+        Raises NotReadyError, DrainingError or EngineDeadError when nothing runs now, InvalidRequestError
+        for bad input or an id already running (before any credit is taken: a bad request is
+        INVALID_ARGUMENT even on a full worker), NoCreditError when no credit is left.
+        """
+        self.check_accepting()
+        self.engine.check(engine_id, prompt, params)
+        self.credits.acquire()
+        self._owners[engine_id] = owner
+        self._idle.clear()
+        self.engine.add_request(engine_id, prompt, params, priority)
+
+    def abort(self, engine_id: str) -> None:
+        """Abort an accepted request in the engine (its KV blocks are free before the next step)."""
+        self.engine.abort(engine_id)
+
+    def finished(self, engine_id: str) -> None:
+        """An accepted request ended: give its credit back."""
+        if self._owners.pop(engine_id, None) is None:
             return
         self.credits.release()
         if self.credits.open == 0:
@@ -208,7 +231,7 @@ class WorkerHost:
         self.spans.step(report)
         owned: dict[Connection, list[StepOutput]] = {}
         for out in report.outputs:
-            connection = self._routes.get(out.request_id)
+            connection = self._owners.get(out.request_id)
             if connection is not None:
                 owned.setdefault(connection, []).append(out)
         updates = {conn: conn.collect(outs, report) for conn, outs in owned.items()}
@@ -221,7 +244,7 @@ class WorkerHost:
                 log.error("the engine's step loop ended: %r", error)
                 self._fail(error)
             return
-        connection = self._routes.get(request_id)
+        connection = self._owners.get(request_id)
         if connection is not None:
             connection.fail(request_id, error)
 

@@ -205,7 +205,7 @@ def test_step_listeners_see_every_step_and_add_request_needs_no_stream(tiny_llam
                 engine.add_request(f"q{i}", prompt, params)
             streamed = engine.submit("q2", prompts[2], params)
             with pytest.raises(InvalidRequestError, match="request_id"):
-                engine.add_request("q0", prompts[0], params)
+                engine.check("q0", prompts[0], params)
             streamed_tokens, _ = await _collect(streamed)
             await asyncio.wait_for(done.wait(), 30.0)
             assert [tokens[f"q{i}"] for i in range(3)] == expected

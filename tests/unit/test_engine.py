@@ -141,7 +141,7 @@ def test_invalid_parameters_raise_one_typed_error_naming_the_field(
 ) -> None:
     engine = LLMEngine.from_model_dir(tiny_llama_dir, EngineConfig(num_blocks=64, block_size=8))
     with pytest.raises(InvalidRequestError) as info:
-        engine.add_request("bad", [5] * prompt_len, params)
+        engine.validate([5] * prompt_len, params)
     assert info.value.field == field
     assert field in str(info.value)
     assert not engine.has_work()
@@ -150,7 +150,7 @@ def test_invalid_parameters_raise_one_typed_error_naming_the_field(
 def test_out_of_range_token_id_is_refused(tiny_llama_dir: Path) -> None:
     engine = LLMEngine.from_model_dir(tiny_llama_dir, EngineConfig(num_blocks=64, block_size=8))
     with pytest.raises(InvalidRequestError, match=r"prompt_ids.*\[0, 384\)"):
-        engine.add_request("bad", [1, VOCAB], SamplingParams())
+        engine.validate([1, VOCAB], SamplingParams())
 
 
 def test_simulated_out_of_memory_sheds_load_and_every_request_still_completes(tiny_llama_dir: Path) -> None:

@@ -137,15 +137,14 @@ def test_config_defaults_and_errors_name_the_fix() -> None:
         EngineConfig(max_model_len=4096).resolve_max_model_len(2048)
 
 
-def test_add_refuses_what_can_never_fit() -> None:
+def test_what_can_never_fit_is_refused_and_an_id_is_added_once() -> None:
     sched = make_scheduler(num_blocks=4, block_size=16, max_model_len=1000)
     with pytest.raises(InvalidRequestError, match="KV blocks"):
-        sched.add(make_seq("big", 60, max_new=10))  # 69 cached tokens need 5 blocks of 16
-    sched.add(make_seq("ok", 60, max_new=5))  # 64 cached tokens: exactly 4 blocks
+        sched.check_fits(60, 10)  # 69 cached tokens need 5 blocks of 16
+    sched.check_fits(60, 5)  # 64 cached tokens: exactly 4 blocks
+    sched.add(make_seq("ok", 60, max_new=5))
     with pytest.raises(ValueError, match="already"):
         sched.add(make_seq("ok", 3))
-    with pytest.raises(InvalidRequestError, match="prompt"):
-        sched.add(make_seq("long", 1000))
     assert sched.num_waiting == 1
     with pytest.raises(ValueError, match="block_size=8 differs"):
         Scheduler(EngineConfig(), BlockManager(4, 8), max_model_len=64)

@@ -51,7 +51,7 @@ class StepReport:
 
 StepListener = Callable[[StepReport], None]
 FailureListener = Callable[[str | None, BaseException], None]
-"""(request_id, error): a request failed at admission, or, with None, the step loop ended."""
+"""(request_id, error): the step loop ended: each request it held, then None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,27 +146,38 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
+    def check(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise unless this request can be queued now: EngineDeadError when the engine is not running,
+        InvalidRequestError for bad input (the engine's validate) or an id already running."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running: {self._error or 'stopped'}")
+        if request_id in self._streams:
+            raise InvalidRequestError("request_id", request_id, "a request with this id is already running")
+        self.engine.validate(prompt_ids, params)
+
     def submit(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> RequestStream:
-        """Queue a request; raises InvalidRequestError at once for bad input or a duplicate id."""
+        """Check and queue a request; raises like `check`, at once."""
+        self.check(request_id, prompt_ids, params)
         stream = RequestStream(request_id, self)
-        self._enqueue(request_id, prompt_ids, params, priority, stream)
+        self._enqueue(_Add(request_id, list(prompt_ids), params, priority), stream)
         return stream
 
     def add_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> None:
-        """Queue a request whose outputs reach only the step listeners, and its failure the failure
-        listeners; raises like submit. For servers that read whole steps, not one stream per request."""
-        self._enqueue(request_id, prompt_ids, params, priority, None)
+        """Queue a request that passed `check` (not checked again), whose outputs reach only the step
+        listeners and its failure the failure listeners. For servers that read whole steps, not one
+        stream per request, and that take their own resources for a request between the two calls."""
+        self._enqueue(_Add(request_id, list(prompt_ids), params, priority), None)
 
     def add_step_listener(
         self, on_step: StepListener, on_failure: FailureListener | None = None
     ) -> Callable[[], None]:
         """Call on_step on the event loop with every step that produced outputs, after the request
-        streams got theirs; on_failure when a request fails at admission (InvalidRequestError) or the
-        step loop ends (each open request, then None). Returns a function that removes both."""
+        streams got theirs; on_failure when the step loop ends (each open request, then None).
+        Returns a function that removes both."""
         self._step_listeners.append(on_step)
         if on_failure is not None:
             self._failure_listeners.append(on_failure)
@@ -179,21 +190,9 @@ class AsyncEngine:
 
         return remove
 
-    def _enqueue(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        priority: int,
-        stream: RequestStream | None,
-    ) -> None:
-        if not self.is_running:
-            raise EngineDeadError(f"the engine is not running: {self._error or 'stopped'}")
-        if request_id in self._streams:
-            raise InvalidRequestError("request_id", request_id, "a request with this id is already running")
-        self.engine.validate(prompt_ids, params)
-        self._streams[request_id] = stream
-        self._inbox.put(_Add(request_id, list(prompt_ids), params, priority))
+    def _enqueue(self, command: _Add, stream: RequestStream | None) -> None:
+        self._streams[command.request_id] = stream
+        self._inbox.put(command)
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -246,10 +245,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if isinstance(cmd, _Add):
-                try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.priority)
-                except InvalidRequestError as exc:
-                    self._post(self._fail_one, (cmd.request_id, exc))
+                self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.priority)
             else:
                 self.engine.abort(cmd.request_id)
 
@@ -270,15 +266,6 @@ class AsyncEngine:
                 listener(report)
             except Exception:  # one broken listener must not starve the others of this step
                 log.exception("step listener %r failed", listener)
-
-    def _fail_one(self, failure: tuple[str, BaseException]) -> None:
-        request_id, error = failure
-        if request_id not in self._streams:
-            return
-        stream = self._streams.pop(request_id)
-        if stream is not None:
-            stream._push(error)
-        self._notify_failure(request_id, error)
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}

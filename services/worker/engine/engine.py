@@ -93,17 +93,19 @@ class LLMEngine:
         return cls(loaded, config or EngineConfig())
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError if this request can never run on this engine."""
+        """Raise InvalidRequestError if this request can never run on this engine: the one check of a
+        request's parameters, token ids and size, which every caller makes before add_request."""
         params.validate(len(prompt_ids), self.max_model_len)
         vocab = self.model_config.vocab_size
         for token in prompt_ids:
             if not 0 <= token < vocab:
                 raise InvalidRequestError("prompt_ids", token, f"token ids must be in [0, {vocab})")
+        self.scheduler.check_fits(len(prompt_ids), params.max_new_tokens)
 
     def add_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> Sequence:
-        self.validate(prompt_ids, params)
+        """Queue a request that passed `validate` (this is not checked again)."""
         seed = params.seed if params.seed is not None else secrets.randbelow(2**63)
         self._arrivals += 1
         seq = Sequence(
@@ -184,6 +186,8 @@ class LLMEngine:
         per_request = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"generate-{self._arrivals + i}" for i in range(len(prompts))]
         outputs: dict[str, list[int]] = {rid: [] for rid in ids}
+        for prompt, p in zip(prompts, per_request, strict=True):
+            self.validate(prompt, p)
         for rid, prompt, p in zip(ids, prompts, per_request, strict=True):
             self.add_request(rid, prompt, p)
         pending = set(ids)

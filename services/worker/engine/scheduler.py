@@ -106,24 +106,26 @@ class Scheduler:
         self._steps_since_shed = 0
         self._last_kind_was_prefill = False
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new sequence. Raises InvalidRequestError if it could never fit this engine."""
-        if seq.request_id in self._requests:
-            raise ValueError(f"request {seq.request_id!r} is already in the scheduler")
-        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
-            raise ValueError(f"{seq!r} is not a fresh waiting sequence")
-        seq.params.validate(seq.num_prompt_tokens, self.max_model_len)
+    def check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
+        """Raise InvalidRequestError if a request of this size could never fit this engine's KV cache."""
         # The last sampled token is never fed back, so its K/V never needs a slot.
-        max_cached = seq.num_prompt_tokens + seq.params.max_new_tokens - 1
+        max_cached = num_prompt_tokens + max_new_tokens - 1
         need = self.block_manager.blocks_needed(max_cached)
         if need > self.block_manager.num_blocks:
             raise InvalidRequestError(
                 "max_new_tokens",
-                seq.params.max_new_tokens,
-                f"the prompt's {seq.num_prompt_tokens} tokens plus max_new_tokens need {need} KV blocks "
+                max_new_tokens,
+                f"the prompt's {num_prompt_tokens} tokens plus max_new_tokens need {need} KV blocks "
                 f"of {self.block_manager.block_size} tokens; this worker's cache holds "
                 f"{self.block_manager.num_blocks}",
             )
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence that passed the engine's validation (LLMEngine.validate)."""
+        if seq.request_id in self._requests:
+            raise ValueError(f"request {seq.request_id!r} is already in the scheduler")
+        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
+            raise ValueError(f"{seq!r} is not a fresh waiting sequence")
         self._requests[seq.request_id] = seq
         self._enqueue(seq, (seq.priority, 1, seq.arrival))
 
