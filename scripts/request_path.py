@@ -1,0 +1,156 @@
+"""What one streaming request runs in the gateway: the modules it enters, the gateway types it makes,
+and the line counts of the request-path code.
+
+Starts the real tokenizer service, one worker and the gateway in this process on 127.0.0.1:0 over the
+default model (`make model`), sends one warm-up request, then one streaming request while a profile
+hook records every gateway function that runs and a wrapper on each gateway class's `__init__`
+records every gateway type made. The figures are the request path's size as a newcomer reading the
+code meets it; they change only when the code does. This script must not change any service's
+behaviour: the hooks only record.
+
+    .venv/bin/python scripts/request_path.py [--model-dir DIR] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import importlib
+import inspect
+import json
+import pkgutil
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import gateway  # noqa: E402  (after the path: this checkout's packages, never an installed copy)
+from gateway.server import start as start_gateway  # noqa: E402
+from gateway.settings import GatewaySettings  # noqa: E402
+from services.tokenizer.server import start as start_tokenizer  # noqa: E402
+from services.tokenizer.settings import TokenizerSettings  # noqa: E402
+from services.worker.server import start as start_worker  # noqa: E402
+from services.worker.settings import WorkerSettings  # noqa: E402
+from strata.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
+
+GATEWAY_DIR = Path(gateway.__file__).resolve().parent
+WORKER_DIR = ROOT / "services" / "worker"
+
+
+class Recorder:
+    """The gateway modules entered and the gateway types made while `on` is set."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.modules: set[str] = set()
+        self.types: set[str] = set()
+
+    def profile(self, frame: Any, event: str, arg: object) -> None:
+        if self.on and event == "call":
+            path = Path(frame.f_code.co_filename)
+            if path.parent == GATEWAY_DIR:
+                self.modules.add(path.stem)
+
+    def wrap_classes(self) -> None:
+        """Wrap the `__init__` of every class defined in a gateway module (enums and protocols aside)."""
+        for info in pkgutil.iter_modules([str(GATEWAY_DIR)]):
+            module = importlib.import_module(f"gateway.{info.name}")
+            for _, cls in inspect.getmembers(module, inspect.isclass):
+                if cls.__module__ != module.__name__ or getattr(cls, "_is_protocol", False):
+                    continue
+                if issubclass(cls, Exception) or "__init__" not in cls.__dict__:
+                    continue
+                cls.__init__ = self._recording(cls, cls.__dict__["__init__"])
+
+    def _recording(self, cls: type, init: Any) -> Any:
+        name = f"{cls.__module__.removeprefix('gateway.')}.{cls.__qualname__}"
+
+        @functools.wraps(init)
+        def recorded(instance: object, *args: object, **kwargs: object) -> None:
+            if self.on:
+                self.types.add(name)
+            init(instance, *args, **kwargs)
+
+        return recorded
+
+
+def line_counts() -> dict[str, int]:
+    gateway_lines = sum(len(path.read_text().splitlines()) for path in GATEWAY_DIR.glob("*.py"))
+    worker_lines = sum(len(path.read_text().splitlines()) for path in WORKER_DIR.glob("*.py"))
+    return {"gateway": gateway_lines, "services/worker outside engine/ and model/": worker_lines}
+
+
+async def measure(model_dir: Path, recorder: Recorder) -> None:
+    tokenizer = await start_tokenizer(
+        TokenizerSettings.build({"listen": "127.0.0.1:0", "models": {"m": model_dir}})
+    )
+    worker = await start_worker(
+        WorkerSettings.build(
+            {"listen": "127.0.0.1:0", "model_name": "m", "model_path": model_dir, "device": "cpu"}
+        )
+    )
+    await worker.wait_ready()
+    server = await start_gateway(
+        GatewaySettings.build(
+            {
+                "listen": "127.0.0.1:0",
+                "tokenizer_address": tokenizer.address,
+                "routes": [{"model": "m", "workers": [worker.address]}],
+            }
+        )
+    )
+    try:
+        assert await server.wait_ready(60.0), "the gateway never became ready"
+        import grpc
+
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            request = gateway_pb2.GenerateRequest(prompt="The capital of France is")
+            request.sampling.max_new_tokens = 8
+            await stub.Generate(request)  # warm: links connected, first-call paths taken
+            recorder.on = True
+            async for _ in stub.GenerateStream(request):
+                pass
+            await asyncio.sleep(0.2)  # the request's last bookkeeping (cancel of a finished request)
+            recorder.on = False
+    finally:
+        await server.stop(0)
+        await worker.stop(0)
+        await tokenizer.stop(0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", type=Path, default=ROOT / "models" / "SmolLM2-135M-Instruct")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    recorder = Recorder()
+    recorder.wrap_classes()
+    threading.setprofile(recorder.profile)
+    sys.setprofile(recorder.profile)
+    try:
+        asyncio.run(measure(args.model_dir, recorder))
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+    modules_total = len([path for path in GATEWAY_DIR.glob("*.py") if not path.stem.startswith("__")])
+    record = {
+        "gateway_modules_run": sorted(recorder.modules),
+        "gateway_modules_run_count": len(recorder.modules),
+        "gateway_modules_total": modules_total,
+        "gateway_types_made": sorted(recorder.types),
+        "gateway_types_made_count": len(recorder.types),
+        "lines": line_counts(),
+    }
+    print(json.dumps(record, indent=2))
+    if args.json is not None:
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
