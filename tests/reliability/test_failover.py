@@ -24,15 +24,15 @@ from tokenizers import Tokenizer
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.params import SamplingParams
+from strata.cli.launcher import start_stack
 from strata.client import StrataClient
-from strata.launcher import start_stack
 from strata.retry import NO_RETRY
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from pathlib import Path
 
-    from strata.launcher import Stack
+    from strata.cli.launcher import Stack
     from tests.reliability.conftest import Figure
 
 pytestmark = pytest.mark.slow
