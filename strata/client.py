@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Self, TypedDict, TypeVar
 
 import grpc
 
-from strata.retry import RetryPolicy, delay_for_error
+from strata.retry import CallAttempts, RetryPolicy
 from strata.rpc import MIB, aio_channel, channel_options, sync_channel
 from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -127,22 +127,37 @@ def build_request(
     )
 
 
-class _Deadline:
-    """What is left of a call's overall timeout across its attempts."""
-
-    def __init__(self, timeout: float | None) -> None:
-        self._end = None if timeout is None else time.monotonic() + timeout
-
-    def remaining(self) -> float | None:
-        return None if self._end is None else max(0.0, self._end - time.monotonic())
-
-
 def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     """The call metadata that carries an API key (none without one)."""
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
 
-class StrataClient:
+class _GatewayClient:
+    """What both clients share: the gateway's address, the retry policy, the API key's metadata, and
+    how each attempt of a call is made and whether it is retried (strata.retry.CallAttempts).
+
+    A subclass holds the channel, and only runs the attempts and waits, each in its own way.
+    """
+
+    def __init__(self, address: str, retry: RetryPolicy | None, api_key: str | None) -> None:
+        self.address = address
+        self.retry = retry or RetryPolicy()
+        self._rng = random.Random()
+        self._metadata = auth_metadata(api_key)
+
+    def _attempts(self, timeout: float | None) -> CallAttempts:
+        return CallAttempts(self.retry, timeout, self._rng)
+
+    def _attempt(self, method: Callable[..., Any], request: Any, attempts: CallAttempts) -> Any:
+        """Start one attempt: `method` of the stub with what is left of the timeout and the API key.
+
+        It returns what the stub returns (a response, an awaitable or a stream), for the caller to
+        consume in its own way.
+        """
+        return method(request, timeout=attempts.time_left_s(), metadata=self._metadata)
+
+
+class StrataClient(_GatewayClient):
     """A blocking client of one gateway. Thread-safe; close it (or use `with`) to free the channel."""
 
     def __init__(
@@ -155,10 +170,7 @@ class StrataClient:
         tls: ClientTlsSettings | None = None,
     ) -> None:
         """`api_key` is sent as `authorization: Bearer <key>`; `tls` makes the channel TLS."""
-        self.address = address
-        self.retry = retry or RetryPolicy()
-        self._rng = random.Random()
-        self._metadata = auth_metadata(api_key)
+        super().__init__(address, retry, api_key)
         self._channel = sync_channel(address, channel_options(max_message_bytes), tls)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
@@ -189,11 +201,9 @@ class StrataClient:
         self, request: gateway_pb2.GenerateRequest, *, timeout: float | None = None
     ) -> Iterator[gateway_pb2.GenerateStreamResponse]:
         """GenerateStream for a request built beforehand; retried only until its first message."""
-        deadline = _Deadline(timeout)
-        attempt = 0
+        attempts = self._attempts(timeout)
         while True:
-            attempt += 1
-            call = self._stub.GenerateStream(request, timeout=deadline.remaining(), metadata=self._metadata)
+            call = self._attempt(self._stub.GenerateStream, request, attempts)
             received = False
             try:
                 for message in call:
@@ -201,7 +211,7 @@ class StrataClient:
                     yield message
                 return
             except grpc.RpcError as error:
-                delay = None if received else self._delay(error, attempt, deadline)
+                delay = attempts.delay_after(error, delivered=received)
                 if delay is None:
                     raise
             finally:
@@ -213,21 +223,16 @@ class StrataClient:
         self, method: Callable[..., Any], request: Any, response_type: type[ResponseT], timeout: float | None
     ) -> ResponseT:
         # response_type only pins ResponseT: the generated stubs' callables are untyped.
-        deadline = _Deadline(timeout)
-        attempt = 0
+        attempts = self._attempts(timeout)
         while True:
-            attempt += 1
             try:
-                response: ResponseT = method(request, timeout=deadline.remaining(), metadata=self._metadata)
+                response: ResponseT = self._attempt(method, request, attempts)
                 return response
             except grpc.RpcError as error:
-                delay = self._delay(error, attempt, deadline)
+                delay = attempts.delay_after(error)
                 if delay is None:
                     raise
             time.sleep(delay)
-
-    def _delay(self, error: grpc.RpcError, attempt: int, deadline: _Deadline) -> float | None:
-        return delay_for_error(self.retry, error, attempt, deadline.remaining(), self._rng)
 
     def close(self) -> None:
         self._channel.close()
@@ -241,7 +246,7 @@ class StrataClient:
         self.close()
 
 
-class AsyncStrataClient:
+class AsyncStrataClient(_GatewayClient):
     """An asyncio client of one gateway; create it inside the event loop that uses it."""
 
     def __init__(
@@ -254,10 +259,7 @@ class AsyncStrataClient:
         tls: ClientTlsSettings | None = None,
     ) -> None:
         """`api_key` is sent as `authorization: Bearer <key>`; `tls` makes the channel TLS."""
-        self.address = address
-        self.retry = retry or RetryPolicy()
-        self._rng = random.Random()
-        self._metadata = auth_metadata(api_key)
+        super().__init__(address, retry, api_key)
         self._channel = aio_channel(address, channel_options(max_message_bytes), tls)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
@@ -288,11 +290,9 @@ class AsyncStrataClient:
         self, request: gateway_pb2.GenerateRequest, *, timeout: float | None = None
     ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         """GenerateStream for a request built beforehand; retried only until its first message."""
-        deadline = _Deadline(timeout)
-        attempt = 0
+        attempts = self._attempts(timeout)
         while True:
-            attempt += 1
-            call = self._stub.GenerateStream(request, timeout=deadline.remaining(), metadata=self._metadata)
+            call = self._attempt(self._stub.GenerateStream, request, attempts)
             received = False
             try:
                 async for message in call:
@@ -300,7 +300,7 @@ class AsyncStrataClient:
                     yield message
                 return
             except grpc.RpcError as error:
-                delay = None if received else self._delay(error, attempt, deadline)
+                delay = attempts.delay_after(error, delivered=received)
                 if delay is None:
                     raise
             finally:
@@ -311,23 +311,16 @@ class AsyncStrataClient:
         self, method: Callable[..., Any], request: Any, response_type: type[ResponseT], timeout: float | None
     ) -> ResponseT:
         # response_type only pins ResponseT: the generated stubs' callables are untyped.
-        deadline = _Deadline(timeout)
-        attempt = 0
+        attempts = self._attempts(timeout)
         while True:
-            attempt += 1
             try:
-                response: ResponseT = await method(
-                    request, timeout=deadline.remaining(), metadata=self._metadata
-                )
+                response: ResponseT = await self._attempt(method, request, attempts)
                 return response
             except grpc.RpcError as error:
-                delay = self._delay(error, attempt, deadline)
+                delay = attempts.delay_after(error)
                 if delay is None:
                     raise
             await asyncio.sleep(delay)
-
-    def _delay(self, error: grpc.RpcError, attempt: int, deadline: _Deadline) -> float | None:
-        return delay_for_error(self.retry, error, attempt, deadline.remaining(), self._rng)
 
     async def close(self) -> None:
         await self._channel.close()
