@@ -1,9 +1,10 @@
 """The Strata client SDK: sync `StrataClient` and asyncio `AsyncStrataClient` of strata.v1.Gateway.
 
-Both build the same GenerateRequest (`build_request`) and retry the same way (strata.retry): a call
-the gateway refuses with RESOURCE_EXHAUSTED or UNAVAILABLE is tried again after the server's hint
-(RetryInfo or pushback) or an exponential backoff, up to `RetryPolicy.max_attempts` and never past the
-call's overall `timeout`. A stream is retried only before its first message: once text reached the
+Both build the same GenerateRequest (`build_request`, from strata.generate_request) and decide their
+retries the same way (strata.retry.CallAttempts), so they differ only in how they call and wait. A
+call the gateway refuses with RESOURCE_EXHAUSTED or UNAVAILABLE is tried again after the server's
+hint (RetryInfo or pushback) or an exponential backoff, up to `RetryPolicy.max_attempts` and never
+past the call's overall `timeout`. A stream is retried only before its first message: once text reached the
 caller, a failure is raised rather than replayed. Failures reach the caller as grpc.RpcError (sync:
 a grpc.Call, so `.code()` and `.details()` work; asyncio: grpc.aio.AioRpcError); bad arguments raise
 ValueError before any call. This module must not hold serving logic nor validate what the gateway
@@ -19,9 +20,10 @@ from typing import TYPE_CHECKING, Any, Self, TypedDict, TypeVar
 
 import grpc
 
+from strata.generate_request import build_request
 from strata.retry import CallAttempts, RetryPolicy
 from strata.rpc import MIB, aio_channel, channel_options, sync_channel
-from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from strata.v1 import gateway_pb2, gateway_pb2_grpc
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -30,6 +32,17 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from strata.tls import ClientTlsSettings
+
+# build_request is listed because it is imported: it has been part of this module's API all along.
+__all__ = [
+    "DEFAULT_ADDRESS",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "AsyncStrataClient",
+    "GenerateOptions",
+    "StrataClient",
+    "auth_metadata",
+    "build_request",
+]
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_MAX_MESSAGE_BYTES = 16 * MIB
@@ -54,77 +67,6 @@ class GenerateOptions(TypedDict, total=False):
     request_id: str
     allow_fallback: bool
     truncation: int | str | None
-
-
-def _chat_message(message: tuple[str, str] | Mapping[str, str]) -> common_pb2.ChatMessage:
-    if isinstance(message, tuple) and len(message) == 2:
-        return common_pb2.ChatMessage(role=message[0], content=message[1])
-    if not isinstance(message, tuple) and "role" in message and "content" in message:
-        return common_pb2.ChatMessage(role=message["role"], content=message["content"])
-    raise ValueError(
-        f"a chat message is a (role, content) tuple or a {{'role', 'content'}} dict, not {message!r}"
-    )
-
-
-def _truncation(value: int | str | None) -> gateway_pb2.Truncation.ValueType:
-    if value is None:
-        return gateway_pb2.TRUNCATION_UNSPECIFIED
-    for name, number in gateway_pb2.Truncation.items():
-        short = name.removeprefix("TRUNCATION_")
-        if value == number or (isinstance(value, str) and value.upper() in (name, short)):
-            return number
-    choices = ", ".join(
-        name.removeprefix("TRUNCATION_").lower() for name, _ in gateway_pb2.Truncation.items()
-    )
-    raise ValueError(f"truncation={value!r} is not one of {choices}")
-
-
-def build_request(
-    prompt: str | None = None,
-    *,
-    messages: Sequence[tuple[str, str] | Mapping[str, str]] | None = None,
-    model: str = "",
-    max_new_tokens: int = 0,
-    temperature: float = 0.0,
-    top_p: float | None = None,
-    top_k: int = 0,
-    repetition_penalty: float | None = None,
-    no_repeat_ngram_size: int = 0,
-    stop: Sequence[str] = (),
-    seed: int | None = None,
-    ignore_eos: bool = False,
-    request_id: str = "",
-    allow_fallback: bool = False,
-    truncation: int | str | None = None,
-) -> gateway_pb2.GenerateRequest:
-    """The GenerateRequest for these arguments; None leaves an optional field unset (the server's default).
-
-    `messages` are (role, content) tuples or {"role", "content"} dicts; `truncation` is a
-    gateway_pb2.Truncation value or its name ("left", "refuse").
-    """
-    sampling = common_pb2.SamplingParams(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        no_repeat_ngram_size=no_repeat_ngram_size,
-        stop=list(stop),
-        ignore_eos=ignore_eos,
-    )
-    if top_p is not None:
-        sampling.top_p = top_p
-    if repetition_penalty is not None:
-        sampling.repetition_penalty = repetition_penalty
-    if seed is not None:
-        sampling.seed = seed
-    return gateway_pb2.GenerateRequest(
-        prompt=prompt or "",
-        messages=[_chat_message(message) for message in messages or ()],
-        model=model,
-        sampling=sampling,
-        request_id=request_id,
-        allow_fallback=allow_fallback,
-        truncation=_truncation(truncation),
-    )
 
 
 def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
