@@ -6,7 +6,7 @@ token met the SLO, over the phase's wall time from the first send to the last an
 completed and refused requests, refusals by status code and by the reason their message names, the
 client-side refusal decision time (send -> RESOURCE_EXHAUSTED, network hop included), TTFT of the
 accepted requests, who served them (GenerateResponse.model, fallback_reason) and errors. The rounds
-reduce to medians and spreads; the verdict compares goodput on/off with the issue's target. This
+reduce to medians and spreads; the verdict compares goodput on/off with the project's target. This
 module only shapes what was measured; it must not measure, nor talk to the stack.
 """
 
@@ -42,7 +42,7 @@ _COUNTS = (
     "failovers",
     "token_mismatches",
 )
-# The issue's target: fallback on gives at least this times the goodput of fallback off.
+# The project's target: fallback on gives at least this times the goodput of fallback off.
 GOODPUT_RATIO_MIN = 1.5
 # The gateway's refusal messages name their reason in words; the first matching pattern wins, so the
 # specific ones come before the generic ("predicted time to first token ... exceeds the deadline").

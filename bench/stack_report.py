@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from strata.v1 import gateway_pb2
 
-# The issue's targets: stack throughput at the top level against the engine's, TTFT p50 alone.
+# The project's targets: stack throughput at the top level against the engine's, TTFT p50 alone.
 THROUGHPUT_RATIO_MIN = 0.85
 TTFT_RATIO_MAX = 1.25
 LATENCIES = ("ttft_ms", "itl_ms", "e2e_ms")
@@ -71,7 +71,7 @@ def aggregate_levels(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]
 
 
 def judge(levels: list[dict[str, Any]], engine: dict[str, Any]) -> dict[str, Any]:
-    """The issue's two ratios against the engine, per round and over the medians, with pass/fail."""
+    """The project's two ratios against the engine, per round and over the medians, with pass/fail."""
     by_concurrency = {level["concurrency"]: level for level in levels}
     top = by_concurrency.get(engine["concurrency"])
     verdict: dict[str, Any] = {

@@ -71,7 +71,7 @@ def stack_address(args: argparse.Namespace) -> Iterator[str]:
     if not args.spawn:
         yield args.address
         return
-    from strata.launcher import StackError, start_stack
+    from strata.cli.launcher import StackError, start_stack
 
     config = args.config or DEFAULT_CONFIG
     # The services' output would tear through the progress bars: it goes to files instead.

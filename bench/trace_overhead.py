@@ -166,7 +166,7 @@ def _one_run(
     receiver: OtlpReceiver,
     work_dir: Path,
 ) -> RunResult:
-    from strata.launcher import StackError, start_stack
+    from strata.cli.launcher import StackError, start_stack
 
     telemetry: dict[str, Any] = {"tracing": "off"}
     if mode == "on":

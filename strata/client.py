@@ -1,9 +1,10 @@
 """The Strata client SDK: sync `StrataClient` and asyncio `AsyncStrataClient` of strata.v1.Gateway.
 
-Both build the same GenerateRequest (`build_request`) and retry the same way (strata.retry): a call
-the gateway refuses with RESOURCE_EXHAUSTED or UNAVAILABLE is tried again after the server's hint
-(RetryInfo or pushback) or an exponential backoff, up to `RetryPolicy.max_attempts` and never past the
-call's overall `timeout`. A stream is retried only before its first message: once text reached the
+Both build the same GenerateRequest (`build_request`, from strata.generate_request) and decide their
+retries the same way (strata.retry.CallAttempts), so they differ only in how they call and wait. A
+call the gateway refuses with RESOURCE_EXHAUSTED or UNAVAILABLE is tried again after the server's
+hint (RetryInfo or pushback) or an exponential backoff, up to `RetryPolicy.max_attempts` and never
+past the call's overall `timeout`. A stream is retried only before its first message: once text reached the
 caller, a failure is raised rather than replayed. Failures reach the caller as grpc.RpcError (sync:
 a grpc.Call, so `.code()` and `.details()` work; asyncio: grpc.aio.AioRpcError); bad arguments raise
 ValueError before any call. This module must not hold serving logic nor validate what the gateway
@@ -19,9 +20,10 @@ from typing import TYPE_CHECKING, Any, Self, TypedDict, TypeVar
 
 import grpc
 
-from strata.retry import RetryPolicy, delay_for_error
+from strata.generate_request import build_request
+from strata.retry import CallAttempts, RetryPolicy
 from strata.rpc import MIB, aio_channel, channel_options, sync_channel
-from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from strata.v1 import gateway_pb2, gateway_pb2_grpc
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -30,6 +32,17 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from strata.tls import ClientTlsSettings
+
+# build_request is listed because it is imported: it has been part of this module's API all along.
+__all__ = [
+    "DEFAULT_ADDRESS",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "AsyncStrataClient",
+    "GenerateOptions",
+    "StrataClient",
+    "auth_metadata",
+    "build_request",
+]
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_MAX_MESSAGE_BYTES = 16 * MIB
@@ -56,93 +69,37 @@ class GenerateOptions(TypedDict, total=False):
     truncation: int | str | None
 
 
-def _chat_message(message: tuple[str, str] | Mapping[str, str]) -> common_pb2.ChatMessage:
-    if isinstance(message, tuple) and len(message) == 2:
-        return common_pb2.ChatMessage(role=message[0], content=message[1])
-    if not isinstance(message, tuple) and "role" in message and "content" in message:
-        return common_pb2.ChatMessage(role=message["role"], content=message["content"])
-    raise ValueError(
-        f"a chat message is a (role, content) tuple or a {{'role', 'content'}} dict, not {message!r}"
-    )
-
-
-def _truncation(value: int | str | None) -> gateway_pb2.Truncation.ValueType:
-    if value is None:
-        return gateway_pb2.TRUNCATION_UNSPECIFIED
-    for name, number in gateway_pb2.Truncation.items():
-        short = name.removeprefix("TRUNCATION_")
-        if value == number or (isinstance(value, str) and value.upper() in (name, short)):
-            return number
-    choices = ", ".join(
-        name.removeprefix("TRUNCATION_").lower() for name, _ in gateway_pb2.Truncation.items()
-    )
-    raise ValueError(f"truncation={value!r} is not one of {choices}")
-
-
-def build_request(
-    prompt: str | None = None,
-    *,
-    messages: Sequence[tuple[str, str] | Mapping[str, str]] | None = None,
-    model: str = "",
-    max_new_tokens: int = 0,
-    temperature: float = 0.0,
-    top_p: float | None = None,
-    top_k: int = 0,
-    repetition_penalty: float | None = None,
-    no_repeat_ngram_size: int = 0,
-    stop: Sequence[str] = (),
-    seed: int | None = None,
-    ignore_eos: bool = False,
-    request_id: str = "",
-    allow_fallback: bool = False,
-    truncation: int | str | None = None,
-) -> gateway_pb2.GenerateRequest:
-    """The GenerateRequest for these arguments; None leaves an optional field unset (the server's default).
-
-    `messages` are (role, content) tuples or {"role", "content"} dicts; `truncation` is a
-    gateway_pb2.Truncation value or its name ("left", "refuse").
-    """
-    sampling = common_pb2.SamplingParams(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        no_repeat_ngram_size=no_repeat_ngram_size,
-        stop=list(stop),
-        ignore_eos=ignore_eos,
-    )
-    if top_p is not None:
-        sampling.top_p = top_p
-    if repetition_penalty is not None:
-        sampling.repetition_penalty = repetition_penalty
-    if seed is not None:
-        sampling.seed = seed
-    return gateway_pb2.GenerateRequest(
-        prompt=prompt or "",
-        messages=[_chat_message(message) for message in messages or ()],
-        model=model,
-        sampling=sampling,
-        request_id=request_id,
-        allow_fallback=allow_fallback,
-        truncation=_truncation(truncation),
-    )
-
-
-class _Deadline:
-    """What is left of a call's overall timeout across its attempts."""
-
-    def __init__(self, timeout: float | None) -> None:
-        self._end = None if timeout is None else time.monotonic() + timeout
-
-    def remaining(self) -> float | None:
-        return None if self._end is None else max(0.0, self._end - time.monotonic())
-
-
 def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     """The call metadata that carries an API key (none without one)."""
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
 
-class StrataClient:
+class _GatewayClient:
+    """What both clients share: the gateway's address, the retry policy, the API key's metadata, and
+    how each attempt of a call is made and whether it is retried (strata.retry.CallAttempts).
+
+    A subclass holds the channel, and only runs the attempts and waits, each in its own way.
+    """
+
+    def __init__(self, address: str, retry: RetryPolicy | None, api_key: str | None) -> None:
+        self.address = address
+        self.retry = retry or RetryPolicy()
+        self._rng = random.Random()
+        self._metadata = auth_metadata(api_key)
+
+    def _attempts(self, timeout: float | None) -> CallAttempts:
+        return CallAttempts(self.retry, timeout, self._rng)
+
+    def _attempt(self, method: Callable[..., Any], request: Any, attempts: CallAttempts) -> Any:
+        """Start one attempt: `method` of the stub with what is left of the timeout and the API key.
+
+        It returns what the stub returns (a response, an awaitable or a stream), for the caller to
+        consume in its own way.
+        """
+        return method(request, timeout=attempts.time_left_s(), metadata=self._metadata)
+
+
+class StrataClient(_GatewayClient):
     """A blocking client of one gateway. Thread-safe; close it (or use `with`) to free the channel."""
 
     def __init__(
@@ -155,10 +112,7 @@ class StrataClient:
         tls: ClientTlsSettings | None = None,
     ) -> None:
         """`api_key` is sent as `authorization: Bearer <key>`; `tls` makes the channel TLS."""
-        self.address = address
-        self.retry = retry or RetryPolicy()
-        self._rng = random.Random()
-        self._metadata = auth_metadata(api_key)
+        super().__init__(address, retry, api_key)
         self._channel = sync_channel(address, channel_options(max_message_bytes), tls)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
@@ -189,11 +143,9 @@ class StrataClient:
         self, request: gateway_pb2.GenerateRequest, *, timeout: float | None = None
     ) -> Iterator[gateway_pb2.GenerateStreamResponse]:
         """GenerateStream for a request built beforehand; retried only until its first message."""
-        deadline = _Deadline(timeout)
-        attempt = 0
+        attempts = self._attempts(timeout)
         while True:
-            attempt += 1
-            call = self._stub.GenerateStream(request, timeout=deadline.remaining(), metadata=self._metadata)
+            call = self._attempt(self._stub.GenerateStream, request, attempts)
             received = False
             try:
                 for message in call:
@@ -201,7 +153,7 @@ class StrataClient:
                     yield message
                 return
             except grpc.RpcError as error:
-                delay = None if received else self._delay(error, attempt, deadline)
+                delay = attempts.delay_after(error, delivered=received)
                 if delay is None:
                     raise
             finally:
@@ -213,21 +165,16 @@ class StrataClient:
         self, method: Callable[..., Any], request: Any, response_type: type[ResponseT], timeout: float | None
     ) -> ResponseT:
         # response_type only pins ResponseT: the generated stubs' callables are untyped.
-        deadline = _Deadline(timeout)
-        attempt = 0
+        attempts = self._attempts(timeout)
         while True:
-            attempt += 1
             try:
-                response: ResponseT = method(request, timeout=deadline.remaining(), metadata=self._metadata)
+                response: ResponseT = self._attempt(method, request, attempts)
                 return response
             except grpc.RpcError as error:
-                delay = self._delay(error, attempt, deadline)
+                delay = attempts.delay_after(error)
                 if delay is None:
                     raise
             time.sleep(delay)
-
-    def _delay(self, error: grpc.RpcError, attempt: int, deadline: _Deadline) -> float | None:
-        return delay_for_error(self.retry, error, attempt, deadline.remaining(), self._rng)
 
     def close(self) -> None:
         self._channel.close()
@@ -241,7 +188,7 @@ class StrataClient:
         self.close()
 
 
-class AsyncStrataClient:
+class AsyncStrataClient(_GatewayClient):
     """An asyncio client of one gateway; create it inside the event loop that uses it."""
 
     def __init__(
@@ -254,10 +201,7 @@ class AsyncStrataClient:
         tls: ClientTlsSettings | None = None,
     ) -> None:
         """`api_key` is sent as `authorization: Bearer <key>`; `tls` makes the channel TLS."""
-        self.address = address
-        self.retry = retry or RetryPolicy()
-        self._rng = random.Random()
-        self._metadata = auth_metadata(api_key)
+        super().__init__(address, retry, api_key)
         self._channel = aio_channel(address, channel_options(max_message_bytes), tls)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
@@ -288,11 +232,9 @@ class AsyncStrataClient:
         self, request: gateway_pb2.GenerateRequest, *, timeout: float | None = None
     ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         """GenerateStream for a request built beforehand; retried only until its first message."""
-        deadline = _Deadline(timeout)
-        attempt = 0
+        attempts = self._attempts(timeout)
         while True:
-            attempt += 1
-            call = self._stub.GenerateStream(request, timeout=deadline.remaining(), metadata=self._metadata)
+            call = self._attempt(self._stub.GenerateStream, request, attempts)
             received = False
             try:
                 async for message in call:
@@ -300,7 +242,7 @@ class AsyncStrataClient:
                     yield message
                 return
             except grpc.RpcError as error:
-                delay = None if received else self._delay(error, attempt, deadline)
+                delay = attempts.delay_after(error, delivered=received)
                 if delay is None:
                     raise
             finally:
@@ -311,23 +253,16 @@ class AsyncStrataClient:
         self, method: Callable[..., Any], request: Any, response_type: type[ResponseT], timeout: float | None
     ) -> ResponseT:
         # response_type only pins ResponseT: the generated stubs' callables are untyped.
-        deadline = _Deadline(timeout)
-        attempt = 0
+        attempts = self._attempts(timeout)
         while True:
-            attempt += 1
             try:
-                response: ResponseT = await method(
-                    request, timeout=deadline.remaining(), metadata=self._metadata
-                )
+                response: ResponseT = await self._attempt(method, request, attempts)
                 return response
             except grpc.RpcError as error:
-                delay = self._delay(error, attempt, deadline)
+                delay = attempts.delay_after(error)
                 if delay is None:
                     raise
             await asyncio.sleep(delay)
-
-    def _delay(self, error: grpc.RpcError, attempt: int, deadline: _Deadline) -> float | None:
-        return delay_for_error(self.retry, error, attempt, deadline.remaining(), self._rng)
 
     async def close(self) -> None:
         await self._channel.close()

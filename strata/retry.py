@@ -4,13 +4,18 @@ A server that is overloaded (RESOURCE_EXHAUSTED) or briefly down (UNAVAILABLE) m
 wait: a google.rpc.RetryInfo in the rich status ('grpc-status-details-bin' trailer) or gRPC pushback
 ('grpc-retry-pushback-ms' trailer, where a negative or malformed value means "do not retry"). Without
 a hint the client backs off exponentially with jitter. A retry that could not start before the call's
-overall deadline is not made. This module decides only: it does no I/O, never sleeps and never calls a
-server, so every rule is tested without one (the clients in strata.client act on its answers).
+overall deadline is not made. A stream is retried only before its first message: once part of the
+answer reached the caller, a failure goes to the caller rather than being replayed. `CallAttempts`
+applies these rules to one call, counting its attempts against its overall timeout, so that the sync
+and asyncio clients of strata.client only make each attempt and wait. This module decides only: it
+reads the clock but does no I/O, never sleeps and never calls a server, so every rule is tested
+without one.
 """
 
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -139,3 +144,30 @@ def delay_for_error(
         return None
     code, trailers = error.code(), error.trailing_metadata()
     return retry_delay_s(policy, code, trailers, attempt, time_left_s, rng)
+
+
+class CallAttempts:
+    """The attempts of one call: what is left of its overall timeout, and after each failed attempt
+    whether to try again and after how long."""
+
+    def __init__(self, policy: RetryPolicy, timeout: float | None, rng: random.Random | None = None) -> None:
+        """`timeout` bounds the whole call, every attempt and wait included (None: unbounded)."""
+        self._policy = policy
+        self._end = None if timeout is None else time.monotonic() + timeout
+        self._rng = rng
+        self._made = 0
+
+    def time_left_s(self) -> float | None:
+        """What is left of the call's timeout: the next attempt's own timeout (None: no timeout)."""
+        return None if self._end is None else max(0.0, self._end - time.monotonic())
+
+    def delay_after(self, error: grpc.RpcError, *, delivered: bool = False) -> float | None:
+        """The wait before the next attempt after this one failed with `error`; None: give up.
+
+        `delivered` says the attempt already handed the caller part of its answer (a stream's
+        messages), which a retry would replay, so its failure goes to the caller.
+        """
+        self._made += 1
+        if delivered:
+            return None
+        return delay_for_error(self._policy, error, self._made, self.time_left_s(), self._rng)

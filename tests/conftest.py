@@ -2,7 +2,7 @@
 
 Tiny models are built from a transformers config with a fixed seed in well under a second each and
 saved once per test session with `save_pretrained`, so every test loads them the way production
-loads a checkpoint. The real SmolLM2 directory comes from `strata.model_fetch`, which downloads it
+loads a checkpoint. The real SmolLM2 directory comes from `strata.cli.model_fetch`, which downloads it
 on first use (`make model` does the same ahead of time).
 """
 
@@ -104,7 +104,7 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def real_model_dir() -> Path:
     """models/SmolLM2-135M-Instruct, fetched on first use."""
-    from strata.model_fetch import ensure_default_model
+    from strata.cli.model_fetch import ensure_default_model
 
     return ensure_default_model()
 

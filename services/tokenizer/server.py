@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import grpc
 
@@ -31,7 +31,7 @@ from strata.tracing import SpanKind, Tracing
 from strata.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sized
+    from collections.abc import Callable, Iterator, Sequence, Sized
     from pathlib import Path
 
     Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
@@ -40,6 +40,13 @@ log = logging.getLogger(__name__)
 
 SERVICE = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"]
 SERVICE_NAME = SERVICE.full_name
+
+
+# Tokenize's or Detokenize's messages: _batch serves both, and mypy holds each call to its own types.
+EntryT = TypeVar("EntryT", tokenizer_pb2.TokenizeEntry, tokenizer_pb2.DetokenizeEntry)
+ResultT = TypeVar("ResultT", tokenizer_pb2.TokenizeResult, tokenizer_pb2.DetokenizeResult)
+ResponseT = TypeVar("ResponseT", tokenizer_pb2.TokenizeResponse, tokenizer_pb2.DetokenizeResponse)
+OutcomeT = TypeVar("OutcomeT")
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
@@ -79,24 +86,49 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             )
         return self.registry
 
-    async def Tokenize(
-        self, request: tokenizer_pb2.TokenizeRequest, context: Context
-    ) -> tokenizer_pb2.TokenizeResponse:
+    async def _batch(
+        self,
+        method: str,
+        context: Context,
+        entries: Sequence[EntryT],
+        run: Callable[[TokenizerRegistry, Sequence[EntryT]], list[OutcomeT]],
+        result: Callable[[OutcomeT], ResultT],
+        respond: Callable[[list[ResultT]], ResponseT],
+        tokens: Callable[[EntryT, ResultT], int],
+    ) -> tuple[ResponseT, float, float]:
+        """What Tokenize and Detokenize do: refuse the batch (not ready, too many entries) or `run` it in a
+        worker thread, counted in flight; `respond` with each outcome's `result`, server time set; record
+        the call's metrics (`tokens` per entry). Returns the response and the perf_counter readings
+        around the work."""
         try:
-            registry = self._ready(request.entries)
+            registry = self._ready(entries)
         except TokenizerError as error:
             await abort(context, error)
         started = time.perf_counter()
         with self._call():
-            outcomes = await asyncio.to_thread(tokenize_entries, registry, request.entries)
-        response = tokenizer_pb2.TokenizeResponse(results=[_tokenize_result(outcome) for outcome in outcomes])
+            outcomes = await asyncio.to_thread(run, registry, entries)
+        results = [result(outcome) for outcome in outcomes]
+        response = respond(results)
         ended = time.perf_counter()
         response.server_ms = (ended - started) * 1000.0
-        entries, results = request.entries, response.results
         record_call(
-            "tokenize",
+            method,
             ended - started,
-            [(e.model, len(r.token_ids), _code_name(r.error)) for e, r in zip(entries, results, strict=True)],
+            [(e.model, tokens(e, r), _code_name(r.error)) for e, r in zip(entries, results, strict=True)],
+        )
+        return response, started, ended
+
+    async def Tokenize(
+        self, request: tokenizer_pb2.TokenizeRequest, context: Context
+    ) -> tokenizer_pb2.TokenizeResponse:
+        response, started, ended = await self._batch(
+            "tokenize",
+            context,
+            request.entries,
+            tokenize_entries,
+            _tokenize_result,
+            lambda results: tokenizer_pb2.TokenizeResponse(results=results),
+            lambda _, result: len(result.token_ids),
         )
         if self.tracing.enabled:
             self._preprocess_spans(request, response, context, started, ended)
@@ -134,23 +166,14 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     async def Detokenize(
         self, request: tokenizer_pb2.DetokenizeRequest, context: Context
     ) -> tokenizer_pb2.DetokenizeResponse:
-        try:
-            registry = self._ready(request.entries)
-        except TokenizerError as error:
-            await abort(context, error)
-        started = time.perf_counter()
-        with self._call():
-            outcomes = await asyncio.to_thread(detokenize_entries, registry, request.entries)
-        response = tokenizer_pb2.DetokenizeResponse(
-            results=[_detokenize_result(outcome) for outcome in outcomes]
-        )
-        ended = time.perf_counter()
-        response.server_ms = (ended - started) * 1000.0
-        entries, results = request.entries, response.results
-        record_call(
+        response, _, _ = await self._batch(
             "detokenize",
-            ended - started,
-            [(e.model, len(e.new_ids), _code_name(r.error)) for e, r in zip(entries, results, strict=True)],
+            context,
+            request.entries,
+            detokenize_entries,
+            _detokenize_result,
+            lambda results: tokenizer_pb2.DetokenizeResponse(results=results),
+            lambda entry, _: len(entry.new_ids),
         )
         return response
 

@@ -22,7 +22,7 @@ import psutil
 import pytest
 import yaml
 
-from strata.launcher import start_stack
+from strata.cli.launcher import start_stack
 from strata.settings import DEFAULT_CONFIG
 from tests.integration.test_launcher import gone, write_tiny_config
 
@@ -237,7 +237,7 @@ def test_real_model_knows_the_capital_of_france(tmp_path: Path, real_model_dir: 
     config = yaml.safe_load(DEFAULT_CONFIG.read_text())
     models = config["tokenizer"]["models"]
     config["tokenizer"]["models"] = {name: absolute(path) for name, path in models.items()}
-    from strata.model_fetch import fallback_model_dir
+    from strata.cli.model_fetch import fallback_model_dir
 
     fetched = {str(real_model_dir.resolve()), str(fallback_model_dir(real_model_dir.parent).resolve())}
     for worker in config["workers"]:

@@ -21,7 +21,7 @@ from services.worker.engine.params import SamplingParams
 from services.worker.model.attention import AttentionMetadata
 from services.worker.model.kv_cache import KVCache
 from services.worker.model.loader import load_model
-from strata.model_fetch import FALLBACK_QUANTIZATION, fallback_model_dir
+from strata.cli.model_fetch import FALLBACK_QUANTIZATION, fallback_model_dir
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -19,10 +19,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.worker.settings import WorkerSettings
+from strata.cli.launcher import StackError, start_stack
+from strata.cli.stack_config import route_options, routes_json, worker_env
 from strata.client import StrataClient
-from strata.launcher import StackError, start_stack
 from strata.settings import SettingsError
-from strata.stack_config import route_options, routes_json, worker_env
 
 if TYPE_CHECKING:
     from pathlib import Path

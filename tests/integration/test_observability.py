@@ -18,7 +18,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from strata.launcher import start_stack
+from strata.cli.launcher import start_stack
 from strata.otlp_receiver import OtlpReceiver, ReceivedSpan
 from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
     from pathlib import Path
 
-    from strata.launcher import Stack
+    from strata.cli.launcher import Stack
 
 PRIMARY, FALLBACK = "tiny", "tiny-small"
 STEP_DELAY_S = 0.02

@@ -25,8 +25,8 @@ from services.tokenizer.server import start as start_tokenizer
 from services.tokenizer.settings import TokenizerSettings
 from services.worker.server import start as start_worker
 from services.worker.settings import WorkerSettings
+from strata.cli.launcher import start_stack
 from strata.client import StrataClient
-from strata.launcher import start_stack
 from strata.retry import NO_RETRY
 from strata.rpc import LIVENESS
 from strata.settings import SettingsError

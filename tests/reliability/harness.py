@@ -1,7 +1,7 @@
 """What the reliability scenarios share: a one-model stack config, probes of health and worker state,
 requests, bounded waits, and the resident memory of a process.
 
-Every stack here is real processes on loopback (strata.launcher.start_stack, or a service started
+Every stack here is real processes on loopback (strata.cli.launcher.start_stack, or a service started
 alone with `python -m ... --config --announce-file`), serving the tiny model of tests/conftest.py.
 Every wait is bounded in time. This module must not assert a scenario's outcome; the tests do.
 """

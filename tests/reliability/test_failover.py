@@ -3,7 +3,7 @@
 Tokenizer, primary worker, fallback worker and gateway are separate processes on ephemeral ports,
 with tiny random models sharing one tokenizer (so one fingerprint). The primary runs in test mode with
 a delay before every engine step, so its streams are still running when the test kills or freezes
-it. Measured times are printed; the bounds asserted are at least 5x what the issue asks for.
+it. Measured times are printed; the bounds asserted are at least 5x what the project asks for.
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ from tokenizers import Tokenizer
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.params import SamplingParams
+from strata.cli.launcher import start_stack
 from strata.client import StrataClient
-from strata.launcher import start_stack
 from strata.retry import NO_RETRY
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from pathlib import Path
 
-    from strata.launcher import Stack
+    from strata.cli.launcher import Stack
     from tests.reliability.conftest import Figure
 
 pytestmark = pytest.mark.slow
@@ -140,7 +140,7 @@ def test_kill9_mid_stream_continues_on_the_fallback_and_the_primary_returns(
             f"a new request served by the fallback in {new_request:.2f} s "
             f"({time.monotonic() - killed_at:.2f} s after the kill, the failed-over stream included)"
         )
-        assert new_request < 5.0  # the issue asks for 1 s
+        assert new_request < 5.0  # the project asks for 1 s
         figure(2, "tokens before the kill, on the primary", prior_len)
         figure(2, "tokens continued on the fallback (none lost or repeated)", total - prior_len)
         figure(2, "failed-over stream complete after the kill", stream_done - killed_at, "s")
@@ -160,7 +160,7 @@ def test_kill9_mid_stream_continues_on_the_fallback_and_the_primary_returns(
             seconds_until(lambda: _serving(stack.addresses.workers[0]), 120.0, "restarted primary SERVING")
             back = seconds_until(lambda: serving_model(client) == "tiny", 10.0, "primary serves again")
             print(f"primary serves again {back:.2f} s after it reported SERVING")
-            assert back < 10.0  # the issue asks for 2 s
+            assert back < 10.0  # the project asks for 2 s
             figure(2, "primary serves again after its restart reported SERVING", back, "s")
         finally:
             restarted.terminate()
@@ -178,7 +178,7 @@ def test_sigstop_moves_traffic_to_the_fallback_and_sigcont_brings_it_back(
         try:
             moved = seconds_until(lambda: serving_model(client) == "tiny-fb", 15.0, "traffic on the fallback")
             print(f"SIGSTOP noticed, traffic on the fallback after {moved:.2f} s")
-            assert moved < 15.0  # the issue asks for 3 s
+            assert moved < 15.0  # the project asks for 3 s
             figure(3, "SIGSTOP noticed: traffic on the fallback", moved, "s")
         finally:
             os.kill(pid, signal.SIGCONT)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from gateway.errors import STATUS_DETAILS_KEY, retry_delay_s
-from strata.launcher import start_stack
+from strata.cli.launcher import start_stack
 from strata.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.reliability.harness import queued_requests, request, seconds_until, worker_stats, write_config
 

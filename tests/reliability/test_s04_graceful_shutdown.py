@@ -27,7 +27,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from strata.launcher import ChildExit, start_stack
+from strata.cli.launcher import ChildExit, start_stack
 from strata.v1 import gateway_pb2_grpc
 from tests.reliability.harness import NOT_SERVING, SERVING, free_port, health, request, write_config
 

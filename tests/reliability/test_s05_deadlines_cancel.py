@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import grpc
 import pytest
 
-from strata.launcher import start_stack
+from strata.cli.launcher import start_stack
 from strata.v1 import gateway_pb2_grpc
 from tests.reliability.harness import request, seconds_until, worker_stats, write_config
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
     from pathlib import Path
 
-    from strata.launcher import Stack
+    from strata.cli.launcher import Stack
     from tests.reliability.conftest import Figure
 
 STEP_DELAY_S = 0.1

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from strata.launcher import start_stack
+from strata.cli.launcher import start_stack
 from strata.v1 import gateway_pb2_grpc
 from tests.reliability.harness import (
     queued_requests,

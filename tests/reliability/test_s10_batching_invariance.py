@@ -16,7 +16,7 @@ import grpc
 import torch
 from transformers import AutoModelForCausalLM
 
-from strata.launcher import start_stack
+from strata.cli.launcher import start_stack
 from strata.v1 import gateway_pb2_grpc
 from tests.parity import assert_greedy_parity, hf_greedy_reference
 from tests.reliability.harness import prompt_ids, request, write_config

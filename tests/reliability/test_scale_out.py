@@ -26,14 +26,14 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from strata.launcher import start_stack
+from strata.cli.launcher import start_stack
 from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
     from pathlib import Path
 
-    from strata.launcher import Stack
+    from strata.cli.launcher import Stack
 
 pytestmark = pytest.mark.slow
 

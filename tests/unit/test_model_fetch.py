@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from strata.cli import main
-from strata.fingerprint import tokenizer_fingerprint
-from strata.model_fetch import (
+from strata.cli.model_fetch import (
     DEFAULT_MODELS_ROOT,
     FALLBACK_NAME,
     FALLBACK_QUANTIZATION,
@@ -34,6 +33,7 @@ from strata.model_fetch import (
     sha256_file,
     verify_model_dir,
 )
+from strata.fingerprint import tokenizer_fingerprint
 
 if TYPE_CHECKING:
     from pathlib import Path

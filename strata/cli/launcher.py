@@ -36,7 +36,7 @@ from typing import IO, TYPE_CHECKING, Self
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from strata.stack_config import (
+from strata.cli.stack_config import (
     check_route_options,
     gateway_is_open,
     route_options,

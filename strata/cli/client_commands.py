@@ -4,7 +4,7 @@ Each builds its request from the parsed options, calls strata.client and renders
 text on stdout, timing on stderr, gRPC failures as "error: CODE: message" with exit status 1. It
 must stay cheap to import (strata.cli builds these parsers for ``strata --help``): no grpc, torch or
 transformers at module level. It holds no serving logic; ``generate --local`` delegates to
-strata.local_generate, the in-process engine demonstration.
+strata.cli.local_generate, the in-process engine demonstration.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def _print_stream(
 def _print_timing(response: gateway_pb2.GenerateResponse) -> None:
     import shutil
 
+    from strata.cli.waterfall import render_waterfall
     from strata.v1 import common_pb2
-    from strata.waterfall import render_waterfall
 
     # The waterfall goes to stderr, so that is the stream whose terminal decides colour; NO_COLOR
     # (no-color.org) turns it off when set to anything nonempty.
@@ -131,8 +131,8 @@ def _generate_local(args: argparse.Namespace) -> int:
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
         print(f"strata generate: error: {flags} need the gRPC stack; drop --local", file=sys.stderr)
         return 2
-    from strata.local_generate import generate_local
-    from strata.model_fetch import ensure_default_model
+    from strata.cli.local_generate import generate_local
+    from strata.cli.model_fetch import ensure_default_model
 
     model_dir = args.model_dir if args.model_dir is not None else ensure_default_model()
     max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else 64

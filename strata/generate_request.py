@@ -1,0 +1,88 @@
+"""`build_request`: the strata.v1 GenerateRequest for plain Python arguments, as the clients send it.
+
+strata.client's `generate` and `generate_stream` and the command line's `strata generate` build their
+requests here, so a keyword means the same on every path; None leaves an optional field unset, so the
+gateway applies its default. This module only converts: it must not call the gateway, nor validate
+what the gateway validates (prompt vs. messages, limits): the gateway answers INVALID_ARGUMENT naming
+the field. A chat message or truncation it cannot express raises ValueError.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from strata.v1 import common_pb2, gateway_pb2
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+
+def _chat_message(message: tuple[str, str] | Mapping[str, str]) -> common_pb2.ChatMessage:
+    if isinstance(message, tuple) and len(message) == 2:
+        return common_pb2.ChatMessage(role=message[0], content=message[1])
+    if not isinstance(message, tuple) and "role" in message and "content" in message:
+        return common_pb2.ChatMessage(role=message["role"], content=message["content"])
+    raise ValueError(
+        f"a chat message is a (role, content) tuple or a {{'role', 'content'}} dict, not {message!r}"
+    )
+
+
+def _truncation(value: int | str | None) -> gateway_pb2.Truncation.ValueType:
+    if value is None:
+        return gateway_pb2.TRUNCATION_UNSPECIFIED
+    for name, number in gateway_pb2.Truncation.items():
+        short = name.removeprefix("TRUNCATION_")
+        if value == number or (isinstance(value, str) and value.upper() in (name, short)):
+            return number
+    choices = ", ".join(
+        name.removeprefix("TRUNCATION_").lower() for name, _ in gateway_pb2.Truncation.items()
+    )
+    raise ValueError(f"truncation={value!r} is not one of {choices}")
+
+
+def build_request(
+    prompt: str | None = None,
+    *,
+    messages: Sequence[tuple[str, str] | Mapping[str, str]] | None = None,
+    model: str = "",
+    max_new_tokens: int = 0,
+    temperature: float = 0.0,
+    top_p: float | None = None,
+    top_k: int = 0,
+    repetition_penalty: float | None = None,
+    no_repeat_ngram_size: int = 0,
+    stop: Sequence[str] = (),
+    seed: int | None = None,
+    ignore_eos: bool = False,
+    request_id: str = "",
+    allow_fallback: bool = False,
+    truncation: int | str | None = None,
+) -> gateway_pb2.GenerateRequest:
+    """The GenerateRequest for these arguments; None leaves an optional field unset (the server's default).
+
+    `messages` are (role, content) tuples or {"role", "content"} dicts; `truncation` is a
+    gateway_pb2.Truncation value or its name ("left", "refuse").
+    """
+    sampling = common_pb2.SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        no_repeat_ngram_size=no_repeat_ngram_size,
+        stop=list(stop),
+        ignore_eos=ignore_eos,
+    )
+    if top_p is not None:
+        sampling.top_p = top_p
+    if repetition_penalty is not None:
+        sampling.repetition_penalty = repetition_penalty
+    if seed is not None:
+        sampling.seed = seed
+    return gateway_pb2.GenerateRequest(
+        prompt=prompt or "",
+        messages=[_chat_message(message) for message in messages or ()],
+        model=model,
+        sampling=sampling,
+        request_id=request_id,
+        allow_fallback=allow_fallback,
+        truncation=_truncation(truncation),
+    )
