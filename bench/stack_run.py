@@ -4,9 +4,9 @@ Each round runs the whole concurrency sweep against the stack, then, when asked,
 engine on the same token ids while the stack sits idle (A B A B A B, bench/README.md's rule 7). The
 first round starts with an untimed warm-up of both. The rounds' figures are reduced to a median and
 a min-max per level, the stack is judged against the engine, and the record, the plots and a table
-come out. This module orchestrates; the driver is bench/load.py, the prompts bench/stack_prompts.py,
-the engine bench/stack_engine.py, the reduction, verdict and record bench/stack_report.py, the plots
-bench/plots.py.
+come out. This module orchestrates; the streams are bench/load.py's (each request bench/driver.py's),
+the prompts bench/stack_prompts.py, the engine bench/stack_engine.py, the reduction, verdict and
+record bench/stack_report.py, the plots bench/plots.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 
-from bench.load import LevelRun, make_request, run_level, summarize_level
+from bench.driver import make_request
+from bench.load import LevelRun, run_level, summarize_level
 from bench.stack import requests_per_level
 from bench.stack_prompts import Prompt, build_prompts, load_tokenizer
 from bench.stack_report import aggregate_levels, build_record, engine_record, format_report, judge

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from bench.load import LevelRun, RequestResult, make_request, run_level, summarize_level, token_timing
+from bench.driver import RequestResult, make_request, token_timing
+from bench.load import LevelRun, run_level, summarize_level
 from bench.plots import write_plots
 from bench.stack import add_arguments, main, resolve
 from bench.stack_prompts import build_prompt, build_prompts, load_tokenizer
