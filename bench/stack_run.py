@@ -6,7 +6,8 @@ first round starts with an untimed warm-up of both. The rounds' figures are redu
 a min-max per level, the stack is judged against the engine, and the record, the plots and a table
 come out. This module orchestrates; the streams are bench/load.py's (each request bench/driver.py's),
 the prompts bench/stack_prompts.py, the engine bench/stack_engine.py, the reduction, verdict and
-record bench/stack_report.py, the plots bench/plots.py.
+record bench/stack_report.py, the plots bench/plots.py. It must not import bench/stack.py (the command
+line imports it).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import grpc
 
 from bench.driver import make_request
 from bench.load import LevelRun, run_level, summarize_level
-from bench.stack import requests_per_level
+from bench.options import requests_per_level
 from bench.stack_prompts import Prompt, build_prompts, load_tokenizer
 from bench.stack_report import aggregate_levels, build_record, engine_record, format_report, judge
 from bench.stats import describe_machine, save_record

@@ -13,6 +13,7 @@ import pytest
 
 from bench.driver import RequestResult
 from bench.load import LevelRun, summarize_level
+from bench.options import resolve
 from bench.plots import write_rate_plot
 from bench.rate import arrival_offsets, arrivals_per_phase, rate_request
 from bench.rate_report import (
@@ -23,7 +24,7 @@ from bench.rate_report import (
     judge_rate,
     refusal_reason,
 )
-from bench.stack import add_arguments, main, resolve
+from bench.stack import add_arguments, main
 from bench.stack_prompts import Prompt
 from strata.v1 import gateway_pb2
 from tests.unit.bench_rate_helpers import FALLBACK, NEW, PRIMARY, SLO_MS, phase_summary
@@ -255,8 +256,21 @@ def test_rate_options_take_open_loop_defaults_and_refuse_closed_loop_ones(tmp_pa
     args = _args("--rate", "12.5", "--smoke", "--arrival", "fixed", "--json", str(tmp_path / "x.json"))
     assert resolve(args) is None
     assert args.rate == 12.5 and args.runs == 1 and args.plot == tmp_path / "x.png"
-    for argv in (("--engine-baseline",), ("--concurrency", "1,8"), ("--runs", "2"), ("--ttft-slo-ms", "0")):
-        assert resolve(_args("--rate", "3", *argv)) is not None, argv
+    for argv in (("--engine-baseline",), ("--concurrency", "1,8"), ("--requests-per-level", "4")):
+        problem = resolve(_args("--rate", "3", *argv))
+        assert problem is not None and problem.startswith("--rate is an open loop"), argv
+    for argv, problem in (
+        (("--runs", "2"), "--runs 2: at least 3 rounds (median and spread); --smoke allows 1"),
+        (("--arrivals", "0"), "--arrivals 0 must be >= 1"),
+        (("--capacity-requests", "0"), "--capacity-requests 0 must be >= 1"),
+        (("--ttft-slo-ms", "0"), "--ttft-slo-ms 0.0 must be > 0"),
+        (("--duration", "-2"), "--duration -2.0 must be > 0"),
+        (("--gap", "-1"), "--gap -1.0 must be >= 0"),
+        (("--warmup-requests", "-1"), "--warmup-requests -1 must be >= 0"),
+    ):
+        assert resolve(_args("--rate", "3", *argv)) == problem, argv
+    # What only the closed loop checks does not apply to the open loop.
+    assert resolve(_args("--rate", "3", "--ttft-requests", "0")) is None
     for bad in ("0", "-1", "fast"):
         with pytest.raises(SystemExit):
             _args("--rate", bad)

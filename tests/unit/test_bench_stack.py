@@ -17,8 +17,9 @@ import torch
 
 from bench.driver import RequestResult, make_request, token_timing
 from bench.load import LevelRun, run_level, summarize_level
+from bench.options import resolve
 from bench.plots import write_plots
-from bench.stack import add_arguments, main, resolve
+from bench.stack import add_arguments, main
 from bench.stack_prompts import build_prompt, build_prompts, load_tokenizer
 from bench.stack_report import aggregate_levels, judge
 from bench.stats import percentile
@@ -177,7 +178,15 @@ def test_options_take_smoke_sizes_and_enforce_three_runs(tmp_path: Path) -> None
     assert args.concurrency == (1, 8, 64)
     assert (args.prompt_tokens, args.new_tokens, args.runs) == (64, 64, 3)
     problem = resolve(_parse("--runs", "1"))
-    assert problem is not None and "--smoke" in problem
+    assert problem == "--runs 1: at least 3 timed runs (median and spread); --smoke allows 1"
+    for argv, problem in (
+        (("--ttft-requests", "0"), "--ttft-requests 0 must be >= 1"),
+        (("--requests-per-level", "0"), "--requests-per-level 0 must be >= 1"),
+        (("--warmup-requests", "-1"), "--warmup-requests -1 must be >= 0"),
+    ):
+        assert resolve(_parse(*argv)) == problem, argv
+    # What only the open loop checks does not apply to the closed loop.
+    assert resolve(_parse("--duration", "-1", "--gap", "-1")) is None
     with pytest.raises(SystemExit):
         _parse("--concurrency", "0,4")
     assert main(["--runs", "2"]) == 2
