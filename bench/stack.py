@@ -11,7 +11,7 @@ times the in-process engine on the same token ids in the same run, alternating w
 with open-loop arrivals, fallback off and on (bench/rate_run.py). This module is the command line only:
 it must stay cheap to import (`strata --help` builds this parser), so the options' defaults and checks
 live in bench/options.py and the work in bench/stack_run.py and bench/rate_run.py, imported when the
-command runs; bench/stack_run.py may not import this module.
+command runs; neither of those may import this module.
 """
 
 from __future__ import annotations
@@ -158,13 +158,15 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"strata bench: error: {problem}", file=sys.stderr)
         return 2
-    from bench.stack_run import BenchError, run_benchmark
+    from bench.session import BenchError
 
     try:
         if args.rate is not None:
             from bench.rate_run import run_rate_benchmark
 
             return run_rate_benchmark(args)
+        from bench.stack_run import run_benchmark
+
         return run_benchmark(args)
     except BenchError as exc:
         print(f"strata bench: error: {exc}", file=sys.stderr)

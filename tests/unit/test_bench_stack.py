@@ -213,6 +213,42 @@ def test_the_command_line_module_imports_neither_torch_nor_grpc() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def _bench_imports() -> dict[str, set[str]]:
+    """Each bench module's bench imports, lazy and type-only ones included."""
+    import ast
+    from pathlib import Path
+
+    import bench
+
+    graph: dict[str, set[str]] = {}
+    for path in Path(bench.__file__).parent.glob("*.py"):
+        imported: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "bench":
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bench."):
+                imported.add(str(node.module).split(".")[1])
+            elif isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[1] for a in node.names if a.name.startswith("bench.")}
+        graph[path.stem] = imported
+    return graph
+
+
+def test_bench_modules_import_downward_only() -> None:
+    import graphlib
+
+    graph = _bench_imports()
+    graphlib.TopologicalSorter(graph).prepare()  # raises CycleError on an import cycle
+    # The command line dispatches to the two runs; they share the driver and the session, not each other.
+    assert {"options", "stack_run", "rate_run", "session"} <= graph["stack"]
+    for run in ("stack_run", "rate_run"):
+        assert not graph[run] & {"stack", "stack_run", "rate_run"}, run
+        assert {"session", "stack_prompts"} <= graph[run], run
+    assert "driver" in graph["load"] and "driver" in graph["rate"]
+    for shared in ("driver", "summary", "load", "rate", "session", "options"):
+        assert not graph[shared] & {"stack", "stack_run", "rate_run"}, shared
+
+
 def test_no_gateway_is_a_clear_error_not_a_hang(
     tiny_serving_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -284,7 +320,7 @@ def test_smoke_run_against_a_spawned_tiny_stack(tmp_path: Path, tiny_serving_dir
 
 @pytest.mark.slow
 def test_refusals_are_counted_not_fatal(tmp_path: Path, tiny_serving_dir: Path) -> None:
-    from bench.stack_run import stack_address
+    from bench.session import stack_address
     from strata.rpc import channel_options
     from strata.v1 import gateway_pb2_grpc
 
