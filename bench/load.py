@@ -1,11 +1,10 @@
-"""The concurrent stream driver of `strata bench`: N closed-loop GenerateStream callers on one event loop.
+"""The closed loop of `strata bench`: N concurrent streams on one event loop, and one level's summary.
 
-One level runs a fixed list of prompts through `concurrency` streams: each stream sends a request,
-reads its stream to the end, then takes the next prompt (closed loop), so at most `concurrency`
-requests are in flight and the level ends when the list is used up. It talks to the gateway through
-the raw grpc.aio stub on one channel, the cheapest client Python has, and stamps every message on
-arrival. This module measures and summarizes one level; it must not start or stop a stack, load a
-model or decide what a sweep is (bench/stack.py does).
+One level runs a fixed list of requests through `concurrency` streams: each stream sends a request
+(bench/driver.py's `send`), reads its stream to the end, then takes the next one (closed loop), so
+at most `concurrency` requests are in flight and the level ends when the list is used up. This
+module schedules and summarizes one level; it must not start or stop a stack, load a model or
+decide what a sweep is (bench/stack_run.py does).
 """
 
 from __future__ import annotations
@@ -14,38 +13,19 @@ import asyncio
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import grpc
 from tqdm import tqdm
 
-from bench.stats import percentile
-from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from bench.driver import RequestResult, send
+from bench.summary import REFUSAL_CODE, check_tokens, latency_percentiles
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from bench.stack_prompts import Prompt
-
-# Overload answers: the stack declined the request, it did not fail. Every other code is an error.
-REFUSAL_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED.name})
-PERCENTILES = (50.0, 95.0, 99.0)
-
-
-@dataclass(slots=True)
-class RequestResult:
-    """What the client saw of one request: times relative to its send, tokens, and the usage it was told."""
-
-    index: int
-    status: str
-    """"OK", or the gRPC status code's name."""
-    ttft_s: float | None
-    e2e_s: float
-    itl_s: list[float]
-    token_ids: list[int] = field(default_factory=list)
-    usage_input_tokens: int | None = None
-    usage_output_tokens: int | None = None
+    from bench.driver import Stub
+    from strata.v1 import gateway_pb2
 
 
 @dataclass(slots=True)
@@ -57,75 +37,8 @@ class LevelRun:
     results: list[RequestResult]
 
 
-def token_timing(sent: float, arrivals: Sequence[tuple[float, int]]) -> tuple[float | None, list[float]]:
-    """Time to first token and the inter-token gaps, from (arrival time, tokens in message) pairs.
-
-    A message carrying k tokens counts as k gaps of (its arrival - the previous token message's) / k:
-    the stack may coalesce tokens, and a per-message gap would overstate each token's wait k-fold.
-    The tokens that share the first message have no gap of their own (their wait is in the TTFT).
-    Messages without tokens (a partial character, the final summary) are skipped.
-    """
-    ttft: float | None = None
-    previous = sent
-    gaps: list[float] = []
-    for arrived, count in arrivals:
-        if count <= 0:
-            continue
-        if ttft is None:
-            ttft = arrived - sent
-        else:
-            gaps.extend([(arrived - previous) / count] * count)
-        previous = arrived
-    return ttft, gaps
-
-
-def make_request(
-    prompt: Prompt, new_tokens: int, request_id: str, model: str = ""
-) -> gateway_pb2.GenerateRequest:
-    """Raw text, greedy, EOS ignored: every request generates exactly `new_tokens` tokens."""
-    sampling = common_pb2.SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    return gateway_pb2.GenerateRequest(
-        prompt=prompt.text, model=model, sampling=sampling, request_id=request_id
-    )
-
-
-async def _one_request(
-    stub: gateway_pb2_grpc.GatewayAsyncStub,
-    index: int,
-    request: gateway_pb2.GenerateRequest,
-    timeout_s: float,
-) -> RequestResult:
-    arrivals: list[tuple[float, int]] = []
-    token_ids: list[int] = []
-    final: gateway_pb2.GenerateResponse | None = None
-    status = "OK"
-    sent = time.perf_counter()
-    try:
-        async for message in stub.GenerateStream(request, timeout=timeout_s):
-            arrived = time.perf_counter()
-            if message.token_ids:
-                arrivals.append((arrived, len(message.token_ids)))
-                token_ids.extend(message.token_ids)
-            if message.HasField("final"):
-                final = message.final
-    except grpc.aio.AioRpcError as exc:
-        status = exc.code().name
-    e2e = time.perf_counter() - sent
-    ttft, gaps = token_timing(sent, arrivals)
-    return RequestResult(
-        index=index,
-        status=status,
-        ttft_s=ttft,
-        e2e_s=e2e,
-        itl_s=gaps,
-        token_ids=token_ids,
-        usage_input_tokens=final.usage.input_tokens if final is not None else None,
-        usage_output_tokens=final.usage.output_tokens if final is not None else None,
-    )
-
-
 async def run_level(
-    stub: gateway_pb2_grpc.GatewayAsyncStub,
+    stub: Stub,
     requests: Sequence[gateway_pb2.GenerateRequest],
     concurrency: int,
     *,
@@ -145,7 +58,7 @@ async def run_level(
     async def stream() -> None:
         nonlocal tokens
         for index in pending:
-            result = await _one_request(stub, index, requests[index], timeout_s)
+            result = await send(stub, index, requests[index], timeout_s)
             results[index] = result
             tokens += len(result.token_ids)
             bar.set_postfix_str(f"{tokens / (time.perf_counter() - started):.1f} tok/s", refresh=False)
@@ -159,25 +72,6 @@ async def run_level(
     return LevelRun(concurrency, wall, [r for r in results if r is not None])
 
 
-def latency_percentiles(seconds: Sequence[float]) -> dict[str, float | None]:
-    """p50/p95/p99 in milliseconds; None when nothing was measured (every request failed)."""
-    return {f"p{q:g}": (1000.0 * percentile(seconds, q) if seconds else None) for q in PERCENTILES}
-
-
-def check_tokens(result: RequestResult, input_tokens: int, new_tokens: int) -> list[str]:
-    """How a successful request's token counts differ from the workload's; empty when they match."""
-    if result.usage_output_tokens is None or result.usage_input_tokens is None:
-        return ["no final message with usage"]
-    problems = []
-    if result.usage_input_tokens != input_tokens:
-        problems.append(f"usage.input_tokens={result.usage_input_tokens}, the prompt has {input_tokens}")
-    if result.usage_output_tokens != new_tokens:
-        problems.append(f"usage.output_tokens={result.usage_output_tokens}, asked for {new_tokens}")
-    if len(result.token_ids) != result.usage_output_tokens:
-        problems.append(f"streamed {len(result.token_ids)} tokens, usage says {result.usage_output_tokens}")
-    return problems
-
-
 def summarize_level(run: LevelRun, input_tokens: Sequence[int], new_tokens: int) -> dict[str, Any]:
     """One level's record: throughput, latency percentiles, refusals and errors by code, mismatches.
 
@@ -185,8 +79,8 @@ def summarize_level(run: LevelRun, input_tokens: Sequence[int], new_tokens: int)
     latencies come from the successful requests only.
     """
     ok = [r for r in run.results if r.status == "OK"]
-    refusals = Counter(r.status for r in run.results if r.status in REFUSAL_CODES)
-    errors = Counter(r.status for r in run.results if r.status != "OK" and r.status not in REFUSAL_CODES)
+    refusals = Counter(r.status for r in run.results if r.status == REFUSAL_CODE)
+    errors = Counter(r.status for r in run.results if r.status not in ("OK", REFUSAL_CODE))
     mismatches = [
         {"request": r.index, "problems": problems}
         for r in ok

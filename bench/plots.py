@@ -3,8 +3,9 @@ against concurrency, with the in-process engine's figures as reference marks whe
 and of a `strata bench --rate` record: goodput with fallback off and on, TTFT p99 against the SLO,
 refusals by reason.
 
-Reads only the record's summary fields (what bench/stack.py writes), so a plot can be redrawn from a
-saved JSON. Renders with matplotlib's Agg backend (no display); this module must not measure anything.
+Reads only the record's summary fields (what bench/stack_report.py and bench/rate_report.py write), so
+a plot can be redrawn from a saved JSON. Renders with matplotlib's Agg backend (no display); this
+module must not measure anything.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pathlib import Path
+
+    from matplotlib.figure import Figure
 
 
 def _series(levels: list[dict[str, Any]], metric: str, key: str) -> tuple[list[int], list[float]]:
@@ -26,17 +29,32 @@ def _series(levels: list[dict[str, Any]], metric: str, key: str) -> tuple[list[i
     return xs, ys
 
 
-def write_plots(record: dict[str, Any], path: Path) -> None:
-    """Three panels side by side in one PNG at `path`."""
+def _panels() -> tuple[Figure, Any]:
+    """A figure of three panels side by side, drawn with matplotlib's Agg backend (no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt.subplots(1, 3, figsize=(15, 4.5))
+
+
+def _save(figure: Figure, title: str, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    figure.suptitle(title)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def write_plots(record: dict[str, Any], path: Path) -> None:
+    """Three panels side by side in one PNG at `path`."""
     levels: list[dict[str, Any]] = record["levels"]
     engine: dict[str, Any] | None = record.get("engine_baseline")
     concurrencies = [level["concurrency"] for level in levels]
-    figure, (tps, ttft, itl) = plt.subplots(1, 3, figsize=(15, 4.5))
+    figure, (tps, ttft, itl) = _panels()
 
     xs, ys = _series(levels, "output_tok_s", "")
     tps.plot(xs, ys, marker="o", label="stack (median of runs)")
@@ -73,28 +91,20 @@ def write_plots(record: dict[str, Any], path: Path) -> None:
         axis.set_xlabel("concurrent streams")
         axis.grid(True, alpha=0.3)
         axis.legend(fontsize="small")
-    figure.suptitle(
+    title = (
         f"strata bench: {workload['model']}, {workload['prompt_tokens']} prompt + "
         f"{workload['new_tokens']} new tokens per request, {record['machine']['cpu_model']}"
     )
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    _save(figure, title, path)
 
 
 def write_rate_plot(record: dict[str, Any], path: Path) -> None:
     """`strata bench --rate`: goodput off vs on, accepted requests' TTFT p99 against the SLO, refusals."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     phases = [record["phases"][name] for name in ("off", "on")]
     labels = ["fallback off", "fallback on"]
     colors = ["tab:gray", "tab:green"]
     workload, target = record["workload"], record["target"]
-    figure, (goodput, ttft, refusals) = plt.subplots(1, 3, figsize=(15, 4.5))
+    figure, (goodput, ttft, refusals) = _panels()
 
     for x, phase in enumerate(phases):
         low, high = phase["goodput_tok_s_spread"]
@@ -132,12 +142,9 @@ def write_rate_plot(record: dict[str, Any], path: Path) -> None:
     for axis in (goodput, ttft, refusals):
         axis.set_xticks([0, 1], labels)
         axis.grid(True, axis="y", alpha=0.3)
-    figure.suptitle(
+    title = (
         f"strata bench --rate {workload['rate_rps']:.2f}/s ({workload['arrival']}, "
         f"{workload['rate_source']}): {workload['model']} -> {workload['fallback_model'] or 'no fallback'}, "
         f"{workload['prompt_tokens']} + {workload['new_tokens']} tokens, {record['machine']['cpu_model']}"
     )
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    _save(figure, title, path)

@@ -1,13 +1,13 @@
-"""The open-loop driver of `strata bench --rate`: a seeded arrival schedule and requests sent on it.
+"""The open loop of `strata bench --rate`: a seeded arrival schedule and requests sent on it.
 
 Requests leave on the schedule whatever the stack answers (open loop): Poisson arrivals (exponential
 gaps of mean 1/R drawn from `random.Random(seed)`, the first at 0) by default, or a fixed interval 1/R.
 Each request is raw text, greedy with ignore_eos, interactive priority; fallback on sets
 allow_fallback, fallback off sets no_fallback (and not allow_fallback), so the fallback serves none of
-them. Every message is stamped on arrival; a refusal keeps its message and retry hint. The primary's
-capacity is a closed loop of no_fallback requests (bench/load.py's driver): completed requests/s.
-This module measures; it must not start a stack, pick the rate, nor reduce the figures
-(bench/rate_run.py and bench/rate_report.py do).
+them. Each is sent by bench/driver.py's `send`, told when it was due. The primary's capacity is a
+closed loop of no_fallback requests (bench/load.py): completed requests/s. This module schedules; it
+must not start a stack, pick the rate, nor reduce the figures (bench/rate_run.py and
+bench/rate_report.py do).
 """
 
 from __future__ import annotations
@@ -18,22 +18,18 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-import grpc
 from tqdm import tqdm
 
-from bench.load import make_request, run_level, summarize_level
-from bench.rate_report import RateResult
-from strata.retry import pushback_delay_s, retry_info_delay_s
+from bench.driver import make_request, send
+from bench.load import run_level, summarize_level
 from strata.v1 import gateway_pb2
 
 if TYPE_CHECKING:
     import argparse
     from collections.abc import Sequence
 
+    from bench.driver import RequestResult, Stub
     from bench.stack_prompts import Prompt
-    from strata.v1 import gateway_pb2_grpc
-
-    Stub = gateway_pb2_grpc.GatewayAsyncStub
 
 # Between phases the gateway's queues must read empty within this bound (every answer is in by then).
 DRAIN_TIMEOUT_S = 60.0
@@ -71,32 +67,6 @@ def rate_request(
     return request
 
 
-async def _one(
-    stub: Stub, index: int, request: gateway_pb2.GenerateRequest, due: float, timeout_s: float
-) -> RateResult:
-    sent = time.perf_counter()
-    result = RateResult(index=index, send_lag_s=max(0.0, sent - due), status="OK", ttft_s=None, e2e_s=0.0)
-    try:
-        async for message in stub.GenerateStream(request, timeout=timeout_s):
-            if message.token_ids:
-                if result.ttft_s is None:
-                    result.ttft_s = time.perf_counter() - sent
-                result.token_ids.extend(message.token_ids)
-            if message.HasField("final"):
-                final = message.final
-                result.model, result.fallback_reason = final.model, final.fallback_reason
-                result.failover_at_token = final.failover_at_token
-                result.usage_input_tokens = final.usage.input_tokens
-                result.usage_output_tokens = final.usage.output_tokens
-    except grpc.aio.AioRpcError as exc:
-        result.status, result.message = exc.code().name, exc.details() or ""
-        trailers = list(exc.trailing_metadata() or ())
-        hints = [h for h in (retry_info_delay_s(trailers), pushback_delay_s(trailers)) if h is not None]
-        result.retry_hint_s = max(hints) if hints else None
-    result.e2e_s = time.perf_counter() - sent
-    return result
-
-
 async def run_phase(
     stub: Stub,
     requests: Sequence[gateway_pb2.GenerateRequest],
@@ -105,13 +75,13 @@ async def run_phase(
     timeout_s: float,
     label: str,
     progress: bool = True,
-) -> tuple[list[RateResult], float]:
+) -> tuple[list[RequestResult], float]:
     """Send each request at its offset without waiting for answers; every result and the wall time."""
-    results: list[RateResult] = []
+    results: list[RequestResult] = []
     bar = tqdm(total=len(requests), desc=label, unit="req", file=sys.stderr, disable=not progress)
 
     async def one(index: int, due: float) -> None:
-        results.append(await _one(stub, index, requests[index], due, timeout_s))
+        results.append(await send(stub, index, requests[index], timeout_s, due=due))
         bar.update(1)
 
     tasks = []

@@ -6,31 +6,39 @@ token met the SLO, over the phase's wall time from the first send to the last an
 completed and refused requests, refusals by status code and by the reason their message names, the
 client-side refusal decision time (send -> RESOURCE_EXHAUSTED, network hop included), TTFT of the
 accepted requests, who served them (GenerateResponse.model, fallback_reason) and errors. The rounds
-reduce to medians and spreads; the verdict compares goodput on/off with the project's target. This
-module only shapes what was measured; it must not measure, nor talk to the stack.
+reduce to medians and spreads; the verdict compares goodput on/off with the target. This module only
+shapes what was measured; it must not measure, nor talk to the stack.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import statistics
 from collections import Counter
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.load import latency_percentiles
-from bench.stack_report import counts_text as _counts
-from bench.stack_report import ms_text as _ms
-from bench.stack_report import pair_text as _pair
 from bench.stats import percentile, summarize
+from bench.summary import (
+    REFUSAL_CODE,
+    check_tokens,
+    counts_text,
+    latency_percentiles,
+    machine_at_end,
+    median_latencies,
+    ms_text,
+    options_record,
+    pair_text,
+    pass_text,
+    report_text,
+    summed_counts,
+)
 
 if TYPE_CHECKING:
     import argparse
     from collections.abc import Sequence
 
-REFUSAL_CODE = "RESOURCE_EXHAUSTED"
+    from bench.driver import RequestResult
+
 PHASES = ("off", "on")
 # Per-round counts that add up over the rounds.
 _COUNTS = (
@@ -42,7 +50,7 @@ _COUNTS = (
     "failovers",
     "token_mismatches",
 )
-# The project's target: fallback on gives at least this times the goodput of fallback off.
+# The target: fallback on gives at least this times the goodput of fallback off.
 GOODPUT_RATIO_MIN = 1.5
 # The gateway's refusal messages name their reason in words; the first matching pattern wins, so the
 # specific ones come before the generic ("predicted time to first token ... exceeds the deadline").
@@ -54,29 +62,6 @@ _REASON_PATTERNS = (
     ("shed", re.compile(r"\bshed\b", re.IGNORECASE)),
     ("no_credit", re.compile(r"capacity|credit", re.IGNORECASE)),
 )
-
-
-@dataclass(slots=True)
-class RateResult:
-    """What the client saw of one open-loop request; times in seconds from its send."""
-
-    index: int
-    send_lag_s: float
-    """How late the client sent it against the schedule (its own event loop's lag)."""
-    status: str
-    """"OK", or the gRPC status code's name."""
-    ttft_s: float | None
-    e2e_s: float
-    token_ids: list[int] = field(default_factory=list)
-    message: str = ""
-    """The status message of a failed call."""
-    retry_hint_s: float | None = None
-    """RetryInfo (or pushback) delay of a refusal; None when it carried none."""
-    model: str = ""
-    fallback_reason: str = ""
-    failover_at_token: int = 0
-    usage_input_tokens: int | None = None
-    usage_output_tokens: int | None = None
 
 
 def refusal_reason(message: str) -> str:
@@ -101,16 +86,8 @@ def fallback_key(reason: str) -> str:
     return "other" if reason else "none given"
 
 
-def _token_problem(result: RateResult, input_tokens: int, new_tokens: int) -> bool:
-    return (
-        result.usage_input_tokens != input_tokens
-        or result.usage_output_tokens != new_tokens
-        or len(result.token_ids) != new_tokens
-    )
-
-
 def summarize_phase(
-    results: Sequence[RateResult],
+    results: Sequence[RequestResult],
     *,
     phase: str,
     wall_s: float,
@@ -152,25 +129,13 @@ def summarize_phase(
         "failovers": sum(r.failover_at_token > 0 for r in ok),
         "errors": dict(errors),
         "error_examples": sorted({f"{r.status}: {r.message}" for r in results if r.status in errors})[:3],
-        "token_mismatches": sum(_token_problem(r, input_tokens[r.index], new_tokens) for r in ok),
+        "token_mismatches": sum(bool(check_tokens(r, input_tokens[r.index], new_tokens)) for r in ok),
         "send_lag_ms": {
             "p50": 1000.0 * percentile(lags, 50) if lags else None,
             "p99": 1000.0 * percentile(lags, 99) if lags else None,
             "max": 1000.0 * max(lags) if lags else None,
         },
     }
-
-
-def _median(runs: list[dict[str, Any]], metric: str, key: str) -> float | None:
-    values = [run[metric][key] for run in runs if run[metric][key] is not None]
-    return statistics.median(values) if values else None
-
-
-def _summed(runs: list[dict[str, Any]], key: str) -> dict[str, int]:
-    total: Counter[str] = Counter()
-    for run in runs:
-        total.update(run[key])
-    return dict(total)
 
 
 def aggregate_phase(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -184,12 +149,12 @@ def aggregate_phase(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "goodput_tok_s_spread": [goodput.low, goodput.high],
         "goodput_tok_s_runs": list(goodput.values),
         "output_tok_s": statistics.median(run["output_tok_s"] for run in runs),
-        "ttft_ms": {key: _median(runs, "ttft_ms", key) for key in runs[0]["ttft_ms"]},
+        "ttft_ms": median_latencies(runs, "ttft_ms"),
         "ttft_p99_ms_runs": [run["ttft_ms"]["p99"] for run in runs],
-        "refusal_decision_ms": {key: _median(runs, "refusal_decision_ms", key) for key in ("p50", "p99")},
+        "refusal_decision_ms": median_latencies(runs, "refusal_decision_ms", ("p50", "p99")),
         **{key: sum(run[key] for run in runs) for key in _COUNTS},
-        **{key: _summed(runs, key) for key in ("refusals", "refusal_reasons", "served_by", "errors")},
-        "fallback_reasons": _summed(runs, "fallback_reasons"),
+        **{key: summed_counts(runs, key) for key in ("refusals", "refusal_reasons", "served_by", "errors")},
+        "fallback_reasons": summed_counts(runs, "fallback_reasons"),
         "fallback_share": fallback / completed if completed else 0.0,
         "runs": runs,
     }
@@ -258,10 +223,8 @@ def build_rate_record(
             "refusal_decision_ms": "client-side, send -> RESOURCE_EXHAUSTED: includes the network hop "
             "and the client's own event loop",
         },
-        "machine": {**machine, "load_average_at_end": list(os.getloadavg())},
-        "config": {
-            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "handler"
-        },
+        "machine": machine_at_end(machine),
+        "config": options_record(args),
     }
 
 
@@ -279,21 +242,19 @@ def format_rate_report(record: dict[str, Any]) -> str:
     for name in PHASES:
         phase = record["phases"][name]
         low, high = phase["goodput_tok_s_spread"]
-        ttft, decision = _pair(phase["ttft_ms"]), _pair(phase["refusal_decision_ms"])
+        ttft, decision = pair_text(phase["ttft_ms"]), pair_text(phase["refusal_decision_ms"])
         lines.append(
             f"{name:>8} {phase['goodput_tok_s']:>8.1f} {f'{low:.1f}-{high:.1f}':>13} {phase['offered']:>7} "
             f"{phase['completed']:>5} {phase['refused']:>7} {ttft:>15} {decision:>18} "
-            f"{phase['fallback_share']:>11.0%} {_counts(phase['refusal_reasons']):>20} "
-            f"{_counts(phase['errors']):>7}"
+            f"{phase['fallback_share']:>11.0%} {counts_text(phase['refusal_reasons']):>20} "
+            f"{counts_text(phase['errors']):>7}"
         )
     ratio = target["goodput_ratio"]
     shown = "unbounded (off had none)" if ratio is None else f"{ratio:.2f}"
     lines.append(
         f"goodput on/off: {shown} (target >= {target['goodput_ratio_min']}): "
-        f"{'PASS' if target['goodput_pass'] else 'FAIL'}; TTFT p99 with fallback on "
-        f"{_ms(target['ttft_p99_on_ms'])} ms (SLO {target['ttft_slo_ms']:.0f} ms): "
-        f"{'PASS' if target['ttft_pass'] else 'FAIL'}"
+        f"{pass_text(target['goodput_pass'])}; TTFT p99 with fallback on "
+        f"{ms_text(target['ttft_p99_on_ms'])} ms (SLO {target['ttft_slo_ms']:.0f} ms): "
+        f"{pass_text(target['ttft_pass'])}"
     )
-    if record["invalid_reasons"]:
-        lines.append("not a valid result: " + "; ".join(record["invalid_reasons"]))
-    return "\n".join(lines)
+    return report_text(lines, record)

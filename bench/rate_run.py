@@ -6,15 +6,17 @@ max_num_seqs) and the route's TTFT SLO. After an untimed warm-up of both routes,
 measures the primary's capacity and offers `--rate-factor` (2) times it. Then `--runs` rounds of two
 phases on the same arrival schedule, OFF ON OFF ON OFF ON (bench/README.md's rule 7); between phases
 every answer is in, the gateway's queues read empty, and the stack idles `--gap` seconds. The
-driver is bench/rate.py, the reduction, verdict and record bench/rate_report.py, the plot
-bench/plots.py; this module only orchestrates and reads the config.
+schedule is bench/rate.py's (each request bench/driver.py's), the stack, channel and publishing
+bench/session.py's, the reduction, verdict and record bench/rate_report.py, the plot bench/plots.py;
+this module only orchestrates and reads the config. It must not import bench/stack.py (the command
+line imports it) nor the closed loop's run (bench/stack_run.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -28,12 +30,10 @@ from bench.rate import (
     warm_up,
 )
 from bench.rate_report import PHASES, aggregate_phase, build_rate_record, format_rate_report, summarize_phase
+from bench.session import BenchError, gateway, publish, stack_address
 from bench.stack_prompts import build_prompts, load_tokenizer
-from bench.stack_run import CONNECT_TIMEOUT_S, BenchError, publish, stack_address
 from bench.stats import describe_machine
-from strata.rpc import MIB, channel_options
 from strata.settings import DEFAULT_CONFIG, SettingsError, read_config
-from strata.v1 import gateway_pb2, gateway_pb2_grpc
 
 if TYPE_CHECKING:
     import argparse
@@ -41,8 +41,9 @@ if TYPE_CHECKING:
 
     from tokenizers import Tokenizer
 
-    from bench.rate import Stub
+    from bench.driver import Stub
     from services.worker.settings import WorkerSettings
+    from strata.v1 import gateway_pb2
 
 DEFAULT_SLO_MS = 2000.0
 
@@ -174,15 +175,7 @@ async def _session(address: str, args: argparse.Namespace) -> dict[str, Any]:
     """Everything against the stack: routes, warm-up, capacity, then the alternating phases."""
     from bench.stack_engine import resolve_device
 
-    async with grpc.aio.insecure_channel(address, options=channel_options(16 * MIB)) as channel:
-        stub = cast("Stub", gateway_pb2_grpc.GatewayStub(channel))
-        try:
-            models = await stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=CONNECT_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            raise BenchError(
-                f"no gateway answers at {address} ({exc.code().name}: {exc.details()}); "
-                "start one with `strata up`, or pass --spawn"
-            ) from exc
+    async with gateway(address) as (stub, models):
         target = _target(args, models)
         try:
             tokenizer = load_tokenizer(target.model_dir)

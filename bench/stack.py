@@ -9,8 +9,9 @@ runs); at N = 1, eight back to back, so its TTFT is a median of several. `--engi
 times the in-process engine on the same token ids in the same run, alternating with the stack
 (bench/README.md's rules), and judges the stack against it. `--rate R` (or auto) replaces the sweep
 with open-loop arrivals, fallback off and on (bench/rate_run.py). This module is the command line only:
-it must stay cheap to import (`strata --help` builds this parser), so the work lives in
-bench/stack_run.py and is imported when the command runs.
+it must stay cheap to import (`strata --help` builds this parser), so the options' defaults and checks
+live in bench/options.py and the work in bench/stack_run.py and bench/rate_run.py, imported when the
+command runs; neither of those may import this module.
 """
 
 from __future__ import annotations
@@ -19,29 +20,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from bench.options import MIN_REQUESTS_PER_LEVEL, resolve
+
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-DEFAULT_CONCURRENCY = (1, 8, 32, 64)
-# A level sends at least this many requests, so the lowest levels still give a median of several.
-MIN_REQUESTS_PER_LEVEL = 8
-SMOKE = {"concurrency": (1, 4), "prompt_tokens": 16, "new_tokens": 8, "runs": 1, "warmup_requests": 2}
-DEFAULTS = {"prompt_tokens": 64, "new_tokens": 64, "runs": 3, "warmup_requests": 8}
-# Open loop (--rate): shorter requests, so three rounds of two phases take a few minutes on 2 cores.
-RATE_DEFAULTS = {
-    "prompt_tokens": 32,
-    "new_tokens": 32,
-    "runs": 3,
-    "warmup_requests": 4,
-    "duration": 20.0,
-    "gap": 3.0,
-}
-RATE_SMOKE = {
-    "prompt_tokens": 16,
-    "new_tokens": 8,
-    "runs": 1,
-    "warmup_requests": 2,
-    "duration": 3.0,
-    "gap": 0.5,
-}
 
 
 def _concurrency_list(text: str) -> tuple[int, ...]:
@@ -171,72 +152,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _resolve_rate(args: argparse.Namespace) -> str | None:
-    if args.engine_baseline or args.concurrency is not None or args.requests_per_level is not None:
-        return "--rate is an open loop: --engine-baseline, --concurrency, --requests-per-level do not apply"
-    for name, default in RATE_DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, RATE_SMOKE[name] if args.smoke else default)
-    if args.runs < 1 or (args.runs < 3 and not args.smoke):
-        return f"--runs {args.runs}: at least 3 rounds (median and spread); --smoke allows 1"
-    for name in ("prompt_tokens", "new_tokens", "arrivals", "capacity_concurrency", "capacity_requests"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            return f"--{name.replace('_', '-')} {value} must be >= 1"
-    for name in ("duration", "ttft_slo_ms", "rate_factor"):
-        value = getattr(args, name)
-        if value is not None and not value > 0:
-            return f"--{name.replace('_', '-')} {value} must be > 0"
-    if args.gap < 0 or args.warmup_requests < 0:
-        return "--gap and --warmup-requests must be >= 0"
-    if args.plot is None and args.json is not None:
-        args.plot = args.json.with_suffix(".png")
-    return None
-
-
-def resolve(args: argparse.Namespace) -> str | None:
-    """Fill the defaults that depend on --smoke (and --rate); the problem with the options, or None."""
-    if args.rate is not None:
-        return _resolve_rate(args)
-    if args.concurrency is None:
-        args.concurrency = SMOKE["concurrency"] if args.smoke else DEFAULT_CONCURRENCY
-    for name, default in DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, SMOKE[name] if args.smoke else default)
-    if args.runs < 1 or (args.runs < 3 and not args.smoke):
-        return f"--runs {args.runs}: at least 3 timed runs (median and spread); --smoke allows 1"
-    for name in ("prompt_tokens", "new_tokens", "ttft_requests"):
-        if getattr(args, name) < 1:
-            return f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1"
-    if args.requests_per_level is not None and args.requests_per_level < 1:
-        return f"--requests-per-level {args.requests_per_level} must be >= 1"
-    if args.warmup_requests < 0:
-        return f"--warmup-requests {args.warmup_requests} must be >= 0"
-    if args.plot is None and args.json is not None:
-        args.plot = args.json.with_suffix(".png")
-    return None
-
-
-def requests_per_level(args: argparse.Namespace, concurrency: int) -> int:
-    """At N >= 8 one request per stream by default: the top level is N requests sent at once."""
-    if args.requests_per_level is not None:
-        return int(args.requests_per_level)
-    return max(concurrency, MIN_REQUESTS_PER_LEVEL)
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark these parsed options describe; 0, or 1 when its numbers do not count."""
     problem = resolve(args)
     if problem is not None:
         print(f"strata bench: error: {problem}", file=sys.stderr)
         return 2
-    from bench.stack_run import BenchError, run_benchmark
+    from bench.session import BenchError
 
     try:
         if args.rate is not None:
             from bench.rate_run import run_rate_benchmark
 
             return run_rate_benchmark(args)
+        from bench.stack_run import run_benchmark
+
         return run_benchmark(args)
     except BenchError as exc:
         print(f"strata bench: error: {exc}", file=sys.stderr)

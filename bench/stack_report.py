@@ -13,32 +13,31 @@ nor talk to the stack.
 
 from __future__ import annotations
 
-import os
 import statistics
-from collections import Counter
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.stats import summarize
+from bench.summary import (
+    counts_text,
+    machine_at_end,
+    median_latencies,
+    options_record,
+    pair_text,
+    pass_text,
+    report_text,
+    summed_counts,
+)
 
 if TYPE_CHECKING:
     import argparse
+    from pathlib import Path
 
     from strata.v1 import gateway_pb2
 
-# The project's targets: stack throughput at the top level against the engine's, TTFT p50 alone.
+# The targets: stack throughput at the top level against the engine's, TTFT p50 alone.
 THROUGHPUT_RATIO_MIN = 0.85
 TTFT_RATIO_MAX = 1.25
 LATENCIES = ("ttft_ms", "itl_ms", "e2e_ms")
-
-
-def _median_latencies(runs: list[dict[str, Any]], metric: str) -> dict[str, float | None]:
-    keys = runs[0][metric].keys()
-    medians: dict[str, float | None] = {}
-    for key in keys:
-        values = [run[metric][key] for run in runs if run[metric][key] is not None]
-        medians[key] = statistics.median(values) if values else None
-    return medians
 
 
 def aggregate_levels(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -47,11 +46,6 @@ def aggregate_levels(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]
     for position, first in enumerate(rounds[0]):
         runs = [summaries[position] for summaries in rounds]
         tok_s = summarize([run["output_tok_s"] for run in runs])
-        refusals: Counter[str] = Counter()
-        errors: Counter[str] = Counter()
-        for run in runs:
-            refusals.update(run["refusals"])
-            errors.update(run["errors"])
         levels.append(
             {
                 "concurrency": first["concurrency"],
@@ -60,9 +54,9 @@ def aggregate_levels(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]
                 "output_tok_s_spread": [tok_s.low, tok_s.high],
                 "output_tok_s_runs": list(tok_s.values),
                 "requests_per_s": statistics.median(run["requests_per_s"] for run in runs),
-                **{metric: _median_latencies(runs, metric) for metric in LATENCIES},
-                "refusals": dict(refusals),
-                "errors": dict(errors),
+                **{metric: median_latencies(runs, metric) for metric in LATENCIES},
+                "refusals": summed_counts(runs, "refusals"),
+                "errors": summed_counts(runs, "errors"),
                 "token_mismatches": sum(run["token_mismatches"] for run in runs),
                 "runs": runs,
             }
@@ -71,7 +65,7 @@ def aggregate_levels(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]
 
 
 def judge(levels: list[dict[str, Any]], engine: dict[str, Any]) -> dict[str, Any]:
-    """The project's two ratios against the engine, per round and over the medians, with pass/fail."""
+    """The two target ratios against the engine, per round and over the medians, with pass/fail."""
     by_concurrency = {level["concurrency"]: level for level in levels}
     top = by_concurrency.get(engine["concurrency"])
     verdict: dict[str, Any] = {
@@ -192,23 +186,14 @@ def build_record(
         "warmup": warmup,
         "engine_baseline": None,
         "target": None,
-        "machine": {**machine, "load_average_at_end": list(os.getloadavg())},
-        "config": {
-            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "handler"
-        },
+        "machine": machine_at_end(machine),
+        "config": options_record(args),
     }
 
 
-def ms_text(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
-
-
-def pair_text(latencies: dict[str, float | None]) -> str:
-    return f"{ms_text(latencies['p50'])}/{ms_text(latencies['p99'])}"
-
-
-def counts_text(counts: dict[str, int]) -> str:
-    return ",".join(f"{code}:{n}" for code, n in counts.items()) or "0"
+def _ratio_line(what: str, ratio: float, runs: list[float], bound: str, passed: bool) -> str:
+    shown = ", ".join(f"{r:.3f}" for r in runs)
+    return f"stack/engine {what}: {ratio:.3f} (runs {shown}; target {bound}): {pass_text(passed)}"
 
 
 def format_report(record: dict[str, Any]) -> str:
@@ -240,20 +225,23 @@ def format_report(record: dict[str, Any]) -> str:
     target = record["target"]
     if target is not None:
         if "throughput_ratio" in target:
-            verdict = "PASS" if target["throughput_pass"] else "FAIL"
             lines.append(
-                f"stack/engine throughput at {target['concurrency']} streams: "
-                f"{target['throughput_ratio']:.3f} "
-                f"(runs {', '.join(f'{r:.3f}' for r in target['throughput_ratio_runs'])}; "
-                f"target >= {target['throughput_ratio_min']}): {verdict}"
+                _ratio_line(
+                    f"throughput at {target['concurrency']} streams",
+                    target["throughput_ratio"],
+                    target["throughput_ratio_runs"],
+                    f">= {target['throughput_ratio_min']}",
+                    target["throughput_pass"],
+                )
             )
         if "ttft_ratio" in target:
-            verdict = "PASS" if target["ttft_pass"] else "FAIL"
             lines.append(
-                f"stack/engine TTFT p50 at 1 stream: {target['ttft_ratio']:.3f} "
-                f"(runs {', '.join(f'{r:.3f}' for r in target['ttft_ratio_runs'])}; "
-                f"target <= {target['ttft_ratio_max']}): {verdict}"
+                _ratio_line(
+                    "TTFT p50 at 1 stream",
+                    target["ttft_ratio"],
+                    target["ttft_ratio_runs"],
+                    f"<= {target['ttft_ratio_max']}",
+                    target["ttft_pass"],
+                )
             )
-    if record["invalid_reasons"]:
-        lines.append("not a valid result: " + "; ".join(record["invalid_reasons"]))
-    return "\n".join(lines)
+    return report_text(lines, record)

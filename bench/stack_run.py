@@ -4,44 +4,33 @@ Each round runs the whole concurrency sweep against the stack, then, when asked,
 engine on the same token ids while the stack sits idle (A B A B A B, bench/README.md's rule 7). The
 first round starts with an untimed warm-up of both. The rounds' figures are reduced to a median and
 a min-max per level, the stack is judged against the engine, and the record, the plots and a table
-come out. This module orchestrates; the driver is bench/load.py, the prompts bench/stack_prompts.py,
-the engine bench/stack_engine.py, the reduction, verdict and record bench/stack_report.py, the plots
-bench/plots.py.
+come out. This module orchestrates; the streams are bench/load.py's (each request bench/driver.py's),
+the stack, channel and publishing bench/session.py's, the prompts bench/stack_prompts.py, the engine
+bench/stack_engine.py, the reduction, verdict and record bench/stack_report.py, the plots
+bench/plots.py. It must not import bench/stack.py (the command line imports it).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
-import grpc
-
-from bench.load import LevelRun, make_request, run_level, summarize_level
-from bench.stack import requests_per_level
+from bench.driver import make_request
+from bench.load import LevelRun, run_level, summarize_level
+from bench.options import requests_per_level
+from bench.session import BenchError, gateway, publish, stack_address
 from bench.stack_prompts import Prompt, build_prompts, load_tokenizer
 from bench.stack_report import aggregate_levels, build_record, engine_record, format_report, judge
-from bench.stats import describe_machine, save_record
-from strata.rpc import MIB, channel_options
+from bench.stats import describe_machine
 from strata.settings import DEFAULT_CONFIG, SettingsError
-from strata.v1 import gateway_pb2, gateway_pb2_grpc
+from strata.v1 import gateway_pb2
 
 if TYPE_CHECKING:
     import argparse
-    from collections.abc import Callable, Iterator
 
     from services.worker.settings import WorkerSettings
-
-# A running stack answers ListModels at once; nothing listening fails fast (no wait_for_ready).
-CONNECT_TIMEOUT_S = 10.0
-
-
-class BenchError(RuntimeError):
-    """The benchmark cannot run (no stack, no model, a bad config); the message says what to do."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,42 +54,11 @@ def _worker_settings(args: argparse.Namespace) -> WorkerSettings:
     return settings
 
 
-@contextlib.contextmanager
-def stack_address(args: argparse.Namespace) -> Iterator[str]:
-    """The gateway to drive: --address, or a stack started here and stopped on the way out."""
-    if not args.spawn:
-        yield args.address
-        return
-    from strata.cli.launcher import StackError, start_stack
-
-    config = args.config or DEFAULT_CONFIG
-    # The services' output would tear through the progress bars: it goes to files instead.
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="strata-bench-logs-"))
-    print(f"strata bench: starting the stack of {config} (logs in {log_dir})", file=sys.stderr, flush=True)
-    try:
-        # A free port: the default 50051 may belong to a stack someone else is running.
-        stack = start_stack(config, env={"STRATA_GATEWAY_LISTEN": "127.0.0.1:0"}, log_dir=log_dir)
-    except (StackError, SettingsError) as exc:
-        raise BenchError(f"the stack did not start: {exc}") from exc
-    try:
-        yield stack.addresses.gateway
-    finally:
-        stack.stop()
-
-
 async def _sweep(
     address: str, args: argparse.Namespace, plan: Round, warmup: list[Prompt]
 ) -> tuple[list[LevelRun], LevelRun | None, gateway_pb2.ListModelsResponse]:
     """One round against the stack: the warm-up if any, then every level in increasing concurrency."""
-    async with grpc.aio.insecure_channel(address, options=channel_options(16 * MIB)) as channel:
-        stub = cast("gateway_pb2_grpc.GatewayAsyncStub", gateway_pb2_grpc.GatewayStub(channel))
-        try:
-            models = await stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=CONNECT_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            raise BenchError(
-                f"no gateway answers at {address} ({exc.code().name}: {exc.details()}); "
-                "start one with `strata up`, or pass --spawn"
-            ) from exc
+    async with gateway(address) as (stub, models):
         warm = None
         if warmup:
             requests = [
@@ -223,27 +181,3 @@ def run_benchmark(args: argparse.Namespace) -> int:
         record["engine_baseline"] = baseline
         record["target"] = judge(levels, baseline)
     return publish(record, args, format_report(record), write_plots)
-
-
-def publish(
-    record: dict[str, Any],
-    args: argparse.Namespace,
-    report: str,
-    plot: Callable[[dict[str, Any], Path], None],
-) -> int:
-    """Save the record and its plot, print the report; 1 when the record is void."""
-    save_record(record, args.json)
-    if args.plot is not None:
-        plot(record, args.plot)
-    print(report)
-    for path in (args.json, args.plot):
-        if path is not None:
-            print(f"wrote {path}")
-    if record["voided"]:
-        print(
-            "strata bench: requests failed or miscounted tokens: these numbers do not count", file=sys.stderr
-        )
-        return 1
-    if args.smoke:
-        print("strata bench: --smoke run: not a valid result", file=sys.stderr)
-    return 0

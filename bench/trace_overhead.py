@@ -26,7 +26,8 @@ import grpc
 import psutil
 import yaml
 
-from bench.load import make_request, run_level, summarize_level
+from bench.driver import make_request
+from bench.load import run_level, summarize_level
 from bench.stack_prompts import build_prompts, load_tokenizer
 from bench.trace_overhead_report import MIN_RUNS, RunResult, build_record, format_report
 from strata.otlp_receiver import OtlpReceiver

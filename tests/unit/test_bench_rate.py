@@ -11,10 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from bench.driver import RequestResult
+from bench.load import LevelRun, summarize_level
+from bench.options import resolve
 from bench.plots import write_rate_plot
 from bench.rate import arrival_offsets, arrivals_per_phase, rate_request
 from bench.rate_report import (
-    RateResult,
     aggregate_phase,
     build_rate_record,
     fallback_key,
@@ -22,7 +24,7 @@ from bench.rate_report import (
     judge_rate,
     refusal_reason,
 )
-from bench.stack import add_arguments, main, resolve
+from bench.stack import add_arguments, main
 from bench.stack_prompts import Prompt
 from strata.v1 import gateway_pb2
 from tests.unit.bench_rate_helpers import FALLBACK, NEW, PRIMARY, SLO_MS, phase_summary
@@ -93,15 +95,16 @@ def test_fallback_reasons_are_keyed_by_trigger(reason: str, key: str) -> None:
     assert fallback_key(reason) == key
 
 
-def _ok(index: int, ttft_s: float, model: str = PRIMARY, tokens: int = NEW, **extra: Any) -> RateResult:
-    return RateResult(
+def _ok(index: int, ttft_s: float, model: str = PRIMARY, tokens: int = NEW, **extra: Any) -> RequestResult:
+    fields: dict[str, Any] = {"usage_input_tokens": 8, "usage_output_tokens": NEW, **extra}
+    return RequestResult(
         index=index, send_lag_s=0.001 * index, status="OK", ttft_s=ttft_s, e2e_s=ttft_s + 0.1,
-        token_ids=list(range(tokens)), model=model, usage_input_tokens=8, usage_output_tokens=NEW, **extra,
+        token_ids=list(range(tokens)), model=model, **fields,
     )  # fmt: skip
 
 
-def _refused(index: int, message: str, decision_s: float, hint: float | None = 1.0) -> RateResult:
-    return RateResult(
+def _refused(index: int, message: str, decision_s: float, hint: float | None = 1.0) -> RequestResult:
+    return RequestResult(
         index=index, send_lag_s=0.0, status="RESOURCE_EXHAUSTED", ttft_s=None, e2e_s=decision_s,
         message=message, retry_hint_s=hint,
     )  # fmt: skip
@@ -117,7 +120,7 @@ def test_goodput_counts_only_completed_requests_within_the_slo() -> None:
         _ok(5, 0.5, tokens=NEW - 1),  # miscounted: completed, counted, flagged
         _refused(6, "queue full: 8 requests waiting", 0.002),
         _refused(7, "predicted time to first token 3.0 s exceeds the SLO 1.0 s", 0.004, hint=None),
-        RateResult(index=8, send_lag_s=0.0, status="UNAVAILABLE", ttft_s=None, e2e_s=0.1, message="gone"),
+        RequestResult(index=8, send_lag_s=0.0, status="UNAVAILABLE", ttft_s=None, e2e_s=0.1, message="gone"),
     ]
     summary = phase_summary("on", results)
     assert summary["offered"] == 9 and summary["completed"] == 6 and summary["refused"] == 2
@@ -141,6 +144,24 @@ def test_goodput_counts_only_completed_requests_within_the_slo() -> None:
     assert summary["error_examples"] == ["UNAVAILABLE: gone"]
     assert summary["token_mismatches"] == 1
     assert summary["send_lag_ms"]["max"] == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        _ok(0, 0.1, usage_input_tokens=None, usage_output_tokens=None),  # no final message
+        _ok(0, 0.1, usage_input_tokens=7),  # the stack tokenized the prompt differently
+        _ok(0, 0.1, usage_output_tokens=NEW + 1),  # usage disagrees with the asked tokens
+        _ok(0, 0.1, tokens=NEW + 1),  # streamed more tokens than asked (and than usage says)
+    ],
+)
+def test_both_loads_count_a_miscounted_request_by_the_one_token_check(result: RequestResult) -> None:
+    assert phase_summary("on", [result])["token_mismatches"] == 1
+    level = summarize_level(LevelRun(1, 1.0, [result]), [8], NEW)
+    assert level["token_mismatches"] == 1 and level["token_mismatch_examples"][0]["request"] == 0
+    counted = _ok(0, 0.1)
+    assert phase_summary("on", [counted])["token_mismatches"] == 0
+    assert summarize_level(LevelRun(1, 1.0, [counted]), [8], NEW)["token_mismatches"] == 0
 
 
 def _round(off_tokens: int, on_tokens: int, on_ttft_s: float) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -180,7 +201,7 @@ def _args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _record(tmp_path: Path, off: list[RateResult], on: list[RateResult]) -> dict[str, Any]:
+def _record(tmp_path: Path, off: list[RequestResult], on: list[RequestResult]) -> dict[str, Any]:
     args = _args("--rate", "4", "--smoke", "--json", str(tmp_path / "r.json"))
     assert resolve(args) is None
     workload = {
@@ -209,7 +230,7 @@ def test_the_record_is_voided_by_errors_and_by_the_fallback_serving_with_fallbac
     )
     assert leaked["voided"] is True
     assert any("fallback off" in reason for reason in leaked["invalid_reasons"])
-    failed = RateResult(index=1, send_lag_s=0.0, status="INTERNAL", ttft_s=None, e2e_s=0.1)
+    failed = RequestResult(index=1, send_lag_s=0.0, status="INTERNAL", ttft_s=None, e2e_s=0.1)
     broken = _record(tmp_path, [_ok(0, 0.1)], [_ok(0, 0.1), failed])
     assert broken["voided"] is True and "errors {'INTERNAL': 1}" in broken["invalid_reasons"][0]
 
@@ -235,8 +256,21 @@ def test_rate_options_take_open_loop_defaults_and_refuse_closed_loop_ones(tmp_pa
     args = _args("--rate", "12.5", "--smoke", "--arrival", "fixed", "--json", str(tmp_path / "x.json"))
     assert resolve(args) is None
     assert args.rate == 12.5 and args.runs == 1 and args.plot == tmp_path / "x.png"
-    for argv in (("--engine-baseline",), ("--concurrency", "1,8"), ("--runs", "2"), ("--ttft-slo-ms", "0")):
-        assert resolve(_args("--rate", "3", *argv)) is not None, argv
+    for argv in (("--engine-baseline",), ("--concurrency", "1,8"), ("--requests-per-level", "4")):
+        problem = resolve(_args("--rate", "3", *argv))
+        assert problem is not None and problem.startswith("--rate is an open loop"), argv
+    for argv, problem in (
+        (("--runs", "2"), "--runs 2: at least 3 rounds (median and spread); --smoke allows 1"),
+        (("--arrivals", "0"), "--arrivals 0 must be >= 1"),
+        (("--capacity-requests", "0"), "--capacity-requests 0 must be >= 1"),
+        (("--ttft-slo-ms", "0"), "--ttft-slo-ms 0.0 must be > 0"),
+        (("--duration", "-2"), "--duration -2.0 must be > 0"),
+        (("--gap", "-1"), "--gap -1.0 must be >= 0"),
+        (("--warmup-requests", "-1"), "--warmup-requests -1 must be >= 0"),
+    ):
+        assert resolve(_args("--rate", "3", *argv)) == problem, argv
+    # What only the closed loop checks does not apply to the open loop.
+    assert resolve(_args("--rate", "3", "--ttft-requests", "0")) is None
     for bad in ("0", "-1", "fast"):
         with pytest.raises(SystemExit):
             _args("--rate", bad)

@@ -1,18 +1,22 @@
 """`strata bench --rate` end to end: the open-loop driver against an in-process gRPC gateway that answers
-slowly and refuses some requests with a retry hint, the SLO and worker read from a stack config, a smoke
-run against a spawned tiny stack with a fallback, and the error when no gateway answers.
+slowly and refuses some requests with a retry hint (and the closed loop against the same gateway, through
+the same request driver), the SLO and worker read from a stack config, a smoke run against a spawned tiny
+stack with a fallback, and the error when no gateway answers.
 
 The schedule, accounting, verdict, options and plot are tests/unit/test_bench_rate.py's."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
 
+from bench.driver import send
+from bench.load import run_level, summarize_level
 from bench.rate import arrival_offsets, drain, rate_request, run_phase
 from bench.stack import main
 from bench.stack_prompts import Prompt
@@ -24,7 +28,8 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator
     from pathlib import Path
 
-    from bench.rate_report import RateResult
+    from bench.driver import RequestResult
+    from bench.load import LevelRun
 
 
 class _SlowGateway(gateway_pb2_grpc.GatewayServicer):
@@ -67,26 +72,35 @@ class _SlowGateway(gateway_pb2_grpc.GatewayServicer):
         yield gateway_pb2.GenerateStreamResponse(final=final)
 
 
+@contextlib.asynccontextmanager
+async def _serving(servicer: _SlowGateway) -> AsyncIterator[Any]:
+    """A stub on a channel to `servicer`, served in this process on a free port."""
+    server = grpc.aio.server()
+    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield gateway_pb2_grpc.GatewayStub(channel)
+    finally:
+        await server.stop(None)
+
+
 def test_the_driver_sends_on_schedule_without_waiting_for_answers() -> None:
-    async def drive() -> tuple[list[RateResult], float, int]:
-        server = grpc.aio.server()
+    async def drive() -> tuple[list[RequestResult], float, int]:
         servicer = _SlowGateway(hold_s=0.5)
-        gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub: Any = gateway_pb2_grpc.GatewayStub(channel)
-                prompt = Prompt("x", (1, 2))
-                requests = [rate_request(prompt, NEW, f"r{i}", PRIMARY, fallback=True) for i in range(10)]
-                offsets = arrival_offsets(50.0, 10, "fixed", "s")
-                results, wall = await run_phase(
-                    stub, requests, offsets, timeout_s=30.0, label="t", progress=False
-                )
-                await drain(stub, 0.0)
-        finally:
-            await server.stop(None)
+        async with _serving(servicer) as stub:
+            prompt = Prompt("x", (1, 2))
+            requests = [rate_request(prompt, NEW, f"r{i}", PRIMARY, fallback=True) for i in range(10)]
+            offsets = arrival_offsets(50.0, 10, "fixed", "s")
+            results, wall = await run_phase(
+                stub, requests, offsets, timeout_s=30.0, label="t", progress=False
+            )
+            await drain(stub, 0.0)
+            # The client's own lateness against the schedule is kept, not folded into the latencies.
+            late = await send(stub, 0, requests[0], 30.0, due=time.perf_counter() - 1.0)
         assert servicer.list_calls == 2  # drain polled until the queue read empty
+        assert late.send_lag_s >= 1.0 and late.e2e_s < 1.0
         return results, wall, servicer.most_in_flight
 
     started = time.perf_counter()
@@ -105,6 +119,35 @@ def test_the_driver_sends_on_schedule_without_waiting_for_answers() -> None:
     assert all(r.e2e_s < 0.45 for r in refused)  # answered at once, not after the hold
     summary = phase_summary("on", results)
     assert summary["refusal_reasons"] == {"queue_full": 5} and summary["fallback_served"] == 5
+
+
+def test_the_closed_loop_keeps_its_streams_busy_and_reads_refusals_the_same_way() -> None:
+    async def drive() -> tuple[LevelRun, int]:
+        servicer = _SlowGateway(hold_s=0.2)
+        async with _serving(servicer) as stub:
+            prompt = Prompt("x", (1, 2))
+            requests = [rate_request(prompt, NEW, f"c{i}", PRIMARY, fallback=False) for i in range(8)]
+            run = await run_level(stub, requests, 2, timeout_s=30.0, label="t", progress=False)
+        return run, servicer.most_in_flight
+
+    run, most_in_flight = asyncio.run(drive())
+    # Closed loop: two streams, both busy at once, never more in flight than that.
+    assert most_in_flight == 2
+    assert [r.index for r in run.results] == list(range(8))
+    accepted = [r for r in run.results if r.status == "OK"]
+    refused = [r for r in run.results if r.status == "RESOURCE_EXHAUSTED"]
+    assert [r.index for r in accepted] == [0, 2, 4, 6]
+    assert all(r.ttft_s is not None and r.ttft_s >= 0.18 for r in accepted)
+    assert all(r.send_lag_s == 0.0 for r in run.results)  # no schedule, so never late
+    assert all(r.model == PRIMARY and r.usage_input_tokens == 2 for r in accepted)
+    assert all(r.token_ids == list(range(NEW)) for r in accepted)
+    # The request driver is the open loop's: a refusal keeps its message and retry hint here too.
+    assert all(r.message == "queue full: 2 requests waiting" for r in refused)
+    assert all(r.retry_hint_s == pytest.approx(0.25) for r in refused)
+    assert 2 * 0.2 < run.wall_s < 8 * 0.2
+    summary = summarize_level(run, [2] * 8, NEW)
+    assert summary["refusals"] == {"RESOURCE_EXHAUSTED": 4} and summary["completed"] == 4
+    assert summary["errors"] == {} and summary["token_mismatches"] == 0
 
 
 def test_the_slo_and_the_primary_worker_come_from_the_config(tmp_path: Path) -> None:

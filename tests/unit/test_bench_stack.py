@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from bench.load import LevelRun, RequestResult, make_request, run_level, summarize_level, token_timing
+from bench.driver import RequestResult, make_request, token_timing
+from bench.load import LevelRun, run_level, summarize_level
+from bench.options import resolve
 from bench.plots import write_plots
-from bench.stack import add_arguments, main, resolve
+from bench.stack import add_arguments, main
 from bench.stack_prompts import build_prompt, build_prompts, load_tokenizer
 from bench.stack_report import aggregate_levels, judge
 from bench.stats import percentile
@@ -176,7 +178,15 @@ def test_options_take_smoke_sizes_and_enforce_three_runs(tmp_path: Path) -> None
     assert args.concurrency == (1, 8, 64)
     assert (args.prompt_tokens, args.new_tokens, args.runs) == (64, 64, 3)
     problem = resolve(_parse("--runs", "1"))
-    assert problem is not None and "--smoke" in problem
+    assert problem == "--runs 1: at least 3 timed runs (median and spread); --smoke allows 1"
+    for argv, problem in (
+        (("--ttft-requests", "0"), "--ttft-requests 0 must be >= 1"),
+        (("--requests-per-level", "0"), "--requests-per-level 0 must be >= 1"),
+        (("--warmup-requests", "-1"), "--warmup-requests -1 must be >= 0"),
+    ):
+        assert resolve(_parse(*argv)) == problem, argv
+    # What only the open loop checks does not apply to the closed loop.
+    assert resolve(_parse("--duration", "-1", "--gap", "-1")) is None
     with pytest.raises(SystemExit):
         _parse("--concurrency", "0,4")
     assert main(["--runs", "2"]) == 2
@@ -201,6 +211,42 @@ def test_the_command_line_module_imports_neither_torch_nor_grpc() -> None:
     code = "import sys, bench.stack; print(sorted({'torch', 'grpc'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     assert out.stdout.strip() == "[]"
+
+
+def _bench_imports() -> dict[str, set[str]]:
+    """Each bench module's bench imports, lazy and type-only ones included."""
+    import ast
+    from pathlib import Path
+
+    import bench
+
+    graph: dict[str, set[str]] = {}
+    for path in Path(bench.__file__).parent.glob("*.py"):
+        imported: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "bench":
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bench."):
+                imported.add(str(node.module).split(".")[1])
+            elif isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[1] for a in node.names if a.name.startswith("bench.")}
+        graph[path.stem] = imported
+    return graph
+
+
+def test_bench_modules_import_downward_only() -> None:
+    import graphlib
+
+    graph = _bench_imports()
+    graphlib.TopologicalSorter(graph).prepare()  # raises CycleError on an import cycle
+    # The command line dispatches to the two runs; they share the driver and the session, not each other.
+    assert {"options", "stack_run", "rate_run", "session"} <= graph["stack"]
+    for run in ("stack_run", "rate_run"):
+        assert not graph[run] & {"stack", "stack_run", "rate_run"}, run
+        assert {"session", "stack_prompts"} <= graph[run], run
+    assert "driver" in graph["load"] and "driver" in graph["rate"]
+    for shared in ("driver", "summary", "load", "rate", "session", "options"):
+        assert not graph[shared] & {"stack", "stack_run", "rate_run"}, shared
 
 
 def test_no_gateway_is_a_clear_error_not_a_hang(
@@ -274,7 +320,7 @@ def test_smoke_run_against_a_spawned_tiny_stack(tmp_path: Path, tiny_serving_dir
 
 @pytest.mark.slow
 def test_refusals_are_counted_not_fatal(tmp_path: Path, tiny_serving_dir: Path) -> None:
-    from bench.stack_run import stack_address
+    from bench.session import stack_address
     from strata.rpc import channel_options
     from strata.v1 import gateway_pb2_grpc
 

@@ -1,0 +1,122 @@
+"""One `strata bench` request over GenerateStream, and the record of what the client saw of it.
+
+Both load shapes send their requests through `send`: the closed loop (bench/load.py: N streams, each
+sending its next request when the previous one finished) and the open loop (bench/rate.py: requests
+leave on a schedule). It talks to the gateway through the raw grpc.aio stub, the cheapest client
+Python has, and stamps every message on arrival. A failed call keeps its status code, message and
+retry hint; a finished one keeps what its final message said (usage, serving model, fallback).
+This module owns the request and its result; it must not schedule requests, start or stop a stack,
+nor reduce results to figures (the load shapes and the reports do).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+
+from strata.retry import pushback_delay_s, retry_info_delay_s
+from strata.v1 import common_pb2, gateway_pb2
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from bench.stack_prompts import Prompt
+    from strata.v1 import gateway_pb2_grpc
+
+    Stub = gateway_pb2_grpc.GatewayAsyncStub
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """What the client saw of one request; times in seconds from its send."""
+
+    index: int
+    status: str
+    """"OK", or the gRPC status code's name."""
+    ttft_s: float | None
+    e2e_s: float
+    itl_s: list[float] = field(default_factory=list)
+    """The inter-token gaps (see `token_timing`)."""
+    token_ids: list[int] = field(default_factory=list)
+    usage_input_tokens: int | None = None
+    usage_output_tokens: int | None = None
+    send_lag_s: float = 0.0
+    """How late the client sent it against its schedule (its own event loop's lag); 0 without one."""
+    message: str = ""
+    """The status message of a failed call."""
+    retry_hint_s: float | None = None
+    """RetryInfo (or pushback) delay of a failed call; None when it carried none."""
+    model: str = ""
+    """The model that served it, as the final message says."""
+    fallback_reason: str = ""
+    failover_at_token: int = 0
+
+
+def token_timing(sent: float, arrivals: Sequence[tuple[float, int]]) -> tuple[float | None, list[float]]:
+    """Time to first token and the inter-token gaps, from (arrival time, tokens in message) pairs.
+
+    A message carrying k tokens counts as k gaps of (its arrival - the previous token message's) / k:
+    the stack may coalesce tokens, and a per-message gap would overstate each token's wait k-fold.
+    The tokens that share the first message have no gap of their own (their wait is in the TTFT).
+    Messages without tokens (a partial character, the final summary) are skipped.
+    """
+    ttft: float | None = None
+    previous = sent
+    gaps: list[float] = []
+    for arrived, count in arrivals:
+        if count <= 0:
+            continue
+        if ttft is None:
+            ttft = arrived - sent
+        else:
+            gaps.extend([(arrived - previous) / count] * count)
+        previous = arrived
+    return ttft, gaps
+
+
+def make_request(
+    prompt: Prompt, new_tokens: int, request_id: str, model: str = ""
+) -> gateway_pb2.GenerateRequest:
+    """Raw text, greedy, EOS ignored: every request generates exactly `new_tokens` tokens."""
+    sampling = common_pb2.SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    return gateway_pb2.GenerateRequest(
+        prompt=prompt.text, model=model, sampling=sampling, request_id=request_id
+    )
+
+
+async def send(
+    stub: Stub,
+    index: int,
+    request: gateway_pb2.GenerateRequest,
+    timeout_s: float,
+    *,
+    due: float | None = None,
+) -> RequestResult:
+    """Send `request` now and read its stream to the end; `due` is when its schedule wanted it sent."""
+    arrivals: list[tuple[float, int]] = []
+    sent = time.perf_counter()
+    lag = max(0.0, sent - due) if due is not None else 0.0
+    result = RequestResult(index=index, status="OK", ttft_s=None, e2e_s=0.0, send_lag_s=lag)
+    try:
+        async for message in stub.GenerateStream(request, timeout=timeout_s):
+            arrived = time.perf_counter()
+            if message.token_ids:
+                arrivals.append((arrived, len(message.token_ids)))
+                result.token_ids.extend(message.token_ids)
+            if message.HasField("final"):
+                final = message.final
+                result.model, result.fallback_reason = final.model, final.fallback_reason
+                result.failover_at_token = final.failover_at_token
+                result.usage_input_tokens = final.usage.input_tokens
+                result.usage_output_tokens = final.usage.output_tokens
+    except grpc.aio.AioRpcError as exc:
+        result.status, result.message = exc.code().name, exc.details() or ""
+        trailers = list(exc.trailing_metadata() or ())
+        hints = [h for h in (retry_info_delay_s(trailers), pushback_delay_s(trailers)) if h is not None]
+        result.retry_hint_s = max(hints) if hints else None
+    result.e2e_s = time.perf_counter() - sent
+    result.ttft_s, result.itl_s = token_timing(sent, arrivals)
+    return result

@@ -1,0 +1,99 @@
+"""What both `strata bench` runs share around their load: the stack to drive, the gateway's channel,
+and the record, plot and table they publish.
+
+The stack is `--address`, or one started here from `--config` (`--spawn`) and stopped on the way
+out. The gateway is reached over one grpc.aio channel, checked with a ListModels call whose answer
+(the routes, the default model) the runs record. The closed loop (bench/stack_run.py) and the open
+loop (bench/rate_run.py) both import this module; it must not import either of them, nor send a
+generation request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import grpc
+
+from bench.stats import save_record
+from strata.rpc import MIB, channel_options
+from strata.settings import DEFAULT_CONFIG, SettingsError
+from strata.v1 import gateway_pb2, gateway_pb2_grpc
+
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import AsyncIterator, Callable, Iterator
+
+    from bench.driver import Stub
+
+# A running stack answers ListModels at once; nothing listening fails fast (no wait_for_ready).
+CONNECT_TIMEOUT_S = 10.0
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot run (no stack, no model, a bad config); the message says what to do."""
+
+
+@contextlib.contextmanager
+def stack_address(args: argparse.Namespace) -> Iterator[str]:
+    """The gateway to drive: --address, or a stack started here and stopped on the way out."""
+    if not args.spawn:
+        yield args.address
+        return
+    from strata.cli.launcher import StackError, start_stack
+
+    config = args.config or DEFAULT_CONFIG
+    # The services' output would tear through the progress bars: it goes to files instead.
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="strata-bench-logs-"))
+    print(f"strata bench: starting the stack of {config} (logs in {log_dir})", file=sys.stderr, flush=True)
+    try:
+        # A free port: the default 50051 may belong to a stack someone else is running.
+        stack = start_stack(config, env={"STRATA_GATEWAY_LISTEN": "127.0.0.1:0"}, log_dir=log_dir)
+    except (StackError, SettingsError) as exc:
+        raise BenchError(f"the stack did not start: {exc}") from exc
+    try:
+        yield stack.addresses.gateway
+    finally:
+        stack.stop()
+
+
+@contextlib.asynccontextmanager
+async def gateway(address: str) -> AsyncIterator[tuple[Stub, gateway_pb2.ListModelsResponse]]:
+    """A stub on one channel to the gateway at `address`, and its ListModels answer."""
+    async with grpc.aio.insecure_channel(address, options=channel_options(16 * MIB)) as channel:
+        stub = cast("Stub", gateway_pb2_grpc.GatewayStub(channel))
+        try:
+            models = await stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=CONNECT_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            raise BenchError(
+                f"no gateway answers at {address} ({exc.code().name}: {exc.details()}); "
+                "start one with `strata up`, or pass --spawn"
+            ) from exc
+        yield stub, models
+
+
+def publish(
+    record: dict[str, Any],
+    args: argparse.Namespace,
+    report: str,
+    plot: Callable[[dict[str, Any], Path], None],
+) -> int:
+    """Save the record and its plot, print the report; 1 when the record is void."""
+    save_record(record, args.json)
+    if args.plot is not None:
+        plot(record, args.plot)
+    print(report)
+    for path in (args.json, args.plot):
+        if path is not None:
+            print(f"wrote {path}")
+    if record["voided"]:
+        print(
+            "strata bench: requests failed or miscounted tokens: these numbers do not count", file=sys.stderr
+        )
+        return 1
+    if args.smoke:
+        print("strata bench: --smoke run: not a valid result", file=sys.stderr)
+    return 0
