@@ -23,7 +23,7 @@ import yaml
 
 from strata.launcher import start_stack
 from strata.settings import DEFAULT_CONFIG
-from tests.integration.test_launcher import gone, write_tiny_config
+from tests.integration.launcher_harness import gone, write_tiny_config
 from tests.polling import wait_for
 
 if TYPE_CHECKING:
