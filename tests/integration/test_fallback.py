@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from services.worker.server import WorkerServer
 
-# New requests must reach a restarted primary within 2 s (issue 5); bounds are 5x that.
+# The target: new requests reach a restarted primary within 2 s. The bounds asserted are 5x that.
 RECOVERY_BOUND_S = 10.0
 
 

@@ -3,7 +3,9 @@
 Tokenizer, primary worker, fallback worker and gateway are separate processes on ephemeral ports,
 with tiny random models sharing one tokenizer (so one fingerprint). The primary runs in test mode with
 a delay before every engine step, so its streams are still running when the test kills or freezes
-it. Measured times are printed; the bounds asserted are at least 5x what the issue asks for.
+it. The targets: after a kill, a new request is served by the fallback within 1 s and a restarted
+primary serves again within 2 s of reporting SERVING; a frozen primary is noticed within 3 s.
+Measured times are printed and recorded; the bounds asserted are 5x the targets.
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def test_kill9_mid_stream_continues_on_the_fallback_and_the_primary_returns(
             f"a new request served by the fallback in {new_request:.2f} s "
             f"({time.monotonic() - killed_at:.2f} s after the kill, the failed-over stream included)"
         )
-        assert new_request < 5.0  # the issue asks for 1 s
+        assert new_request < 5.0  # the target is 1 s
         figure(2, "tokens before the kill, on the primary", prior_len)
         figure(2, "tokens continued on the fallback (none lost or repeated)", total - prior_len)
         figure(2, "failed-over stream complete after the kill", stream_done - killed_at, "s")
@@ -162,7 +164,7 @@ def test_kill9_mid_stream_continues_on_the_fallback_and_the_primary_returns(
                 lambda: serving_model(client) == "tiny", 10.0, "primary serves again", interval_s=POLL_S
             )
             print(f"primary serves again {back:.2f} s after it reported SERVING")
-            assert back < 10.0  # the issue asks for 2 s
+            assert back < 10.0  # the target is 2 s
             figure(2, "primary serves again after its restart reported SERVING", back, "s")
         finally:
             restarted.terminate()
@@ -182,7 +184,7 @@ def test_sigstop_moves_traffic_to_the_fallback_and_sigcont_brings_it_back(
                 lambda: serving_model(client) == "tiny-fb", 15.0, "traffic on the fallback", interval_s=POLL_S
             )
             print(f"SIGSTOP noticed, traffic on the fallback after {moved:.2f} s")
-            assert moved < 15.0  # the issue asks for 3 s
+            assert moved < 15.0  # the target is 3 s
             figure(3, "SIGSTOP noticed: traffic on the fallback", moved, "s")
         finally:
             os.kill(pid, signal.SIGCONT)

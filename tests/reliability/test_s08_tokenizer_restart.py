@@ -86,7 +86,7 @@ def test_requests_fail_fast_while_the_tokenizer_is_down_and_succeed_once_it_is_b
             back = seconds_until(lambda: _answers(stub), 30, "a request succeeded again", interval_s=0.05)
             figure(8, "new tokenizer process SERVING after its start", serving - spawned, "s")
             figure(8, "requests succeed again after the tokenizer's return", back, "s")
-            assert back < 10.0  # the issue asks for 2 s
+            assert back < 10.0  # the target is 2 s; the bound is 5x that
             assert all(_answers(stub) for _ in range(3))
         finally:
             stop_process(restarted)
