@@ -1,13 +1,14 @@
 """The tests' one way to wait for a condition: call a probe until its value is good, within a bound.
 
-Every form calls `probe()` at once, then every `interval_s` seconds, until `until(value)` holds
-(by default: until the value is truthy). `poll` returns the last value whether or not it is good, for
-tests that record a figure before they assert. `wait_for` returns the good value, and
-`seconds_until` the seconds it took; both raise AssertionError naming `what` (and the last value,
-when it says more than true or false) once `timeout_s` has passed. The async forms sleep with
-asyncio, so the event loop runs while they wait, and take probes that return a value or an awaitable.
-An AssertionError raised by the probe itself (a child process that died, say) ends the wait at once.
-`announced_address` is the one wait every test of a service process needs: for its announce file.
+Every form calls `probe()` at once, then every `interval_s` seconds, until `until(value)` holds (by
+default: until the value is truthy, so `wait_for` on a probe of `X | None` gives an `X`). `poll`
+returns the last value whether or not it is good, for tests that record a figure before they assert.
+`wait_for` returns the good value, and `seconds_until` the seconds it took; both raise AssertionError
+naming `what` (and the last value, when it says more than true or false) once `timeout_s` has passed.
+The async forms sleep with asyncio, so the event loop runs while they wait, and take probes that
+return a value or an awaitable. An AssertionError raised by the probe itself (a child process that
+died, say) ends the wait at once. `announced_address` is the one wait every test of a service process
+needs: for its announce file.
 """
 
 from __future__ import annotations
@@ -38,14 +39,27 @@ def poll(
     return _poll(probe, timeout_s, until, interval_s)[0]
 
 
+@overload
+def wait_for(
+    probe: Callable[[], T | None], timeout_s: float, what: str | Callable[[], str], *, interval_s: float = ...
+) -> T: ...
+@overload
 def wait_for(
     probe: Callable[[], T],
     timeout_s: float,
     what: str | Callable[[], str],
     *,
-    until: Callable[[T], object] = bool,
+    until: Callable[[T], object],
+    interval_s: float = ...,
+) -> T: ...
+def wait_for(
+    probe: Callable[[], Any],
+    timeout_s: float,
+    what: str | Callable[[], str],
+    *,
+    until: Callable[[Any], object] = bool,
     interval_s: float = INTERVAL_S,
-) -> T:
+) -> Any:
     """The first value of `probe()` that `until` accepts; AssertionError naming `what` after `timeout_s`."""
     value, good = _poll(probe, timeout_s, until, interval_s)
     if not good:
