@@ -65,8 +65,8 @@ bench-fallback: setup model
 bench-tracing: setup model
 	$(BIN)/python -m bench.trace_overhead --json bench/results/trace-overhead-cpu.json
 
-# The reliability suite's full versions (tests/reliability, about 10 minutes on 2 cores); writes
-# docs/reliability.md: per scenario what was done, what must hold, the figures measured, pass or fail.
+# The reliability suite's full versions (tests/reliability; their run time: docs/testing.md#run-time);
+# writes docs/reliability.md: per scenario what was done, what must hold, the figures measured, pass or fail.
 reliability: setup
 	$(BIN)/python scripts/reliability_report.py
 

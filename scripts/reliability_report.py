@@ -3,7 +3,7 @@
 `make reliability` runs this: `pytest tests/reliability` in a subprocess with STRATA_RELIABILITY_FULL=1
 and STRATA_RELIABILITY_FIGURES pointing at a scratch file, where each scenario's tests append the
 figures they measure (tests/reliability/conftest.py), plus a JUnit XML file for each test's outcome.
-The report is one table row per scenario of the suite: what was done, what must hold (both written
+The report is one table row per scenario of the reliability suite: what was done, what must hold (both written
 here, in SCENARIOS), the figures measured and pass or fail. A scenario's tests are those whose id
 matches one of its patterns, plus any test that recorded a figure for it. This module must not
 judge a figure: the tests assert; the report only shows what they measured.

@@ -124,7 +124,9 @@ async def measure(model_dir: Path, recorder: Recorder) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model-dir", type=Path, default=ROOT / "models" / "SmolLM2-135M-Instruct")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()

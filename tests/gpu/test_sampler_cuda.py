@@ -10,7 +10,7 @@ import torch
 
 from services.worker.engine.noise import row_keys, uniform
 from services.worker.engine.sampler import Sampler, SampleRow
-from tests.unit.test_sampler import CPU, TARGETS
+from tests.sampling_cases import CPU, TARGETS
 
 pytestmark = pytest.mark.gpu
 

@@ -7,7 +7,6 @@ so the process-wide Prometheus counters it reads are its own.
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -26,7 +25,6 @@ from strata.v1 import common_pb2, gateway_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from tests.integration.loop_thread import LoopThread
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from pathlib import Path
 
     from gateway.server import GatewayServer
@@ -158,13 +156,3 @@ def request(
 def metric(name: str, **labels: str) -> float:
     """A sample of the default registry; 0 when it was never recorded."""
     return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"{what} within {timeout} s")

@@ -23,8 +23,8 @@ from services.worker.server import WorkerServer
 from services.worker.server import start as start_worker
 from services.worker.settings import WorkerSettings
 from strata.v1 import gateway_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
-from tests.integration.admission_harness import wait_for
 from tests.integration.loop_thread import LoopThread
+from tests.polling import wait_for
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -111,7 +111,7 @@ class Stack:
         self.servers.append(gateway)
         assert self.loop.run(gateway.wait_ready(WAIT_S)), "the gateway did not become ready"
         if wait_primary:  # readiness needs only the fallback: wait for the primary's link too
-            wait_for(gateway.router.route(PRIMARY).available, WAIT_S, "the primary's link did not connect")
+            wait_for(gateway.router.route(PRIMARY).available, WAIT_S, "the primary's link connected")
         return gateway, gateway_pb2_grpc.GatewayStub(self.channel(gateway.address))
 
     def crash(self, worker: WorkerServer) -> None:

@@ -19,7 +19,8 @@ import pytest
 
 from strata.status import RETRY_PUSHBACK_KEY, STATUS_DETAILS_KEY, retry_delay_s
 from strata.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.integration.admission_harness import Stack, metric, request, set_step_delay, wait_for
+from tests.integration.admission_harness import Stack, metric, request, set_step_delay
+from tests.polling import wait_for
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -36,6 +36,7 @@ from services.worker.server import start as start_worker
 from strata.tracing import Tracing
 from strata.v1 import common_pb2, gateway_pb2, worker_pb2
 from tests.integration.admission_harness import MODELS, WAIT_S, engine_config, set_step_delay, worker_settings
+from tests.polling import seconds_until_async, wait_for_async
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -88,15 +89,6 @@ class Scene:
             await server.stop(0)
 
 
-async def until(condition: Callable[[], Any], timeout: float, what: str) -> float:
-    """Wait (20 ms steps) until condition() holds; the seconds it took."""
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < timeout, f"{what} within {timeout} s"
-        await asyncio.sleep(0.02)
-    return time.monotonic() - started
-
-
 def ticket(name: str, deadline: float | None = None) -> Ticket:
     return Ticket(request_id=name, prompt_tokens=3, max_new_tokens=4, deadline=deadline)
 
@@ -144,7 +136,7 @@ def test_a_dns_route_resolves_localhost_and_follows_its_changes(tiny_serving_dir
             real = (
                 await scene.router({"model": "dns", "dns": f"localhost:{port}", "dns_refresh_s": 0.1})
             ).route("dns")
-            await until(real.available, 30, "the worker behind localhost is ready")
+            await wait_for_async(real.available, 30, "the worker behind localhost is ready")
             assert len(await generate(real, "via-localhost")) == 4
             # A changing answer: the zone a headless service's DNS would serve.
             zone = [first.address]
@@ -158,10 +150,10 @@ def test_a_dns_route_resolves_localhost_and_follows_its_changes(tiny_serving_dir
                     {"model": "dns", "dns": "workers.test:50053", "dns_refresh_s": 0.1}, zone_resolver
                 )
             ).route("dns")
-            await until(route.available, 30, "the first replica is ready")
+            await wait_for_async(route.available, 30, "the first replica is ready")
             assert [link.address for link in route.links] == [first.address]
             zone.append(second.address)
-            await until(
+            await wait_for_async(
                 lambda: sum(link.ready for link in route.links) == 2, 30, "the added replica is ready"
             )
             results = await asyncio.gather(*(generate(route, f"r{i}") for i in range(16)))
@@ -171,11 +163,13 @@ def test_a_dns_route_resolves_localhost_and_follows_its_changes(tiny_serving_dir
             set_step_delay(first, 0.05)
             leaving = next(link for link in route.links if link.address == first.address)
             running = asyncio.ensure_future(generate_on(route, leaving, "last-one", 30))
-            await until(lambda: leaving.open_requests == 1, 10, "a request runs on the leaving replica")
+            await wait_for_async(
+                lambda: leaving.open_requests == 1, 10, "a request runs on the leaving replica"
+            )
             zone.remove(first.address)
-            await until(lambda: leaving.leaving, 10, "the vanished replica takes no new requests")
+            await wait_for_async(lambda: leaving.leaving, 10, "the vanished replica takes no new requests")
             assert len(await running) == 30
-            await until(
+            await wait_for_async(
                 lambda: [link.address for link in route.links] == [second.address], 10, "the link closed"
             )
             assert not leaving.ready
@@ -212,15 +206,17 @@ def test_a_cancelled_caller_leaves_the_queue_and_a_lost_worker_fails_the_waiting
             route = (
                 await scene.router({"model": "cancel", "workers": [worker.address], "ttft_slo_ms": 0})
             ).route("cancel")
-            await until(route.available, 30, "the worker is ready")
+            await wait_for_async(route.available, 30, "the worker is ready")
             set_step_delay(worker, 0.05)
             running = asyncio.ensure_future(generate(route, "running", 60))
-            await until(lambda: route.free_credits() == 0, 10, "the only credit is taken")
+            await wait_for_async(lambda: route.free_credits() == 0, 10, "the only credit is taken")
             waiting = asyncio.ensure_future(generate(route, "waiting"))
             cancelled = asyncio.ensure_future(generate(route, "cancelled"))
-            await until(lambda: route.queued_requests == 2, 10, "two requests wait")
+            await wait_for_async(lambda: route.queued_requests == 2, 10, "two requests wait")
             cancelled.cancel()
-            await until(lambda: route.queued_requests == 1, 10, "the cancelled request left the queue")
+            await wait_for_async(
+                lambda: route.queued_requests == 1, 10, "the cancelled request left the queue"
+            )
             await worker.running.server.stop(0)  # the worker goes away, abruptly
             with pytest.raises(Unavailable, match=worker.address):
                 await asyncio.wait_for(waiting, WAIT_S)
@@ -263,21 +259,21 @@ def test_a_frozen_worker_is_noticed_within_seconds_and_comes_back(
         scene = Scene(tiny_serving_dir)
         await scene.start()
         try:
-            await until(
+            await wait_for_async(
                 lambda: announce.exists() or process.poll() is not None, WAIT_S, "the worker announced"
             )
             assert process.poll() is None, process.stderr.read() if process.stderr else ""
             address = announce.read_text().strip()
             route = (await scene.router({"model": "stop", "workers": [address]})).route("stop")
-            await until(route.available, WAIT_S, "the worker process is ready")
+            await wait_for_async(route.available, WAIT_S, "the worker process is ready")
             assert len(await generate(route, "before")) == 4
             (link,) = route.links
             process.send_signal(signal.SIGSTOP)
-            noticed = await until(lambda: not link.ready, 10, "the frozen worker is noticed")
+            noticed = await seconds_until_async(lambda: not link.ready, 10, "the frozen worker is noticed")
             with pytest.raises(Unavailable, match=address):
                 route.enqueue(ticket("while-frozen"))
             process.send_signal(signal.SIGCONT)
-            back = await until(route.available, 30, "the worker is back")
+            back = await seconds_until_async(route.available, 30, "the worker is back")
             assert len(await generate(route, "after")) == 4
             return noticed, back
         finally:

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -24,7 +23,8 @@ import yaml
 
 from strata.cli.launcher import start_stack
 from strata.settings import DEFAULT_CONFIG
-from tests.integration.test_launcher import gone, write_tiny_config
+from tests.integration.launcher_harness import gone, write_tiny_config
+from tests.polling import wait_for
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -153,10 +153,11 @@ class Up:
                 self._ready.set()
 
     def wait_ready(self, timeout: float = 300) -> str:
-        end = time.monotonic() + timeout
-        while not self._ready.wait(0.2):
+        def ready() -> bool:
             assert self.process.poll() is None, f"strata up exited early: {self.stderr()}"
-            assert time.monotonic() < end, f"strata up was not ready in {timeout} s: {self.stderr()}"
+            return self._ready.wait(0.2)
+
+        wait_for(ready, timeout, lambda: f"strata up ready (its stderr: {self.stderr()})", interval_s=0)
         assert self.gateway is not None
         return self.gateway
 

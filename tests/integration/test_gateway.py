@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
     from pathlib import Path
 
-from tests.integration.admission_harness import wait_for
 from tests.integration.gateway_harness import (
     CONTEXT,
     ENGINE,
@@ -47,6 +46,7 @@ from tests.integration.gateway_harness import (
     Stack,
     make_request,
 )
+from tests.polling import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +284,7 @@ def test_prompt_too_long_is_refused_or_truncated_left(env: Env) -> None:
 
 def test_client_cancel_frees_the_kv_blocks(env: Env) -> None:
     stats = lambda: env.worker.GetWorkerStats(worker_pb2.GetWorkerStatsRequest(), timeout=10)  # noqa: E731
-    wait_for(lambda: stats().used_kv_blocks == 0, 30, "the worker did not go idle")
+    wait_for(lambda: stats().used_kv_blocks == 0, 30, "the worker went idle")
     steps_before = stats().steps
     call = env.gateway.GenerateStream(
         make_request("Cancel me", max_new_tokens=230, ignore_eos=True), timeout=120
@@ -293,7 +293,7 @@ def test_client_cancel_frees_the_kv_blocks(env: Env) -> None:
     assert first.token_ids
     assert stats().used_kv_blocks > 0
     call.cancel()
-    wait_for(lambda: stats().used_kv_blocks == 0 and stats().open_requests == 0, 30, "KV blocks not freed")
+    wait_for(lambda: stats().used_kv_blocks == 0 and stats().open_requests == 0, 30, "KV blocks freed")
     # Freed by the cancellation, not by running to the end: far fewer steps than 230 tokens need.
     assert stats().steps - steps_before < 200
 
@@ -313,7 +313,7 @@ def test_client_deadline_ends_the_request_everywhere(env: Env, tiny_serving_dir:
     assert time.monotonic() - started < 3.0
     worker = worker_pb2_grpc.WorkerServiceStub(env.stack.channel(worker_address))
     stats = lambda: worker.GetWorkerStats(worker_pb2.GetWorkerStatsRequest(), timeout=10)  # noqa: E731
-    wait_for(lambda: stats().used_kv_blocks == 0 and stats().open_requests == 0, 30, "KV blocks not freed")
+    wait_for(lambda: stats().used_kv_blocks == 0 and stats().open_requests == 0, 30, "KV blocks freed")
     assert stats().steps < 150  # ended by the deadline, not by running its 200 tokens
 
 
@@ -336,7 +336,7 @@ def test_worker_with_another_tokenizer_is_refused(env: Env, tiny_serving_dir: Pa
             return error.details() if "fingerprint" in error.details() else ""
         raise AssertionError("a gateway routed to a refusing worker answered")
 
-    message = wait_for(refused, 30, "the refusal did not reach clients")
+    message = wait_for(refused, 30, "the refusal reached clients")
     assert "refused" in message
     assert not gateway.serving
     (model,) = stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=10).models
@@ -367,7 +367,7 @@ def test_overload_gets_a_retry_hint_and_a_lost_worker_fails_its_streams(env: Env
             list(call)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
         assert worker in info.value.details()
-    wait_for(lambda: not gateway.serving, 10, "the gateway still reports SERVING without its worker")
+    wait_for(lambda: not gateway.serving, 10, "the gateway NOT_SERVING without its worker")
     with pytest.raises(grpc.RpcError) as info:
         stub.Generate(make_request(max_new_tokens=2), timeout=30)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE

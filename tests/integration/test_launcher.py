@@ -8,7 +8,6 @@ start costs seconds of CPU on these machines.
 from __future__ import annotations
 
 import json
-import time
 from typing import TYPE_CHECKING
 
 import grpc
@@ -23,29 +22,10 @@ from strata.cli.launcher import StackError, start_stack
 from strata.cli.stack_config import route_options, routes_json, worker_env
 from strata.client import StrataClient
 from strata.settings import SettingsError
+from tests.integration.launcher_harness import gone, write_tiny_config
 
 if TYPE_CHECKING:
     from pathlib import Path
-
-
-def write_tiny_config(path: Path, model_dir: Path, **worker_overrides: object) -> Path:
-    """A stack config serving `model_dir` as model "tiny", every service on a free port."""
-    worker = {
-        "model_name": "tiny",
-        "model_path": str(model_dir),
-        "listen": "127.0.0.1:0",
-        "device": "cpu",
-        "threads": 1,
-        "engine": {"num_blocks": 128, "max_num_seqs": 16},
-        **worker_overrides,
-    }
-    config = {
-        "tokenizer": {"listen": "127.0.0.1:0", "models": {"tiny": str(model_dir)}},
-        "workers": [worker],
-        "gateway": {"listen": "127.0.0.1:0", "default_model": "tiny"},
-    }
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 def health_status(address: str) -> int:
@@ -63,23 +43,6 @@ def reflected_services(address: str) -> set[str]:
         request = reflection_pb2.ServerReflectionRequest(list_services="")
         replies = list(stub.ServerReflectionInfo(iter([request]), timeout=5))
     return {service.name for reply in replies for service in reply.list_services_response.service}
-
-
-def running(pid: int) -> bool:
-    try:
-        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
-    except psutil.NoSuchProcess:
-        return False
-
-
-def gone(pids: list[int], within_s: float) -> bool:
-    """Whether every process in `pids` has ended within `within_s` seconds."""
-    end = time.monotonic() + within_s
-    while any(running(pid) for pid in pids):
-        if time.monotonic() >= end:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def test_routes_group_workers_by_model_in_index_order() -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import time
 import urllib.request
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from strata.cli.launcher import start_stack
 from strata.otlp_receiver import OtlpReceiver, ReceivedSpan
 from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.polling import wait_for
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -206,11 +206,12 @@ def test_each_finished_request_is_one_json_log_line(
     response = gateway.Generate(_chat(), metadata=[("traceparent", traceparent)], timeout=WAIT_S)
     assert stack.log_dir is not None
     log = stack.log_dir / "gateway.log"
-    end = time.monotonic() + WAIT_S
-    while not (lines := [line for line in _json_lines(log) if line.get("request_id") == response.request_id]):
-        assert time.monotonic() < end, "no log line for the request"
-        time.sleep(0.05)
-    [line] = lines
+    [line] = wait_for(
+        lambda: [line for line in _json_lines(log) if line.get("request_id") == response.request_id],
+        WAIT_S,
+        "a log line for the request",
+        interval_s=0.05,
+    )
     assert line["event"] == "request_finished" and line["trace_id"] == trace_id and line["model"] == PRIMARY
     assert (line["input_tokens"], line["output_tokens"]) == (response.usage.input_tokens, 6)
     assert line["finish_reason"] == "length" and line["device_memory_bytes"] > 1e6
@@ -241,13 +242,13 @@ def test_a_traced_stream_can_be_cancelled_and_the_worker_aborts_it(
     assert ended.value.code() == grpc.StatusCode.CANCELLED
     with grpc.insecure_channel(stack.addresses.workers[0]) as channel:
         worker = worker_pb2_grpc.WorkerServiceStub(channel)
-        end = time.monotonic() + WAIT_S
-        while True:
-            stats = worker.GetWorkerStats(worker_pb2.GetWorkerStatsRequest(), timeout=5)
-            if not (stats.open_requests or stats.running or stats.used_kv_blocks):
-                break
-            assert time.monotonic() < end, f"the worker still holds the cancelled request: {stats}"
-            time.sleep(0.05)
+        wait_for(
+            lambda: worker.GetWorkerStats(worker_pb2.GetWorkerStatsRequest(), timeout=5),
+            WAIT_S,
+            "the worker let go of the cancelled request",
+            until=lambda stats: not (stats.open_requests or stats.running or stats.used_kv_blocks),
+            interval_s=0.05,
+        )
     spans = _trace(receiver, trace_id, "forward", f"chat {PRIMARY}")
     forward = next(span for span in spans if span.name == "forward")
     assert forward.status_code == 2 and _strings(forward, "gen_ai.response.finish_reasons") == ["aborted"]
@@ -282,10 +283,12 @@ def test_metrics_pages_parse_and_count_requests_rejections_and_fallbacks(
     holder = gateway.GenerateStream(_chat(max_new_tokens=200, no_fallback=True))
     assert next(holder).token_ids
     waiting = gateway.Generate.future(_chat(max_new_tokens=2, no_fallback=True))
-    end = time.monotonic() + WAIT_S
-    while gateway.ListModels(gateway_pb2.ListModelsRequest()).models[0].queued_requests < 1:
-        assert time.monotonic() < end, "the second request never queued"
-        time.sleep(0.01)
+    wait_for(
+        lambda: gateway.ListModels(gateway_pb2.ListModelsRequest()).models[0].queued_requests >= 1,
+        WAIT_S,
+        "the second request queued",
+        interval_s=0.01,
+    )
     with pytest.raises(grpc.RpcError) as refused:
         gateway.Generate(_chat(no_fallback=True), timeout=WAIT_S)
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

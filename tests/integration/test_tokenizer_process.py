@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.tokenizer.server import SERVICE_NAME
 from strata.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from tests.polling import announced_address, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,19 +50,16 @@ def test_the_process_serves_until_sigterm(tiny_serving_dir: Path, tmp_path: Path
         text=True,
     )
     try:
-        deadline = time.monotonic() + 60
-        while not announce.exists():
-            assert process.poll() is None, process.communicate()[1]
-            assert time.monotonic() < deadline, "no announce file within 60 s"
-            time.sleep(0.05)
-        address = announce.read_text().strip()
+        address = announced_address(process, announce, 60)
         with grpc.insecure_channel(address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
-            status = None
-            while status != health_pb2.HealthCheckResponse.SERVING:
-                assert time.monotonic() < deadline, "not SERVING within 60 s"
-                status = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10).status
-                time.sleep(0.05)
+            wait_for(
+                lambda: health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10).status,
+                60,
+                "SERVING",
+                until=lambda status: status == health_pb2.HealthCheckResponse.SERVING,
+                interval_s=0.05,
+            )
             stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
             reply = stub.Tokenize(
                 tokenizer_pb2.TokenizeRequest(

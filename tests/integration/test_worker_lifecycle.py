@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ from tests.integration.worker_harness import (
     submission,
     worker_settings,
 )
+from tests.polling import announced_address
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -213,13 +213,7 @@ def test_the_worker_process_serves_and_drains_on_sigterm(tiny_serving_dir: Path,
     )
     want = expected_tokens(tiny_serving_dir, [9, 8, 7], 200)
 
-    async def drive() -> tuple[list[int], GatewaySide]:
-        deadline = time.monotonic() + WAIT_S
-        while not announce.exists():
-            assert process.poll() is None, process.stderr.read() if process.stderr else ""
-            assert time.monotonic() < deadline, "no announce file within 60 s"
-            await asyncio.sleep(0.05)
-        address = announce.read_text().strip()
+    async def drive(address: str) -> tuple[list[int], GatewaySide]:
         async with grpc.aio.insecure_channel(address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
@@ -236,7 +230,7 @@ def test_the_worker_process_serves_and_drains_on_sigterm(tiny_serving_dir: Path,
             return statuses, side
 
     try:
-        statuses, side = asyncio.run(drive())
+        statuses, side = asyncio.run(drive(announced_address(process, announce, WAIT_S)))
         assert process.wait(timeout=WAIT_S) == 0
     finally:
         if process.poll() is None:

@@ -20,6 +20,7 @@ from services.worker.server import WorkerServer, start
 from services.worker.settings import WorkerSettings
 from strata.fingerprint import tokenizer_fingerprint
 from strata.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tests.polling import wait_for_async
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -142,12 +143,10 @@ async def connect(stub: worker_pb2_grpc.WorkerServiceAsyncStub, model_dir: Path)
 
 async def wait_idle(stub: worker_pb2_grpc.WorkerServiceAsyncStub) -> worker_pb2.GetWorkerStatsResponse:
     """Poll stats until nothing runs and no KV block is used."""
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        stats: worker_pb2.GetWorkerStatsResponse = await stub.GetWorkerStats(
-            worker_pb2.GetWorkerStatsRequest()
-        )
-        if stats.running == stats.waiting == stats.used_kv_blocks == stats.open_requests == 0:
-            return stats
-        assert time.monotonic() < deadline, f"the worker still holds work after {WAIT_S} s: {stats}"
-        await asyncio.sleep(0.02)
+    stats: worker_pb2.GetWorkerStatsResponse = await wait_for_async(
+        lambda: stub.GetWorkerStats(worker_pb2.GetWorkerStatsRequest()),
+        WAIT_S,
+        "the worker let go of all its work",
+        until=lambda now: now.running == now.waiting == now.used_kv_blocks == now.open_requests == 0,
+    )
+    return stats

@@ -1,5 +1,5 @@
 """What the reliability scenarios share: a one-model stack config, probes of health and worker state,
-requests, bounded waits, and the resident memory of a process.
+requests, and the resident memory of a process (bounded waits: tests/polling.py).
 
 Every stack here is real processes on loopback (strata.cli.launcher.start_stack, or a service started
 alone with `python -m ... --config --announce-file`), serving the tiny model of tests/conftest.py.
@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -31,7 +30,6 @@ from strata.v1 import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from pathlib import Path
 
 MODEL = "tiny"
@@ -126,16 +124,6 @@ def prompt_ids(tokenizer: str, prompt: str, model: str = MODEL) -> list[int]:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
         (result,) = stub.Tokenize(tokenizer_pb2.TokenizeRequest(entries=[entry]), timeout=30).results
     return list(result.token_ids)
-
-
-def seconds_until(condition: Callable[[], object], bound_s: float, what: str, poll_s: float = 0.02) -> float:
-    """Seconds until `condition()` is truthy; AssertionError naming `what` after `bound_s`."""
-    started = time.monotonic()
-    while time.monotonic() - started < bound_s:
-        if condition():
-            return time.monotonic() - started
-        time.sleep(poll_s)
-    raise AssertionError(f"{what}: not within {bound_s} s")
 
 
 def rss_bytes(pid: int) -> int:

@@ -3,7 +3,9 @@
 Tokenizer, primary worker, fallback worker and gateway are separate processes on ephemeral ports,
 with tiny random models sharing one tokenizer (so one fingerprint). The primary runs in test mode with
 a delay before every engine step, so its streams are still running when the test kills or freezes
-it. Measured times are printed; the bounds asserted are at least 5x what the project asks for.
+it. The targets: after a kill, a new request is served by the fallback within 1 s and a restarted
+primary serves again within 2 s of reporting SERVING; a frozen primary is noticed within 3 s.
+Measured times are printed and recorded; the bounds asserted are 5x the targets.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from services.worker.engine.params import SamplingParams
 from strata.cli.launcher import start_stack
 from strata.client import StrataClient
 from strata.retry import NO_RETRY
+from tests.polling import seconds_until
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Iterator
     from pathlib import Path
 
     from strata.cli.launcher import Stack
@@ -40,6 +43,7 @@ pytestmark = pytest.mark.slow
 ENGINE = {"num_blocks": 128, "max_num_seqs": 8, "max_num_batched_tokens": 128}
 STEP_DELAY_S = 0.05
 PROMPT = "The quick brown fox tells a long story"
+POLL_S = 0.05  # between probes, most of which are requests
 
 
 def write_config(path: Path, primary: Path, fallback: Path) -> Path:
@@ -83,21 +87,12 @@ def primary_ready(client: StrataClient) -> None:
         models = {m.name: m.ready_workers for m in client.list_models(timeout=10).models}
         return models.get("tiny", 0) >= 1
 
-    seconds_until(ready, 30.0, "the gateway's link to the primary")
+    seconds_until(ready, 30.0, "the gateway's link to the primary", interval_s=POLL_S)
 
 
 def serving_model(client: StrataClient) -> str:
     """The model that serves a small request now."""
     return client.generate(PROMPT, max_new_tokens=2, ignore_eos=True, timeout=30).model
-
-
-def seconds_until(condition: Callable[[], bool], bound_s: float, what: str) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < bound_s:
-        if condition():
-            return time.monotonic() - started
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {bound_s} s")
 
 
 def fallback_continuation(model_dir: Path, prompt_ids: list[int], prior: list[int], total: int) -> list[int]:
@@ -135,12 +130,14 @@ def test_kill9_mid_stream_continues_on_the_fallback_and_the_primary_returns(
         expected_tail = fallback_continuation(tiny_fallback_dir, prompt_ids, received[:prior_len], total)
         assert received[prior_len:] == expected_tail  # no token repeated, none lost
 
-        new_request = seconds_until(lambda: serving_model(client) == "tiny-fb", 5.0, "fallback serves")
+        new_request = seconds_until(
+            lambda: serving_model(client) == "tiny-fb", 5.0, "fallback serves", interval_s=POLL_S
+        )
         print(
             f"a new request served by the fallback in {new_request:.2f} s "
             f"({time.monotonic() - killed_at:.2f} s after the kill, the failed-over stream included)"
         )
-        assert new_request < 5.0  # the project asks for 1 s
+        assert new_request < 5.0  # the target is 1 s
         figure(2, "tokens before the kill, on the primary", prior_len)
         figure(2, "tokens continued on the fallback (none lost or repeated)", total - prior_len)
         figure(2, "failed-over stream complete after the kill", stream_done - killed_at, "s")
@@ -157,10 +154,17 @@ def test_kill9_mid_stream_continues_on_the_fallback_and_the_primary_returns(
             stderr=subprocess.DEVNULL,
         )
         try:
-            seconds_until(lambda: _serving(stack.addresses.workers[0]), 120.0, "restarted primary SERVING")
-            back = seconds_until(lambda: serving_model(client) == "tiny", 10.0, "primary serves again")
+            seconds_until(
+                lambda: _serving(stack.addresses.workers[0]),
+                120.0,
+                "restarted primary SERVING",
+                interval_s=POLL_S,
+            )
+            back = seconds_until(
+                lambda: serving_model(client) == "tiny", 10.0, "primary serves again", interval_s=POLL_S
+            )
             print(f"primary serves again {back:.2f} s after it reported SERVING")
-            assert back < 10.0  # the project asks for 2 s
+            assert back < 10.0  # the target is 2 s
             figure(2, "primary serves again after its restart reported SERVING", back, "s")
         finally:
             restarted.terminate()
@@ -176,13 +180,17 @@ def test_sigstop_moves_traffic_to_the_fallback_and_sigcont_brings_it_back(
         assert serving_model(client) == "tiny"
         os.kill(pid, signal.SIGSTOP)
         try:
-            moved = seconds_until(lambda: serving_model(client) == "tiny-fb", 15.0, "traffic on the fallback")
+            moved = seconds_until(
+                lambda: serving_model(client) == "tiny-fb", 15.0, "traffic on the fallback", interval_s=POLL_S
+            )
             print(f"SIGSTOP noticed, traffic on the fallback after {moved:.2f} s")
-            assert moved < 15.0  # the project asks for 3 s
+            assert moved < 15.0  # the target is 3 s
             figure(3, "SIGSTOP noticed: traffic on the fallback", moved, "s")
         finally:
             os.kill(pid, signal.SIGCONT)
-        back = seconds_until(lambda: serving_model(client) == "tiny", 10.0, "primary serves again")
+        back = seconds_until(
+            lambda: serving_model(client) == "tiny", 10.0, "primary serves again", interval_s=POLL_S
+        )
         print(f"after SIGCONT the primary serves again in {back:.2f} s")
         figure(3, "after SIGCONT the primary serves again", back, "s")
 

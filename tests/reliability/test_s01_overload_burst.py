@@ -17,7 +17,8 @@ import grpc
 from gateway.errors import STATUS_DETAILS_KEY, retry_delay_s
 from strata.cli.launcher import start_stack
 from strata.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.reliability.harness import queued_requests, request, seconds_until, worker_stats, write_config
+from tests.polling import seconds_until
+from tests.reliability.harness import queued_requests, request, worker_stats, write_config
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from strata.cli.launcher import ChildExit, start_stack
 from strata.v1 import gateway_pb2_grpc
+from tests.polling import poll
 from tests.reliability.harness import NOT_SERVING, SERVING, free_port, health, request, write_config
 
 if TYPE_CHECKING:
@@ -137,9 +138,7 @@ def test_sigterm_drains_under_load(
 
         for thread in threads:
             thread.join(grace + 30)
-        ended: ChildExit | None = None
-        while time.monotonic() - term < grace + 30 and (ended := stack.poll()) is None:
-            time.sleep(0.02)
+        ended = poll(stack.poll, term + grace + 30 - time.monotonic(), until=lambda child: child is not None)
         exited_s = time.monotonic() - term
         channel.close()
         completed = [s for s in streams if s.code is None and s.tokens == NEW_TOKENS]

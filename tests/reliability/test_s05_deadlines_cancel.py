@@ -18,14 +18,16 @@ step N+2, the step that ran without the request: at most 2 later. The test asser
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 import grpc
 import pytest
 
 from strata.cli.launcher import start_stack
-from strata.v1 import gateway_pb2_grpc
-from tests.reliability.harness import request, seconds_until, worker_stats, write_config
+from strata.v1 import gateway_pb2_grpc, worker_pb2
+from tests.polling import poll, seconds_until
+from tests.reliability.harness import request, worker_stats, write_config
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -50,6 +52,11 @@ def stack(tiny_serving_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     config = write_config(directory / "stack.yaml", tiny_serving_dir, engine=engine, route={"ttft_slo_ms": 0})
     with start_stack(config, log_dir=directory / "logs", ready_timeout_s=300) as running:
         yield running
+
+
+def _cancel_freed(stats: worker_pb2.GetWorkerStatsResponse, *, running: int, alone: bool) -> bool:
+    """The snapshot after the cancel's free: `running` requests left and, when alone, no KV block."""
+    return stats.running == running and (not alone or stats.used_kv_blocks == 0)
 
 
 def idle(worker: str) -> bool:
@@ -113,12 +120,12 @@ def test_cancel_frees_the_kv_blocks_within_one_step(
             # `running` and the blocks come from one engine snapshot: the abort removes the sequence
             # and frees its blocks together, so the snapshot without it is the one after the free.
             left = 1 if other is not None else 0
-            after = before
-            while time.monotonic() - cancelled < 10:
-                after = worker_stats(worker)
-                if after.running == left and (other is not None or after.used_kv_blocks == 0):
-                    break
-                time.sleep(0.005)
+            after = poll(
+                lambda: worker_stats(worker),
+                10,
+                until=partial(_cancel_freed, running=left, alone=other is None),
+                interval_s=0.005,
+            )
             freed_ms.append((time.monotonic() - cancelled) * 1000)
             deltas.append(int(after.steps - before.steps))
             assert after.running == left, "the cancelled request still ran 10 s after its cancel"

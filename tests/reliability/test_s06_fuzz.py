@@ -29,7 +29,8 @@ from gateway.settings import GatewaySettings
 from strata.v1 import common_pb2, gateway_pb2
 from tests.integration.gateway_harness import Stack
 from tests.integration.loop_thread import LoopThread
-from tests.reliability.harness import SERVING, health, seconds_until, worker_stats
+from tests.polling import seconds_until
+from tests.reliability.harness import SERVING, health, worker_stats
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

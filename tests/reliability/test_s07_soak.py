@@ -22,11 +22,11 @@ import grpc
 
 from strata.cli.launcher import start_stack
 from strata.v1 import gateway_pb2_grpc
+from tests.polling import seconds_until
 from tests.reliability.harness import (
     queued_requests,
     request,
     rss_bytes,
-    seconds_until,
     worker_stats,
     write_config,
 )

@@ -17,12 +17,12 @@ import grpc
 
 from strata.cli.launcher import start_stack
 from strata.v1 import gateway_pb2_grpc
+from tests.polling import seconds_until
 from tests.reliability.harness import (
     SERVING,
     free_port,
     health,
     request,
-    seconds_until,
     spawn_service,
     stop_process,
     write_config,
@@ -83,10 +83,10 @@ def test_requests_fail_fast_while_the_tokenizer_is_down_and_succeed_once_it_is_b
         try:
             seconds_until(lambda: health(f"127.0.0.1:{port}") == SERVING, 60, "the new tokenizer SERVING")
             serving = time.monotonic()
-            back = seconds_until(lambda: _answers(stub), 30, "a request succeeded again", poll_s=0.05)
+            back = seconds_until(lambda: _answers(stub), 30, "a request succeeded again", interval_s=0.05)
             figure(8, "new tokenizer process SERVING after its start", serving - spawned, "s")
             figure(8, "requests succeed again after the tokenizer's return", back, "s")
-            assert back < 10.0  # the project asks for 2 s
+            assert back < 10.0  # the target is 2 s; the bound is 5x that
             assert all(_answers(stub) for _ in range(3))
         finally:
             stop_process(restarted)

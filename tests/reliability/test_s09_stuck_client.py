@@ -17,6 +17,7 @@ from prometheus_client import REGISTRY
 
 from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.integration.tiny_stack import tiny_stack
+from tests.polling import wait_for
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -67,12 +68,13 @@ def _stop_reading(gateway: str, worker: str) -> tuple[float, int]:
         stopped = time.monotonic()  # from here the client reads nothing
         with grpc.insecure_channel(worker) as worker_channel:
             stats = worker_pb2_grpc.WorkerServiceStub(worker_channel)
-            while True:
-                now = stats.GetWorkerStats(worker_pb2.GetWorkerStatsRequest(), timeout=5)
-                if not (now.open_requests or now.running or now.used_kv_blocks):
-                    break
-                assert time.monotonic() - stopped < WAIT_S, f"the stuck stream still holds the worker: {now}"
-                time.sleep(0.05)
+            wait_for(
+                lambda: stats.GetWorkerStats(worker_pb2.GetWorkerStatsRequest(), timeout=5),
+                WAIT_S,
+                "the stuck stream let go of the worker",
+                until=lambda now: not (now.open_requests or now.running or now.used_kv_blocks),
+                interval_s=0.05,
+            )
         return time.monotonic() - stopped, _generated(stream)
 
 

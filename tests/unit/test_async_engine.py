@@ -16,6 +16,7 @@ from services.worker.engine.engine import LLMEngine
 from services.worker.engine.params import InvalidRequestError, SamplingParams
 from services.worker.engine.sequence import FinishReason
 from services.worker.model.loader import ModelLoadError
+from tests.polling import wait_for_async
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -72,10 +73,13 @@ def test_abort_frees_blocks_by_the_next_step(tiny_llama_dir: Path) -> None:
                     break  # leaving the iterator early aborts the request
             assert stream.finished is False
             # Blocks are freed when the step thread reads the abort, before its next step.
-            deadline = time.monotonic() + 5.0
-            while engine.stats().free_kv_tokens != total:
-                assert time.monotonic() < deadline, "aborted request still holds KV blocks after 5 s"
-                await asyncio.sleep(0.01)
+            await wait_for_async(
+                lambda: engine.stats().free_kv_tokens,
+                5.0,
+                "the aborted request's KV blocks freed",
+                until=lambda free: free == total,
+                interval_s=0.01,
+            )
             assert engine.stats().num_running == 0
         finally:
             await engine.stop()

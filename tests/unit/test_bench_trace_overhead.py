@@ -22,6 +22,7 @@ from bench.trace_overhead_report import (
     summarize_mode,
 )
 from strata.settings import DEFAULT_CONFIG
+from tests.polling import wait_for
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -188,10 +189,13 @@ def test_cpu_seconds_counts_a_busy_process_and_refuses_a_dead_one() -> None:
     busy = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\n"
     child = subprocess.Popen([sys.executable, "-c", busy + "time.sleep(30)"])
     try:
-        deadline = time.monotonic() + 20.0
-        while cpu_seconds({"busy": child.pid})["busy"] < 0.3:
-            assert time.monotonic() < deadline, "the busy child never showed 0.3 CPU-s"
-            time.sleep(0.05)
+        wait_for(
+            lambda: cpu_seconds({"busy": child.pid})["busy"],
+            20.0,
+            "the busy child showed 0.3 CPU-s",
+            until=lambda seconds: seconds >= 0.3,
+            interval_s=0.05,
+        )
         before = cpu_seconds({"busy": child.pid, "me": os.getpid()})
         end = time.process_time() + 0.2
         while time.process_time() < end:

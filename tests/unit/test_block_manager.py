@@ -1,8 +1,9 @@
 """Tests of KV block accounting: the block manager alone (allocation, growth, credits, misuse), then
 the scheduler when blocks run out (preemption by recompute, victims, no leaks after aborts).
 
-The scheduler cases reuse the fake model of test_scheduler.py, whose outputs depend on every cached
-token read back through the block tables, so a lost, repeated or misplaced token changes them.
+The scheduler cases use the scheduler tests' fake model (tests/unit/scheduler_helpers.py), whose
+outputs depend on every cached token read back through the block tables, so a lost, repeated or
+misplaced token changes them.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import pytest
 from services.worker.engine.block_manager import BlockAccountingError, BlockManager, NoFreeBlocksError
 from services.worker.engine.params import SamplingParams
 from services.worker.engine.sequence import FinishReason, Sequence, SequenceStatus
-from tests.unit.test_scheduler import FakeModel, make_scheduler, run_all, step
-from tests.unit.test_scheduler import make_seq as make_request
+from tests.unit.scheduler_helpers import FakeModel, make_scheduler, run_all, step
+from tests.unit.scheduler_helpers import make_seq as make_request
 
 
 def make_seq(request_id: str) -> Sequence:

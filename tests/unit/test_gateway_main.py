@@ -6,13 +6,13 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.server import main
+from tests.polling import announced_address
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -43,12 +43,7 @@ def test_runs_not_serving_without_backends_and_stops_on_sigterm(tmp_path: Path) 
         text=True,
     )
     try:
-        deadline = time.monotonic() + 60
-        while not announce.exists():
-            assert process.poll() is None, process.communicate()[1]
-            assert time.monotonic() < deadline, "no announce file in 60 s"
-            time.sleep(0.05)
-        address = announce.read_text().strip()
+        address = announced_address(process, announce, 60)
         with grpc.insecure_channel(address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             status = health.Check(

@@ -20,8 +20,7 @@ from services.worker.engine.noise import gumbel, row_keys, uniform
 from services.worker.engine.params import SamplingParams
 from services.worker.engine.penalties import apply_penalties
 from services.worker.engine.sampler import Sampler, SampleRow
-
-CPU = torch.device("cpu")
+from tests.sampling_cases import CPU, TARGETS
 
 
 def rows_of(params: SamplingParams, n: int, seed: int = 7, position: int = 0, history=()) -> list[SampleRow]:
@@ -103,17 +102,7 @@ def test_top_k_one_equals_greedy() -> None:
 
 
 # --- seeded reproducibility ----------------------------------------------------------------------
-
-TARGETS = [
-    SamplingParams(temperature=1.0),
-    SamplingParams(temperature=2.5),  # flat enough that some draws go to the tail
-    SamplingParams(temperature=0.7, top_k=20),
-    SamplingParams(temperature=1.0, top_p=0.9),
-    SamplingParams(temperature=3.0, top_p=0.99),  # wide: needs more than one candidate round
-    SamplingParams(temperature=1.0, top_k=50, top_p=0.8, repetition_penalty=1.3),
-    SamplingParams(temperature=0.9, no_repeat_ngram_size=2),
-    SamplingParams(),
-]
+# (the parameter sets, TARGETS, are in tests/sampling_cases.py, shared with the CUDA tests)
 
 
 def random_params(rng: random.Random) -> SamplingParams:
