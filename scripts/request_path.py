@@ -64,7 +64,7 @@ class Recorder:
                     continue
                 if issubclass(cls, Exception) or "__init__" not in cls.__dict__:
                     continue
-                cls.__init__ = self._recording(cls, cls.__dict__["__init__"])
+                cls.__init__ = self._recording(cls, cls.__dict__["__init__"])  # type: ignore[method-assign]
 
     def _recording(self, cls: type, init: Any) -> Any:
         name = f"{cls.__module__.removeprefix('gateway.')}.{cls.__qualname__}"
