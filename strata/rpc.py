@@ -98,6 +98,9 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.http2.min_ping_interval_without_data_ms", MIN_RECV_PING_INTERVAL_MS),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_RECV_PING_INTERVAL_MS),
         ("grpc.http2.max_ping_strikes", 0),
+        # A restarted service must never share its port with a predecessor that still holds it (frozen
+        # by SIGSTOP, say) and get half its traffic: gRPC turns SO_REUSEPORT on unless told not to.
+        ("grpc.so_reuseport", 0),
     ]
 
 

@@ -13,26 +13,21 @@ import re
 import signal
 import subprocess
 import sys
-import threading
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-import psutil
 import pytest
 import yaml
 
 from strata.cli.launcher import start_stack
 from strata.settings import DEFAULT_CONFIG
 from tests.integration.launcher_harness import gone, write_tiny_config
-from tests.polling import wait_for
+from tests.integration.up_harness import strata_up
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
     from pathlib import Path
 
 pytestmark = pytest.mark.slow
-
-READY_LINE = re.compile(r"^\s+gateway\s+(\S+)\s*$")
 
 
 def strata(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -125,73 +120,6 @@ def test_address_comes_from_the_environment(gateway: str) -> None:
     assert "tiny" in done.stdout
 
 
-class Up:
-    """A `strata up` subprocess whose output is drained by a thread (its children share the pipe)."""
-
-    def __init__(self, config: Path, stderr: Path) -> None:
-        self._stderr_path = stderr
-        self._stderr = stderr.open("w")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "strata.cli", "up", "--config", str(config)],
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self.gateway: str | None = None
-        self._ready = threading.Event()
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _drain(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.append(line)
-            match = READY_LINE.match(line)
-            if match:
-                self.gateway = match.group(1)
-            if line.startswith("Ctrl-C stops the stack"):  # the last line of the ready message
-                self._ready.set()
-
-    def wait_ready(self, timeout: float = 300) -> str:
-        def ready() -> bool:
-            assert self.process.poll() is None, f"strata up exited early: {self.stderr()}"
-            return self._ready.wait(0.2)
-
-        wait_for(ready, timeout, lambda: f"strata up ready (its stderr: {self.stderr()})", interval_s=0)
-        assert self.gateway is not None
-        return self.gateway
-
-    def children(self) -> list[psutil.Process]:
-        children: list[psutil.Process] = psutil.Process(self.process.pid).children(recursive=True)
-        return children
-
-    def stderr(self) -> str:
-        self._stderr.flush()
-        return self._stderr_path.read_text()
-
-    def close(self, pids: list[int]) -> None:
-        for pid in [self.process.pid, *pids]:
-            try:
-                psutil.Process(pid).kill()
-            except psutil.NoSuchProcess:
-                continue
-        self.process.wait(30)
-        self._stderr.close()
-
-
-@contextmanager
-def strata_up(tmp_path: Path, tiny_serving_dir: Path) -> Iterator[tuple[Up, list[psutil.Process]]]:
-    config = write_tiny_config(tmp_path / "up.yaml", tiny_serving_dir)
-    up = Up(config, tmp_path / "up.stderr")
-    children: list[psutil.Process] = []
-    try:
-        up.wait_ready()
-        children = up.children()
-        yield up, children
-    finally:
-        up.close([child.pid for child in children])
-
-
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_up_serves_until_stopped_and_leaves_no_process(
     tmp_path: Path, tiny_serving_dir: Path, stop_signal: signal.Signals
@@ -211,8 +139,10 @@ def test_up_serves_until_stopped_and_leaves_no_process(
         assert "stopping the stack" in up.stderr()
 
 
-def test_up_reports_a_dead_child_and_exits_nonzero(tmp_path: Path, tiny_serving_dir: Path) -> None:
-    with strata_up(tmp_path, tiny_serving_dir) as (up, children):
+def test_up_with_exit_on_failure_reports_a_dead_child_and_exits_nonzero(
+    tmp_path: Path, tiny_serving_dir: Path
+) -> None:
+    with strata_up(tmp_path, tiny_serving_dir, "--exit-on-failure") as (up, children):
         worker = next(child for child in children if "services.worker" in child.cmdline())
         worker.kill()
         assert up.process.wait(60) != 0

@@ -1,0 +1,107 @@
+"""`strata up` as a subprocess for tests: its ready message parsed, its output drained, its children
+found, and everything it started killed however the test ends.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import psutil
+
+from tests.integration.launcher_harness import write_tiny_config
+from tests.polling import wait_for
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Mapping
+    from pathlib import Path
+
+READY_LINE = re.compile(r"^\s+gateway\s+(\S+)\s*$")
+
+
+class Up:
+    """A `strata up` subprocess whose output is drained by a thread (its children share the pipe)."""
+
+    def __init__(
+        self, config: Path, stderr: Path, args: tuple[str, ...] = (), env: Mapping[str, str] | None = None
+    ) -> None:
+        self._stderr_path = stderr
+        self._stderr = stderr.open("w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "strata.cli", "up", "--config", str(config), *args],
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            env=None if env is None else dict(env),
+        )
+        self.lines: list[str] = []
+        self.gateway: str | None = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line)
+            match = READY_LINE.match(line)
+            if match:
+                self.gateway = match.group(1)
+            if line.startswith("Ctrl-C stops the stack"):  # the last line of the ready message
+                self._ready.set()
+
+    def wait_ready(self, timeout: float = 300) -> str:
+        def ready() -> bool:
+            assert self.process.poll() is None, f"strata up exited early: {self.stderr()}"
+            return self._ready.wait(0.2)
+
+        wait_for(ready, timeout, lambda: f"strata up ready (its stderr: {self.stderr()})", interval_s=0)
+        assert self.gateway is not None
+        return self.gateway
+
+    def children(self) -> list[psutil.Process]:
+        children: list[psutil.Process] = psutil.Process(self.process.pid).children(recursive=True)
+        return children
+
+    def stderr(self) -> str:
+        self._stderr.flush()
+        return self._stderr_path.read_text()
+
+    def close(self, pids: list[int]) -> None:
+        for pid in [self.process.pid, *pids]:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.NoSuchProcess:
+                continue
+        self.process.wait(30)
+        self._stderr.close()
+
+
+@contextmanager
+def running_up(
+    config: Path, stderr: Path, *args: str, env: Mapping[str, str] | None = None, ready_s: float = 300
+) -> Iterator[tuple[Up, list[psutil.Process]]]:
+    """`strata up --config config *args`, ready; its children at that moment. Killed on the way out,
+    with every process it ever started (restarted children included)."""
+    up = Up(config, stderr, args, env)
+    children: list[psutil.Process] = []
+    try:
+        up.wait_ready(ready_s)
+        children = up.children()
+        yield up, children
+    finally:
+        later = [child.pid for child in up.children()] if up.process.poll() is None else []
+        up.close([child.pid for child in children] + later)
+
+
+@contextmanager
+def strata_up(
+    tmp_path: Path, tiny_serving_dir: Path, *args: str
+) -> Iterator[tuple[Up, list[psutil.Process]]]:
+    """`strata up` of a tiny stack (tokenizer, one worker, gateway on a free port)."""
+    config = write_tiny_config(tmp_path / "up.yaml", tiny_serving_dir)
+    with running_up(config, tmp_path / "up.stderr", *args) as (up, children):
+        yield up, children
