@@ -6,8 +6,9 @@ linked). `idle_state` is what must return exactly to its value before the load: 
 running, waiting and open requests, used KV blocks and free KV tokens (GetWorkerStats) and the credits
 it offers a new Connect stream (the first ConnectResponse), per route the gateway's queued requests.
 `RssSampler` samples each service's current process every interval from a thread, keyed by pid, so a
-restarted service's new process is a new series. Every call is bounded by a timeout. This module must
-not signal a process nor assert anything.
+restarted service's new process is a new series, judged from a warm baseline after it began
+serving. Every call is bounded by a timeout. This module must not signal a process nor assert
+anything.
 """
 
 from __future__ import annotations
@@ -98,22 +99,23 @@ def idle_state(addresses: StackAddresses, models: tuple[str, ...]) -> dict[str, 
 
 @dataclass
 class RssSeries:
-    """The resident memory samples of one process: (seconds since the sampler started, bytes)."""
+    """The resident memory samples of one process: (time.monotonic(), bytes)."""
 
     service: str
     pid: int
     samples: list[tuple[float, int]] = field(default_factory=list)
 
-    def baseline(self, warm_s: float) -> int | None:
-        """The first sample taken at least `warm_s` after this process's first sample; None if none."""
+    def baseline(self, warm_s: float, since: float | None = None) -> int | None:
+        """The first sample taken at least `warm_s` after `since` (by default this process's first
+        sample: pass when it began serving); None if none was."""
         if not self.samples:
             return None
-        start = self.samples[0][0]
+        start = self.samples[0][0] if since is None else since
         return next((rss for at, rss in self.samples if at - start >= warm_s), None)
 
-    def growth(self, warm_s: float) -> float | None:
-        """(last sample - baseline) / baseline; None when the process did not live past `warm_s`."""
-        base = self.baseline(warm_s)
+    def growth(self, warm_s: float, since: float | None = None) -> float | None:
+        """(last sample - baseline) / baseline; None when the process did not live past its warm-up."""
+        base = self.baseline(warm_s, since)
         return None if base is None else (self.samples[-1][1] - base) / base
 
 
@@ -126,10 +128,8 @@ class RssSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss sampler", daemon=True)
         self.series: dict[int, RssSeries] = {}
-        self.started = time.monotonic()
 
     def start(self) -> None:
-        self.started = time.monotonic()
         self._thread.start()
 
     def stop(self) -> None:
@@ -137,20 +137,13 @@ class RssSampler:
         self._thread.join(timeout=30)
 
     def sample(self) -> None:
-        now = time.monotonic() - self.started
+        now = time.monotonic()
         for service, pid in dict(self._pids()).items():
             try:
                 rss = int(psutil.Process(pid).memory_info().rss)
             except psutil.NoSuchProcess:
                 continue  # it died between the listing and the read; its restart is sampled next time
             self.series.setdefault(pid, RssSeries(service, pid)).samples.append((now, rss))
-
-    def restarts(self) -> dict[str, int]:
-        """Processes seen per service, minus the first one: restarts observed while sampling."""
-        seen: dict[str, int] = {}
-        for series in self.series.values():
-            seen[series.service] = seen.get(series.service, 0) + 1
-        return {service: count - 1 for service, count in seen.items()}
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -1,15 +1,21 @@
-"""The chaos soak's token check: is a completed greedy answer exactly what its models would generate?
+"""The chaos soak's token check: is a completed greedy answer what its models would generate?
 
 An answer of `n` tokens that failed over at token `k` (GenerateResponse.failover_at_token; 0 when it
-did not) is right when its first `k` tokens are the primary's greedy output for the prompt and the
-rest are the serving model's greedy continuation of the prompt plus those `k` tokens: a token lost or
-repeated across the failover shifts the rest and fails the check. An answer served by one model alone
-is that model's greedy output. `divergence` is the pure comparison; it names the first token that
-differs, in which part. `near_tie` is the project's parity rule (tests/parity.py) for such a token:
-the reference's top-2 logits, on the same context, are the two tokens and lie within a tie gap, so
-float rounding (or a batch's dynamic int8 scale) may flip them; after an excused flip nothing later
-in that part is compared. `Reference` computes greedy outputs with the engine in this process
-(LLMEngine.generate) and next-token logits with the engine's model on a KV cache of its own. This
+did not) is right when its first `k` tokens (its head) are the primary's greedy output for the
+prompt and the rest (its tail) the fallback's greedy continuation of the prompt plus those `k`
+tokens: a token lost or repeated across the failover shifts the tail and fails the check. An answer
+one model served alone is all head, that model's greedy output.
+
+A part is checked by one of two rules, chosen per model. Exact (a model whose greedy output does not
+depend on its batch, as float32 and bfloat16 ones): `divergence` names the first token that differs
+from the reference, and `near_tie` is the project's parity rule (tests/parity.py) for it: the
+reference's top-2 logits on that context are the two tokens and lie within a tie gap, so float
+rounding may flip them; after an excused flip nothing later in that part is compared. Margin (torch's
+dynamic int8, whose activation scale is taken over the whole batch, so its greedy output depends on
+the requests it ran next to): every token of the part lies within a margin of the model's top logit
+on the answer's own context, the model run alone (`Reference.deficits`). That catches a wrong model
+or a wrong context, not every shifted token. `Reference` computes greedy outputs with the engine in
+this process (LLMEngine.generate) and logits with the engine's model on a KV cache of its own. This
 module must not start a service nor decide what a test asserts.
 """
 
@@ -58,24 +64,23 @@ def divergence(
     head_ref: Sequence[int],
     tail_ref: Sequence[int],
     *,
-    skip_head: bool = False,
+    parts: Sequence[str] = (HEAD, TAIL),
 ) -> Divergence | None:
-    """The first divergence of `tokens` from its references; None when it matches them exactly.
+    """The first divergence of `tokens` from its references in `parts`; None when they match exactly.
 
-    `head_ref` is the greedy output for the prompt of the model that produced the head (the primary,
-    or the fallback when it served the whole answer); `tail_ref` the fallback's greedy continuation of
-    prompt + tokens[:failover_at] (unused when failover_at is 0). `skip_head` leaves the head out (its
-    divergence was already judged a near tie), so the tail is still compared.
+    The length and the failover point are always checked. `head_ref` is the greedy output for the
+    prompt of the model that produced the head (the primary, or the fallback when it served the whole
+    answer); `tail_ref` the fallback's greedy continuation of prompt + tokens[:failover_at] (unused
+    when failover_at is 0).
     """
     if len(tokens) != expected_len:
         return Divergence(LENGTH, min(len(tokens), expected_len), len(tokens), expected_len)
     if not 0 <= failover_at <= expected_len:
         return Divergence(LENGTH, failover_at, failover_at, expected_len)
-    head_end = failover_at if failover_at else expected_len
-    parts = [] if skip_head else [(HEAD, 0, head_end, head_ref)]
-    if failover_at:
-        parts.append((TAIL, failover_at, expected_len, tail_ref))
-    for part, start, end, ref in parts:
+    for part, start, end in spans(expected_len, failover_at):
+        if part not in parts:
+            continue
+        ref = head_ref if part == HEAD else tail_ref
         for position in range(start, end):
             offset = position - start
             if offset >= len(ref):
@@ -83,6 +88,13 @@ def divergence(
             if tokens[position] != ref[offset]:
                 return Divergence(part, position, tokens[position], ref[offset])
     return None
+
+
+def spans(expected_len: int, failover_at: int) -> list[tuple[str, int, int]]:
+    """(part, start, end) of an answer's head and, after a failover, its tail."""
+    if not failover_at:
+        return [(HEAD, 0, expected_len)]
+    return [(HEAD, 0, failover_at), (TAIL, failover_at, expected_len)]
 
 
 def near_tie(logits: Sequence[float], got: int, expected: int, tie_gap: float) -> bool:
@@ -94,10 +106,11 @@ def near_tie(logits: Sequence[float], got: int, expected: int, tie_gap: float) -
 
 
 class ReferenceModel(Protocol):
-    """What the check needs of a model: greedy continuations and next-token logits."""
+    """What the check needs of a model: greedy continuations, next-token logits, deficits."""
 
     def greedy(self, contexts: Sequence[Sequence[int]], lengths: Sequence[int]) -> list[list[int]]: ...
     def next_token_logits(self, context: Sequence[int]) -> list[float]: ...
+    def deficits(self, sequence: Sequence[int], start: int) -> list[float]: ...
 
 
 class Reference:
@@ -124,15 +137,26 @@ class Reference:
         params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
         return self.engine.generate([list(c) for c in contexts], params)
 
-    def next_token_logits(self, context: Sequence[int], block_size: int = 16) -> list[float]:
-        """The model's logits for the token after `context`, from one prefill on a KV cache of its own
-        (the engine's cache, and the prefix blocks it keeps, stay untouched)."""
+    def next_token_logits(self, context: Sequence[int]) -> list[float]:
+        """The model's logits for the token after `context`."""
+        return [float(v) for v in self._logits(context, [len(context) - 1])[0].tolist()]
+
+    def deficits(self, sequence: Sequence[int], start: int) -> list[float]:
+        """For each token of `sequence` from `start` on: how far its logit lies below the largest one,
+        given the tokens before it (0 where it is the model's greedy pick)."""
+        rows = self._logits(sequence, list(range(start - 1, len(sequence) - 1)))
+        picked = rows.gather(1, torch.tensor(list(sequence[start:])).unsqueeze(1)).squeeze(1)
+        return [float(v) for v in (rows.max(dim=1).values - picked).tolist()]
+
+    def _logits(self, sequence: Sequence[int], rows: list[int], block_size: int = 16) -> torch.Tensor:
+        """float32 logits after sequence[: row + 1] for each of `rows`, from one prefill of `sequence`
+        on a KV cache of its own (the engine's cache, and the prefix blocks it keeps, stay untouched)."""
         model = self.engine.runner.model
-        blocks = -(-len(context) // block_size)
+        blocks = -(-len(sequence) // block_size)
         cache = KVCache.allocate(model.config, blocks, block_size, model.dtype, model.device)
         meta = AttentionMetadata.build(
-            query_lens=[len(context)],
-            context_lens=[len(context)],
+            query_lens=[len(sequence)],
+            context_lens=[len(sequence)],
             block_tables=[list(range(blocks))],
             block_size=block_size,
             device=model.device,
@@ -140,13 +164,13 @@ class Reference:
         )
         with torch.inference_mode():
             hidden = model(
-                torch.tensor(list(context), device=model.device),
-                torch.arange(len(context), device=model.device),
+                torch.tensor(list(sequence), device=model.device),
+                torch.arange(len(sequence), device=model.device),
                 meta,
                 cache,
             )
-            logits = model.compute_logits(hidden.index_select(0, meta.last_token_indices))
-        return [float(value) for value in logits[0].float().tolist()]
+            index = torch.tensor(rows, dtype=torch.long, device=model.device)
+            return model.compute_logits(hidden.index_select(0, index)).float().cpu()
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,12 +184,24 @@ class Answer:
     model: str
 
 
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """How one model's parts are checked: exactly up to near ties, or within a logit margin."""
+
+    tie_gap: float = 0.0
+    margin: float | None = None
+    """Set for the margin rule (a model whose greedy output depends on its batch)."""
+
+
 @dataclass
 class CheckReport:
-    """How the answers fared: exact ones, excused near-tie flips, and failures (each described)."""
+    """How the answers fared: fully exact ones, excused near-tie flips, parts checked by margin and
+    their largest deficit, and failures (each described)."""
 
     exact: int = 0
     excused: list[str] = field(default_factory=list)
+    by_margin: int = 0
+    worst_deficit: float = 0.0
     failures: list[str] = field(default_factory=list)
 
 
@@ -174,68 +210,78 @@ def check_answers(
     references: Mapping[str, ReferenceModel],
     primary: str,
     fallback: str,
-    tie_gaps: Mapping[str, float],
+    rules: Mapping[str, Rule],
 ) -> CheckReport:
-    """Check every answer against greedy references of the route's two models (see the module doc).
+    """Check every answer against its route's two models (see the module doc).
 
-    The references are generated per model in one batch: the primary's (or, for answers the fallback
-    served alone, the fallback's) output for each prompt at the longest length any answer needs, and
-    the fallback's continuation of each failed-over answer's head.
+    For the exact rule the references are generated per model in one batch: each prompt's output at
+    the longest length any head needs, and each failed-over answer's tail.
     """
     report = CheckReport()
-    head_model = {
-        i: primary if a.model == primary or a.failover_at else fallback for i, a in enumerate(answers)
-    }
+    heads = [primary if a.model == primary or a.failover_at else fallback for a in answers]
+    exact_heads = [i for i, model in enumerate(heads) if rules[model].margin is None]
     longest: dict[tuple[str, tuple[int, ...]], int] = {}
-    for i, answer in enumerate(answers):
-        key = (head_model[i], tuple(answer.prompt_ids))
-        longest[key] = max(longest.get(key, 0), answer.failover_at or answer.expected_len)
-    heads: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    for i in exact_heads:
+        key = (heads[i], tuple(answers[i].prompt_ids))
+        longest[key] = max(longest.get(key, 0), answers[i].failover_at or answers[i].expected_len)
+    head_refs: dict[tuple[str, tuple[int, ...]], list[int]] = {}
     for model in (primary, fallback):
         keys = [key for key in longest if key[0] == model]
         outputs = references[model].greedy([key[1] for key in keys], [longest[key] for key in keys])
-        heads.update(zip(keys, outputs, strict=True))
-    failed_over = [i for i, a in enumerate(answers) if a.failover_at]
-    tails = dict(
-        zip(
-            failed_over,
-            references[fallback].greedy(
-                [answers[i].prompt_ids + answers[i].tokens[: answers[i].failover_at] for i in failed_over],
-                [answers[i].expected_len - answers[i].failover_at for i in failed_over],
-            ),
-            strict=True,
-        )
+        head_refs.update(zip(keys, outputs, strict=True))
+    exact_tails = (
+        [i for i, a in enumerate(answers) if a.failover_at] if rules[fallback].margin is None else []
     )
+    contexts = [answers[i].prompt_ids + answers[i].tokens[: answers[i].failover_at] for i in exact_tails]
+    lengths = [answers[i].expected_len - answers[i].failover_at for i in exact_tails]
+    tail_refs = dict(zip(exact_tails, references[fallback].greedy(contexts, lengths), strict=True))
     for i, answer in enumerate(answers):
         where = f"answer {i} ({answer.model}, failover at {answer.failover_at}, {answer.expected_len} tokens)"
         if answer.model not in (primary, fallback) or (answer.failover_at and answer.model != fallback):
             report.failures.append(f"{where}: served by an unexpected model")
             continue
-        head_ref = heads[(head_model[i], tuple(answer.prompt_ids))]
-        tail_ref = tails.get(i, [])
-        skip_head = False
-        while True:
-            found = divergence(
-                answer.tokens,
-                answer.expected_len,
-                answer.failover_at,
-                head_ref,
-                tail_ref,
-                skip_head=skip_head,
-            )
-            if found is None:
-                if not skip_head:
-                    report.exact += 1
-                break
-            model = head_model[i] if found.part == HEAD else fallback
-            context = answer.prompt_ids + answer.tokens[: found.position]
-            if found.part == LENGTH or not near_tie(
-                references[model].next_token_logits(context), found.got, found.expected, tie_gaps[model]
-            ):
-                report.failures.append(f"{where}: {found}; tokens {answer.tokens}")
-                break
-            report.excused.append(f"{where}: near tie on {model} at {found}")
-            if found.part == TAIL or not answer.failover_at:
-                break
-            skip_head = True
+        head_ref = head_refs.get((heads[i], tuple(answer.prompt_ids)), [])
+        models = {HEAD: heads[i], TAIL: fallback}
+        _check_one(answer, models, rules, references, (head_ref, tail_refs.get(i, [])), report, where)
     return report
+
+
+def _check_one(
+    answer: Answer,
+    models: Mapping[str, str],
+    rules: Mapping[str, Rule],
+    references: Mapping[str, ReferenceModel],
+    refs: tuple[list[int], list[int]],
+    report: CheckReport,
+    where: str,
+) -> None:
+    """Check one answer's length and parts, adding what was found to `report`."""
+    parts = spans(answer.expected_len, answer.failover_at)
+    exact = [part for part, _, _ in parts if rules[models[part]].margin is None]
+    flipped = False
+    while (
+        found := divergence(answer.tokens, answer.expected_len, answer.failover_at, *refs, parts=exact)
+    ) is not None:
+        if found.part == LENGTH:
+            report.failures.append(f"{where}: {found}")
+            return
+        model = models[found.part]
+        logits = references[model].next_token_logits(answer.prompt_ids + answer.tokens[: found.position])
+        if not near_tie(logits, found.got, found.expected, rules[model].tie_gap):
+            report.failures.append(f"{where}: {found}; tokens {answer.tokens}")
+            return
+        report.excused.append(f"{where}: near tie on {model} at {found}")
+        exact.remove(found.part)
+        flipped = True
+    by_margin = [(part, start, end) for part, start, end in parts if rules[models[part]].margin is not None]
+    for part, start, end in by_margin:
+        model = models[part]
+        sequence = answer.prompt_ids + answer.tokens[:end]
+        worst = max(references[model].deficits(sequence, len(answer.prompt_ids) + start))
+        report.by_margin += 1
+        report.worst_deficit = max(report.worst_deficit, worst)
+        if worst > (rules[model].margin or 0.0):
+            report.failures.append(f"{where}: a {part} token {worst:.2f} logits below {model}'s top pick")
+            return
+    if not flipped and not by_margin:
+        report.exact += 1

@@ -121,4 +121,6 @@ def test_an_rss_series_is_judged_from_its_warm_baseline_to_its_last_sample() -> 
     assert series.baseline(60.0) == 135
     assert series.growth(60.0) == pytest.approx((143 - 135) / 135)
     assert series.growth(100.0) is None
+    assert series.baseline(60.0, since=20.0) == 143  # it began serving at 20 s
+    assert series.growth(60.0, since=40.0) is None
     assert RssSeries("gateway", 1).growth(1.0) is None

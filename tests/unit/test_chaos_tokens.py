@@ -1,6 +1,7 @@
 """The chaos soak's token check (tests/reliability/chaos_tokens.py) against known sequences: exact
 answers pass, a token lost or repeated across a failover fails, a near-tie flip is excused by the
-parity rule and a wider flip is not; the references come from deterministic fake models."""
+parity rule and a wider flip is not, and a part under the margin rule fails only beyond its margin;
+the references come from deterministic fake models."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tests.reliability.chaos_tokens import (
     Answer,
     CheckReport,
     Divergence,
+    Rule,
     check_answers,
     divergence,
     near_tie,
@@ -52,15 +54,22 @@ class FakeModel:
         logits[runner_up] = 10.0 - gap
         return logits
 
+    def deficits(self, sequence: Sequence[int], start: int) -> list[float]:
+        rows = [self.next_token_logits(sequence[:position]) for position in range(start, len(sequence))]
+        return [max(row) - row[token] for row, token in zip(rows, sequence[start:], strict=True)]
+
 
 PRIMARY, FALLBACK = FakeModel(7), FakeModel(11)
-GAPS = {"p": 1e-3, "f": 1e-3}
+EXACT = {"p": Rule(tie_gap=1e-3), "f": Rule(tie_gap=1e-3)}
 
 
 def _check(
-    answers: list[Answer], primary: FakeModel = PRIMARY, fallback: FakeModel = FALLBACK
+    answers: list[Answer],
+    primary: FakeModel = PRIMARY,
+    fallback: FakeModel = FALLBACK,
+    rules: dict[str, Rule] = EXACT,
 ) -> CheckReport:
-    return check_answers(answers, {"p": primary, "f": fallback}, "p", "f", GAPS)
+    return check_answers(answers, {"p": primary, "f": fallback}, "p", "f", rules)
 
 
 def _failover(head_len: int, total: int) -> list[int]:
@@ -74,7 +83,9 @@ def test_divergence_is_none_for_exact_answers_and_names_the_first_difference() -
     assert divergence([1, 2, 9, 4], 4, 0, ref, []) == Divergence(HEAD, 2, 9, 3)
     assert divergence([1, 2, 7, 8], 4, 2, ref, [7, 8]) is None
     assert divergence([1, 2, 7, 9], 4, 2, ref, [7, 8]) == Divergence(TAIL, 3, 9, 8)
-    assert divergence([1, 9, 7, 8], 4, 2, ref, [7, 8], skip_head=True) is None
+    assert divergence([1, 9, 7, 8], 4, 2, ref, [7, 8], parts=[TAIL]) is None
+    assert divergence([1, 9, 7, 8], 4, 2, ref, [7, 8], parts=[]) is None
+    assert divergence([1, 9, 7], 4, 2, ref, [7, 8], parts=[]) == Divergence(LENGTH, 3, 3, 4)
     assert divergence([1, 2, 3], 4, 0, ref, []) == Divergence(LENGTH, 3, 3, 4)
     assert divergence([1, 2, 3, 4], 4, 0, [1, 2], []) == Divergence(HEAD, 2, 3, -1)
     assert divergence([1, 2, 3, 4], 4, 5, ref, []) == Divergence(LENGTH, 5, 5, 4)
@@ -149,3 +160,36 @@ def test_a_flip_wider_than_the_tie_gap_fails() -> None:
     flipped = [*head[:2], runner_up, 0]
     report = _check([Answer(PROMPT, flipped, 4, 0, "p")], primary=primary)
     assert len(report.failures) == 1 and report.excused == []
+
+
+def test_a_margin_part_passes_within_its_margin_and_fails_beyond_it() -> None:
+    margin = {"p": Rule(tie_gap=1e-3), "f": Rule(margin=6.0)}
+    tokens = _failover(4, 10)
+    near = FakeModel(11, ties={tuple(PROMPT + tokens[:6]): ((tokens[6] + 1) % VOCAB, 4.0)})
+    # The runner-up (4 logits down), or a token 10 logits down, each followed by its greedy continuation.
+    swapped, garbage = ([*tokens[:6], (tokens[6] + step) % VOCAB] for step in (1, 2))
+    swapped += FALLBACK.greedy([PROMPT + swapped], [3])[0]
+    garbage += FALLBACK.greedy([PROMPT + garbage], [3])[0]
+    report = _check(
+        [
+            Answer(PROMPT, tokens, 10, 4, "f"),
+            Answer(PROMPT, swapped, 10, 4, "f"),
+            Answer(PROMPT, garbage, 10, 4, "f"),
+        ],
+        fallback=near,
+        rules=margin,
+    )
+    assert report.by_margin == 3 and report.exact == 0
+    assert report.worst_deficit == 10.0
+    assert len(report.failures) == 1 and "answer 2" in report.failures[0]
+
+
+def test_the_head_stays_exact_when_the_tail_is_checked_by_margin() -> None:
+    margin = {"p": Rule(tie_gap=1e-3), "f": Rule(margin=100.0)}
+    tokens = _failover(4, 10)
+    tokens[1] = (tokens[1] + 3) % VOCAB
+    report = _check(
+        [Answer(PROMPT, tokens, 10, 4, "f"), Answer(PROMPT, tokens[:9], 10, 4, "f")], rules=margin
+    )
+    assert len(report.failures) == 2
+    assert "head" in report.failures[0] and "length" in report.failures[1]

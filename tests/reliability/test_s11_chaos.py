@@ -1,0 +1,370 @@
+"""Scenario 11: a chaos soak: open-loop load through the SDK while faults hit every service in turn.
+
+A stack started and supervised by the launcher (start_stack) takes a seeded open-loop load through
+the client SDK (chaos_load.py): unary and streaming calls of mixed lengths, some cancelled by the
+client, some with short deadlines, most greedy with ignore_eos so their tokens can be checked, a few
+sampled. Meanwhile a seeded fault injector (chaos_injector.py) hits, one at a time, the primary
+worker, the fallback worker and the tokenizer with kill -9, SIGSTOP then SIGCONT, and SIGTERM, and
+the gateway with kill -9, waiting after each fault until the stack is fully serving again.
+
+What must hold:
+- every completed greedy answer's tokens are right (chaos_tokens.py): before `failover_at_token`
+  the primary's greedy output for the prompt, after it the serving model's greedy continuation of
+  prompt plus those tokens, all references computed in this process with the engine on the prompt
+  ids the tokenizer service gave; a flip at a near tie (tests/parity.py's rule) is excused and
+  counted. The full run's dynamic int8 fallback takes its activation scale over the whole batch, so
+  its greedy output depends on the requests next to it (alone and batched with 23 others, 22 of 24
+  prompts differ within 3 tokens): its tokens are checked to lie within INT8_MARGIN logits of its
+  top pick on the answer's own context (batched tokens lay up to 4.2 logits below it, alone), which
+  catches a wrong model or context but not every shifted token; the short run's float32 fallback is
+  checked exactly, and that is the proof that no token is lost or repeated across a failover;
+- every failed request ends UNAVAILABLE, RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED (or is one the
+  client cancelled), never INTERNAL or UNKNOWN, and none ends more than LATE_BOUND_S past its deadline;
+- the SDK's retries turn failures before the first token into successes (counted; at least one);
+- after every fault the stack is fully serving again (every service SERVING, every worker linked)
+  within 10 s plus the slowest start measured in the run (a restarted process to SERVING, under the
+  load); the supervisor, ticked here as `strata up` ticks it, restarts each service exactly once per
+  kill -9 or SIGTERM and gives none up;
+- afterwards each worker's running, waiting and open requests, KV blocks, free KV tokens and offered
+  credits, and the gateway's queues, are exactly their values before the load;
+- no process grows more than RSS_BOUND in resident memory from its warm baseline to its last sample:
+  the baseline is taken `warm_s` after the process began serving (the load's start for the first
+  processes, its SERVING for a restarted one): 60 s in the full run, 8 s in the short one, whose
+  processes live shorter; a process that did not live that long is not judged.
+
+Full (STRATA_RELIABILITY_FULL=1, `make chaos`): configs/local.yaml's stack (SmolLM2-135M-Instruct and
+its dynamic int8 fallback on the CPU), 8 minutes of load, 18 faults. Short (CI): tiny random-weight
+models (a test-mode step delay keeps streams running long enough to be hit), about 60 s of load and
+10 faults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+import yaml
+
+from strata.cli.launcher import start_stack
+from strata.cli.stack_config import route_options, worker_settings
+from strata.retry import RetryPolicy
+from tests.parity import TIE_GAP
+from tests.polling import seconds_until
+from tests.reliability.chaos_injector import Injector, run_supervised
+from tests.reliability.chaos_load import CLIENT_CANCELLED, OK, CountingClient, run_load
+from tests.reliability.chaos_plan import (
+    FALLBACK,
+    GATEWAY,
+    PRIMARY,
+    TOKENIZER,
+    FaultKind,
+    LoadMix,
+    fault_schedule,
+    load_plan,
+    percentile,
+    prompts,
+)
+from tests.reliability.chaos_probes import RssSampler, fully_serving, idle_state
+from tests.reliability.chaos_tokens import Answer, Reference, Rule, check_answers
+from tests.reliability.harness import prompt_ids
+
+if TYPE_CHECKING:
+    from strata.cli.launcher import Stack
+    from tests.reliability.chaos_injector import FaultRecord
+    from tests.reliability.chaos_load import Outcome
+    from tests.reliability.chaos_plan import Fault
+    from tests.reliability.conftest import Figure
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
+
+SCENARIO = 11
+ROOT = Path(__file__).resolve().parents[2]
+RETRYABLE = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"})
+LATE_BOUND_S = 1.0
+RSS_BOUND = 0.05
+INT8_MARGIN = 8.0
+RECOVERY_MARGIN_S = 10.0
+RETRY = RetryPolicy(max_attempts=6, initial_backoff_s=0.25, max_backoff_s=2.0)
+"""Up to about 6 s of retries: long enough to span a gateway's or tokenizer's restart."""
+WORDS = ("the", "river", "stone", "quick", "lamp", "over", "a", "garden", "seven", "north", "bright")
+
+
+@dataclass(frozen=True)
+class Version:
+    seed: int
+    faults: int
+    gateway_kills: int
+    pause_s: tuple[float, float]
+    stopped_s: tuple[float, float]
+    mix: LoadMix
+    prompt_words: tuple[int, int]
+    warm_s: float
+
+
+SHORT = Version(
+    seed=11,
+    faults=9,
+    gateway_kills=1,
+    pause_s=(0.5, 1.0),
+    stopped_s=(1.0, 2.5),
+    mix=LoadMix(
+        rate_rps=10, span_s=60, prompts=24, new_tokens=(4, 40), timeout_s=20, short_deadline_s=(0.2, 1)
+    ),
+    prompt_words=(1, 16),
+    warm_s=8,
+)
+FULL = Version(
+    seed=11,
+    faults=15,
+    gateway_kills=3,
+    pause_s=(4.0, 12.0),
+    stopped_s=(2.0, 6.0),
+    mix=LoadMix(
+        rate_rps=2.5, span_s=480, prompts=40, new_tokens=(8, 64), timeout_s=60, short_deadline_s=(0.5, 3)
+    ),
+    prompt_words=(3, 60),
+    warm_s=60,
+)
+TINY_ENGINE = {"num_blocks": 256, "max_num_seqs": 16, "max_num_batched_tokens": 256}
+TINY_STEP_DELAY_S = 0.02
+
+
+def tiny_config(path: Path, primary: Path, fallback: Path) -> Path:
+    """The short run's stack: a tokenizer, a tiny primary and a tiny fallback worker, one gateway."""
+    engine = {**TINY_ENGINE, "enable_fault_injection": True, "fault_step_delay_s": TINY_STEP_DELAY_S}
+    worker = {"listen": "127.0.0.1:0", "device": "cpu", "threads": 1, "engine": engine, "drain_timeout_s": 5}
+    config = {
+        "telemetry": {"log_format": "text"},
+        "tokenizer": {"listen": "127.0.0.1:0", "models": {"tiny": str(primary), "tiny-fb": str(fallback)}},
+        "workers": [
+            {**worker, "model_name": "tiny", "model_path": str(primary)},
+            {**worker, "model_name": "tiny-fb", "model_path": str(fallback)},
+        ],
+        "gateway": {
+            "listen": "127.0.0.1:0",
+            "default_model": "tiny",
+            "reconnect_backoff_max_s": 0.5,
+            "routes": [{"model": "tiny", "fallback": "tiny-fb", "ttft_slo_ms": 0}],
+        },
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture
+def chaos_config(request: pytest.FixtureRequest, full: bool, tmp_path: Path) -> Path:
+    if full:
+        request.getfixturevalue("real_model_dir")
+        return ROOT / "configs" / "local.yaml"
+    primary = request.getfixturevalue("tiny_serving_dir")
+    return tiny_config(tmp_path / "stack.yaml", primary, request.getfixturevalue("tiny_fallback_dir"))
+
+
+@dataclass
+class Soak:
+    """What one soak measured while the stack ran."""
+
+    outcomes: list[Outcome]
+    records: list[FaultRecord]
+    load_start: float
+    """time.monotonic() when the load began."""
+    seconds: float
+    idle_before: dict[str, tuple[int, ...]]
+    idle_after: dict[str, tuple[int, ...]]
+    settled_s: float
+    serving_after: bool
+    sampler: RssSampler
+    prompt_ids: list[list[int]]
+
+
+def _soak(stack: Stack, version: Version, roles: dict[str, str], texts: list[str], cap_s: float) -> Soak:
+    """Load and faults on a started stack (while the caller supervises it), then its idle state."""
+    addresses, models, primary = stack.addresses, stack.worker_models, stack.worker_models[0]
+    assert fully_serving(addresses)
+    idle_before = idle_state(addresses, models)
+    ids = [prompt_ids(addresses.tokenizer, text, model=primary) for text in texts]
+    injector = Injector(
+        roles,
+        lambda: stack.pids,
+        lambda: fully_serving(addresses),
+        recovery_bound_s=cap_s,
+        deadline_s=5 * version.mix.span_s,
+    )
+    sampler = RssSampler(lambda: stack.pids, interval_s=0.5)
+    sampler.start()
+    load_start = time.monotonic() + 1.0
+    injector.start(fault_schedule_of(version), begin_at=load_start + version.warm_s)
+    plan = load_plan(version.seed, version.mix)
+    outcomes = asyncio.run(
+        run_load(
+            addresses.gateway, plan, texts, primary, lambda a: CountingClient(a, retry=RETRY), load_start
+        )
+    )
+    injector.join(timeout_s=5 * version.mix.span_s)
+    seconds = time.monotonic() - load_start
+    sampler.sample()
+    sampler.stop()
+    settled = seconds_until(lambda: idle_state(addresses, models) == idle_before, 30, "the idle state")
+    return Soak(
+        outcomes,
+        injector.records,
+        load_start,
+        seconds,
+        idle_before,
+        idle_state(addresses, models),
+        settled,
+        fully_serving(addresses),
+        sampler,
+        ids,
+    )
+
+
+def fault_schedule_of(version: Version) -> list[Fault]:
+    return fault_schedule(
+        version.seed,
+        version.faults,
+        gateway_kills=version.gateway_kills,
+        pause_s=version.pause_s,
+        stopped_s=version.stopped_s,
+    )
+
+
+def test_chaos_soak_keeps_answers_right_and_the_stack_recovers(
+    chaos_config: Path, tmp_path: Path, full: bool, figure: Figure
+) -> None:
+    version = FULL if full else SHORT
+    settings = worker_settings(chaos_config)
+    primary = settings[0].model_name
+    fallback = next(str(r["fallback"]) for r in route_options(chaos_config) if r["model"] == primary)
+    models = tuple(w.model_name for w in settings)
+    roles = {PRIMARY: "worker 0", FALLBACK: f"worker {models.index(fallback)}", TOKENIZER: "tokenizer"}
+    roles[GATEWAY] = "gateway"
+    texts = prompts(version.seed, version.mix.prompts, version.prompt_words, WORDS)
+    faults = fault_schedule_of(version)
+    # configs/local.yaml's gateway listens on the default port; the soak's takes a free one.
+    env = {"STRATA_GATEWAY_LISTEN": "127.0.0.1:0"} if full else {}
+    started = time.monotonic()
+    with start_stack(chaos_config, env=env, log_dir=tmp_path / "logs", ready_timeout_s=900) as stack:
+        stack_start_s = time.monotonic() - started
+        cap_s = 5 * (RECOVERY_MARGIN_S + stack_start_s)
+        soak, supervision = run_supervised(
+            stack, lambda: _soak(stack, version, roles, texts, cap_s), timeout_s=10 * version.mix.span_s
+        )
+    outcomes, records = soak.outcomes, soak.records
+
+    by_code = Counter(o.code for o in outcomes)
+    answers = [
+        Answer(soak.prompt_ids[o.planned.prompt], o.tokens, o.planned.max_new_tokens, o.failover_at, o.model)
+        for o in outcomes
+        if o.code == OK and o.planned.checked
+    ]
+    references = {w.model_name: Reference(w) for w in settings if w.model_name in (primary, fallback)}
+    rules = {
+        w.model_name: Rule(margin=INT8_MARGIN) if w.quantization == "dynamic-int8" else Rule(tie_gap=TIE_GAP)
+        for w in settings
+    }
+    checked = check_answers(answers, references, primary, fallback, rules)
+    retried_ok = [o for o in outcomes if o.code == OK and o.attempts > 1]
+    restarts = Counter(service for service, _ in supervision.restarts)
+    expected_restarts = Counter(r.service for r in records if r.fault.kind is not FaultKind.STOP)
+    slowest = max((s for starts in supervision.starts.values() for s in starts), default=stack_start_s)
+    bound_s = RECOVERY_MARGIN_S + slowest
+
+    figure(SCENARIO, "requests offered", len(outcomes), f"in {soak.seconds:.0f} s, seed {version.seed}")
+    figure(SCENARIO, "completed", by_code[OK], f"({by_code[CLIENT_CANCELLED]} more cancelled by the client)")
+    failed = {code: n for code, n in by_code.items() if code not in (OK, CLIENT_CANCELLED)}
+    figure(SCENARIO, "failed by code", ", ".join(f"{c} {n}" for c, n in sorted(failed.items())) or "none")
+    figure(
+        SCENARIO,
+        "failovers mid-stream (completed)",
+        sum(1 for o in outcomes if o.code == OK and o.failover_at),
+    )
+    figure(
+        SCENARIO,
+        "completed on the fallback",
+        sum(1 for o in outcomes if o.code == OK and o.model == fallback),
+    )
+    figure(SCENARIO, "greedy answers checked", len(answers), f"exact {checked.exact}")
+    figure(SCENARIO, "near-tie flips excused (parity rule)", len(checked.excused))
+    if checked.by_margin:
+        shown = f"largest {checked.worst_deficit:.2f} logits below the top pick (margin {INT8_MARGIN:g})"
+        figure(SCENARIO, "parts checked by the int8 margin", checked.by_margin, shown)
+    figure(SCENARIO, "answers with wrong tokens", len(checked.failures))
+    figure(
+        SCENARIO, "succeeded after SDK retries", len(retried_ok), f"({RETRY.max_attempts} attempts at most)"
+    )
+    late = max(o.late_s for o in outcomes)
+    figure(SCENARIO, "latest end past a deadline", late, "s")
+    figure(SCENARIO, "faults", len(records), f"of {len(faults)} planned")
+    for service in sorted(roles.values()):
+        causes = Counter(c for s, c in supervision.restarts if s == service)
+        shown = ", ".join(f"{c} {n}" for c, n in sorted(causes.items()))
+        figure(SCENARIO, f"restarts: {service}", restarts[service], f"({shown})" if shown else "")
+    for service, starts in sorted(supervision.starts.items()):
+        figure(
+            SCENARIO,
+            f"start after a restart: {service}",
+            f"p50 {percentile(starts, 0.5):.2f} s, max {max(starts):.2f} s",
+        )
+    for label in sorted({r.fault.label for r in records}):
+        times = [r.recovered_s for r in records if r.fault.label == label and r.recovered_s is not None]
+        if times:
+            shown = f"p50 {percentile(times, 0.5):.2f} s, max {max(times):.2f} s over {len(times)}"
+            figure(SCENARIO, f"fully serving after {label}", shown, f"(bound {bound_s:.1f} s)")
+    same = soak.idle_after == soak.idle_before
+    figure(
+        SCENARIO, "idle state back exactly", "yes" if same else "no", f"(settled in {soak.settled_s:.2f} s)"
+    )
+    growth = _rss_growth(soak.sampler, version.warm_s, supervision.serving_since, soak.load_start)
+    for service, (worst, count) in sorted(growth.items()):
+        figure(
+            SCENARIO,
+            f"RSS growth after {version.warm_s:.0f} s warm: {service}",
+            worst * 100,
+            f"% max of {count}",
+        )
+
+    assert len(records) == len(faults), f"only {len(records)} of {len(faults)} faults were carried out"
+    slow = [
+        (r.fault.label, r.recovered_s) for r in records if r.recovered_s is None or r.recovered_s > bound_s
+    ]
+    assert not slow, f"not fully serving within {bound_s:.1f} s after: {slow}"
+    assert soak.serving_after and not supervision.given_up, supervision.reports[-5:]
+    assert soak.idle_after == soak.idle_before
+    assert not checked.failures, "\n".join(checked.failures[:10])
+    bad = [(o.planned.request_id, o.code, o.details) for o in outcomes if not _allowed(o)]
+    assert not bad, f"{len(bad)} requests ended with a status they must not: {bad[:10]}"
+    assert late <= LATE_BOUND_S
+    assert retried_ok, "no failure before the first token was turned into a success by the SDK's retries"
+    assert all(o.streamed == o.tokens for o in outcomes if o.code == OK and o.planned.stream)
+    assert {s: restarts[s] for s in roles.values()} == {s: expected_restarts[s] for s in roles.values()}
+    grown = {service: worst for service, (worst, _) in growth.items() if worst > RSS_BOUND}
+    assert not grown, f"RSS grew more than {RSS_BOUND:.0%} after the warm-up: {grown}"
+
+
+def _allowed(outcome: Outcome) -> bool:
+    if outcome.code == OK:
+        return True
+    if outcome.code == CLIENT_CANCELLED:
+        return bool(outcome.planned.cancel_after)
+    return outcome.code in RETRYABLE
+
+
+def _rss_growth(
+    sampler: RssSampler, warm_s: float, serving_since: dict[int, float], load_start: float
+) -> dict[str, tuple[float, int]]:
+    """Per service: the largest growth of any of its processes from `warm_s` after it began serving
+    (the load's start for the first ones), and how many processes lived that long."""
+    growth: dict[str, tuple[float, int]] = {}
+    for series in sampler.series.values():
+        value = series.growth(warm_s, serving_since.get(series.pid, load_start))
+        if value is None:
+            continue
+        worst, count = growth.get(series.service, (float("-inf"), 0))
+        growth[series.service] = (max(worst, value), count + 1)
+    return growth
