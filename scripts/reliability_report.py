@@ -5,8 +5,13 @@ and STRATA_RELIABILITY_FIGURES pointing at a scratch file, where each scenario's
 figures they measure (tests/reliability/conftest.py), plus a JUnit XML file for each test's outcome.
 The report is one table row per scenario of the reliability suite: what was done, what must hold (both written
 here, in SCENARIOS), the figures measured and pass or fail. A scenario's tests are those whose id
-matches one of its patterns, plus any test that recorded a figure for it. This module must not
-judge a figure: the tests assert; the report only shows what they measured.
+matches one of its patterns, plus any test that recorded a figure for it.
+
+Each scenario's latest outcome is kept in docs/reliability-results.json, and the report is rendered
+from that file: a run updates the scenarios it ran and leaves the others as last recorded, so
+`--only N` (`make chaos` is `--only 11`) runs one scenario's modules and rewrites its row alone; a row
+recorded by an earlier run says when. This module must not judge a figure: the tests assert; the
+report only shows what they measured.
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT = ROOT / "docs" / "reliability.md"
+RESULTS = ROOT / "docs" / "reliability-results.json"
+SUITE = "tests/reliability"
 
 SCENARIOS: dict[int, dict[str, str | tuple[str, ...]]] = {
     1: {
@@ -107,6 +115,22 @@ SCENARIOS: dict[int, dict[str, str | tuple[str, ...]]] = {
         "parity rule of tests/parity.py.",
         "tests": ("test_s10_",),
     },
+    11: {
+        "title": "Chaos soak",
+        "done": "Open-loop load through the client SDK (unary and streams, mixed lengths, client cancels, "
+        "short deadlines, greedy with ignore_eos and some sampled) while a seeded injector hits the "
+        "primary worker, the fallback worker and the tokenizer in turn with kill -9, SIGSTOP then "
+        "SIGCONT and SIGTERM, and the gateway with kill -9; `strata up`'s supervisor restarts them. "
+        "Full (`make chaos`): configs/local.yaml's stack (SmolLM2-135M-Instruct, int8 fallback), 8 "
+        "minutes, 18 faults; CI: tiny models, 60 s, 10 faults.",
+        "holds": "Every completed greedy answer's tokens equal the primary's reference before "
+        "failover_at_token and the fallback's greedy continuation after it (parity rule at near ties); "
+        "failures end UNAVAILABLE, RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED (or CANCELLED by the client), "
+        "at most 1 s past their deadline; SDK retries rescue some; after each fault fully serving within "
+        "10 s plus the stack's start time, one restart per kill or SIGTERM; worker and gateway state "
+        "back exactly to idle; RSS growth at most 5% after a warm baseline.",
+        "tests": ("test_s11_",),
+    },
 }
 
 
@@ -133,15 +157,31 @@ def dotted(nodeid: str) -> str:
     return path.removesuffix(".py").replace("/", ".") + "." + rest.replace("::", ".")
 
 
-def run_suite(figures: Path, junit: Path, quick: bool, pytest_args: list[str]) -> tuple[int, float]:
+def run_suite(
+    figures: Path, junit: Path, quick: bool, pytest_args: list[str], paths: list[str] | None = None
+) -> tuple[int, float]:
     venv = ROOT / ".venv" / "bin" / "python"
     python = str(venv) if venv.exists() else sys.executable
     env = {**os.environ, "STRATA_RELIABILITY_FIGURES": str(figures)}
     env["STRATA_RELIABILITY_FULL"] = "0" if quick else "1"
-    command = [python, "-m", "pytest", "tests/reliability", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    command = [python, "-m", "pytest", *(paths or [SUITE]), "-p", "no:cacheprovider", f"--junitxml={junit}"]
     started = time.monotonic()
     code = subprocess.call([*command, *pytest_args], cwd=ROOT, env=env)
     return code, time.monotonic() - started
+
+
+def scenario_modules(number: int) -> list[str]:
+    """The test modules of one scenario: those whose file name starts with one of its patterns."""
+    modules = sorted(
+        str(path.relative_to(ROOT))
+        for pattern in SCENARIOS[number]["tests"]
+        for path in (ROOT / SUITE).glob(f"{pattern}*.py")
+    )
+    if not modules:
+        raise SystemExit(
+            f"scenario {number} has no test module named after its patterns; run the whole suite"
+        )
+    return modules
 
 
 def collect(figures: Path, junit: Path) -> dict[int, Scenario]:
@@ -189,52 +229,93 @@ def cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def render(scenarios: dict[int, Scenario], code: int, seconds: float, quick: bool) -> str:
-    version = "short (CI)" if quick else "full"
+def merge_results(
+    previous: dict[str, dict[str, Any]], scenarios: dict[int, Scenario], run: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """The results after this run: `previous` with the entry of every scenario that ran replaced."""
+    results = dict(previous)
+    for number, scenario in scenarios.items():
+        if scenario.result == "not run":
+            continue
+        results[str(number)] = {
+            "result": scenario.result,
+            "seconds": round(scenario.seconds),
+            "figures": scenario.figures,
+            "failing": sorted(t for t, outcome in scenario.tests.items() if outcome != "passed"),
+            "date": run["date"],
+            "version": run["version"],
+        }
+    return results
+
+
+def render(results: dict[str, dict[str, Any]], run: dict[str, Any]) -> str:
+    """docs/reliability.md: `run` is this run's date, version, pytest exit code, seconds and scope."""
     rows = [
         "| # | Scenario | What was done | What must hold | Figures measured | Result |",
         "|---|---|---|---|---|---|",
     ]
-    for number, scenario in scenarios.items():
-        spec = SCENARIOS[number]
-        figures = "<br>".join(cell(f) for f in scenario.figures) or "(none recorded)"
+    failing: list[str] = []
+    for number, spec in SCENARIOS.items():
+        entry = results.get(str(number))
         texts = " | ".join(cell(str(spec[key])) for key in ("title", "done", "holds"))
-        rows.append(f"| {number} | {texts} | {figures} | {scenario.result} ({scenario.seconds:.0f} s) |")
-    failing = sorted(t for s in scenarios.values() for t, outcome in s.tests.items() if outcome != "passed")
+        if entry is None:
+            rows.append(f"| {number} | {texts} | (none recorded) | not run |")
+            continue
+        figures = "<br>".join(cell(f) for f in entry["figures"]) or "(none recorded)"
+        when = "" if entry["date"] == run["date"] else f"; {entry['version']} run of {entry['date']}"
+        rows.append(f"| {number} | {texts} | {figures} | {entry['result']} ({entry['seconds']} s{when}) |")
+        failing += entry["failing"]
     lines = [
         "# Reliability report",
         "",
         "Generated by `make reliability` (scripts/reliability_report.py) from the tests in",
         "tests/reliability; do not edit by hand. Each figure is measured by the scenario's tests; the",
-        "bounds they assert are in their modules.",
+        "bounds they assert are in their modules. A row that an earlier run recorded says when.",
         "",
-        f"- Date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- Date: {run['date']}",
         f"- Machine: {machine()}",
-        f"- Version: {version}; pytest exit code {code}; {seconds:.0f} s in all",
+        f"- Version: {run['version']}; {run['scope']}; pytest exit code {run['code']}; "
+        f"{run['seconds']:.0f} s in all",
         "",
         *rows,
         "",
     ]
     if failing:
-        lines += ["## Tests that did not pass", "", *(f"- `{test}`" for test in failing), ""]
+        lines += ["## Tests that did not pass", "", *(f"- `{test}`" for test in sorted(failing)), ""]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, default=OUTPUT, help="where to write the report")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="each scenario's latest outcome")
     parser.add_argument("--quick", action="store_true", help="the short CI versions instead of the full ones")
+    parser.add_argument(
+        "--only", type=int, choices=sorted(SCENARIOS), help="run this scenario's modules only"
+    )
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args(argv)
+    paths = scenario_modules(args.only) if args.only else None
     with tempfile.TemporaryDirectory(prefix="strata-reliability-") as scratch:
         figures, junit = Path(scratch) / "figures.jsonl", Path(scratch) / "junit.xml"
-        code, seconds = run_suite(figures, junit, args.quick, args.pytest_args)
+        code, seconds = run_suite(figures, junit, args.quick, args.pytest_args, paths)
         scenarios = collect(figures, junit)
+    run = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "version": "short (CI)" if args.quick else "full",
+        "scope": f"scenario {args.only} only" if args.only else "the whole suite",
+        "code": code,
+        "seconds": seconds,
+    }
+    previous = json.loads(args.results.read_text()) if args.results.exists() else {}
+    results = merge_results(previous, scenarios, run)
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps(results, indent=1) + "\n")
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(render(scenarios, code, seconds, args.quick))
+    args.output.write_text(render(results, run))
     for number, scenario in scenarios.items():
         print(f"scenario {number:2}: {scenario.result}")
-    print(f"wrote {args.output}")
+    print(f"wrote {args.output} and {args.results}")
     return code
 
 

@@ -19,6 +19,8 @@ import pytest
 
 FIGURES_ENV = "STRATA_RELIABILITY_FIGURES"
 FULL_ENV = "STRATA_RELIABILITY_FULL"
+SCENARIOS = range(1, 12)
+"""The scenario numbers of scripts/reliability_report.py's SCENARIOS."""
 
 
 class Figure(Protocol):
@@ -27,13 +29,13 @@ class Figure(Protocol):
 
 @pytest.fixture
 def figure(request: pytest.FixtureRequest) -> Figure:
-    """Record one measured figure of a scenario (1-10) for the reliability report."""
+    """Record one measured figure of a scenario (a number of SCENARIOS) for the reliability report."""
     target = os.environ.get(FIGURES_ENV, "")
     test = request.node.nodeid
 
     def record(scenario: int, name: str, value: float | int | str, unit: str = "") -> None:
-        if not 1 <= scenario <= 10:
-            raise ValueError(f"scenario {scenario} is not one of the ten (1-10)")
+        if scenario not in SCENARIOS:
+            raise ValueError(f"scenario {scenario} is not one of {SCENARIOS.start}-{SCENARIOS.stop - 1}")
         if isinstance(value, float):
             value = round(value, 4)
         print(f"figure: scenario {scenario}: {name} = {value} {unit}".rstrip())
