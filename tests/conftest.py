@@ -3,7 +3,8 @@
 Tiny models are built from a transformers config with a fixed seed in well under a second each and
 saved once per test session with `save_pretrained`, so every test loads them the way production
 loads a checkpoint. The real SmolLM2 directory comes from `strata.cli.model_fetch`, which downloads it
-on first use (`make model` does the same ahead of time).
+on first use (`make model` does the same ahead of time). The `figure` fixture, with which a test
+records a measured figure for the reliability report, comes from tests/figures.py (a plugin).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 
 if TYPE_CHECKING:
     from pathlib import Path
+
+pytest_plugins = ("tests.figures",)
 
 TINY_COMMON: dict[str, Any] = {
     "vocab_size": 384,

@@ -35,7 +35,7 @@ from tests.reliability.harness import NOT_SERVING, SERVING, free_port, health, r
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from tests.reliability.conftest import Figure
+    from tests.figures import Figure
 
 GRACE_S = 10.0
 TOKENIZER_GRACE_S = 5.0  # the tokenizer's default shutdown_grace_s

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from strata.cli.launcher import Stack
-    from tests.reliability.conftest import Figure
+    from tests.figures import Figure
 
 STEP_DELAY_S = 0.1
 LONG = 200  # tokens: 20 s of steps, far beyond every deadline and cancel here

@@ -22,7 +22,7 @@ from tests.polling import wait_for
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from tests.reliability.conftest import Figure
+    from tests.figures import Figure
 
 IDLE_TIMEOUT_S = 1.0
 STUCK_WINDOW = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
