@@ -124,6 +124,22 @@ def tiny_serving_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_long_serving_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_serving_dir's model (same seed) and tokenizer with a 4096-token context, for requests that
+    must run far longer than the 256 tokens the other tiny models allow."""
+    from tests.tiny_tokenizer import write_tiny_tokenizer
+
+    directory = build_tiny_model(
+        tmp_path_factory.mktemp("tiny-long-serving"),
+        "llama",
+        seed=4,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    )
+    return write_tiny_tokenizer(directory)
+
+
+@pytest.fixture(scope="session")
 def tiny_fallback_dir(tiny_serving_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A smaller tiny Llama (2 layers, other weights) with tiny_serving_dir's tokenizer files copied in,
     so both folders have the same tokenizer fingerprint: a primary and its fallback."""
