@@ -97,6 +97,8 @@ class _Child:
     log_file: Path | None
     metrics_address: str = ""
     """host:port of its /metrics endpoint (from `<announce file>.metrics`); empty when it has none."""
+    health_address: str = ""
+    """host:port of its plaintext health-only port (from `<announce file>.health`); empty when it has none."""
 
     def log_tail(self) -> str:
         if self.log_file is None:
@@ -132,6 +134,11 @@ class Stack:
     def metrics_addresses(self) -> dict[str, str]:
         """host:port of each child's /metrics endpoint by service name (those that serve one)."""
         return {child.name: child.metrics_address for child in self._children if child.metrics_address}
+
+    @property
+    def health_addresses(self) -> dict[str, str]:
+        """host:port of each child's health-only port (its `health_listen`) by service name, where set."""
+        return {child.name: child.health_address for child in self._children if child.health_address}
 
     @property
     def pids(self) -> dict[str, int]:
@@ -231,7 +238,9 @@ class Stack:
             child.metrics_address = metrics_file.read_text().strip()
         # A service's plaintext health port answers even when its main port wants TLS.
         health_file = child.announce_file.with_name(child.announce_file.name + ".health")
-        probe = health_file.read_text().strip() if health_file.exists() else address
+        if health_file.exists():  # written before the address too
+            child.health_address = health_file.read_text().strip()
+        probe = child.health_address or address
         with grpc.insecure_channel(probe) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while True:
