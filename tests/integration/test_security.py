@@ -358,7 +358,8 @@ def test_services_bind_to_loopback_unless_told_otherwise(tiny_serving_dir: Path)
 def test_strata_up_starts_a_stack_with_tls_and_keys(
     tiny_serving_dir: Path, certs: dict[str, Path], tmp_path: Path
 ) -> None:
-    """The launcher probes each service's plaintext health port, since the main ports want TLS."""
+    """The launcher probes each service's plaintext health port, since the main ports want TLS, and
+    reports where each one is."""
     server = {"cert_file": str(certs["server"]), "key_file": str(certs["server-key"])}
     mutual = {**server, "client_ca_file": str(certs["ca"])}
     internal = {"listen": "127.0.0.1:0", "health_listen": "127.0.0.1:0", "tls": mutual}
@@ -384,3 +385,6 @@ def test_strata_up_starts_a_stack_with_tls_and_keys(
         _client_of(stack.addresses.gateway, certs, KEY) as client,
     ):
         assert client.generate("hello", timeout=60, max_new_tokens=3).usage.output_tokens == 3
+        health_ports = stack.health_addresses  # announced by each child, OS-chosen ports
+        assert sorted(health_ports) == ["gateway", "tokenizer", "worker 0"], health_ports
+        assert {_plaintext_health(address) for address in health_ports.values()} == {"SERVING"}
