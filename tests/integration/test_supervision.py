@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from strata.settings import DEFAULT_CONFIG
-from strata.v1 import gateway_pb2, gateway_pb2_grpc
+from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.integration.up_harness import running_up, strata_up
 from tests.polling import seconds_until
 
@@ -46,7 +46,9 @@ def child(up: Up, module: str) -> psutil.Process:
 
 def served_by(address: str, timeout_s: float = 10.0) -> str:
     """The model that served one short request, or "" when the request failed."""
-    request = gateway_pb2.GenerateRequest(prompt="hello", sampling={"max_new_tokens": 2})
+    request = gateway_pb2.GenerateRequest(
+        prompt="hello", sampling=common_pb2.SamplingParams(max_new_tokens=2)
+    )
     with grpc.insecure_channel(address) as channel:
         try:
             reply = gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=timeout_s)
