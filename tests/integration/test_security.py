@@ -4,6 +4,10 @@ Certificates are made at test time with the openssl command: a CA, a server cert
 127.0.0.1/localhost, a client certificate for the gateway, and a rogue client certificate signed by
 nobody the services trust. The tokenizer service and the worker demand a client certificate from
 their CA; the gateway speaks TLS to clients, mutual TLS to the services, and wants an API key.
+
+The tests of the three security promises the reliability report lists (keys, client certificates,
+plaintext on TLS ports: scenarios 13-15 of scripts/reliability_report.py) record what each call was
+answered through the `figure` fixture (tests/figures.py), before they assert it.
 """
 
 from __future__ import annotations
@@ -40,7 +44,11 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
     from pathlib import Path
 
+    from tests.figures import Figure
+
 KEY, FILE_KEY = "k-3f9a2c", "k-from-the-file"
+KEYS, CERTIFICATES, PLAINTEXT = 13, 14, 15
+"""Their scenarios in the reliability report (scripts/reliability_report.py SCENARIOS)."""
 SECRET = "zebra-quartz-7731"
 """A prompt marker that must appear in no span and no log line."""
 
@@ -153,48 +161,88 @@ def _client_of(address: str, certs: dict[str, Path], key: str | None) -> StrataC
 
 
 def test_a_client_with_a_key_is_served_over_tls_end_to_end(
-    stack: SecureStack, certs: dict[str, Path]
+    stack: SecureStack, certs: dict[str, Path], figure: Figure
 ) -> None:
+    served = 0
     for key in (KEY, FILE_KEY):
         with _client(stack, certs, key) as client:
             response = client.generate("hello", timeout=30)
-        assert response.usage.output_tokens == 4 and response.model == "tiny"
+        served += response.usage.output_tokens == 4 and response.model == "tiny"
+    figure(KEYS, "configured keys served all their tokens (settings, keys file)", served, "of 2")
+    assert served == 2
 
 
-@pytest.mark.parametrize("key", [None, "wrong", KEY + "x", ""])
+WRONG_KEYS: dict[str, tuple[str | None, str]] = {
+    "none": (None, "no key"),
+    "wrong": ("wrong", "a wrong key"),
+    "key-plus-one": (KEY + "x", "a configured key plus one character"),
+    "empty": ("", "an empty key"),
+}
+"""The keys a client may send that are not configured, by test id: (key, what it is)."""
+
+
+@pytest.mark.parametrize("kind", list(WRONG_KEYS))
 def test_a_missing_or_wrong_key_is_unauthenticated(
-    stack: SecureStack, certs: dict[str, Path], key: str | None
+    stack: SecureStack, certs: dict[str, Path], kind: str, figure: Figure
 ) -> None:
+    key, label = WRONG_KEYS[kind]
     with _client(stack, certs, key) as client, pytest.raises(grpc.RpcError) as error:
         client.generate("hello", timeout=30)
-    assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+    code: grpc.StatusCode = error.value.code()  # type: ignore[attr-defined]
+    figure(KEYS, label, code.name)
+    assert code == grpc.StatusCode.UNAUTHENTICATED
     assert "authorization: Bearer" in error.value.details()  # type: ignore[attr-defined]
 
 
+def _plaintext_health(address: str, service: str = "") -> str:
+    """What a plaintext grpc.health.v1 Check of `address` gets: the status's name, or the error code's."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=5
+            )
+        except grpc.RpcError as error:
+            return str(error.code().name)  # type: ignore[attr-defined]
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
 def test_health_needs_no_key_and_plaintext_reaches_nothing_but_the_health_ports(
-    stack: SecureStack, certs: dict[str, Path]
+    stack: SecureStack, certs: dict[str, Path], figure: Figure
 ) -> None:
     with grpc.secure_channel(
         stack.gateway.address, grpc.ssl_channel_credentials(certs["ca"].read_bytes())
     ) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-    assert reply.status == health_pb2.HealthCheckResponse.SERVING
-    for address in (stack.gateway.address, stack.worker.address, stack.tokenizer.address):
-        with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as error:
-            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-        assert error.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
-    for server in (stack.worker, stack.tokenizer):
-        with grpc.insecure_channel(server.running.health_address) as channel:
-            alive = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=LIVENESS), timeout=5
-            )
-        assert alive.status == health_pb2.HealthCheckResponse.SERVING
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    figure(PLAINTEXT, "gateway health over TLS with no key", status)
+    main_ports = {"gateway": stack.gateway, "worker": stack.worker, "tokenizer": stack.tokenizer}
+    plaintext = {name: _plaintext_health(server.address) for name, server in main_ports.items()}
+    for name, answer in plaintext.items():
+        figure(PLAINTEXT, f"plaintext to the {name}'s TLS port", answer)
+    health_ports = {"worker": stack.worker, "tokenizer": stack.tokenizer}
+    alive = {
+        name: _plaintext_health(server.running.health_address, LIVENESS)
+        for name, server in health_ports.items()
+    }
+    for name, answer in alive.items():
+        figure(PLAINTEXT, f"plaintext liveness on the {name}'s health-only port", answer)
+    assert status == "SERVING"
+    assert plaintext == dict.fromkeys(main_ports, "UNAVAILABLE"), plaintext
+    assert alive == dict.fromkeys(health_ports, "SERVING"), alive
+
+
+IDENTITIES = {
+    # test id: the client certificate presented
+    "none": "no client certificate",
+    "rogue": "a self-signed rogue certificate",
+    "gateway": "the gateway's certificate from the CA",
+}
 
 
 @pytest.mark.parametrize("service", ["worker", "tokenizer"])
-@pytest.mark.parametrize("identity", ["none", "rogue", "gateway"])
+@pytest.mark.parametrize("identity", list(IDENTITIES))
 def test_only_a_certificate_from_the_ca_reaches_the_internal_services(
-    stack: SecureStack, certs: dict[str, Path], identity: str, service: str
+    stack: SecureStack, certs: dict[str, Path], identity: str, service: str, figure: Figure
 ) -> None:
     pair: dict[str, Any] = {}
     if identity != "none":
@@ -218,12 +266,12 @@ def test_only_a_certificate_from_the_ca_reaches_the_internal_services(
             )
             return str(tokenizer.models[0].name)
 
-        if identity == "gateway":
-            assert call() == "tiny"
-            return
-        with pytest.raises(grpc.RpcError) as error:
-            call()
-    assert error.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+        try:
+            answer = f"served (model {call()})"
+        except grpc.RpcError as error:
+            answer = str(error.code().name)  # type: ignore[attr-defined]
+    figure(CERTIFICATES, f"{service} with {IDENTITIES[identity]}", answer)
+    assert answer == ("served (model tiny)" if identity == "gateway" else "UNAVAILABLE")
 
 
 def test_no_prompt_text_in_spans_or_logs_and_the_max_new_tokens_cap(
@@ -310,7 +358,8 @@ def test_services_bind_to_loopback_unless_told_otherwise(tiny_serving_dir: Path)
 def test_strata_up_starts_a_stack_with_tls_and_keys(
     tiny_serving_dir: Path, certs: dict[str, Path], tmp_path: Path
 ) -> None:
-    """The launcher probes each service's plaintext health port, since the main ports want TLS."""
+    """The launcher probes each service's plaintext health port, since the main ports want TLS, and
+    reports where each one is."""
     server = {"cert_file": str(certs["server"]), "key_file": str(certs["server-key"])}
     mutual = {**server, "client_ca_file": str(certs["ca"])}
     internal = {"listen": "127.0.0.1:0", "health_listen": "127.0.0.1:0", "tls": mutual}
@@ -336,3 +385,6 @@ def test_strata_up_starts_a_stack_with_tls_and_keys(
         _client_of(stack.addresses.gateway, certs, KEY) as client,
     ):
         assert client.generate("hello", timeout=60, max_new_tokens=3).usage.output_tokens == 3
+        health_ports = stack.health_addresses  # announced by each child, OS-chosen ports
+        assert sorted(health_ports) == ["gateway", "tokenizer", "worker 0"], health_ports
+        assert {_plaintext_health(address) for address in health_ports.values()} == {"SERVING"}

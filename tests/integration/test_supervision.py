@@ -4,7 +4,8 @@ default model a killed primary's route is served by the fallback at once and by 
 once it is back.
 
 Everything runs through the real `strata up` command (a subprocess), its real child processes and
-the real gateway; faults are real signals. Times are printed; bounds are 5x the targets (the fallback
+the real gateway; faults are real signals. Times are recorded for the reliability report (row 16);
+bounds are 5x the targets (the fallback
 serves within 1 s of a kill, the primary again within 60 s, requests succeed again within 10 s of the
 tokenizer's kill).
 """
@@ -21,7 +22,7 @@ import pytest
 import yaml
 
 from strata.settings import DEFAULT_CONFIG
-from strata.v1 import gateway_pb2, gateway_pb2_grpc
+from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.integration.up_harness import running_up, strata_up
 from tests.polling import seconds_until
 
@@ -30,7 +31,10 @@ if TYPE_CHECKING:
 
     import psutil
 
+    from tests.figures import Figure
     from tests.integration.up_harness import Up
+
+SCENARIO = 16  # the reliability report's row for strata up's supervision
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +46,9 @@ def child(up: Up, module: str) -> psutil.Process:
 
 def served_by(address: str, timeout_s: float = 10.0) -> str:
     """The model that served one short request, or "" when the request failed."""
-    request = gateway_pb2.GenerateRequest(prompt="hello", sampling={"max_new_tokens": 2})
+    request = gateway_pb2.GenerateRequest(
+        prompt="hello", sampling=common_pb2.SamplingParams(max_new_tokens=2)
+    )
     with grpc.insecure_channel(address) as channel:
         try:
             reply = gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=timeout_s)
@@ -57,7 +63,7 @@ def kill(process: psutil.Process) -> float:
 
 
 def test_a_killed_worker_comes_back_on_its_address_and_the_gateway_uses_it(
-    tmp_path: Path, tiny_serving_dir: Path
+    tmp_path: Path, tiny_serving_dir: Path, figure: Figure
 ) -> None:
     with strata_up(tmp_path, tiny_serving_dir) as (up, _):
         worker = child(up, "services.worker")
@@ -66,7 +72,7 @@ def test_a_killed_worker_comes_back_on_its_address_and_the_gateway_uses_it(
         back = seconds_until(
             lambda: f"worker 0 is back at {address}" in up.stderr(), 120, "worker 0 back on its address"
         )
-        print(f"worker restarted and SERVING {back:.1f} s after the kill")
+        figure(SCENARIO, "tiny worker SERVING again on its address after kill -9", back, "s")
         stderr = up.stderr()
         assert "worker 0 was killed by SIGKILL (code -9); starting it again in 0.5 s" in stderr
         assert "its last lines:" in stderr  # the dead child's own output, for whoever reads the terminal
@@ -75,24 +81,37 @@ def test_a_killed_worker_comes_back_on_its_address_and_the_gateway_uses_it(
         assert up.process.poll() is None
 
 
-def test_a_killed_tokenizer_and_a_killed_gateway_come_back(tmp_path: Path, tiny_serving_dir: Path) -> None:
+def test_a_killed_tokenizer_and_a_killed_gateway_come_back(
+    tmp_path: Path, tiny_serving_dir: Path, figure: Figure
+) -> None:
     with strata_up(tmp_path, tiny_serving_dir) as (up, _):
         gateway = up.gateway or ""
         killed = kill(child(up, "services.tokenizer"))
         seconds_until(
             lambda: served_by(gateway, 2.0) == "tiny", 50, "requests succeed after the tokenizer died"
         )
-        print(f"requests succeed {time.monotonic() - killed:.1f} s after the tokenizer's kill")
+        figure(
+            SCENARIO,
+            "tiny stack: requests succeed after the tokenizer's kill -9",
+            time.monotonic() - killed,
+            "s",
+        )
         old_gateway = child(up, "-m gateway")
-        kill(old_gateway)
+        killed = kill(old_gateway)
         seconds_until(lambda: "gateway is back at" in up.stderr(), 120, "the gateway is back")
         seconds_until(lambda: served_by(gateway, 2.0) == "tiny", 30, "the gateway serves on its old address")
+        figure(
+            SCENARIO,
+            "tiny stack: requests succeed on the old address after the gateway's kill -9",
+            time.monotonic() - killed,
+            "s",
+        )
         assert child(up, "-m gateway").pid != old_gateway.pid
 
 
 @pytest.mark.real_model
 def test_under_strata_up_a_killed_primary_is_served_by_the_fallback_then_by_itself(
-    tmp_path: Path, real_model_dir: Path
+    tmp_path: Path, real_model_dir: Path, figure: Figure
 ) -> None:
     """The default config, as `make run` starts it (only the gateway on a free port)."""
     config = yaml.safe_load(DEFAULT_CONFIG.read_text())
@@ -115,13 +134,16 @@ def test_under_strata_up_a_killed_primary_is_served_by_the_fallback_then_by_itse
         on_fallback = time.monotonic() - killed
         seconds_until(lambda: served_by(gateway, 5.0) == primary, 300, "the primary serves again")
         on_primary = time.monotonic() - killed
-        print(
-            f"after the primary's kill: the fallback serves at {on_fallback:.2f} s, "
-            f"the primary at {on_primary:.1f} s"
-        )
+        figure(SCENARIO, "default model: the fallback serves after the primary's kill -9", on_fallback, "s")
+        figure(SCENARIO, "default model: the primary serves again after its kill -9", on_primary, "s")
         killed = kill(child(up, "services.tokenizer"))
         seconds_until(
             lambda: served_by(gateway, 2.0) != "", 50, "requests succeed after the tokenizer's kill"
         )
-        print(f"requests succeed {time.monotonic() - killed:.1f} s after the tokenizer's kill")
+        figure(
+            SCENARIO,
+            "default model: requests succeed after the tokenizer's kill -9",
+            time.monotonic() - killed,
+            "s",
+        )
         assert on_fallback < 5.0 and on_primary < 300.0  # the targets: 1 s and 60 s

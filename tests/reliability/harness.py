@@ -3,13 +3,14 @@ requests, and the resident memory of a process (bounded waits: tests/polling.py)
 
 Every stack here is real processes on loopback (strata.cli.launcher.start_stack, or a service started
 alone with `python -m ... --config --announce-file`), serving the tiny model of tests/conftest.py.
+Every port is one the OS chose when the service bound port 0, read back from its announce file: a
+port picked here and bound later by a child could be taken in between.
 Every wait is bounded in time. This module must not assert a scenario's outcome; the tests do.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from typing import TYPE_CHECKING, Any
@@ -35,13 +36,6 @@ if TYPE_CHECKING:
 MODEL = "tiny"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 now (the OS may hand it out again later; tests use it at once)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def write_config(

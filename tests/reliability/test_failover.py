@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from strata.cli.launcher import Stack
-    from tests.reliability.conftest import Figure
+    from tests.figures import Figure
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,7 @@ from tests.reliability.harness import queued_requests, request, worker_stats, wr
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from tests.reliability.conftest import Figure
+    from tests.figures import Figure
 
 CREDITS = 4
 QUEUE = 4

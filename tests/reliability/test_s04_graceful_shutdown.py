@@ -1,8 +1,11 @@
 """Scenario 4: SIGTERM to each service in turn (tokenizer, worker, gateway) while streams run.
 
 Each case starts a fresh stack with the launcher (separate processes; every service also serves
-health on a plaintext health-only port, so its readiness stays observable while its main port
-drains), starts STREAMS streams, waits until each has its first token, and SIGTERMs one service.
+health on a plaintext health-only port, bound to a port the OS chooses and announced to the launcher,
+so its readiness stays observable while its main port drains), starts its streams, waits until each
+has its first token, and SIGTERMs one service. The streams running at SIGTERM are counted, not
+assumed: those that had received a token and had not ended when the signal was sent (and the worker's
+GetWorkerStats `running`, read just before it).
 A health Watch on that service's health port sees NOT_SERVING before the streams are done; a new
 call through the gateway gets UNAVAILABLE; the process exits with code 0 before its grace period
 ends; and the launcher reports the ended child and starts nothing in its place.
@@ -30,12 +33,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from strata.cli.launcher import ChildExit, start_stack
 from strata.v1 import gateway_pb2_grpc
 from tests.polling import poll
-from tests.reliability.harness import NOT_SERVING, SERVING, free_port, health, request, write_config
+from tests.reliability.harness import NOT_SERVING, SERVING, health, request, worker_stats, write_config
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from tests.reliability.conftest import Figure
+    from tests.figures import Figure
 
 GRACE_S = 10.0
 TOKENIZER_GRACE_S = 5.0  # the tokenizer's default shutdown_grace_s
@@ -48,6 +51,8 @@ CHILD = {"tokenizer": "tokenizer", "worker": "worker 0", "gateway": "gateway"}
 class Stream:
     tokens: int = 0
     first: threading.Event = field(default_factory=threading.Event)
+    first_token_at: float = 0.0
+    """When its first token arrived; 0.0 when none did."""
     code: grpc.StatusCode | None = None
     details: str = ""
     ended: float = 0.0
@@ -56,6 +61,8 @@ class Stream:
 def _run(stub: gateway_pb2_grpc.GatewayStub, index: int, stream: Stream) -> None:
     try:
         for message in stub.GenerateStream(request(f"stream {index} of the drain", NEW_TOKENS), timeout=60):
+            if message.token_ids and not stream.first_token_at:
+                stream.first_token_at = time.monotonic()
             stream.tokens += len(message.token_ids)
             stream.first.set()
     except grpc.RpcError as error:
@@ -87,7 +94,6 @@ def test_sigterm_drains_under_load(
     victim: str, tiny_serving_dir: Path, tmp_path: Path, full: bool, figure: Figure
 ) -> None:
     streams_n = 32 if full else 8
-    health_ports = {name: free_port() for name in CHILD}
     engine = {
         "num_blocks": 256,
         "max_num_seqs": 32,
@@ -98,14 +104,14 @@ def test_sigterm_drains_under_load(
         tmp_path / "stack.yaml",
         tiny_serving_dir,
         engine=engine,
-        worker={"drain_timeout_s": GRACE_S, "health_listen": f"127.0.0.1:{health_ports['worker']}"},
-        gateway={"shutdown_grace_s": GRACE_S, "health_listen": f"127.0.0.1:{health_ports['gateway']}"},
-        tokenizer={"health_listen": f"127.0.0.1:{health_ports['tokenizer']}"},
+        worker={"drain_timeout_s": GRACE_S, "health_listen": "127.0.0.1:0"},
+        gateway={"shutdown_grace_s": GRACE_S, "health_listen": "127.0.0.1:0"},
+        tokenizer={"health_listen": "127.0.0.1:0"},
         route={"ttft_slo_ms": 0},
     )
-    health_address = f"127.0.0.1:{health_ports[victim]}"
     grace = TOKENIZER_GRACE_S if victim == "tokenizer" else GRACE_S
     with start_stack(config, log_dir=tmp_path / "logs", ready_timeout_s=300) as stack:
+        health_address = stack.health_addresses[CHILD[victim]]
         assert health(health_address) == SERVING
         seen: list[tuple[float, int]] = []
         watching = threading.Event()
@@ -120,6 +126,7 @@ def test_sigterm_drains_under_load(
             thread.start()
         assert all(s.first.wait(60) for s in streams) and all(s.code is None for s in streams)
         pid = stack.pids[CHILD[victim]]
+        engine_running = worker_stats(stack.addresses.workers[0]).running
         term = time.monotonic()
         os.kill(pid, signal.SIGTERM)
 
@@ -144,8 +151,15 @@ def test_sigterm_drains_under_load(
         completed = [s for s in streams if s.code is None and s.tokens == NEW_TOKENS]
         failed = [s for s in streams if s.code is not None]
         last_stream_s = max(s.ended for s in streams) - term
+        running_at_term = sum(1 for s in streams if 0 < s.first_token_at <= term and not 0 < s.ended <= term)
         # Figures first, so the report has them when an assertion below fails.
-        figure(4, f"{victim}: streams running at SIGTERM", streams_n)
+        figure(
+            4,
+            f"{victim}: streams running at SIGTERM (a token in, not ended)",
+            running_at_term,
+            f"of {streams_n}",
+        )
+        figure(4, f"{victim}: the worker's running requests just before SIGTERM", engine_running)
         figure(4, f"{victim}: NOT_SERVING after SIGTERM", (not_serving_at - term) * 1000, "ms")
         figure(4, f"{victim}: streams completed", len(completed), f"of {streams_n}")
         if failed:
@@ -155,6 +169,7 @@ def test_sigterm_drains_under_load(
         figure(4, f"{victim}: last stream ended after SIGTERM", last_stream_s, "s")
         figure(4, f"{victim}: process exited after SIGTERM", exited_s, f"s (grace {grace:.0f} s)")
 
+        assert running_at_term == streams_n, "every stream was running when SIGTERM was sent"
         assert ended == ChildExit(CHILD[victim], 0), ended
         if victim == "tokenizer":
             assert {s.code for s in failed} <= {grpc.StatusCode.UNAVAILABLE}, {

@@ -13,6 +13,11 @@ snapshot shows step N done while step N+1 (holding the request) may already run.
 the request's blocks show free in the snapshot taken when the engine goes idle after step N+1: at
 most 1 step later. With another request running, the first snapshot after the free is the one after
 step N+2, the step that ran without the request: at most 2 later. The test asserts those bounds.
+
+Those step counts hold only while the cancel's trip (client to gateway to worker inbox, expected a
+few milliseconds: the deadline lateness figure measures the same hops) is shorter than one step, so a
+step is made STEP_DELAY_S = 0.2 s long, far more than 5x that trip; and the time from the cancel to
+the free is asserted under 5x its expected value (one step alone, two next to another request).
 """
 
 from __future__ import annotations
@@ -34,10 +39,10 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from strata.cli.launcher import Stack
-    from tests.reliability.conftest import Figure
+    from tests.figures import Figure
 
-STEP_DELAY_S = 0.1
-LONG = 200  # tokens: 20 s of steps, far beyond every deadline and cancel here
+STEP_DELAY_S = 0.2
+LONG = 200  # tokens: 40 s of steps, far beyond every deadline and cancel here
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +91,10 @@ def test_deadline_exceeded_at_the_deadline_and_freed_on_the_worker(
     figure(5, "deadlines tried", len(deadlines), "(0.5, 1 and 2 s)")
     figure(5, "DEADLINE_EXCEEDED lateness at the client, max", max(late_ms), "ms")
     figure(5, "worker freed the request after its deadline, max", max(freed_ms), "ms")
-    assert max(late_ms) < 250  # at the deadline, not at the end of the generation (20 s)
+    # Expected: a few ms late (the deadline's end passing through gateway and client), far under
+    # 250 ms; the end of the generation would be 40 s.
+    assert max(late_ms) < 250
+    # Expected: freed within the step running at the deadline (0.2 s); bound 5x that, plus 1 s.
     assert max(freed_ms) < 5 * 1000 * STEP_DELAY_S + 1000
 
 
@@ -136,4 +144,7 @@ def test_cancel_frees_the_kv_blocks_within_one_step(
     mode = "with another request running" if companion else "alone"
     figure(5, f"cancel {mode}: engine steps from cancel to free, max", max(deltas), f"over {rounds} cancels")
     figure(5, f"cancel {mode}: KV blocks freed after the cancel, max", max(freed_ms), "ms")
-    assert max(deltas) <= (2 if companion else 1), deltas
+    steps = 2 if companion else 1
+    assert max(deltas) <= steps, deltas
+    # Expected: freed within `steps` steps of STEP_DELAY_S each (plus milliseconds); bound 5x that.
+    assert max(freed_ms) < 5 * steps * STEP_DELAY_S * 1000, freed_ms

@@ -34,7 +34,7 @@ from tests.reliability.harness import (
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from tests.reliability.conftest import Figure
+    from tests.figures import Figure
 
 CLIENTS = 16
 WORDS = (

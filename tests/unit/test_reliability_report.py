@@ -1,6 +1,6 @@
-"""scripts/reliability_report.py's record of results: a run replaces the entries of the scenarios it
-ran and keeps the others, the report marks rows an earlier run recorded, and `--only` finds a
-scenario's modules. Nothing here runs the suite."""
+"""scripts/reliability_report.py's `--only`: a scenario run alone replaces its own row of the report
+(or inserts it in number order) and leaves every other line as it was, and its tests are found by
+its `run` or by module name. Nothing here runs the suite."""
 
 from __future__ import annotations
 
@@ -24,61 +24,38 @@ def report() -> Any:
     return module
 
 
-DATE = "2026-12-01 10:00 UTC"
-RUN = {
-    "date": DATE,
-    "version": "full",
-    "scope": "scenario 11 only",
-    "code": 1,
-    "seconds": 600,
-}
-
-
-def _entry(result: str, date: str, failing: list[str] | None = None) -> dict[str, Any]:
-    return {
-        "result": result,
-        "seconds": 7,
-        "figures": [f"{result} figure"],
-        "failing": failing or [],
-        "date": date,
-        "version": "full",
+def _report(module: Any, numbers: list[int]) -> str:
+    scenarios = {
+        n: module.Scenario(n, tests={f"t{n}": "passed"}, figures=[f"f{n}"], seconds=n) for n in numbers
     }
+    return str(module.render(module.Collected(scenarios), 0, 60.0, False))
 
 
-def test_a_run_replaces_what_it_ran_and_keeps_the_rest(report: Any) -> None:
-    previous = {"1": _entry("pass", "2026-11-30 06:51 UTC"), "11": _entry("pass", "2026-11-30 06:51 UTC")}
-    ran = report.Scenario(
-        11, tests={"tests.reliability.test_s11_chaos.test_x": "failed"}, figures=["f"], seconds=9.4
-    )
-    scenarios = {number: report.Scenario(number) for number in report.SCENARIOS} | {11: ran}
-    merged = report.merge_results(previous, scenarios, RUN)
-    assert merged["1"] == previous["1"]
-    assert merged["11"] == {
-        "result": "FAIL",
-        "seconds": 9,
-        "figures": ["f"],
-        "failing": ["tests.reliability.test_s11_chaos.test_x"],
-        "date": RUN["date"],
-        "version": "full",
-    }
-    assert "2" not in merged
+def test_a_scenario_run_alone_replaces_its_row_and_nothing_else(report: Any) -> None:
+    before = _report(report, [1, 10, 11, 12])
+    ran = report.Scenario(11, tests={"t": "failed"}, figures=["new figure"], seconds=512.4)
+    after = report.replace_row(before, ran, "; run alone on 2026-12-01 08:37 UTC")
+    changed = [(a, b) for a, b in zip(before.splitlines(), after.splitlines(), strict=True) if a != b]
+    assert len(changed) == 1
+    assert changed[0][1].startswith("| 11 | Chaos soak |")
+    assert changed[0][1].endswith("| new figure | FAIL (512 s; run alone on 2026-12-01 08:37 UTC) |")
 
 
-def test_the_report_says_which_rows_an_earlier_run_recorded(report: Any) -> None:
-    results = {
-        "1": _entry("pass", "2026-11-30 06:51 UTC"),
-        "11": _entry("FAIL", DATE, ["tests.reliability.test_s11_chaos.test_x"]),
-    }
-    text = report.render(results, RUN)
-    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
-    assert rows["| 1"].endswith("| pass (7 s; full run of 2026-11-30 06:51 UTC) |")
-    assert rows["| 11"].endswith("| FAIL figure | FAIL (7 s) |")
-    assert rows["| 2"].endswith("| (none recorded) | not run |")
-    assert "- Version: full; scenario 11 only; pytest exit code 1; 600 s in all" in text
-    assert "- `tests.reliability.test_s11_chaos.test_x`" in text
+def test_a_row_the_report_lacks_goes_in_number_order(report: Any) -> None:
+    before = _report(report, [1, 10, 12])
+    after = report.replace_row(before, report.Scenario(11, figures=["x"]), "")
+    numbers = [
+        line.split(" | ")[0] for line in after.splitlines() if line.startswith("| ") and "---" not in line
+    ]
+    assert numbers == ["| #", "| 1", "| 10", "| 11", "| 12"]
+    last = report.replace_row(before, report.Scenario(16, figures=["y"]), "")
+    assert [line for line in last.splitlines() if line.startswith("| ")][-1].startswith("| 16 |")
+    with pytest.raises(SystemExit, match="no scenario rows"):
+        report.replace_row("# empty\n", report.Scenario(11), "")
 
 
-def test_only_finds_a_scenarios_modules_by_name(report: Any) -> None:
-    assert report.scenario_modules(11) == ["tests/reliability/test_s11_chaos.py"]
+def test_a_scenario_is_run_alone_by_its_run_or_its_modules(report: Any) -> None:
+    assert report.scenario_selection(11) == ["tests/reliability/test_s11_chaos.py"]
+    assert report.scenario_selection(16) == ["tests/integration/test_supervision.py"]
     with pytest.raises(SystemExit, match="scenario 2"):
-        report.scenario_modules(2)  # its tests are named inside a module shared with scenario 3
+        report.scenario_selection(2)  # its tests are named inside a module shared with scenario 3
