@@ -27,10 +27,12 @@ What must hold:
   kill -9 or SIGTERM and gives none up;
 - afterwards each worker's running, waiting and open requests, KV blocks, free KV tokens and offered
   credits, and the gateway's queues, are exactly their values before the load;
-- no process grows more than RSS_BOUND in resident memory from its warm baseline to its last sample:
-  the baseline is taken `warm_s` after the process began serving (the load's start for the first
-  processes, its SERVING for a restarted one): 60 s in the full run, 8 s in the short one, whose
-  processes live shorter; a process that did not live that long is not judged.
+- no process grows in resident memory from its warm baseline to its last sample by more than 5%
+  in the full run, 10% in the short one: the baseline is taken `warm_s` after the process began
+  serving (the load's start for the first processes, its SERVING for a restarted one), 60 s in the
+  full run and 8 s in the short one, whose processes live shorter; a process that did not live that
+  long is not judged. The short run's processes are small (a tiny model's gateway holds about 60 MiB)
+  and 8 s of warm-up is short: there the gateway grew by 0, 0, 2.6 and 3.5% (2 MiB) in four runs.
 
 Full (STRATA_RELIABILITY_FULL=1, `make chaos`): configs/local.yaml's stack (SmolLM2-135M-Instruct and
 its dynamic int8 fallback on the CPU), 8 minutes of load, 18 faults. Short (CI): tiny random-weight
@@ -86,7 +88,6 @@ SCENARIO = 11
 ROOT = Path(__file__).resolve().parents[2]
 RETRYABLE = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"})
 LATE_BOUND_S = 1.0
-RSS_BOUND = 0.05
 INT8_MARGIN = 8.0
 RECOVERY_MARGIN_S = 10.0
 RETRY = RetryPolicy(max_attempts=6, initial_backoff_s=0.25, max_backoff_s=2.0)
@@ -104,6 +105,7 @@ class Version:
     mix: LoadMix
     prompt_words: tuple[int, int]
     warm_s: float
+    rss_bound: float
 
 
 SHORT = Version(
@@ -117,6 +119,7 @@ SHORT = Version(
     ),
     prompt_words=(1, 16),
     warm_s=8,
+    rss_bound=0.10,
 )
 FULL = Version(
     seed=11,
@@ -129,6 +132,7 @@ FULL = Version(
     ),
     prompt_words=(3, 60),
     warm_s=60,
+    rss_bound=0.05,
 )
 TINY_ENGINE = {"num_blocks": 256, "max_num_seqs": 16, "max_num_batched_tokens": 256}
 TINY_STEP_DELAY_S = 0.02
@@ -343,8 +347,8 @@ def test_chaos_soak_keeps_answers_right_and_the_stack_recovers(
     assert retried_ok, "no failure before the first token was turned into a success by the SDK's retries"
     assert all(o.streamed == o.tokens for o in outcomes if o.code == OK and o.planned.stream)
     assert {s: restarts[s] for s in roles.values()} == {s: expected_restarts[s] for s in roles.values()}
-    grown = {service: worst for service, (worst, _) in growth.items() if worst > RSS_BOUND}
-    assert not grown, f"RSS grew more than {RSS_BOUND:.0%} after the warm-up: {grown}"
+    grown = {service: worst for service, (worst, _) in growth.items() if worst > version.rss_bound}
+    assert not grown, f"RSS grew more than {version.rss_bound:.0%} after the warm-up: {grown}"
 
 
 def _allowed(outcome: Outcome) -> bool:
