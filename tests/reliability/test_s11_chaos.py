@@ -42,7 +42,6 @@ models (a test-mode step delay keeps streams running long enough to be hit), abo
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -56,9 +55,8 @@ from strata.cli.launcher import start_stack
 from strata.cli.stack_config import route_options, worker_settings
 from strata.retry import RetryPolicy
 from tests.parity import TIE_GAP
-from tests.polling import seconds_until
-from tests.reliability.chaos_injector import Injector, run_supervised
-from tests.reliability.chaos_load import CLIENT_CANCELLED, OK, CountingClient, run_load
+from tests.reliability.chaos_injector import run_supervised
+from tests.reliability.chaos_load import CLIENT_CANCELLED, OK
 from tests.reliability.chaos_plan import (
     FALLBACK,
     GATEWAY,
@@ -67,18 +65,14 @@ from tests.reliability.chaos_plan import (
     FaultKind,
     LoadMix,
     fault_schedule,
-    load_plan,
     percentile,
     prompts,
 )
-from tests.reliability.chaos_probes import RssSampler, fully_serving, idle_state
+from tests.reliability.chaos_soak import rss_growth, run_soak
 from tests.reliability.chaos_tokens import Answer, Reference, Rule, check_answers
-from tests.reliability.harness import prompt_ids
 
 if TYPE_CHECKING:
-    from strata.cli.launcher import Stack
     from tests.figures import Figure
-    from tests.reliability.chaos_injector import FaultRecord
     from tests.reliability.chaos_load import Outcome
     from tests.reliability.chaos_plan import Fault
 
@@ -169,65 +163,6 @@ def chaos_config(request: pytest.FixtureRequest, full: bool, tmp_path: Path) -> 
     return tiny_config(tmp_path / "stack.yaml", primary, request.getfixturevalue("tiny_fallback_dir"))
 
 
-@dataclass
-class Soak:
-    """What one soak measured while the stack ran."""
-
-    outcomes: list[Outcome]
-    records: list[FaultRecord]
-    load_start: float
-    """time.monotonic() when the load began."""
-    seconds: float
-    idle_before: dict[str, tuple[int, ...]]
-    idle_after: dict[str, tuple[int, ...]]
-    settled_s: float
-    serving_after: bool
-    sampler: RssSampler
-    prompt_ids: list[list[int]]
-
-
-def _soak(stack: Stack, version: Version, roles: dict[str, str], texts: list[str], cap_s: float) -> Soak:
-    """Load and faults on a started stack (while the caller supervises it), then its idle state."""
-    addresses, models, primary = stack.addresses, stack.worker_models, stack.worker_models[0]
-    assert fully_serving(addresses)
-    idle_before = idle_state(addresses, models)
-    ids = [prompt_ids(addresses.tokenizer, text, model=primary) for text in texts]
-    injector = Injector(
-        roles,
-        lambda: stack.pids,
-        lambda: fully_serving(addresses),
-        recovery_bound_s=cap_s,
-        deadline_s=5 * version.mix.span_s,
-    )
-    sampler = RssSampler(lambda: stack.pids, interval_s=0.5)
-    sampler.start()
-    load_start = time.monotonic() + 1.0
-    injector.start(fault_schedule_of(version), begin_at=load_start + version.warm_s)
-    plan = load_plan(version.seed, version.mix)
-    outcomes = asyncio.run(
-        run_load(
-            addresses.gateway, plan, texts, primary, lambda a: CountingClient(a, retry=RETRY), load_start
-        )
-    )
-    injector.join(timeout_s=5 * version.mix.span_s)
-    seconds = time.monotonic() - load_start
-    sampler.sample()
-    sampler.stop()
-    settled = seconds_until(lambda: idle_state(addresses, models) == idle_before, 30, "the idle state")
-    return Soak(
-        outcomes,
-        injector.records,
-        load_start,
-        seconds,
-        idle_before,
-        idle_state(addresses, models),
-        settled,
-        fully_serving(addresses),
-        sampler,
-        ids,
-    )
-
-
 def fault_schedule_of(version: Version) -> list[Fault]:
     return fault_schedule(
         version.seed,
@@ -256,8 +191,11 @@ def test_chaos_soak_keeps_answers_right_and_the_stack_recovers(
     with start_stack(chaos_config, env=env, log_dir=tmp_path / "logs", ready_timeout_s=900) as stack:
         stack_start_s = time.monotonic() - started
         cap_s = 5 * (RECOVERY_MARGIN_S + stack_start_s)
+        load = (version.seed, version.mix, RETRY)
         soak, supervision = run_supervised(
-            stack, lambda: _soak(stack, version, roles, texts, cap_s), timeout_s=10 * version.mix.span_s
+            stack,
+            lambda: run_soak(stack, roles, texts, faults, load, version.warm_s, cap_s),
+            timeout_s=10 * version.mix.span_s,
         )
     outcomes, records = soak.outcomes, soak.records
 
@@ -324,7 +262,7 @@ def test_chaos_soak_keeps_answers_right_and_the_stack_recovers(
     figure(
         SCENARIO, "idle state back exactly", "yes" if same else "no", f"(settled in {soak.settled_s:.2f} s)"
     )
-    growth = _rss_growth(soak.sampler, version.warm_s, supervision.serving_since, soak.load_start)
+    growth = rss_growth(soak.sampler, version.warm_s, supervision.serving_since, soak.load_start)
     for service, (worst, count) in sorted(growth.items()):
         figure(
             SCENARIO,
@@ -357,18 +295,3 @@ def _allowed(outcome: Outcome) -> bool:
     if outcome.code == CLIENT_CANCELLED:
         return bool(outcome.planned.cancel_after)
     return outcome.code in RETRYABLE
-
-
-def _rss_growth(
-    sampler: RssSampler, warm_s: float, serving_since: dict[int, float], load_start: float
-) -> dict[str, tuple[float, int]]:
-    """Per service: the largest growth of any of its processes from `warm_s` after it began serving
-    (the load's start for the first ones), and how many processes lived that long."""
-    growth: dict[str, tuple[float, int]] = {}
-    for series in sampler.series.values():
-        value = series.growth(warm_s, serving_since.get(series.pid, load_start))
-        if value is None:
-            continue
-        worst, count = growth.get(series.service, (float("-inf"), 0))
-        growth[series.service] = (max(worst, value), count + 1)
-    return growth
