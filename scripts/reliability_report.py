@@ -194,7 +194,7 @@ SCENARIOS: dict[int, dict[str, str | tuple[str, ...]]] = {
         "title": "A service killed under strata up",
         "done": "Through the real `strata up`: kill -9 of the worker, the tokenizer and the gateway of a "
         "tiny stack; on the default model and its int8 fallback, kill -9 of the primary worker, then "
-        "of the tokenizer, while requests are sent every 50 ms.",
+        "of the tokenizer, sending one short request after another until each is served again.",
         "holds": "Each killed service is started again on the address the others know and serves; the "
         "gateway uses a restarted worker without a restart of its own; on the default model the "
         "fallback serves within 1 s of the primary's kill and the primary again within 60 s, and "
