@@ -195,7 +195,7 @@ class Connection:
             except REFUSALS as exc:
                 rejections.append(self._rejection(submission.request_id, exc))
         # Then those submitted and cancelled in this one message.
-        late = [rid for rid in message.cancellations if rid in self._open and rid not in early]
+        late = [rid for rid in dict.fromkeys(message.cancellations) if rid in self._open and rid not in early]
         ended += [self._abort(self._open[rid]) for rid in late]
         self._push(ended, rejections)
 
@@ -212,14 +212,11 @@ class Connection:
                     "before the worker received the request"
                 )
         engine_id = self._prefix + request_id
-        self.host.accept(
-            engine_id,
-            engine_prompt(submission),
-            sampling_params(submission),
-            engine_priority(submission.priority),
-            self,
-        )
         prior = len(submission.prior_output_ids)
+        # Everything that may raise comes before the credit is taken, so a refusal holds nothing.
+        spans = self.host.spans.start(submission.trace_context)
+        params, prompt = sampling_params(submission), engine_prompt(submission)
+        self.host.accept(engine_id, prompt, params, engine_priority(submission.priority), self)
         record = AcceptedRequest(
             request_id,
             engine_id,
@@ -227,7 +224,7 @@ class Connection:
             prior,
             time.monotonic(),
             output_tokens=prior,
-            spans=self.host.spans.start(submission.trace_context),
+            spans=spans,
         )
         if submission.deadline_unix_ms:
             record.deadline = asyncio.get_running_loop().call_later(remaining_s, self._expire, request_id)
@@ -307,7 +304,7 @@ class Connection:
         self._push(updates, ())
 
     def fail(self, engine_id: str, error: BaseException) -> None:
-        """The engine died with the request in it."""
+        """The engine could not add the request, or died with it in."""
         record = self._record(engine_id)
         if record is None:
             return

@@ -130,7 +130,20 @@ class Child:
         return pinned
 
     def returncode(self) -> int | None:
-        return None if self.process is None else self.process.poll()
+        """Its exit code once it ended (negative: the signal), else None.
+
+        Whatever is left of its process group is killed first, while the ended process is still a
+        zombie: until it is reaped its pid, and so its group id, cannot be given to another process.
+        """
+        if self.process is None:
+            return None
+        if self.process.returncode is None:
+            ended = os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            if ended is None:
+                return None
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+        return self.process.poll()
 
     def announced(self) -> bool:
         """Whether it wrote its address; reads its addresses when it did (the address comes last)."""
@@ -153,12 +166,6 @@ class Child:
             except grpc.RpcError:
                 return False
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-
-    def kill_group(self) -> None:
-        """SIGKILL whatever is left of its process group, so nothing of it holds its ports."""
-        if self.process is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.process.pid, signal.SIGKILL)
 
     def drain_output(self, timeout_s: float = 1.0) -> None:
         """After the process ended: wait (a little) for the pump to copy its last lines."""

@@ -119,8 +119,7 @@ class Stack:
         return None
 
     def restart(self, child: Child) -> None:
-        """Start a child that ended again, on the addresses it announced, once nothing of it is left."""
-        child.kill_group()
+        """Start a child that ended (its process group already killed) again, on its old addresses."""
         child.start(self._env)
 
     def wait(self, timeout: float | None = None) -> ChildExit | None:

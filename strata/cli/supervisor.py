@@ -137,7 +137,6 @@ class Supervisor:
         while watched.exits and now - watched.exits[0] > self.policy.crash_loop_window_s:
             watched.exits.popleft()
         how = describe_exit(code) + (f" (code {code})" if code < 0 else "")
-        watched.child.kill_group()  # nothing of it may hold its ports or its output pipe
         watched.child.drain_output()
         if len(watched.exits) >= self.policy.crash_loop_restarts:
             watched.state = State.GIVEN_UP

@@ -232,3 +232,29 @@ def test_step_listeners_see_every_step_and_add_request_needs_no_stream(tiny_llam
         assert all(isinstance(exc, EngineDeadError) for _, exc in failures)
 
     asyncio.run(main())
+
+
+def test_a_request_the_engine_cannot_add_fails_alone_and_the_engine_keeps_running(
+    tiny_llama_dir: Path,
+) -> None:
+    """add_request takes a request `check` passed; should the scheduler still refuse it (here: an id
+    added twice, which `check` would have refused), that request fails and the step loop lives on."""
+
+    async def main() -> None:
+        engine = _engine(tiny_llama_dir)
+        await engine.start()
+        failures: list[tuple[str | None, BaseException]] = []
+        engine.add_step_listener(lambda report: None, lambda rid, exc: failures.append((rid, exc)))
+        try:
+            params = SamplingParams(max_new_tokens=4)
+            engine.add_request("twice", [1, 2], params)
+            engine.add_request("twice", [1, 2], params)
+            await wait_for_async(lambda: failures, 30, "the second add failed")
+            assert [(rid, type(exc)) for rid, exc in failures] == [("twice", ValueError)]
+            assert engine.is_running
+            tokens, reason = await _collect(engine.submit("after", [1, 2], params))
+            assert (len(tokens), reason) == (4, FinishReason.LENGTH)
+        finally:
+            await engine.stop()
+
+    asyncio.run(main())

@@ -51,7 +51,8 @@ class StepReport:
 
 StepListener = Callable[[StepReport], None]
 FailureListener = Callable[[str | None, BaseException], None]
-"""(request_id, error): the step loop ended: each request it held, then None."""
+"""(request_id, error): a request the engine could not add, or, with None, the step loop ended (each
+request it held first)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +177,8 @@ class AsyncEngine:
         self, on_step: StepListener, on_failure: FailureListener | None = None
     ) -> Callable[[], None]:
         """Call on_step on the event loop with every step that produced outputs, after the request
-        streams got theirs; on_failure when the step loop ends (each open request, then None).
+        streams got theirs; on_failure when the engine could not add a request, or when the step loop
+        ends (each open request, then None).
         Returns a function that removes both."""
         self._step_listeners.append(on_step)
         if on_failure is not None:
@@ -245,7 +247,12 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if isinstance(cmd, _Add):
-                self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.priority)
+                try:
+                    self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.priority)
+                except (InvalidRequestError, ValueError) as exc:
+                    # `check` ran on the loop, the scheduler's own state lives here: should they ever
+                    # disagree, the one request fails, never the engine.
+                    self._post(self._fail_one, (cmd.request_id, exc))
             else:
                 self.engine.abort(cmd.request_id)
 
@@ -266,6 +273,15 @@ class AsyncEngine:
                 listener(report)
             except Exception:  # one broken listener must not starve the others of this step
                 log.exception("step listener %r failed", listener)
+
+    def _fail_one(self, failure: tuple[str, BaseException]) -> None:
+        request_id, error = failure
+        if request_id not in self._streams:
+            return
+        stream = self._streams.pop(request_id)
+        if stream is not None:
+            stream._push(error)
+        self._notify_failure(request_id, error)
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}
