@@ -38,6 +38,15 @@ def run_bench(tree: Path, bench_args: list[str], json_path: Path) -> dict[str, A
     return record
 
 
+def commit_of(tree: Path) -> str:
+    """The checkout's HEAD, with `+dirty` when its tracked files differ from it ("" outside git)."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True, text=True, check=False)
+    if head.returncode != 0:
+        return ""
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=tree, check=False).returncode != 0
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
 def figures(record: dict[str, Any]) -> dict[str, float]:
     """Output tok/s at the highest concurrency and TTFT p50 at one stream, from one bench record."""
     levels = {level["concurrency"]: level for level in record["levels"]}
@@ -85,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "bench.before_after",
         "bench_args": bench_args,
         "trees": {name: str(path) for name, path in trees.items()},
+        "commits": {name: commit_of(path) for name, path in trees.items()},
         "rounds": args.rounds,
     }
     for name, rows in measured.items():
