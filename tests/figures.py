@@ -2,10 +2,10 @@
 
 `figure(scenario, name, value, unit)` appends one JSON line to the file named by
 STRATA_RELIABILITY_FIGURES (scripts/reliability_report.py sets it and turns the lines into
-docs/reliability.md, one row per scenario of its SCENARIOS); without the variable it only prints.
-tests/conftest.py loads this module as a plugin, so the reliability suite and the integration tests
-whose promises the report lists (tests/integration/test_security.py) record through the same fixture.
-This module must not start services nor assert anything about them.
+docs/reliability.md, one row per scenario of scripts/reliability_scenarios.py); without the variable it
+only prints. tests/conftest.py loads this module as a plugin, so the reliability suite and the
+integration tests whose promises the report lists (tests/integration/test_security.py) record through
+the same fixture. This module must not start services nor assert anything about them.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class Figure(Protocol):
 
 @pytest.fixture
 def figure(request: pytest.FixtureRequest) -> Figure:
-    """Record one measured figure of a scenario (its number in the report's SCENARIOS)."""
+    """Record one measured figure of a scenario (its number in scripts/reliability_scenarios.py)."""
     target = os.environ.get(FIGURES_ENV, "")
     test = request.node.nodeid
 

@@ -6,7 +6,7 @@ nobody the services trust. The tokenizer service and the worker demand a client 
 their CA; the gateway speaks TLS to clients, mutual TLS to the services, and wants an API key.
 
 The tests of the three security promises the reliability report lists (keys, client certificates,
-plaintext on TLS ports: scenarios 13-15 of scripts/reliability_report.py) record what each call was
+plaintext on TLS ports: scenarios 13-15 of scripts/reliability_scenarios.py) record what each call was
 answered through the `figure` fixture (tests/figures.py), before they assert it.
 """
 
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 KEY, FILE_KEY = "k-3f9a2c", "k-from-the-file"
 KEYS, CERTIFICATES, PLAINTEXT = 13, 14, 15
-"""Their scenarios in the reliability report (scripts/reliability_report.py SCENARIOS)."""
+"""Their scenarios in the reliability report (scripts/reliability_scenarios.py)."""
 SECRET = "zebra-quartz-7731"
 """A prompt marker that must appear in no span and no log line."""
 
