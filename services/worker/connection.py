@@ -60,6 +60,10 @@ class StreamHost(Protocol):
 
     def info(self) -> worker_pb2.GetWorkerInfoResponse: ...
 
+    @property
+    def last_step(self) -> worker_pb2.StepInfo | None:
+        """The engine's latest step (the warm-up's before any request), for a new stream's hello."""
+
     def credits_message(self) -> worker_pb2.Credits: ...
 
     def accept(
@@ -131,7 +135,9 @@ class Connection:
         log.info("stream %s opened by %s", self.name, self.client_name)
         credits = self.host.credits_message()
         self._credits_sent = credits.requests
-        self.outbound.put(hello=worker_pb2.WorkerHello(info=self.host.info()), credits=credits)
+        # The last step (the warm-up's, at least) lets the gateway forecast before this stream runs any.
+        hello = worker_pb2.WorkerHello(info=self.host.info())
+        self.outbound.put(hello=hello, credits=credits, step=self.host.last_step)
         reader: asyncio.Task[None] | None = None
         if self._apply(first, first=True):
             reader = asyncio.create_task(self._read(requests))
@@ -299,9 +305,10 @@ class Connection:
                 self._forget(record, reason, ended=report.ended)
         return updates
 
-    def send(self, updates: list[worker_pb2.TokenUpdate]) -> None:
-        """Queue one step's updates with the credits; credits alone only when they changed."""
-        self._push(updates, ())
+    def send(self, updates: list[worker_pb2.TokenUpdate], step: worker_pb2.StepInfo) -> None:
+        """Queue one step's updates with the credits and the step: gateways forecast from every step,
+        theirs or not."""
+        self._push(updates, (), step)
 
     def fail(self, engine_id: str, error: BaseException) -> None:
         """The engine could not add the request, or died with it in."""
@@ -340,14 +347,17 @@ class Connection:
         log.info("stream %s of %s ended, %d requests aborted", self.name, self.client_name, aborted)
 
     def _push(
-        self, updates: Iterable[worker_pb2.TokenUpdate], rejections: Iterable[worker_pb2.Rejection]
+        self,
+        updates: Iterable[worker_pb2.TokenUpdate],
+        rejections: Iterable[worker_pb2.Rejection],
+        step: worker_pb2.StepInfo | None = None,
     ) -> None:
         updates, rejections = list(updates), list(rejections)
         credits = self.host.credits_message()
-        if not updates and not rejections and credits.requests == self._credits_sent:
+        if not updates and not rejections and step is None and credits.requests == self._credits_sent:
             return
         self._credits_sent = credits.requests
-        self.outbound.put(updates=updates, rejections=rejections, credits=credits)
+        self.outbound.put(updates=updates, rejections=rejections, credits=credits, step=step)
 
     def _rejection(self, request_id: str, error: BaseException) -> worker_pb2.Rejection:
         code, message = status_of(error)

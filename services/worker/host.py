@@ -88,6 +88,8 @@ class WorkerHost:
         self._streams = itertools.count(1)
         self._connections: set[Connection] = set()
         self._owners: dict[str, Connection] = {}
+        self.last_step: worker_pb2.StepInfo | None = None
+        """The engine's latest step as streams report it; a new stream's hello carries it."""
         """The stream that owns each accepted request, by engine id."""
 
     def _build(self) -> LLMEngine:
@@ -235,8 +237,9 @@ class WorkerHost:
             if connection is not None:
                 owned.setdefault(connection, []).append(out)
         updates = {conn: conn.collect(outs, report) for conn, outs in owned.items()}
+        step = self.last_step = step_info(report)
         for connection in list(self._connections):
-            connection.send(updates.get(connection, []))
+            connection.send(updates.get(connection, []), step)
 
     def _on_failure(self, request_id: str | None, error: BaseException) -> None:
         if request_id is None:
@@ -290,3 +293,18 @@ class WorkerHost:
             response.free_kv_tokens = stats.free_kv_tokens
             response.steps = stats.num_steps
         return response
+
+
+def step_info(report: StepReport) -> worker_pb2.StepInfo:
+    """The step as the Connect stream reports it; its duration is the step span's."""
+    stats = report.stats
+    return worker_pb2.StepInfo(
+        step=stats.num_steps,
+        duration_ms=(report.ended - report.started) * 1000.0,
+        decodes=stats.last_num_decodes,
+        prefill_tokens=stats.last_batch_tokens - stats.last_num_decodes,
+        running=stats.num_running,
+        waiting=stats.num_waiting,
+        max_running=stats.effective_max_num_seqs,
+        prefill_budget=stats.prefill_budget,
+    )

@@ -3,7 +3,7 @@
 The engine's step loop (through the event loop) puts token updates, rejections and credits here and
 never waits; the stream's writer takes everything pending as one ConnectResponse each time its
 previous write finished. A slow reader therefore sees fewer, larger messages, never a growing backlog
-of small ones: tokens of the same request are concatenated and the newest counters and credits win.
+of small ones: tokens of the same request are concatenated and the newest counters, credits and step win.
 This module must not touch gRPC calls nor the engine; it only builds and merges messages.
 """
 
@@ -41,12 +41,19 @@ class OutboundQueue:
         self._mergeable: dict[str, int] = {}
         self._rejections: list[worker_pb2.Rejection] = []
         self._credits: worker_pb2.Credits | None = None
+        self._step: worker_pb2.StepInfo | None = None
         self._closed = False
         self._wakeup = asyncio.Event()
 
     @property
     def pending(self) -> bool:
-        return bool(self._hello is not None or self._updates or self._rejections or self._credits is not None)
+        return bool(
+            self._hello is not None
+            or self._updates
+            or self._rejections
+            or self._credits is not None
+            or self._step is not None
+        )
 
     @property
     def closed(self) -> bool:
@@ -59,6 +66,7 @@ class OutboundQueue:
         updates: Iterable[worker_pb2.TokenUpdate] = (),
         rejections: Iterable[worker_pb2.Rejection] = (),
         credits: worker_pb2.Credits | None = None,
+        step: worker_pb2.StepInfo | None = None,
     ) -> None:
         """Queue output; the queue owns the messages given. Ignored once the queue is closed."""
         if self._closed:
@@ -79,6 +87,8 @@ class OutboundQueue:
         self._rejections.extend(rejections)
         if credits is not None:
             self._credits = credits
+        if step is not None:
+            self._step = step
         if self.pending:
             self._wakeup.set()
 
@@ -87,13 +97,18 @@ class OutboundQueue:
         if not self.pending:
             return None
         message = worker_pb2.ConnectResponse(
-            hello=self._hello, updates=self._updates, rejections=self._rejections, credits=self._credits
+            hello=self._hello,
+            updates=self._updates,
+            rejections=self._rejections,
+            credits=self._credits,
+            step=self._step,
         )
         self._hello = None
         self._updates = []
         self._mergeable = {}
         self._rejections = []
         self._credits = None
+        self._step = None
         self._wakeup.clear()
         return message
 

@@ -61,6 +61,7 @@ class WorkerSpans:
             end=report.ended,
             attributes={
                 "gen_ai.request.model": self._model,
+                "strata.step": stats.num_steps,
                 "strata.batch_size": stats.last_batch_size,
                 "strata.prefill_tokens": stats.last_batch_tokens - stats.last_num_decodes,
                 "strata.decode_tokens": stats.last_num_decodes,

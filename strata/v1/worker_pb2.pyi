@@ -178,6 +178,7 @@ class ConnectResponse(_message.Message):
     UPDATES_FIELD_NUMBER: _builtins.int
     REJECTIONS_FIELD_NUMBER: _builtins.int
     CREDITS_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___WorkerHello:
         """Only on the first message: the worker's introduction."""
@@ -194,6 +195,10 @@ class ConnectResponse(_message.Message):
     def credits(self) -> Global___Credits:
         """The worker's free capacity after this message."""
 
+    @_builtins.property
+    def step(self) -> Global___StepInfo:
+        """The newest engine step this message reports (when messages were merged, the latest one's)."""
+
     def __init__(
         self,
         *,
@@ -201,14 +206,67 @@ class ConnectResponse(_message.Message):
         updates: _abc.Iterable[Global___TokenUpdate] | None = ...,
         rejections: _abc.Iterable[Global___Rejection] | None = ...,
         credits: Global___Credits | None = ...,
+        step: Global___StepInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["credits", b"credits", "hello", b"hello"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["credits", b"credits", "hello", b"hello", "step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["credits", b"credits", "hello", b"hello", "rejections", b"rejections", "updates", b"updates"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["credits", b"credits", "hello", b"hello", "rejections", b"rejections", "step", b"step", "updates", b"updates"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ConnectResponse: _TypeAlias = ConnectResponse  # noqa: Y015
+
+@_typing.final
+class StepInfo(_message.Message):
+    """One engine step as the worker ran it, and the batch it leaves for the next one."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    DURATION_MS_FIELD_NUMBER: _builtins.int
+    DECODES_FIELD_NUMBER: _builtins.int
+    PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
+    RUNNING_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
+    MAX_RUNNING_FIELD_NUMBER: _builtins.int
+    PREFILL_BUDGET_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    """Engine steps run since the worker started; this step's number."""
+    duration_ms: _builtins.float
+    """The step's duration, as its step span measures it."""
+    decodes: _builtins.int
+    """Sequences that decoded one token in the step."""
+    prefill_tokens: _builtins.int
+    """Prompt tokens the step computed (prefill chunks)."""
+    running: _builtins.int
+    """Sequences running after the step."""
+    waiting: _builtins.int
+    """Sequences waiting for a running slot after the step."""
+    max_running: _builtins.int
+    """The most sequences the engine runs at once (its running limit now)."""
+    prefill_budget: _builtins.int
+    """Prompt tokens the next step may compute with the batch now running: the step's token budget less
+    what its decodes cost.
+    """
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        duration_ms: _builtins.float = ...,
+        decodes: _builtins.int = ...,
+        prefill_tokens: _builtins.int = ...,
+        running: _builtins.int = ...,
+        waiting: _builtins.int = ...,
+        max_running: _builtins.int = ...,
+        prefill_budget: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decodes", b"decodes", "duration_ms", b"duration_ms", "max_running", b"max_running", "prefill_budget", b"prefill_budget", "prefill_tokens", b"prefill_tokens", "running", b"running", "step", b"step", "waiting", b"waiting"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepInfo: _TypeAlias = StepInfo  # noqa: Y015
 
 @_typing.final
 class WorkerHello(_message.Message):

@@ -42,7 +42,8 @@ class WorkerServiceStub:
     has passed is rejected with DEADLINE_EXCEEDED, and one that passes while running ends the request
     with FINISH_REASON_CANCELLED within one engine step.
     - Per engine step the worker sends the new tokens of every request on the stream that produced any,
-    plus its credits. Messages go through an outbound queue that merges what accumulates while a write
+    plus its credits and the step's shape and duration (`step`), which gateways forecast time to first
+    token from. Messages go through an outbound queue that merges what accumulates while a write
     is in flight (tokens of the same request are concatenated), so the engine's step loop never waits
     on a slow reader.
     - When the stream breaks or the gateway closes it, the worker aborts every request the stream
@@ -91,7 +92,8 @@ class WorkerServiceServicer:
     has passed is rejected with DEADLINE_EXCEEDED, and one that passes while running ends the request
     with FINISH_REASON_CANCELLED within one engine step.
     - Per engine step the worker sends the new tokens of every request on the stream that produced any,
-    plus its credits. Messages go through an outbound queue that merges what accumulates while a write
+    plus its credits and the step's shape and duration (`step`), which gateways forecast time to first
+    token from. Messages go through an outbound queue that merges what accumulates while a write
     is in flight (tokens of the same request are concatenated), so the engine's step loop never waits
     on a slow reader.
     - When the stream breaks or the gateway closes it, the worker aborts every request the stream
@@ -164,7 +166,8 @@ class WorkerService:
     has passed is rejected with DEADLINE_EXCEEDED, and one that passes while running ends the request
     with FINISH_REASON_CANCELLED within one engine step.
     - Per engine step the worker sends the new tokens of every request on the stream that produced any,
-    plus its credits. Messages go through an outbound queue that merges what accumulates while a write
+    plus its credits and the step's shape and duration (`step`), which gateways forecast time to first
+    token from. Messages go through an outbound queue that merges what accumulates while a write
     is in flight (tokens of the same request are concatenated), so the engine's step loop never waits
     on a slow reader.
     - When the stream breaks or the gateway closes it, the worker aborts every request the stream

@@ -97,6 +97,8 @@ class GatewaySide:
         self.firsts: dict[str, worker_pb2.TokenUpdate] = {}
         self.rejections: dict[str, worker_pb2.Rejection] = {}
         self.credits: list[int] = []
+        self.messages: list[worker_pb2.ConnectResponse] = []
+        """Every message after the hello, in order."""
         self.ended = False
 
     async def hello(self, model: str, fingerprint: str) -> worker_pb2.ConnectResponse:
@@ -105,12 +107,14 @@ class GatewaySide:
         first = await asyncio.wait_for(self.call.read(), WAIT_S)
         assert isinstance(first, worker_pb2.ConnectResponse)
         self._apply(first)
+        self.messages.clear()
         return first
 
     async def send(self, *submissions: worker_pb2.Submission, cancel: tuple[str, ...] = ()) -> None:
         await self.call.write(worker_pb2.ConnectRequest(submissions=submissions, cancellations=cancel))
 
     def _apply(self, message: worker_pb2.ConnectResponse) -> None:
+        self.messages.append(message)
         for update in message.updates:
             self.tokens.setdefault(update.request_id, []).extend(update.token_ids)
             self.firsts.setdefault(update.request_id, update)

@@ -307,8 +307,9 @@ def test_partial_prefill_shrinks_to_the_free_blocks_then_waits() -> None:
     def seqs() -> list[Sequence]:
         return [make_request("x", 4, max_new=8, arrival=0), make_request("w", 16, max_new=1, arrival=1)]
 
-    expected = run_all(make_scheduler(max_num_batched_tokens=8, block_size=4), seqs())
-    sched = make_scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=8)
+    # A decode costs one token of the budget here, so the chunks are the free blocks' alone.
+    expected = run_all(make_scheduler(max_num_batched_tokens=8, block_size=4, decode_cost_tokens=1), seqs())
+    sched = make_scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=8, decode_cost_tokens=1)
     model = FakeModel(5, 4)
     x, w = seqs()
     sched.add(x)

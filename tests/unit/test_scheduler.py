@@ -59,6 +59,8 @@ def test_config_defaults_and_errors_name_the_fix() -> None:
         pydantic.ValidationError, match=r"max_num_batched_tokens=0 is invalid: must be >= 1.*e.g. 512"
     ):
         EngineConfig(max_num_batched_tokens=0)
+    with pytest.raises(pydantic.ValidationError, match=r"decode_cost_tokens=0.5 is invalid: must be >= 1"):
+        EngineConfig(decode_cost_tokens=0.5)
     assert EngineConfig(max_model_len=512).resolve_max_model_len(2048) == 512
     assert EngineConfig().resolve_max_model_len(2048) == 2048
     with pytest.raises(ValueError, match="max_model_len=4096 is invalid: the model's context is 2048"):
@@ -123,7 +125,7 @@ def test_chunked_prefill_splits_a_long_prompt() -> None:
 
 
 def test_decodes_come_before_a_new_prefill_chunk() -> None:
-    sched = make_scheduler(max_num_batched_tokens=128)
+    sched = make_scheduler(max_num_batched_tokens=128, decode_cost_tokens=1)
     model = FakeModel(256, 16)
     sched.add(make_seq("a", 10, max_new=20, arrival=0))
     sched.add(make_seq("b", 12, max_new=20, arrival=1))
@@ -134,6 +136,29 @@ def test_decodes_come_before_a_new_prefill_chunk() -> None:
     assert batch.num_decodes == 2
     assert [e.num_tokens for e in batch.entries] == [1, 1, 126]
     assert not batch.entries[2].sample
+
+
+def test_decodes_leave_prefill_less_so_that_a_step_stays_bounded() -> None:
+    """16 sequences decode while a 600-token prompt arrives: every step decodes all 16 and takes at
+    most 128 - 2 x 16 = 96 prompt tokens, so its cost (decodes at 2 tokens each) never exceeds 128."""
+    sched = make_scheduler(max_num_batched_tokens=128, decode_cost_tokens=2.0, max_num_seqs=32)
+    model = FakeModel(256, 16)
+    for i in range(16):
+        sched.add(make_seq(f"d{i}", 4, max_new=100, arrival=i))
+    step(sched, model)
+    assert sched.stats.prefill_budget == 128 - 32
+    long = make_seq("long", 600, max_new=2, arrival=99)
+    sched.add(long)
+    chunks = []
+    while long.num_computed_tokens < 600:
+        batch, _ = step(sched, model)
+        prefill = batch.num_batched_tokens - batch.num_decodes
+        assert batch.num_decodes == 16
+        assert prefill + 2 * batch.num_decodes <= 128
+        chunks.append(prefill)
+    assert chunks == [96] * 6 + [24]
+    assert sched.prefill_budget(num_decodes=70) == 16  # decodes past the budget still leave one block
+    assert sched.prefill_budget(num_decodes=0) == 128
 
 
 def test_without_chunking_a_prompt_waits_for_a_whole_budget_unless_it_never_fits() -> None:

@@ -35,6 +35,11 @@ class EngineConfig(BaseModel):
     """Most sequences running at once."""
     max_num_batched_tokens: int = 512
     """Most tokens computed in one engine step (decodes count one each)."""
+    decode_cost_tokens: float = 2.0
+    """What one decode costs a step's time, in prompt tokens of prefill: a step's prefill gets
+    max_num_batched_tokens less this per decode (at least one block), so that a step's length stays
+    bounded however many sequences decode in it. Measured 2.3 on a 2-core CPU with SmolLM2-135M
+    (docs/engine.md); 1 gives every token of the budget to prefill."""
     max_model_len: int | None = None
     """Context limit in tokens (prompt plus output); None uses the model's."""
     chunked_prefill: bool = True
@@ -72,6 +77,13 @@ class EngineConfig(BaseModel):
             name = str(info.field_name)
             default = cls.model_fields[name].default
             raise _invalid(name, value, "must be >= 1", str(default))
+        return value
+
+    @field_validator("decode_cost_tokens")
+    @classmethod
+    def _cost(cls, value: float) -> float:
+        if value < 1:
+            raise _invalid("decode_cost_tokens", value, "must be >= 1 (a decode is at least a token)", "2.0")
         return value
 
     @field_validator("fault_step_delay_s")

@@ -1,10 +1,11 @@
 """Continuous batching: which sequences run in the next engine step, and how many tokens each.
 
-Owns the waiting and running queues, the per-step token budget, chunked prefill, priorities (FCFS
-within one), preemption by recompute when KV blocks run out, and load shedding after a step that ran
-out of memory. postprocess turns the sampled token ids back into per-request outputs and finish
-decisions. It must not import torch nor do I/O: the runner executes batches, the engine loop owns
-the thread that calls schedule, postprocess, abort and shed_load, one at a time.
+Owns the waiting and running queues, the per-step token budget (of which a step's decodes leave prefill
+less, at decode_cost_tokens each, so that a step's length stays bounded), chunked prefill, priorities
+(FCFS within one), preemption by recompute when KV blocks run out, and load shedding after a step that
+ran out of memory. postprocess turns the sampled token ids back into per-request outputs and finish
+decisions. It must not import torch nor do I/O: the runner executes batches, the engine loop owns the
+thread that calls schedule, postprocess, abort and shed_load, one at a time.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class SchedulerStats:
     num_preemptions: int
     num_load_sheds: int
     effective_max_num_seqs: int
+    prefill_budget: int
+    """Prompt tokens the next step may compute with the sequences now running all decoding."""
 
 
 class _Plan:
@@ -177,7 +180,15 @@ class Scheduler:
             num_preemptions=self._num_preemptions,
             num_load_sheds=self._num_load_sheds,
             effective_max_num_seqs=self.effective_max_num_seqs,
+            prefill_budget=self.prefill_budget(len(self._running)),
         )
+
+    def prefill_budget(self, num_decodes: int) -> int:
+        """Prompt tokens a step with `num_decodes` decodes may compute: the token budget less what the
+        decodes cost, never below one block (a waiting prompt always advances)."""
+        budget = self.config.max_num_batched_tokens
+        left = budget - int(num_decodes * self.config.decode_cost_tokens + 0.5)
+        return max(min(self.block_manager.block_size, budget), left)
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's work. Allocates the KV blocks it needs; may preempt running sequences."""
@@ -186,6 +197,7 @@ class Scheduler:
         order = sorted(self._running, key=_urgency)
         if self.config.mixed_batches:
             self._schedule_decodes(plan, order)
+            plan.budget = min(plan.budget, self.prefill_budget(plan.batch.num_decodes))
             self._schedule_prefills(plan, order)
             return plan.batch
         # Alternate when both kinds of work exist, so neither prefills nor decodes starve.
