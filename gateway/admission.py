@@ -1,4 +1,4 @@
-"""Admission for one route: tickets, the bounded two-priority queue of waiting slots, and the wait model.
+"""Admission for one route: tickets, and the bounded two-priority queue of waiting slots.
 
 A Ticket is what admission knows of a request: its prompt size, priority and deadline. It is decided
 on at arrival, before tokenizing, so no refusal waits for the tokenizer: the prompt size is then an
@@ -8,15 +8,9 @@ priority, bounded by `max_queued_requests` and `max_queued_tokens` (a lone slot 
 long prompt is never refused by the token budget alone). When it is full, an interactive arrival
 evicts the newest batch tickets, which are refused with reason "shed".
 
-The wait model follows Little's law: a worker holding C requests that each take D seconds from
-submission to their last token (a moving average the links measure on every request) frees a credit
-every D / C seconds, and a route frees one every 1 / sum(C / D) over its ready links. A ticket with k
-tickets ahead of it and no free credit is predicted to wait (k + 1) times that. Before any request
-has finished there is no prediction, and nothing is refused on one. The predicted time to first token
-adds the links' moving average of submission to first token (ServiceTimes, fed by each link). Only a
-ticket that would wait can be saturated by a prediction: one that gets a credit at once is admitted,
-so the measurements stay fresh. This module does no I/O and must not choose links: route.py
-dispatches, and credits.py counts the credits.
+Whether a ticket is admitted is the route's forecast of its time to first token
+(forecast.py), which needs the tickets ahead of it in order: `ahead_tickets`. This module does no I/O
+and must not choose links: route.py dispatches and decides, and credits.py counts the credits.
 """
 
 from __future__ import annotations
@@ -28,16 +22,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from strata.status import ResourceExhausted
-from strata.v1 import common_pb2, gateway_pb2
+from strata.v1 import gateway_pb2
 
 if TYPE_CHECKING:
     from gateway.credits import Slot
-    from strata.v1 import worker_pb2
 
 # Tokens a chat template adds around each message, and around the conversation, at most.
 TEMPLATE_TOKENS_PER_MESSAGE = 16
-EWMA_WEIGHT = 0.2
-COMPLETED = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
 
 
 class Priority(enum.IntEnum):
@@ -119,6 +110,11 @@ class AdmissionQueue:
             return len(self._lanes[Priority.INTERACTIVE])
         return self.requests
 
+    def ahead_tickets(self, priority: Priority) -> list[Ticket]:
+        """The waiting tickets a new ticket of this priority would wait behind, in the order served."""
+        lanes = [Priority.INTERACTIVE] if priority is Priority.INTERACTIVE else list(Priority)
+        return [slot.ticket for lane in lanes for slot in self._lanes[lane]]
+
     def victims(self, ticket: Ticket) -> list[Slot] | tuple[str, str]:
         """The batch slots to shed so `ticket` fits (often none), or (reason, text) when it cannot fit."""
         count, tokens = self.requests, self.tokens
@@ -179,60 +175,3 @@ class AdmissionQueue:
             lane.clear()
         self.tokens = 0
         return slots
-
-
-def predicted_wait_s(ahead: int, free_credits: int, per_grant_s: float | None) -> float | None:
-    """The wait behind `ahead` tickets with `free_credits` free; None when the rate is not known yet."""
-    if ahead < free_credits:
-        return 0.0
-    if per_grant_s is None:
-        return None
-    return (ahead - free_credits + 1) * per_grant_s
-
-
-def ewma(previous: float | None, sample: float) -> float:
-    return sample if previous is None else previous + EWMA_WEIGHT * (sample - previous)
-
-
-class ServiceTimes:
-    """How long one worker stream's requests take: submission to first update, and to the last one."""
-
-    def __init__(self) -> None:
-        self._sent_at: dict[str, float] = {}
-        self._waiting_first: set[str] = set()
-        self.first_token_s: float | None = None
-        """Moving average of the seconds from submission to a request's first update."""
-        self.service_s: float | None = None
-        """Moving average of the seconds from submission to a completed request's last update."""
-
-    def clear(self) -> None:
-        """A new stream: nothing of the old one is still on its way."""
-        self._sent_at.clear()
-        self._waiting_first.clear()
-
-    def sent(self, wire_id: str, now: float) -> None:
-        """A submission was queued for the worker."""
-        self._sent_at[wire_id] = now
-        self._waiting_first.add(wire_id)
-
-    def forget(self, wire_id: str) -> None:
-        """The request ended without a completed generation (cancelled, rejected): it is not timed."""
-        self._sent_at.pop(wire_id, None)
-        self._waiting_first.discard(wire_id)
-
-    def time(self, response: worker_pb2.ConnectResponse, now: float) -> None:
-        """Time the first and last updates in a worker message."""
-        for rejection in response.rejections:
-            self.forget(rejection.request_id)
-        for update in response.updates:
-            wire_id = update.request_id
-            sent = self._sent_at.get(wire_id)
-            if sent is None:
-                continue
-            if wire_id in self._waiting_first:
-                self._waiting_first.discard(wire_id)
-                self.first_token_s = ewma(self.first_token_s, now - sent)
-            if update.finished:
-                del self._sent_at[wire_id]
-                if update.finish_reason in COMPLETED:  # an aborted request says nothing of the rate
-                    self.service_s = ewma(self.service_s, now - sent)

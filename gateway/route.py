@@ -2,15 +2,17 @@
 
 A request passes one door per route. `Route.enqueue` decides at once, without awaiting anything:
 UNAVAILABLE when no link is ready, DEADLINE_EXCEEDED when the deadline already passed, a Refused
-(RESOURCE_EXHAUSTED with the reason and the predicted wait as retry hint) when the route is saturated
-(admission.py), else a Slot in the bounded queue. The caller tokenizes while it waits, then awaits
-`Slot.granted`. The dispatcher runs whenever a link's credits or readiness change (each worker
-message carries credits) and when a slot arrives: it grants the waiting slots in priority order on the
-ready link with the most credit, least loaded first, each grant taking one credit (credits.py), so a
-worker is never sent more than it accepts. Slots granted in one pass are submitted in one event-loop
-tick and so share one ConnectRequest. A slot whose deadline passes while it waits leaves the queue
-with DEADLINE_EXCEEDED (nothing was sent to a worker); a released one leaves it too. This module must
-not talk to workers (worker_link.py) nor find them (discovery.py) nor validate requests.
+(RESOURCE_EXHAUSTED with the reason and the forecast wait as retry hint) when the queue is full or the
+forecast time to first token (forecast.py) exceeds the deadline or `ttft_slo_share` of the SLO, else a
+Slot in the bounded queue. Admission is a promise: an admitted request must meet the SLO, so the forecast
+counts every request as running to its max_new_tokens and the share keeps a margin. The caller tokenizes
+while it waits, then awaits `Slot.granted`. The dispatcher runs whenever a link's credits or readiness
+change (each worker message carries credits) and when a slot arrives: it grants the waiting slots in
+priority order on the ready link with the most credit, least loaded first, each grant taking one credit
+(credits.py), so a worker is never sent more than it accepts. Slots granted in one pass are submitted in
+one event-loop tick and so share one ConnectRequest. A slot whose deadline passes while it waits leaves
+the queue with DEADLINE_EXCEEDED (nothing was sent to a worker); a released one leaves it too. This
+module must not talk to workers (worker_link.py) nor find them (discovery.py) nor validate requests.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gateway.admission import AdmissionQueue, Refused, Ticket, predicted_wait_s
+from gateway.admission import AdmissionQueue, Refused, Ticket
 from gateway.credits import Slot
 from gateway.discovery import Discovery, resolve
 from gateway.errors import DeadlineExceeded, Unavailable
+from gateway.forecast import Forecast, LinkView, forecast
 from gateway.metrics import ADMISSION_DECISION_SECONDS, REJECTIONS
 
 if TYPE_CHECKING:
@@ -127,46 +130,59 @@ class Route:
     def free_credits(self) -> int:
         return sum(link.free_credits for link in self.links)
 
-    def per_grant_s(self) -> float | None:
-        """Seconds between freed credits at full load (Little's law over the ready links)."""
-        rate = 0.0
-        for link in self.links:
-            service = link.times.service_s
-            if link.ready and link.info is not None and service:
-                rate += link.info.max_requests / service
-        return 1.0 / rate if rate else None
-
-    def first_token_s(self) -> float | None:
-        """The ready links' average time from submission to first token."""
-        samples = [link.times.first_token_s for link in self.links if link.ready]
-        known = [sample for sample in samples if sample is not None]
-        return sum(known) / len(known) if known else None
+    def forecast(self, ticket: Ticket) -> Forecast | None:
+        """When `ticket` would start and get its first token, queued now; None before any step report."""
+        views = [
+            LinkView(
+                link.load,
+                link.load.slots(link.credits.limit),
+                link.free_credits,
+                max(0, link.credits.held - link.load.open_requests),
+            )
+            for link in self.links
+            if link.ready and not link.leaving
+        ]
+        return forecast(views, self._queue.ahead_tickets(ticket.priority), ticket)
 
     def saturation(self, ticket: Ticket) -> str | None:
         """Why the route cannot take `ticket` now within its SLO or deadline; None when it can."""
-        found = self._saturated(ticket)
+        found = self._saturated(ticket, self.forecast(ticket))
         return found[1] if found is not None else None
 
-    def _saturated(self, ticket: Ticket) -> tuple[str, str, float | None] | None:
-        """(reason, text, predicted wait) when `ticket` would be refused now; None when it is admitted."""
-        free = self.free_credits()
-        ahead = self._queue.ahead(ticket.priority)
-        if ahead == 0 and free > 0:
-            return None  # granted at once by the dispatch that follows
-        wait = predicted_wait_s(ahead, free, self.per_grant_s())
-        fit = self._queue.victims(ticket)
-        if isinstance(fit, tuple):
-            return fit[0], fit[1], wait
-        remaining = ticket.remaining_s(time.monotonic())
-        if wait is not None and remaining is not None and wait > remaining:
-            text = f"predicted wait {wait:.1f} s exceeds the remaining deadline {max(0.0, remaining):.1f} s"
-            return "predicted_wait", text, wait
+    def _saturated(self, ticket: Ticket, predicted: Forecast | None) -> tuple[str, str, float | None] | None:
+        """(reason, text, retry hint) when `ticket` would be refused now; None when it is admitted."""
+        wait = predicted.start_s if predicted is not None and predicted.start_s > 0 else None
+        at_once = self._queue.ahead(ticket.priority) == 0 and self.free_credits() > 0
+        if not at_once:
+            fit = self._queue.victims(ticket)
+            if isinstance(fit, tuple):
+                return fit[0], fit[1], wait
         slo_s = self.settings.ttft_slo_ms / 1000.0
-        if wait is not None and slo_s > 0:
-            ttft = wait + (self.first_token_s() or 0.0)
-            if ttft > slo_s:
-                text = f"predicted time to first token {ttft:.1f} s exceeds the SLO {slo_s:.1f} s"
-                return "ttft_slo", text, wait
+        if predicted is None:
+            if at_once or slo_s <= 0:
+                return None  # it starts now, and its steps will make the first forecast
+            text = (
+                "no worker has reported a step yet to forecast a wait from: only requests that start at once"
+            )
+            return "ttft_slo", text, None
+        ttft = predicted.ttft_s
+        remaining = ticket.remaining_s(time.monotonic())
+        if remaining is not None and ttft > remaining:
+            text = (
+                f"the remaining deadline {max(0.0, remaining):.2f} s is shorter than the forecast wait "
+                f"for a first token, {ttft:.2f} s"
+            )
+            return "predicted_wait", text, wait
+        # An idle worker's step time may be old: a request it can take at once is admitted, and its
+        # steps bring the forecast up to date.
+        idle = all(link.load.open_requests == 0 for link in self.links)
+        limit_s = slo_s * self.settings.ttft_slo_share
+        if slo_s > 0 and not (at_once and idle) and ttft > limit_s:
+            text = (
+                f"forecast time to first token {ttft:.2f} s exceeds {limit_s:.2f} s "
+                f"({self.settings.ttft_slo_share:g} of the SLO {slo_s:.1f} s)"
+            )
+            return "ttft_slo", text, wait
         return None
 
     def enqueue(self, ticket: Ticket) -> Slot:
@@ -178,14 +194,15 @@ class Route:
             raise DeadlineExceeded(f"the deadline passed before model {self.name!r} could admit the request")
         if not self.available():
             raise Unavailable(self.unavailable_reason())
-        saturated = self._saturated(ticket)
+        predicted = self.forecast(ticket)
+        saturated = self._saturated(ticket, predicted)
         if saturated is not None:
             reason, text, wait = saturated
             REJECTIONS.labels(self.name, reason).inc()
             ADMISSION_DECISION_SECONDS.labels(self.name, "refused").observe(time.perf_counter() - started)
             raise self._refusal(reason, text, wait)
         victims = self._queue.victims(ticket)
-        wait = predicted_wait_s(self._queue.ahead(ticket.priority), self.free_credits(), self.per_grant_s())
+        wait = predicted.start_s if predicted is not None else None
         slot = Slot(ticket, self)
         for victim in victims if isinstance(victims, list) else ():
             self._shed(victim, wait)

@@ -39,7 +39,11 @@ class RouteSettings(BaseModel):
     max_queued_tokens: int = 32768
     """Prompt tokens waiting for a worker credit at most (a lone request always fits)."""
     ttft_slo_ms: float = 2000.0
-    """A predicted time to first token above this counts as saturated; 0 turns the check off."""
+    """The time to first token every admitted request is promised; 0 turns the check off."""
+    ttft_slo_share: float = 0.75
+    """A request is admitted when its forecast time to first token is at most this share of
+    ttft_slo_ms: the rest is margin for what the forecast cannot see (another worker's load slowing
+    the steps, the arrivals of the next moments)."""
 
     @model_validator(mode="after")
     def _check(self) -> RouteSettings:
@@ -54,6 +58,10 @@ class RouteSettings(BaseModel):
             raise ValueError(f"route {self.model!r}: dns_refresh_s={self.dns_refresh_s} must be > 0, e.g. 5")
         if self.fallback == self.model:
             raise ValueError(f"route {self.model!r} names itself as its fallback; name another route")
+        if not 0 < self.ttft_slo_share <= 1:
+            raise ValueError(
+                f"route {self.model!r}: ttft_slo_share={self.ttft_slo_share} must be in (0, 1], e.g. 0.75"
+            )
         for name in ("max_queued_requests", "max_queued_tokens", "ttft_slo_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"route {self.model!r}: {name}={getattr(self, name)} must be >= 0")

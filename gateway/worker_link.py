@@ -2,11 +2,12 @@
 
 The link waits for the worker's health to say SERVING, introduces itself with the route's model and the
 tokenizer service's fingerprint, then runs a writer task (link_writer.py) and a reader loop. For each
-ConnectResponse the reader makes ONE batched Detokenize call covering every update in it and hands each
-request its result (request.py keeps the state that call needs). Each submission rides on a Slot granted
-on this link (credits.py counts them, so the worker is never sent more than it accepts); releasing the
-slot cancels the submission if the worker still runs it, and every change of the credits is signalled to
-the route's dispatcher through `on_capacity`. A broken stream fails its open requests with UNAVAILABLE
+ConnectResponse the reader makes ONE batched Detokenize call covering every update in it, hands each
+request its result (request.py keeps the state that call needs), and feeds the message to the LinkLoad
+that the route's forecast reads (forecast.py). Each submission rides on a Slot granted on this link
+(credits.py counts them, so the worker is never sent more than it accepts); releasing the slot cancels
+its submission if the worker still runs it, and every change of the credits is signalled to the route's
+dispatcher through `on_capacity`. A broken stream fails its open requests with UNAVAILABLE
 and reconnects with backoff; a FAILED_PRECONDITION answer (another model or tokenizer) leaves the link
 refused, with the reason kept for the error clients see. This module must not choose between links
 (route.py does) nor shape client responses (request.py does).
@@ -22,9 +23,9 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.admission import ServiceTimes
 from gateway.credits import StreamCredits
 from gateway.errors import GatewayError, TokenizerUnavailable, Unavailable, from_code
+from gateway.forecast import LinkLoad
 from gateway.link_writer import write_merged
 from gateway.metrics import WORKER_SUBMISSIONS
 from gateway.tokenizer_client import INITIAL_BACKOFF_S, INTERNAL_MESSAGE_BYTES
@@ -77,7 +78,7 @@ class WorkerLink:
         self._delivering = False
         """A message's deltas are being detokenized: a finished request's last one is not out yet."""
         self.credits = StreamCredits()
-        self.times = ServiceTimes()
+        self.load = LinkLoad()
         self.ready = False
         self.leaving = False
         """Set when the worker's address vanished from discovery: no new requests, close when idle."""
@@ -133,24 +134,21 @@ class WorkerLink:
             raise Unavailable(f"worker {self.address} is not ready: {self.not_ready_reason}")
         wire_id = slot.wire_id = submission.request_id
         self._open[wire_id] = request
-        self.times.sent(wire_id, time.monotonic())
+        self.load.sent(submission)
         self.submitted += 1
         WORKER_SUBMISSIONS.labels(self.model, self.address).inc()
         self._outbound.put_nowait(submission)
 
     def slot_released(self, slot: Slot) -> None:
-        """A slot granted here was released: cancel its submission if the worker still runs it.
-
-        The worker reads a cancellation before any submission queued after it, so the credit is free
-        for the next one already.
-        """
+        """A slot granted here was released: cancel its submission if the worker still runs it. The
+        worker reads a cancellation before any submission queued after it: the credit is free already."""
         self._cancel(slot.wire_id)
         self._on_capacity()
 
     def _cancel(self, wire_id: str) -> None:
         """Abort a request still open on this stream, freeing its KV blocks in the worker."""
         if wire_id and self._open.pop(wire_id, None) is not None:
-            self.times.forget(wire_id)
+            self.load.forget(wire_id)
             self._outbound.put_nowait(wire_id)
             self._note_idle()
 
@@ -207,7 +205,8 @@ class WorkerLink:
             self.info = first.hello.info
             self._outbound = asyncio.Queue()
             self.credits.reset(first.hello.info.max_requests, first.credits.requests)
-            self.times.clear()
+            self.load.clear()
+            self.load.observe(first)  # the worker's latest step: a forecast before this stream runs any
             self.ready = True
             self.refusal = ""
             log.info(
@@ -232,7 +231,7 @@ class WorkerLink:
             call.cancel()
 
     async def _handle(self, response: worker_pb2.ConnectResponse, received: float) -> None:
-        self.times.time(response, time.monotonic())
+        self.load.observe(response)
         for rejection in response.rejections:
             rejected = self._open.pop(rejection.request_id, None)
             if rejected is not None:
@@ -288,7 +287,7 @@ class WorkerLink:
         self.last_error = f"worker {self.address}: {reason}"
         failed, self._open = self._open, {}
         self.credits.reset(0, 0)
-        self.times.clear()
+        self.load.clear()
         error = Unavailable(f"worker {self.address} for model {self.model!r} is gone: {reason}")
         for request in failed.values():
             request.fail(error)

@@ -1,8 +1,9 @@
 """Admission end to end: the real tokenizer service, real workers and the gateway, in-process.
 
-A burst against a full route is refused at once and exactly, deadlines shorter than the queue's wait
-end in the queue (or are refused when the wait is predicted), batch requests are shed before
-interactive ones, and two replicas share the load by their credits. Requests that must stay running
+A burst against a full route is refused at once and exactly, a burst past the TTFT SLO is refused at
+once while the admitted requests meet it, a deadline shorter than the forecast is refused and one that
+passes in the queue ends there, batch requests are shed before interactive ones, and two replicas share
+the load by their credits. Requests that must stay running
 slow each engine step with the worker's test-only step delay.
 """
 
@@ -112,7 +113,53 @@ def test_a_burst_is_refused_at_once_and_exactly(stack: Stack) -> None:
 
 
 @pytest.mark.slow
-def test_deadlines_shorter_than_the_wait_end_in_the_queue_or_are_refused(stack: Stack) -> None:
+def test_a_burst_past_the_slo_is_refused_at_once_and_the_admitted_meet_it(stack: Stack) -> None:
+    """4 credits, steps of about 0.15 s, 8 tokens a request, an SLO of 3 s of which 0.75 may be spent:
+    of 30 requests at once, the 4 that start at once and the 4 whose slot frees in about 9 steps are
+    admitted (forecast about 11 steps); the rest would start about 18 steps out and are refused at once,
+    decided in the gateway without a downstream call. Every admitted one meets the SLO, as the gateway
+    measured it."""
+    model, count, new_tokens = "slo", 30, 8
+    worker = stack.start_worker(model, max_requests=4, step_delay_s=0.15)
+    gateway = stack.start_gateway({"model": model, "workers": [worker.address], "ttft_slo_ms": 3000})
+    stub = gateway_pb2_grpc.GatewayStub(stack.channel(gateway.address))
+    stub.Generate(request(model, "warm-up: the steps are known", 2), timeout=60)  # the forecast's steps
+    tokenized_before = metric("strata_gateway_tokenize_batch_size_sum", model=model)
+
+    async def burst() -> list[Any]:
+        async with grpc.aio.insecure_channel(gateway.address) as channel:
+            client = gateway_pb2_grpc.GatewayStub(channel)
+
+            async def one(i: int) -> Any:
+                try:
+                    return await client.Generate(request(model, f"burst {i}", new_tokens), timeout=60)
+                except grpc.aio.AioRpcError as error:
+                    return error
+
+            return await asyncio.gather(*(one(i) for i in range(count)))
+
+    results = asyncio.run(burst())
+    refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+    served = [r for r in results if not isinstance(r, grpc.aio.AioRpcError)]
+    assert (len(served), len(refused)) == (8, count - 8), {e.details() for e in refused}
+    for error in refused:
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "forecast time to first token" in (error.details() or ""), error.details()
+    for response in served:
+        assert len(response.token_ids) == new_tokens
+        assert response.timing.time_to_first_token_ms <= 3000, response.timing
+    assert metric("strata_rejections_total", model=model, reason="ttft_slo") == count - 8
+    fast = metric(
+        "strata_gateway_admission_decision_seconds_bucket", model=model, outcome="refused", le="0.01"
+    )
+    assert fast == count - 8
+    assert metric("strata_gateway_tokenize_batch_size_sum", model=model) - tokenized_before == 8
+
+
+@pytest.mark.slow
+def test_a_deadline_shorter_than_the_forecast_is_refused_and_one_passing_in_the_queue_ends_there(
+    stack: Stack,
+) -> None:
     model = "deadline"
     worker = stack.start_worker(model, max_requests=2, step_delay_s=0.3)
     gateway = stack.start_gateway(
@@ -120,44 +167,33 @@ def test_deadlines_shorter_than_the_wait_end_in_the_queue_or_are_refused(stack: 
     )
     stub = gateway_pb2_grpc.GatewayStub(stack.channel(gateway.address))
     route = gateway.router.route(model)
-
-    def occupy() -> list[Any]:
-        streams = [stub.GenerateStream(request(model, f"long {i}", 10), timeout=60) for i in range(2)]
-        for call in streams:
-            assert next(call).token_ids
-        return streams
-
-    # No request has finished yet, so there is no prediction: they wait, and their deadline ends them.
-    streams = occupy()
-    started = time.monotonic()
-    with ThreadPoolExecutor(3) as pool:
-        waiting = [pool.submit(stub.Generate, request(model, f"short {i}", 4), timeout=1.0) for i in range(3)]
-        wait_for(lambda: stack.loop.call(lambda: route.queued_requests) == 3, 10, "three requests queued")
-        stats = stack.worker_stats(worker)
-        for future in waiting:
-            with pytest.raises(grpc.RpcError) as info:
-                future.result(30)
-            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert time.monotonic() - started < 5.0
-    # While they waited, the worker held only the two running streams: nothing of theirs was sent.
-    assert (stats.open_requests, stats.running, stats.waiting) == (2, 2, 0)
-    assert stack.loop.call(lambda: route.queued_requests) == 0
-    assert metric("strata_rejections_total", model=model, reason="deadline") == 3
+    # Two running requests with 9 tokens left each: the first credit frees in about 9 x 0.3 s.
+    streams = [stub.GenerateStream(request(model, f"long {i}", 10), timeout=60) for i in range(2)]
     for call in streams:
-        assert len([t for m in call for t in m.token_ids]) == 9  # the rest of the 10 tokens
-    # Now the service time is measured (2 credits, ~3 s a request): a deadline of 1 s behind two
-    # running requests is refused at once, and one without a deadline waits and completes.
-    streams = occupy()
+        assert next(call).token_ids
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as info:
         stub.Generate(request(model, "hopeless", 4), timeout=1.0)
     assert time.monotonic() - started < 0.5
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "exceeds the remaining deadline" in (info.value.details() or "")
+    assert "shorter than the forecast wait for a first token" in (info.value.details() or "")
     assert metric("strata_rejections_total", model=model, reason="predicted_wait") == 1
-    assert len(stub.Generate(request(model, "patient", 4), timeout=60).token_ids) == 4
+    # 8 s is longer than the forecast (about 3.3 s), so it queues; then the steps slow ten-fold and
+    # its deadline passes in the queue: DEADLINE_EXCEEDED, and nothing of it reached the worker.
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(stub.Generate, request(model, "admitted", 4), timeout=8.0)
+        wait_for(lambda: stack.loop.call(lambda: route.queued_requests) == 1, 10, "the request queued")
+        set_step_delay(worker, 3.0)
+        with pytest.raises(grpc.RpcError) as info:
+            waiting.result(30)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    stats = stack.worker_stats(worker)
+    assert (stats.open_requests, stats.running, stats.waiting) == (2, 2, 0)
+    assert metric("strata_rejections_total", model=model, reason="deadline") == 1
+    set_step_delay(worker, 0.0)
     for call in streams:
-        list(call)
+        assert len([t for m in call for t in m.token_ids]) == 9  # the rest of the 10 tokens
+    assert len(stub.Generate(request(model, "patient", 4), timeout=60).token_ids) == 4
     wait_for(lambda: stack.worker_stats(worker).used_kv_blocks == 0, 30, "the worker freed every KV block")
 
 

@@ -41,7 +41,6 @@ from tests.integration.gateway_harness import (
     CONTEXT,
     ENGINE,
     MAX_MESSAGE_BYTES,
-    RETRY_AFTER_S,
     Env,
     Stack,
     make_request,
@@ -357,7 +356,9 @@ def test_overload_gets_a_retry_hint_and_a_lost_worker_fails_its_streams(env: Env
         stub.Generate(make_request(max_new_tokens=2), timeout=30)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
     trailers = dict(info.value.trailing_metadata() or ())
-    assert retry_delay_s(trailers[STATUS_DETAILS_KEY]) == pytest.approx(RETRY_AFTER_S)
+    # The hint is the forecast wait: until a running stream's last token is due.
+    hint = retry_delay_s(trailers[STATUS_DETAILS_KEY])
+    assert hint is not None and 0 < hint < 120
 
     # Break the streams abruptly (no drain): the worker's gRPC server goes away under them.
     server = next(s for s in stack.servers if getattr(s, "address", None) == worker)

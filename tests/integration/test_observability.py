@@ -76,7 +76,8 @@ def stack(
         "gateway": {
             "listen": "127.0.0.1:0",
             "default_model": PRIMARY,
-            "routes": [{"model": PRIMARY, "fallback": FALLBACK, "max_queued_requests": 1}],
+            # No TTFT SLO: a request behind the 200-token holder must queue, not be refused on its forecast.
+            "routes": [{"model": PRIMARY, "fallback": FALLBACK, "max_queued_requests": 1, "ttft_slo_ms": 0}],
         },
     }
     path = directory / "stack.yaml"

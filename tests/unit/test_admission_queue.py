@@ -1,6 +1,6 @@
-"""Admission bookkeeping alone: the two-priority bounded queue, shedding, the wait model, the prompt
-estimate, a stream's credits and the slots that hold them, service times and the route settings.
-No I/O."""
+"""Admission bookkeeping alone: the two-priority bounded queue, shedding, the tickets ahead, the prompt
+estimate, a stream's credits and the slots that hold them, and the route settings. No I/O. The
+forecast is tests/unit/test_forecast.py's."""
 
 from __future__ import annotations
 
@@ -15,18 +15,16 @@ from gateway.admission import (
     AdmissionQueue,
     Priority,
     Refused,
-    ServiceTimes,
     Ticket,
     deadline_from_unix_ms,
     estimate_prompt_tokens,
-    predicted_wait_s,
     priority_of,
 )
 from gateway.credits import Slot, StreamCredits
 from gateway.settings import GatewaySettings
 from strata.settings import SettingsError
 from strata.status import RETRY_PUSHBACK_KEY, STATUS_DETAILS_KEY, Unavailable, retry_delay_s, trailers
-from strata.v1 import common_pb2, gateway_pb2, worker_pb2
+from strata.v1 import common_pb2, gateway_pb2
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -99,6 +97,9 @@ def test_interactive_first_then_fifo_within_a_priority() -> None:
         queue.push(w)
     assert (queue.requests, queue.tokens) == (4, 40)
     assert queue.ahead(Priority.INTERACTIVE) == 2 and queue.ahead(Priority.BATCH) == 4
+    ahead = [t.request_id for t in queue.ahead_tickets(Priority.INTERACTIVE)]
+    assert ahead == ["i1", "i2"]
+    assert [t.request_id for t in queue.ahead_tickets(Priority.BATCH)] == ["i1", "i2", "b1", "b2"]
     assert order(queue) == ["i1", "i2", "b1", "b2"]
     assert (queue.requests, queue.tokens) == (0, 0)
 
@@ -149,13 +150,6 @@ def test_exact_token_counts_replace_estimates_and_removal_is_exact() -> None:
     assert (queue.requests, queue.tokens) == (0, 0)
 
 
-def test_predicted_wait() -> None:
-    assert predicted_wait_s(ahead=0, free_credits=1, per_grant_s=None) == 0.0
-    assert predicted_wait_s(ahead=3, free_credits=0, per_grant_s=None) is None
-    assert predicted_wait_s(ahead=3, free_credits=0, per_grant_s=0.5) == pytest.approx(2.0)
-    assert predicted_wait_s(ahead=3, free_credits=2, per_grant_s=0.5) == pytest.approx(1.0)
-
-
 def test_priority_deadline_and_estimate_helpers(tiny_serving_dir: Path) -> None:
     assert priority_of(gateway_pb2.PRIORITY_UNSPECIFIED) is Priority.INTERACTIVE
     assert priority_of(gateway_pb2.PRIORITY_INTERACTIVE) is Priority.INTERACTIVE
@@ -168,30 +162,6 @@ def test_priority_deadline_and_estimate_helpers(tiny_serving_dir: Path) -> None:
         assert estimate_prompt_tokens(request) >= len(tokenizer.encode(prompt).ids), prompt
     chat = gateway_pb2.GenerateRequest(messages=[common_pb2.ChatMessage(role="user", content="hi")])
     assert estimate_prompt_tokens(chat) > len("hi")
-
-
-LENGTH = common_pb2.FINISH_REASON_LENGTH
-
-
-def _response(
-    credits: int | None, updates: tuple[tuple[str, bool], ...] = (), rejected: tuple[str, ...] = ()
-) -> worker_pb2.ConnectResponse:
-    response = worker_pb2.ConnectResponse(
-        updates=[
-            worker_pb2.TokenUpdate(
-                request_id=rid,
-                finished=done,
-                finish_reason=common_pb2.FINISH_REASON_LENGTH
-                if done
-                else common_pb2.FINISH_REASON_UNSPECIFIED,
-            )
-            for rid, done in updates
-        ],
-        rejections=[worker_pb2.Rejection(request_id=rid) for rid in rejected],
-    )
-    if credits is not None:
-        response.credits.requests = credits
-    return response
 
 
 def test_stream_credits_count_held_slots_and_learn_others_from_reports() -> None:
@@ -232,18 +202,6 @@ def test_a_slot_takes_one_credit_when_granted_and_gives_it_back_exactly_once() -
         asyncio.get_event_loop().run_until_complete(refused.granted(10))
 
 
-def test_service_times_track_first_and_last_updates_of_completed_requests() -> None:
-    times = ServiceTimes()
-    for name, now in (("r1", 0.0), ("r2", 0.0), ("r3", 0.1), ("cancelled", 0.1)):
-        times.sent(name, now)
-    times.time(_response(3, (("r2", False),)), now=0.5)
-    assert times.first_token_s == pytest.approx(0.5)
-    times.forget("cancelled")
-    times.time(_response(1, (("r3", False), ("r2", True), ("cancelled", True)), rejected=("r1",)), now=1.0)
-    assert times.first_token_s == pytest.approx(0.5 + 0.2 * (0.9 - 0.5))
-    assert times.service_s == pytest.approx(1.0)
-
-
 @pytest.mark.parametrize(
     ("route", "message"),
     [
@@ -253,6 +211,8 @@ def test_service_times_track_first_and_last_updates_of_completed_requests() -> N
         ({"model": "a", "workers": ["h:1"], "fallback": "a"}, "names itself"),
         ({"model": "a", "workers": ["h:1"], "fallback": "zzz"}, "falls back to 'zzz'"),
         ({"model": "a", "workers": ["h:1"], "max_queued_requests": -1}, "max_queued_requests=-1"),
+        ({"model": "a", "workers": ["h:1"], "ttft_slo_share": 0}, "ttft_slo_share=0"),
+        ({"model": "a", "workers": ["h:1"], "ttft_slo_share": 1.5}, "ttft_slo_share=1.5"),
     ],
 )
 def test_route_settings_are_checked(route: dict[str, object], message: str) -> None:

@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 
-from gateway.admission import ServiceTimes
 from gateway.attempt import Attempt
+from gateway.credits import StreamCredits
 from gateway.errors import InvalidArgument, Unavailable
 from gateway.fallback import Detour, Trigger
+from gateway.forecast import LinkLoad
 from gateway.request import ENGINE_ERROR, Delta, Failure, Incoming, Request
 from gateway.request_trace import RequestTrace
 from gateway.route import Route
@@ -45,7 +46,8 @@ class _ReadyLink:
     ready, leaving, info, free_credits, open_requests, not_ready_reason = True, False, None, 0, 0, ""
 
     def __init__(self) -> None:
-        self.times = ServiceTimes()
+        self.load = LinkLoad()
+        self.credits = StreamCredits()
 
     def start(self) -> None:
         """Nothing to connect to."""
@@ -54,7 +56,11 @@ class _ReadyLink:
 def _route(model: str) -> Route:
     """A started route of one `_ReadyLink`."""
     settings = GatewaySettings.build(
-        {"tokenizer_address": "127.0.0.1:1", "routes": [{"model": model, "workers": ["127.0.0.1:1"]}]}
+        # No SLO: a link that never reports a step still queues the slots placed on it.
+        {
+            "tokenizer_address": "127.0.0.1:1",
+            "routes": [{"model": model, "workers": ["127.0.0.1:1"], "ttft_slo_ms": 0}],
+        }
     )
     route = Route(settings.routes[0], settings, lambda *args: _ReadyLink(), lambda: None)  # type: ignore[arg-type,return-value]
     route.start()

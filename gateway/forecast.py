@@ -1,0 +1,187 @@
+"""The forecast of a new request's time to first token on a route, from what its workers report.
+
+Each worker stream has a LinkLoad: the requests open on it (prompt size, tokens still to generate,
+whether the first token came) and the worker's steps, which every message on the stream reports
+(StepInfo: an average of their durations, the engine's running limit and its prefill budget for the
+batch now running). `forecast` replays the near future of a route with those facts: each running slot
+of a link (the engine's running limit, at most the credits this gateway holds there) frees when the
+last token of its request is due (tokens left x step time); the requests a link has queued beyond
+its slots, then the tickets ahead in the route's queue, each take the earliest free slot and hold it
+for their whole generation; the new ticket starts in the slot it gets, and its first token comes
+after the step it waits for plus its prompt's prefill chunks. A request counts as running to its
+max_new_tokens, so the forecast is an upper bound when requests stop early (the safe side of the
+promise). This module does no I/O and must not decide: route.py compares the forecast with the SLO
+and the deadline, and worker_link.py feeds the LinkLoad.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from gateway.admission import Ticket
+    from strata.v1 import worker_pb2
+
+STEP_EWMA_WEIGHT = 0.3
+"""Weight of each reported step in the step-time average: a few steps follow a change of load."""
+
+
+@dataclass(slots=True)
+class _Open:
+    """One request open on a stream, as the forecast sees it."""
+
+    prompt_tokens: int
+    max_new_tokens: int
+    output_tokens: int
+    started: bool = False
+    """Its first token came: it holds a running slot and only decodes."""
+
+
+class LinkLoad:
+    """One worker stream's open requests and step times. Used from the event loop only."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, _Open] = {}
+        self.step_s: float | None = None
+        """Moving average of the worker's step durations; None before its first step."""
+        self.max_running = 0
+        """The engine's running limit at its last step; 0 before any."""
+        self.prefill_budget = 0
+        """Prompt tokens a step may compute with the batch now running; 0 before any step."""
+        self._provisional = False
+        """step_s is the hello's step (often the warm-up's, a batch of one): the next replaces it."""
+
+    @property
+    def open_requests(self) -> int:
+        return len(self._open)
+
+    def clear(self) -> None:
+        """A new stream: nothing of the old one runs any more, and its steps say nothing of the new."""
+        self._open.clear()
+
+    def sent(self, submission: worker_pb2.Submission) -> None:
+        """A submission was queued for the worker."""
+        self._open[submission.request_id] = _Open(
+            prompt_tokens=len(submission.prompt_ids) + len(submission.prior_output_ids),
+            max_new_tokens=submission.sampling.max_new_tokens,
+            output_tokens=len(submission.prior_output_ids),
+        )
+
+    def forget(self, wire_id: str) -> None:
+        """The request ended or was cancelled: its slot is free."""
+        self._open.pop(wire_id, None)
+
+    def observe(self, response: worker_pb2.ConnectResponse) -> None:
+        """Follow a worker message: rejections, progress and ends of requests, and the step."""
+        for rejection in response.rejections:
+            self.forget(rejection.request_id)
+        for update in response.updates:
+            if update.finished:
+                self.forget(update.request_id)
+                continue
+            request = self._open.get(update.request_id)
+            if request is not None:
+                request.output_tokens = max(request.output_tokens, update.output_tokens)
+                request.started = True
+        if response.HasField("step"):
+            self._stepped(response.step, provisional=response.HasField("hello"))
+
+    def _stepped(self, step: worker_pb2.StepInfo, *, provisional: bool) -> None:
+        seconds = step.duration_ms / 1000.0
+        previous = None if self._provisional else self.step_s
+        self.step_s = seconds if previous is None else previous + STEP_EWMA_WEIGHT * (seconds - previous)
+        self._provisional = provisional
+        self.max_running = step.max_running
+        self.prefill_budget = step.prefill_budget
+
+    def slots(self, credit_limit: int) -> int:
+        """Requests the engine runs at once for this stream: its running limit, at most the credits."""
+        return min(credit_limit, self.max_running) if self.max_running else credit_limit
+
+    def chunks(self, prompt_tokens: int) -> int:
+        """Steps the prefill of `prompt_tokens` takes at the current budget (at least one)."""
+        return max(1, math.ceil(prompt_tokens / max(1, self.prefill_budget or prompt_tokens)))
+
+    def busy_until(self, slots: int, unsent: Sequence[_Open] = ()) -> tuple[list[float], list[_Open], int]:
+        """(seconds until each occupied slot frees, the requests queued behind the slots in order, the
+        prompt tokens still to prefill in the slots), with `unsent` requests granted a credit here and
+        about to be sent after the open ones. Only for a link with a step time."""
+        step_s = self.step_s or 0.0
+        ordered = [*self._open.values(), *unsent]
+        ordered.sort(key=lambda r: not r.started)  # running ones hold slots first, the rest in order
+        held, queued = ordered[:slots], ordered[slots:]
+        frees = []
+        pending_prefill = 0
+        for request in held:
+            left = max(1, request.max_new_tokens - request.output_tokens)
+            if not request.started:
+                pending_prefill += request.prompt_tokens
+                left += self.chunks(request.prompt_tokens)
+            frees.append(left * step_s)
+        return frees, queued, pending_prefill
+
+
+@dataclass(frozen=True, slots=True)
+class LinkView:
+    """What the forecast needs of one ready link."""
+
+    load: LinkLoad
+    slots: int
+    """Running slots for this stream (LinkLoad.slots)."""
+    free_credits: int
+    """Credits this gateway may still use on it: empty slots beyond these belong to other gateways."""
+    unsent: int = 0
+    """Slots granted on it whose submissions are not sent yet (their prompts are being tokenized)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Forecast:
+    """When the ticket would start in a slot, and when its first token would come, in seconds from now."""
+
+    start_s: float
+    ttft_s: float
+
+
+def forecast(links: Sequence[LinkView], ahead: Sequence[Ticket], ticket: Ticket) -> Forecast | None:
+    """The ticket's start and first token behind `ahead`; None when no link has reported a step yet."""
+    # Free-slot events: (seconds from now, link index); the earliest is taken first.
+    events: list[tuple[float, int]] = []
+    pending: dict[int, int] = {}
+    for index, view in enumerate(links):
+        load = view.load
+        if load.step_s is None:
+            continue
+        # A granted slot not sent yet is taken like the ticket's own size: bursts are alike.
+        unsent = [_Open(ticket.prompt_tokens, ticket.max_new_tokens, 0)] * view.unsent
+        frees, queued, pending[index] = load.busy_until(view.slots, unsent)
+        empty = max(0, min(view.slots - len(frees), view.free_credits))
+        # The requests a worker queues behind its slots wait for that worker's slots only.
+        own = [(at, index) for at in frees + [0.0] * empty]
+        heapq.heapify(own)
+        for request in queued:
+            if own:
+                _hold(own, request.max_new_tokens - request.output_tokens, request.prompt_tokens, load)
+        events.extend(own)
+    if not events:
+        return None
+    heapq.heapify(events)
+    for waiting in ahead:
+        _hold(events, waiting.max_new_tokens, waiting.prompt_tokens, links[events[0][1]].load)
+    start, index = events[0]
+    load = links[index].load
+    # A ticket that starts now shares the next steps' prefill with the prompts not yet prefilled.
+    prompt = ticket.prompt_tokens + (pending.get(index, 0) if start == 0.0 else 0)
+    step_s = load.step_s or 0.0
+    return Forecast(start, start + step_s * (1 + load.chunks(prompt)))
+
+
+def _hold(events: list[tuple[float, int]], new_tokens: int, prompt_tokens: int, load: LinkLoad) -> None:
+    """The earliest free slot of `events` (on `load`'s link) runs one request through, then frees."""
+    at, index = heapq.heappop(events)
+    steps = max(1, new_tokens) + load.chunks(prompt_tokens)
+    heapq.heappush(events, (at + steps * (load.step_s or 0.0), index))

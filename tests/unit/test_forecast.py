@@ -1,0 +1,146 @@
+"""The time-to-first-token forecast alone: a stream's LinkLoad followed from worker messages, and the
+replay of free slots behind the queue. No I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.admission import Ticket
+from gateway.forecast import LinkLoad, LinkView, forecast
+from strata.v1 import common_pb2, worker_pb2
+
+
+def ticket(name: str, prompt: int = 32, new: int = 10) -> Ticket:
+    return Ticket(request_id=name, prompt_tokens=prompt, max_new_tokens=new)
+
+
+def submission(name: str, prompt: int = 32, new: int = 10, prior: int = 0) -> worker_pb2.Submission:
+    return worker_pb2.Submission(
+        request_id=name,
+        prompt_ids=[1] * prompt,
+        sampling=common_pb2.SamplingParams(max_new_tokens=new),
+        prior_output_ids=[2] * prior,
+    )
+
+
+def step(duration_ms: float, *, max_running: int = 4, prefill_budget: int = 64) -> worker_pb2.StepInfo:
+    return worker_pb2.StepInfo(
+        duration_ms=duration_ms, max_running=max_running, prefill_budget=prefill_budget
+    )
+
+
+def progress(load: LinkLoad, name: str, output_tokens: int, *, finished: bool = False) -> None:
+    update = worker_pb2.TokenUpdate(request_id=name, output_tokens=output_tokens, finished=finished)
+    load.observe(worker_pb2.ConnectResponse(updates=[update]))
+
+
+def test_the_step_time_is_a_moving_average_of_reported_steps() -> None:
+    load = LinkLoad()
+    assert load.step_s is None
+    load.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=8, prefill_budget=48)))
+    assert load.step_s == pytest.approx(0.1)
+    assert (load.max_running, load.prefill_budget) == (8, 48)
+    load.observe(worker_pb2.ConnectResponse(step=step(200.0)))
+    assert load.step_s == pytest.approx(0.1 + 0.3 * 0.1)
+    load.observe(worker_pb2.ConnectResponse())  # a message without a step changes nothing
+    assert load.step_s == pytest.approx(0.13)
+
+
+def test_the_hellos_step_is_replaced_by_the_first_step_of_the_stream() -> None:
+    load = LinkLoad()
+    hello = worker_pb2.ConnectResponse(hello=worker_pb2.WorkerHello(), step=step(5.0))
+    load.observe(hello)  # the worker's warm-up: one short prompt alone
+    assert load.step_s == pytest.approx(0.005)
+    load.observe(worker_pb2.ConnectResponse(step=step(150.0)))
+    assert load.step_s == pytest.approx(0.15)
+    load.observe(worker_pb2.ConnectResponse(step=step(250.0)))
+    assert load.step_s == pytest.approx(0.15 + 0.3 * 0.1)
+
+
+def test_no_forecast_before_any_step_report() -> None:
+    load = LinkLoad()
+    assert forecast([LinkView(load, slots=4, free_credits=4)], [], ticket("t")) is None
+
+
+def test_a_free_slot_starts_now_and_the_first_token_follows_its_prefill() -> None:
+    load = LinkLoad()
+    load.observe(worker_pb2.ConnectResponse(step=step(100.0, prefill_budget=16)))
+    got = forecast([LinkView(load, slots=4, free_credits=4)], [], ticket("t", prompt=40))
+    assert got is not None
+    # The step in progress, then ceil(40 / 16) = 3 prefill chunks.
+    assert got.start_s == 0.0 and got.ttft_s == pytest.approx(0.4)
+
+
+def test_prompts_not_yet_prefilled_share_the_chunks_of_a_ticket_that_starts_now() -> None:
+    load = LinkLoad()
+    load.observe(worker_pb2.ConnectResponse(step=step(100.0, prefill_budget=32)))
+    load.sent(submission("a", prompt=64))
+    got = forecast([LinkView(load, slots=4, free_credits=3)], [], ticket("t", prompt=32))
+    assert got is not None and got.ttft_s == pytest.approx(0.1 * (1 + 3))
+
+
+def test_a_full_link_frees_its_slot_when_the_shortest_request_ends() -> None:
+    load = LinkLoad()
+    load.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=2, prefill_budget=64)))
+    for name in ("a", "b"):
+        load.sent(submission(name, new=10))
+    progress(load, "a", 6)  # 4 tokens left
+    progress(load, "b", 1)  # 9 left
+    view = LinkView(load, slots=load.slots(credit_limit=2), free_credits=0)
+    got = forecast([view], [], ticket("t"))
+    assert got is not None and got.start_s == pytest.approx(0.4)
+    assert got.ttft_s == pytest.approx(0.4 + 0.1 * 2)
+    # One ticket ahead takes a's slot; the next one frees when b ends.
+    behind = forecast([view], [ticket("first")], ticket("t"))
+    assert behind is not None and behind.start_s == pytest.approx(0.9)
+    # Two ahead: the second waits for the first's whole run in a's slot (1 chunk + 10 tokens).
+    far = forecast([view], [ticket("first"), ticket("second")], ticket("t"))
+    assert far is not None and far.start_s == pytest.approx(0.4 + 1.1)
+
+
+def test_finished_and_rejected_requests_free_their_slots() -> None:
+    load = LinkLoad()
+    load.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=2)))
+    load.sent(submission("a"))
+    load.sent(submission("b"))
+    assert load.open_requests == 2
+    progress(load, "a", 10, finished=True)
+    load.observe(worker_pb2.ConnectResponse(rejections=[worker_pb2.Rejection(request_id="b")]))
+    assert load.open_requests == 0
+    got = forecast([LinkView(load, slots=2, free_credits=2)], [], ticket("t"))
+    assert got is not None and got.start_s == 0.0
+
+
+def test_requests_queued_inside_a_worker_wait_for_that_workers_slots() -> None:
+    slow, fast = LinkLoad(), LinkLoad()
+    slow.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=1)))
+    fast.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=1)))
+    for name in ("running", "queued"):
+        slow.sent(submission(name, new=10))
+    progress(slow, "running", 5)
+    fast.sent(submission("other", new=10))
+    progress(fast, "other", 2)
+    views = [LinkView(slow, slots=1, free_credits=0), LinkView(fast, slots=1, free_credits=0)]
+    got = forecast(views, [], ticket("t"))
+    # slow's slot goes to its own queued request; the ticket gets fast's at 8 steps.
+    assert got is not None and got.start_s == pytest.approx(0.8)
+
+
+def test_a_continuation_counts_its_prior_tokens() -> None:
+    load = LinkLoad()
+    load.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=1)))
+    load.sent(submission("resumed", prompt=8, new=10, prior=7))
+    progress(load, "resumed", 8)
+    got = forecast([LinkView(load, slots=1, free_credits=0)], [], ticket("t"))
+    assert got is not None and got.start_s == pytest.approx(0.2)
+    load.clear()
+    assert load.open_requests == 0
+
+
+def test_slots_granted_but_not_sent_yet_count_as_the_tickets_size() -> None:
+    load = LinkLoad()
+    load.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=2, prefill_budget=64)))
+    # Both credits granted to a burst still being tokenized: the next one waits for one of them.
+    view = LinkView(load, slots=2, free_credits=0, unsent=2)
+    got = forecast([view], [], ticket("t", new=10))
+    assert got is not None and got.start_s == pytest.approx(0.1 * (10 + 1))
