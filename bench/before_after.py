@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.stats import describe_machine, summarize
+from bench.stats import describe_machine, git_checkout, summarize
 
 DEFAULT_BENCH_ARGS = ("--concurrency", "1,64", "--no-progress")
 MAIN = "import sys; from strata.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -40,11 +40,8 @@ def run_bench(tree: Path, bench_args: list[str], json_path: Path) -> dict[str, A
 
 def commit_of(tree: Path) -> str:
     """The checkout's HEAD, with `+dirty` when its tracked files differ from it ("" outside git)."""
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True, text=True, check=False)
-    if head.returncode != 0:
-        return ""
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=tree, check=False).returncode != 0
-    return head.stdout.strip() + ("+dirty" if dirty else "")
+    head, dirty = git_checkout(tree)
+    return head + ("+dirty" if dirty and head else "")
 
 
 def figures(record: dict[str, Any]) -> dict[str, float]:

@@ -3,9 +3,11 @@
 The two loads share one resolution: a `Mode` names its defaults (full and --smoke), the options
 that do not apply to it, the ones that must be >= 1, > 0 or >= 0 when given, and `resolve` fills
 and checks the parsed options by it, then puts the plot next to the JSON record. The closed loop's
-requests per level is a default of this kind too. This module must stay cheap to import
-(`strata --help` builds the parser that uses it): no gRPC, torch nor model code; it must not parse
-the command line (bench/stack.py does) nor run anything.
+requests per level is a default of this kind too. The open loop has two checks of its own: the
+capacity run's options need `--rate auto` (a fixed list of rates skips that run), and
+`--gateway-metrics` is for a stack started elsewhere (`--spawn` knows its own gateway's). This
+module must stay cheap to import (`strata --help` builds the parser that uses it): no gRPC, torch
+nor model code; it must not parse the command line (bench/stack.py does) nor run anything.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ OPEN_LOOP = Mode(
         "warmup_requests": 4,
         "duration": 20.0,
         "gap": 3.0,
+        "rate_factor": 2.0,
     },
     smoke={
         "prompt_tokens": 16,
@@ -68,6 +71,7 @@ OPEN_LOOP = Mode(
         "warmup_requests": 2,
         "duration": 3.0,
         "gap": 0.5,
+        "rate_factor": 2.0,
     },
     excluded=("engine_baseline", "concurrency", "requests_per_level"),
     at_least_one=("prompt_tokens", "new_tokens", "arrivals", "capacity_concurrency", "capacity_requests"),
@@ -76,8 +80,22 @@ OPEN_LOOP = Mode(
 )
 
 
+# What only the capacity run of --rate auto uses.
+AUTO_ONLY = ("rate_factor", "capacity_concurrency", "capacity_requests")
+
+
 def _flag(name: str) -> str:
     return f"--{name.replace('_', '-')}"
+
+
+def _open_loop_problem(args: argparse.Namespace) -> str | None:
+    """What the open loop alone refuses, checked before the defaults fill anything in."""
+    given = [_flag(name) for name in AUTO_ONLY if getattr(args, name) is not None]
+    if args.rate != "auto" and given:
+        return f"{', '.join(given)}: only --rate auto measures the capacity; a list of rates skips it"
+    if args.spawn and args.gateway_metrics is not None:
+        return "--gateway-metrics is for a stack started elsewhere: --spawn reads its own gateway's"
+    return None
 
 
 def resolve(args: argparse.Namespace) -> str | None:
@@ -85,6 +103,8 @@ def resolve(args: argparse.Namespace) -> str | None:
     mode = OPEN_LOOP if args.rate is not None else CLOSED_LOOP
     if any(getattr(args, name) not in (None, False) for name in mode.excluded):
         return f"--rate is an open loop: {', '.join(_flag(name) for name in mode.excluded)} do not apply"
+    if mode is OPEN_LOOP and (problem := _open_loop_problem(args)) is not None:
+        return problem
     for name, default in mode.defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, mode.smoke[name] if args.smoke else default)

@@ -1,7 +1,8 @@
 """PNG plots of a `strata bench` record: throughput, time to first token and inter-token latency
 against concurrency, with the in-process engine's figures as reference marks when they were measured;
-and of a `strata bench --rate` record: goodput with fallback off and on, TTFT p99 against the SLO,
-refusals by reason.
+and of a `strata bench --rate` record, one column per offered rate: the admitted requests' TTFT p99
+per phase and route against the SLO and 1.1 x the SLO, goodput with fallback off and on, refusals at
+admission by reason.
 
 Reads only the record's summary fields (what bench/stack_report.py and bench/rate_report.py write), so
 a plot can be redrawn from a saved JSON. Renders with matplotlib's Agg backend (no display); this
@@ -16,6 +17,10 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from matplotlib.figure import Figure
+
+
+_RATE_PHASES = ("off", "on")
+_PHASE_COLORS = {"off": "tab:gray", "on": "tab:green"}
 
 
 def _series(levels: list[dict[str, Any]], metric: str, key: str) -> tuple[list[int], list[float]]:
@@ -98,53 +103,97 @@ def write_plots(record: dict[str, Any], path: Path) -> None:
     _save(figure, title, path)
 
 
-def write_rate_plot(record: dict[str, Any], path: Path) -> None:
-    """`strata bench --rate`: goodput off vs on, accepted requests' TTFT p99 against the SLO, refusals."""
-    phases = [record["phases"][name] for name in ("off", "on")]
-    labels = ["fallback off", "fallback on"]
-    colors = ["tab:gray", "tab:green"]
-    workload, target = record["workload"], record["target"]
-    figure, (goodput, ttft, refusals) = _panels()
+def _ttft_bars(axis: Any, entry: dict[str, Any], slo_ms: float, factor: float) -> None:
+    """Admitted TTFT p99 per phase and route (routes that admitted none left out) against the SLO and
+    its limit; a p99 that lands on a miss (no first token) is a hatched bar to the top, marked inf."""
+    bars = [
+        (f"{name}\n{route}", figures)
+        for name in _RATE_PHASES
+        for route, figures in entry["phases"][name]["routes"].items()
+        if figures["admitted"]
+    ]
+    finite = [f["ttft_ms"]["p99"] for _, f in bars if f["ttft_ms"]["p99"] is not None]
+    top = 1.3 * max([factor * slo_ms, *finite])
+    for x, (_, figures) in enumerate(bars):
+        value = figures["ttft_ms"]["p99"]
+        color = "tab:green" if "fallback" in bars[x][0] else "tab:blue"
+        if value is None:
+            axis.bar(x, top, color="white", edgecolor=color, hatch="//")
+            axis.text(x, 0.5 * top, f"inf\n{figures['no_first_token']} without\na first token", ha="center")
+        else:
+            axis.bar(x, value, color=color)
+        runs = [v for v in figures["ttft_p99_ms_runs"] if v is not None]
+        axis.plot([x] * len(runs), runs, "k.")
+    axis.axhline(slo_ms, color="tab:orange", linestyle=":", label=f"SLO {slo_ms:.0f} ms")
+    axis.axhline(factor * slo_ms, color="tab:red", linestyle="--", label=f"{factor:g} x SLO")
+    axis.set_xticks(range(len(bars)), [label for label, _ in bars])
+    axis.set_ylim(0, top)
+    axis.set_ylabel("ms")
+    axis.legend(fontsize="small")
 
-    for x, phase in enumerate(phases):
+
+def _goodput_bars(axis: Any, entry: dict[str, Any]) -> None:
+    """Goodput per phase: the median, the min-max spread and every round."""
+    for x, name in enumerate(_RATE_PHASES):
+        phase = entry["phases"][name]
         low, high = phase["goodput_tok_s_spread"]
         median = phase["goodput_tok_s"]
-        goodput.bar(x, median, color=colors[x], yerr=[[median - low], [high - median]], capsize=6)
-        goodput.plot([x] * len(phase["goodput_tok_s_runs"]), phase["goodput_tok_s_runs"], "k.")
+        axis.bar(x, median, color=_PHASE_COLORS[name], yerr=[[median - low], [high - median]], capsize=6)
+        axis.plot([x] * len(phase["goodput_tok_s_runs"]), phase["goodput_tok_s_runs"], "k.")
+    target = entry["target"]
     ratio = target["goodput_ratio"]
     shown = "unbounded" if ratio is None else f"{ratio:.2f}x"
-    goodput.set_title(f"goodput (TTFT within SLO): on/off {shown}, target >= {target['goodput_ratio_min']}x")
-    goodput.set_ylabel("output tokens / s")
+    axis.set_title(f"goodput (TTFT within SLO): on/off {shown}, target >= {target['goodput_ratio_min']}x")
+    axis.set_xticks(range(len(_RATE_PHASES)), [f"fallback {name}" for name in _RATE_PHASES])
+    axis.set_ylabel("output tokens / s")
 
-    slo = workload["ttft_slo_ms"]
-    for x, phase in enumerate(phases):
-        runs = [value for value in phase["ttft_p99_ms_runs"] if value is not None]
-        if phase["ttft_ms"]["p99"] is not None:
-            ttft.bar(x, phase["ttft_ms"]["p99"], color=colors[x])
-        ttft.plot([x] * len(runs), runs, "k.")
-    ttft.axhline(slo, color="tab:red", linestyle="--", label=f"SLO {slo:.0f} ms")
-    ttft.set_title("time to first token p99, accepted requests")
-    ttft.set_ylabel("ms")
-    ttft.legend(fontsize="small")
 
-    reasons = sorted({reason for phase in phases for reason in phase["refusal_reasons"]})
-    bottoms = [0.0, 0.0]
-    for reason in reasons:
+def _refusal_bars(axis: Any, entry: dict[str, Any], colors: dict[str, Any]) -> None:
+    """Refusals at admission per phase, all rounds, stacked by the reason their message names."""
+    phases = [entry["phases"][name] for name in _RATE_PHASES]
+    bottoms = [0.0] * len(phases)
+    for reason, color in colors.items():
         counts = [phase["refusal_reasons"].get(reason, 0) for phase in phases]
-        refusals.bar([0, 1], counts, bottom=bottoms, label=f"refused: {reason}")
-        bottoms = [b + c for b, c in zip(bottoms, counts, strict=True)]
-    served = [phase["fallback_served"] for phase in phases]
-    refusals.bar([0, 1], served, bottom=bottoms, color="tab:green", alpha=0.5, label="served by the fallback")
-    refusals.set_title(f"requests, all rounds (offered {phases[0]['offered']} per phase)")
-    refusals.set_ylabel("requests")
-    refusals.legend(fontsize="small")
+        if any(counts):
+            axis.bar(range(len(phases)), counts, bottom=bottoms, color=color, label=reason)
+            bottoms = [b + c for b, c in zip(bottoms, counts, strict=True)]
+    axis.set_title(
+        f"refused at admission, all rounds ({entry['arrivals_per_phase']} arrivals per phase and round)"
+    )
+    axis.set_xticks(range(len(phases)), [f"fallback {name}" for name in _RATE_PHASES])
+    axis.set_ylabel("requests")
+    if any(bottoms):
+        axis.legend(fontsize="small")
 
-    for axis in (goodput, ttft, refusals):
-        axis.set_xticks([0, 1], labels)
-        axis.grid(True, axis="y", alpha=0.3)
+
+def write_rate_plot(record: dict[str, Any], path: Path) -> None:
+    """`strata bench --rate`: one column per rate; admitted TTFT p99 per phase and route against the
+    SLO, goodput per phase, refusals at admission by reason."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates, workload = record["rates"], record["workload"]
+    figure, axes = plt.subplots(3, len(rates), figsize=(6 * len(rates), 13), squeeze=False)
+    reasons = sorted({r for e in rates for n in _RATE_PHASES for r in e["phases"][n]["refusal_reasons"]})
+    palette = plt.get_cmap("tab10")
+    colors = {reason: palette(index % 10) for index, reason in enumerate(reasons)}
+    for column, entry in enumerate(rates):
+        ttft, goodput, refusals = axes[:, column]
+        target = entry["target"]
+        _ttft_bars(ttft, entry, target["ttft_slo_ms"], target["ttft_p99_slo_factor"])
+        ttft.set_title(
+            f"{entry['rate_rps']:.2f} req/s ({entry['rate_source']}), rate "
+            f"{'PASS' if target['pass'] else 'FAIL'}: admitted TTFT p99"
+        )
+        _goodput_bars(goodput, entry)
+        _refusal_bars(refusals, entry, colors)
+        for axis in (ttft, goodput, refusals):
+            axis.grid(True, axis="y", alpha=0.3)
     title = (
-        f"strata bench --rate {workload['rate_rps']:.2f}/s ({workload['arrival']}, "
-        f"{workload['rate_source']}): {workload['model']} -> {workload['fallback_model'] or 'no fallback'}, "
-        f"{workload['prompt_tokens']} + {workload['new_tokens']} tokens, {record['machine']['cpu_model']}"
+        f"strata bench --rate ({workload['arrival']}): {workload['model']} -> "
+        f"{workload['fallback_model'] or 'no fallback'}, {workload['prompt_tokens']} + "
+        f"{workload['new_tokens']} tokens, {record['machine']['cpu_model']}"
     )
     _save(figure, title, path)

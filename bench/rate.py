@@ -6,8 +6,8 @@ Each request is raw text, greedy with ignore_eos, interactive priority; fallback
 allow_fallback, fallback off sets no_fallback (and not allow_fallback), so the fallback serves none of
 them. Each is sent by bench/driver.py's `send`, told when it was due. The primary's capacity is a
 closed loop of no_fallback requests (bench/load.py): completed requests/s. This module schedules; it
-must not start a stack, pick the rate, nor reduce the figures (bench/rate_run.py and
-bench/rate_report.py do).
+must not start a stack, pick the rates, nor reduce the figures (bench/rate_run.py and
+bench/rate_phase.py do).
 """
 
 from __future__ import annotations

@@ -1,168 +1,103 @@
-"""`strata bench --rate`: open-loop requests reduced to per-phase figures, the verdict, the record, the table.
+"""`strata bench --rate`: each rate's verdict, the record of the whole invocation, and its table.
 
-A phase is one pass of the arrival schedule with fallback off (requests carry no_fallback) or on
-(allow_fallback). Per phase: goodput (output tokens/s of the completed requests whose time to first
-token met the SLO, over the phase's wall time from the first send to the last answer), offered,
-completed and refused requests, refusals by status code and by the reason their message names, the
-client-side refusal decision time (send -> RESOURCE_EXHAUSTED, network hop included), TTFT of the
-accepted requests, who served them (GenerateResponse.model, fallback_reason) and errors. The rounds
-reduce to medians and spreads; the verdict compares goodput on/off with the target. This module only
-shapes what was measured; it must not measure, nor talk to the stack.
+The record holds what every rate shares at the top (machine, checkout, stack, config, the workload
+without the rate, the capacity run) and one entry per offered rate under `rates`: its schedule, its
+two phases reduced over the rounds (bench/rate_phase.py) and its verdict. A rate passes when, in each
+phase and for each route that admitted requests, the admitted requests' TTFT p99 (misses infinite)
+is within 1.1 x the SLO; goodput with fallback on is at least 1.5 x goodput with it off; and, where
+the gateway's histogram was scraped and it refused any, its refusal decision p99 (a bucket's upper
+bound) is under 10 ms. Errors, miscounted tokens and fallback answers with fallback off void the
+record. This module only shapes what was measured; it must not measure, nor talk to the stack.
 """
 
 from __future__ import annotations
 
-import re
-import statistics
-from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from bench.stats import percentile, summarize
+from bench.admission import ADMISSION_WINDOW_S
+from bench.rate_phase import PHASES
 from bench.summary import (
-    REFUSAL_CODE,
-    check_tokens,
     counts_text,
-    latency_percentiles,
     machine_at_end,
-    median_latencies,
     ms_text,
     options_record,
-    pair_text,
     pass_text,
     report_text,
-    summed_counts,
 )
 
 if TYPE_CHECKING:
     import argparse
     from collections.abc import Sequence
 
-    from bench.driver import RequestResult
-
-PHASES = ("off", "on")
-# Per-round counts that add up over the rounds.
-_COUNTS = (
-    "offered",
-    "completed",
-    "refused",
-    "good_requests",
-    "fallback_served",
-    "failovers",
-    "token_mismatches",
-)
-# The target: fallback on gives at least this times the goodput of fallback off.
+# The targets: fallback on gives at least this times the goodput of fallback off; the admitted
+# requests' TTFT p99 stays within this times the SLO; the gateway decides a refusal within this.
 GOODPUT_RATIO_MIN = 1.5
-# The gateway's refusal messages name their reason in words; the first matching pattern wins, so the
-# specific ones come before the generic ("predicted time to first token ... exceeds the deadline").
-_REASON_PATTERNS = (
-    ("queue_full", re.compile(r"queue[ _]full", re.IGNORECASE)),
-    ("token_budget", re.compile(r"token[ _]budget", re.IGNORECASE)),
-    ("ttft_slo", re.compile(r"ttft|time to first token|\bslo\b", re.IGNORECASE)),
-    ("predicted_wait", re.compile(r"predicted[ _]wait|deadline", re.IGNORECASE)),
-    ("shed", re.compile(r"\bshed\b", re.IGNORECASE)),
-    ("no_credit", re.compile(r"capacity|credit", re.IGNORECASE)),
-)
+TTFT_P99_SLO_FACTOR = 1.1
+GATEWAY_REFUSAL_P99_MAX_MS = 10.0
+
+NOTES = {
+    "admission": f"a request not refused (RESOURCE_EXHAUSTED) within {1000 * ADMISSION_WINDOW_S:.0f} ms "
+    "of its send is admitted; every admitted request counts toward the SLO whatever happened later",
+    "routes": "primary: served by the primary, or failed without naming a model; fallback: served by "
+    "any other model (GenerateResponse.model)",
+    "ttft_ms": "admitted requests; one that never got a first token counts as infinite, and a "
+    "percentile landing on one is null (no_first_token says how many)",
+    "goodput": "output tokens/s of completed requests whose TTFT <= the SLO, over the phase's "
+    "wall time from its first send to its last answer",
+    "itl_ms": "inter-token gaps of admitted completed requests",
+    "refusal_decision_ms": "client-side, send -> RESOURCE_EXHAUSTED of refusals at admission: "
+    "includes the network hop and the client's own event loop",
+    "gateway_decision": "the gateway's strata_gateway_admission_decision_seconds, every route added "
+    "up, bucket deltas between scrapes before and after each phase (the rounds added up); p99_ms is "
+    "the upper bound of the bucket holding the 99th percentile, not an interpolation (null with "
+    "p99_over_ms: past the last finite bucket); null: no metrics address was known",
+}
 
 
-def refusal_reason(message: str) -> str:
-    """The reason a RESOURCE_EXHAUSTED message names, as a short key; "other" when none is recognized."""
-    for reason, pattern in _REASON_PATTERNS:
-        if pattern.search(message):
-            return reason
-    return "other"
+def _ttft_checks(phases: dict[str, dict[str, Any]], limit_ms: float) -> dict[str, dict[str, Any]]:
+    """Per phase and route that admitted requests: the admitted TTFT p99 against the limit."""
+    checks: dict[str, dict[str, Any]] = {}
+    for name in PHASES:
+        for route, figures in phases[name]["routes"].items():
+            if not figures["admitted"]:
+                continue
+            value = figures["ttft_ms"]["p99"]
+            checks.setdefault(name, {})[route] = {
+                "admitted": figures["admitted"],
+                "no_first_token": figures["no_first_token"],
+                "limit_ms": limit_ms,
+                "value_ms": value,
+                "pass": value is not None and value <= limit_ms,
+            }
+    return checks
 
 
-def fallback_key(reason: str) -> str:
-    """GenerateResponse.fallback_reason as the gateway's trigger (and, when saturated, what saturated)."""
-    text = reason.lower()
-    if "mid-stream" in text:
-        return "failover"
-    if "failed" in text:
-        return "primary_failed"
-    if "unavailable" in text:
-        return "primary_unavailable"
-    if "saturated" in text:
-        return f"primary_saturated:{refusal_reason(reason)}"
-    return "other" if reason else "none given"
+def _gateway_checks(phases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per phase: the gateway's refusal decision p99 against the limit, when it was scraped and refused."""
+    checks = {}
+    for name in PHASES:
+        decision = phases[name]["gateway_decision"]
+        refused = decision["refused"] if decision is not None else None
+        known = refused is not None and refused["count"] > 0
+        p99 = refused["p99_ms"] if refused is not None else None
+        checks[name] = {
+            "known": known,
+            "count": refused["count"] if refused is not None else None,
+            "p99_ms": p99,
+            "p99_over_ms": refused["p99_over_ms"] if refused is not None else None,
+            "limit_ms": GATEWAY_REFUSAL_P99_MAX_MS,
+            "pass": (p99 is not None and p99 < GATEWAY_REFUSAL_P99_MAX_MS) if known else None,
+        }
+    return checks
 
 
-def summarize_phase(
-    results: Sequence[RequestResult],
-    *,
-    phase: str,
-    wall_s: float,
-    input_tokens: Sequence[int],
-    new_tokens: int,
-    slo_ms: float,
-    primary: str,
-) -> dict[str, Any]:
-    """One phase of one round: goodput, refusals, TTFT of the accepted, who served them, errors."""
-    ok = [r for r in results if r.status == "OK"]
-    refused = [r for r in results if r.status == REFUSAL_CODE]
-    errors = Counter(r.status for r in results if r.status not in ("OK", REFUSAL_CODE))
-    good = [r for r in ok if r.ttft_s is not None and 1000.0 * r.ttft_s <= slo_ms]
-    good_tokens = sum(len(r.token_ids) for r in good)
-    served_by = Counter(r.model or "?" for r in ok)
-    by_fallback = [r for r in ok if r.model != primary]
-    lags = [r.send_lag_s for r in results]
-    return {
-        "phase": phase,
-        "offered": len(results),
-        "completed": len(ok),
-        "refused": len(refused),
-        "wall_s": wall_s,
-        "good_requests": len(good),
-        "good_tokens": good_tokens,
-        "goodput_tok_s": good_tokens / wall_s if wall_s > 0 else 0.0,
-        "output_tok_s": sum(len(r.token_ids) for r in results) / wall_s if wall_s > 0 else 0.0,
-        "ttft_ms": latency_percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
-        "refusals": {REFUSAL_CODE: len(refused)} if refused else {},
-        "refusal_reasons": dict(Counter(refusal_reason(r.message) for r in refused)),
-        "refusal_examples": sorted({r.message for r in refused})[:3],
-        "refusals_with_retry_hint": sum(r.retry_hint_s is not None for r in refused),
-        "refusal_decision_ms": latency_percentiles([r.e2e_s for r in refused]),
-        "served_by": dict(served_by),
-        "fallback_served": len(by_fallback),
-        "fallback_share": len(by_fallback) / len(ok) if ok else 0.0,
-        "fallback_reasons": dict(Counter(fallback_key(r.fallback_reason) for r in by_fallback)),
-        "fallback_reason_examples": sorted({r.fallback_reason for r in by_fallback})[:3],
-        "failovers": sum(r.failover_at_token > 0 for r in ok),
-        "errors": dict(errors),
-        "error_examples": sorted({f"{r.status}: {r.message}" for r in results if r.status in errors})[:3],
-        "token_mismatches": sum(bool(check_tokens(r, input_tokens[r.index], new_tokens)) for r in ok),
-        "send_lag_ms": {
-            "p50": 1000.0 * percentile(lags, 50) if lags else None,
-            "p99": 1000.0 * percentile(lags, 99) if lags else None,
-            "max": 1000.0 * max(lags) if lags else None,
-        },
-    }
-
-
-def aggregate_phase(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One phase over the rounds: goodput median and spread, percentiles' medians, summed counts."""
-    goodput = summarize([run["goodput_tok_s"] for run in runs])
-    completed = sum(run["completed"] for run in runs)
-    fallback = sum(run["fallback_served"] for run in runs)
-    return {
-        "phase": runs[0]["phase"],
-        "goodput_tok_s": goodput.median,
-        "goodput_tok_s_spread": [goodput.low, goodput.high],
-        "goodput_tok_s_runs": list(goodput.values),
-        "output_tok_s": statistics.median(run["output_tok_s"] for run in runs),
-        "ttft_ms": median_latencies(runs, "ttft_ms"),
-        "ttft_p99_ms_runs": [run["ttft_ms"]["p99"] for run in runs],
-        "refusal_decision_ms": median_latencies(runs, "refusal_decision_ms", ("p50", "p99")),
-        **{key: sum(run[key] for run in runs) for key in _COUNTS},
-        **{key: summed_counts(runs, key) for key in ("refusals", "refusal_reasons", "served_by", "errors")},
-        "fallback_reasons": summed_counts(runs, "fallback_reasons"),
-        "fallback_share": fallback / completed if completed else 0.0,
-        "runs": runs,
-    }
-
-
-def judge_rate(off: dict[str, Any], on: dict[str, Any], slo_ms: float) -> dict[str, Any]:
-    """Goodput on/off (medians, and per round) against >= 1.5, and the ON phase's TTFT p99 against the SLO."""
-    verdict: dict[str, Any] = {"goodput_ratio_min": GOODPUT_RATIO_MIN, "ttft_slo_ms": slo_ms}
+def judge_rate(phases: dict[str, dict[str, Any]], slo_ms: float) -> dict[str, Any]:
+    """One rate's verdict: admitted TTFT p99 per phase and route, goodput on/off, gateway refusal p99."""
+    off, on = phases["off"], phases["on"]
+    verdict: dict[str, Any] = {"ttft_slo_ms": slo_ms, "ttft_p99_slo_factor": TTFT_P99_SLO_FACTOR}
+    verdict["ttft_p99"] = _ttft_checks(phases, TTFT_P99_SLO_FACTOR * slo_ms)
+    verdict["ttft_pass"] = all(c["pass"] for routes in verdict["ttft_p99"].values() for c in routes.values())
+    verdict["goodput_ratio_min"] = GOODPUT_RATIO_MIN
     if off["goodput_tok_s"] > 0:
         verdict["goodput_ratio"] = on["goodput_tok_s"] / off["goodput_tok_s"]
         verdict["goodput_pass"] = verdict["goodput_ratio"] >= GOODPUT_RATIO_MIN
@@ -173,38 +108,61 @@ def judge_rate(off: dict[str, Any], on: dict[str, Any], slo_ms: float) -> dict[s
         (b / a if a > 0 else None)
         for a, b in zip(off["goodput_tok_s_runs"], on["goodput_tok_s_runs"], strict=True)
     ]
-    p99 = on["ttft_ms"]["p99"]
-    verdict["ttft_p99_on_ms"] = p99
-    verdict["ttft_p99_on_ms_runs"] = on["ttft_p99_ms_runs"]
-    verdict["ttft_pass"] = p99 is not None and p99 <= slo_ms
-    verdict["pass"] = bool(verdict["goodput_pass"] and verdict["ttft_pass"])
+    verdict["gateway_refusal_p99"] = _gateway_checks(phases)
+    verdict["gateway_refusal_pass"] = all(
+        c["pass"] for c in verdict["gateway_refusal_p99"].values() if c["known"]
+    )
+    verdict["pass"] = bool(
+        verdict["ttft_pass"] and verdict["goodput_pass"] and verdict["gateway_refusal_pass"]
+    )
     return verdict
 
 
-def invalid_reasons(phases: dict[str, dict[str, Any]], smoke: bool) -> tuple[list[str], list[str]]:
+def rate_entry(
+    *, rate_rps: float, rate_source: str, offsets: Sequence[float], phases: dict[str, Any], slo_ms: float
+) -> dict[str, Any]:
+    """One offered rate of the record: its schedule, its phases and its verdict."""
+    return {
+        "rate_rps": rate_rps,
+        "rate_source": rate_source,
+        "arrivals_per_phase": len(offsets),
+        "schedule_s": offsets[-1],
+        "phases": phases,
+        "target": judge_rate(phases, slo_ms),
+    }
+
+
+def invalid_reasons(rates: Sequence[dict[str, Any]], smoke: bool) -> tuple[list[str], list[str]]:
     """(what voids the numbers: errors, miscounted tokens, fallback use with fallback off; the rest)."""
     voiding = []
-    for name, phase in phases.items():
-        if phase["errors"]:
-            voiding.append(f"fallback {name}: errors {phase['errors']}")
-        if phase["token_mismatches"]:
-            voiding.append(f"fallback {name}: {phase['token_mismatches']} requests miscounted tokens")
-    if phases["off"]["fallback_served"]:
-        voiding.append(f"fallback off: other models served requests {phases['off']['served_by']}")
+    for entry in rates:
+        where = f"rate {entry['rate_rps']:g}/s"
+        for name, phase in entry["phases"].items():
+            if phase["errors"]:
+                voiding.append(f"{where}, fallback {name}: errors {phase['errors']}")
+            if phase["token_mismatches"]:
+                voiding.append(
+                    f"{where}, fallback {name}: {phase['token_mismatches']} requests miscounted tokens"
+                )
+        if entry["phases"]["off"]["fallback_served"]:
+            voiding.append(
+                f"{where}, fallback off: other models served {entry['phases']['off']['served_by']}"
+            )
     return voiding, (["--smoke run"] if smoke else [])
 
 
 def build_rate_record(
     args: argparse.Namespace,
     *,
+    checkout: dict[str, Any],
     stack: dict[str, Any],
     machine: dict[str, Any],
     workload: dict[str, Any],
     capacity: dict[str, Any] | None,
-    phases: dict[str, dict[str, Any]],
+    rates: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    """The whole record; `workload` holds the resolved rate, schedule and SLO the driver used."""
-    voiding, other = invalid_reasons(phases, args.smoke)
+    """The whole record; `workload` holds the SLO and schedule options, each rate entry its own rate."""
+    voiding, other = invalid_reasons(rates, args.smoke)
     reasons = voiding + other
     return {
         "benchmark": "strata bench --rate",
@@ -212,49 +170,88 @@ def build_rate_record(
         "invalid_reasons": reasons,
         "voided": bool(voiding),
         "smoke": args.smoke,
+        "checkout": checkout,
         "workload": workload,
         "capacity": capacity,
         "stack": stack,
-        "phases": phases,
-        "target": judge_rate(phases["off"], phases["on"], workload["ttft_slo_ms"]),
-        "notes": {
-            "goodput": "output tokens/s of completed requests whose TTFT <= the SLO, over the phase's "
-            "wall time from its first send to its last answer",
-            "refusal_decision_ms": "client-side, send -> RESOURCE_EXHAUSTED: includes the network hop "
-            "and the client's own event loop",
-        },
+        "rates": rates,
+        "pass": all(entry["target"]["pass"] for entry in rates),
+        "notes": dict(NOTES),
         "machine": machine_at_end(machine),
         "config": options_record(args),
     }
 
 
-def format_rate_report(record: dict[str, Any]) -> str:
-    """One line per phase, then the verdict."""
-    workload, target = record["workload"], record["target"]
-    lines = [
-        f"open loop: {workload['rate_rps']:.2f} req/s ({workload['arrival']}, "
-        f"{workload['arrivals_per_phase']} per phase, rate {workload['rate_source']}), "
-        f"TTFT SLO {workload['ttft_slo_ms']:.0f} ms",
-        f"{'fallback':>8} {'goodput':>8} {'(min-max)':>13} {'offered':>7} {'done':>5} {'refused':>7} "
-        f"{'TTFT p50/p99 ms':>15} {'refusal p50/p99 ms':>18} {'by fallback':>11} {'reasons':>20} "
-        f"{'errors':>7}",
-    ]
-    for name in PHASES:
-        phase = record["phases"][name]
-        low, high = phase["goodput_tok_s_spread"]
-        ttft, decision = pair_text(phase["ttft_ms"]), pair_text(phase["refusal_decision_ms"])
-        lines.append(
-            f"{name:>8} {phase['goodput_tok_s']:>8.1f} {f'{low:.1f}-{high:.1f}':>13} {phase['offered']:>7} "
-            f"{phase['completed']:>5} {phase['refused']:>7} {ttft:>15} {decision:>18} "
-            f"{phase['fallback_share']:>11.0%} {counts_text(phase['refusal_reasons']):>20} "
-            f"{counts_text(phase['errors']):>7}"
-        )
+def _ttft_cell(route: dict[str, Any]) -> str:
+    """An admitted TTFT p99: "-" when the route admitted none, "inf" when it lands on a miss."""
+    if not route["admitted"]:
+        return "-"
+    return "inf" if route["ttft_ms"]["p99"] is None else ms_text(route["ttft_ms"]["p99"])
+
+
+def _bound_text(refused: dict[str, Any]) -> str:
+    """A refusal decision p99 as its bucket's bound: "<=5", or ">1000" past the last finite bucket."""
+    return f"<={refused['p99_ms']:g}" if refused["p99_ms"] is not None else f">{refused['p99_over_ms']:g}"
+
+
+def _gateway_cell(decision: dict[str, Any] | None) -> str:
+    """The gateway's refusal p99; "-" when it was not scraped or refused nothing."""
+    if decision is None or not decision["refused"]["count"]:
+        return "-"
+    return _bound_text(decision["refused"])
+
+
+def _verdict_line(target: dict[str, Any]) -> str:
+    ttft = ", ".join(
+        f"{name}/{route} {'inf' if c['value_ms'] is None else ms_text(c['value_ms'])}"
+        for name, routes in target["ttft_p99"].items()
+        for route, c in routes.items()
+    )
+    limit = TTFT_P99_SLO_FACTOR * target["ttft_slo_ms"]
     ratio = target["goodput_ratio"]
     shown = "unbounded (off had none)" if ratio is None else f"{ratio:.2f}"
-    lines.append(
-        f"goodput on/off: {shown} (target >= {target['goodput_ratio_min']}): "
-        f"{pass_text(target['goodput_pass'])}; TTFT p99 with fallback on "
-        f"{ms_text(target['ttft_p99_on_ms'])} ms (SLO {target['ttft_slo_ms']:.0f} ms): "
-        f"{pass_text(target['ttft_pass'])}"
+    known = {n: c for n, c in target["gateway_refusal_p99"].items() if c["known"]}
+    gateway = ", ".join(f"{n} {_bound_text(c)}" for n, c in known.items()) or "not measured"
+    return (
+        f"  admitted TTFT p99 ({ttft}) ms <= {limit:.0f}: {pass_text(target['ttft_pass'])}; "
+        f"goodput on/off {shown} >= {target['goodput_ratio_min']}: {pass_text(target['goodput_pass'])}; "
+        f"gateway refusal p99 ({gateway}) ms < {GATEWAY_REFUSAL_P99_MAX_MS:g}: "
+        f"{pass_text(target['gateway_refusal_pass'])}; rate {pass_text(target['pass'])}"
     )
+
+
+def format_rate_report(record: dict[str, Any]) -> str:
+    """One block per rate: a line per phase, then the rate's verdict."""
+    workload = record["workload"]
+    slo = workload["ttft_slo_ms"]
+    lines = [
+        f"open loop ({workload['arrival']}): TTFT SLO {slo:.0f} ms, admitted p99 limit "
+        f"{TTFT_P99_SLO_FACTOR * slo:.0f} ms; admitted = not refused within "
+        f"{1000 * ADMISSION_WINDOW_S:.0f} ms; TTFT pri/fb: primary and fallback routes"
+    ]
+    header = (
+        f"  {'fallback':>8} {'goodput':>8} {'(min-max)':>13} {'offered':>7} {'admitted':>8} {'refused':>7} "
+        f"{'TTFT p99 pri/fb':>15} {'ITL p99':>7} {'refusal p99 cli/gw':>18} {'reasons':>20} {'errors':>7}"
+    )
+    for entry in record["rates"]:
+        lines.append(
+            f"rate {entry['rate_rps']:.2f} req/s ({entry['rate_source']}): {entry['arrivals_per_phase']} "
+            f"arrivals per phase over {entry['schedule_s']:.1f} s; ms unless said"
+        )
+        lines.append(header)
+        for name in PHASES:
+            phase = entry["phases"][name]
+            low, high = phase["goodput_tok_s_spread"]
+            ttft = f"{_ttft_cell(phase['routes']['primary'])}/{_ttft_cell(phase['routes']['fallback'])}"
+            decision = (
+                f"{ms_text(phase['refusal_decision_ms']['p99'])}/{_gateway_cell(phase['gateway_decision'])}"
+            )
+            lines.append(
+                f"  {name:>8} {phase['goodput_tok_s']:>8.1f} {f'{low:.1f}-{high:.1f}':>13} "
+                f"{phase['offered']:>7} {phase['admitted']:>8} {phase['refused']:>7} {ttft:>15} "
+                f"{ms_text(phase['itl_ms']['p99']):>7} {decision:>18} "
+                f"{counts_text(phase['refusal_reasons']):>20} {counts_text(phase['errors']):>7}"
+            )
+        lines.append(_verdict_line(entry["target"]))
+    lines.append(f"all rates: {pass_text(record['pass'])}")
     return report_text(lines, record)

@@ -1,25 +1,29 @@
-"""What `strata bench --rate` does once its options are parsed: the open-loop run, fallback off and on.
+"""What `strata bench --rate` does once its options are parsed: the open loop at each offered rate,
+fallback off and on.
 
-Against a running stack (`--address`) or one started here (`--spawn`): ListModels names the primary
-route (`--model`, else the default) and its fallback; the config gives the primary worker (tokenizer,
-max_num_seqs) and the route's TTFT SLO. After an untimed warm-up of both routes, `--rate auto`
-measures the primary's capacity and offers `--rate-factor` (2) times it. Then `--runs` rounds of two
-phases on the same arrival schedule, OFF ON OFF ON OFF ON (bench/README.md's rule 7); between phases
-every answer is in, the gateway's queues read empty, and the stack idles `--gap` seconds. The
-schedule is bench/rate.py's (each request bench/driver.py's), the stack, channel and publishing
-bench/session.py's, the reduction, verdict and record bench/rate_report.py, the plot bench/plots.py;
-this module only orchestrates and reads the config. It must not import bench/stack.py (the command
-line imports it) nor the closed loop's run (bench/stack_run.py).
+Against a running stack (`--address`) or one started here (`--spawn`), aiming at the primary route,
+its fallback and its SLO as bench/rate_target.py reads them. After an untimed warm-up of both
+routes, `--rate auto` measures the primary's capacity and offers `--rate-factor` (2) times it; a
+fixed list (`--rate 14,28`) offers each of its rates in turn, in the order given, with no capacity
+run. Per rate, `--runs` rounds of two phases on that rate's arrival schedule, OFF ON OFF ON OFF ON
+(bench/README.md's rule 7); between phases every answer is in, the gateway's queues read empty, and
+the stack idles `--gap` seconds. Just before and after each phase the gateway's /metrics is scraped,
+when its address is known, for its admission decision histogram. The schedule is bench/rate.py's
+(each request bench/driver.py's), the stack, channel and publishing bench/session.py's, the scrape
+bench/gateway_metrics.py's, the reduction bench/rate_phase.py's, the verdict and record
+bench/rate_report.py's, the plot bench/plots.py's; this module only orchestrates. It must not import
+bench/stack.py (the command line imports it) nor the closed loop's run (bench/stack_run.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from bench.gateway_metrics import bucket_delta, scrape_decisions
 from bench.rate import (
     arrival_offsets,
     arrivals_per_phase,
@@ -29,136 +33,108 @@ from bench.rate import (
     run_phase,
     warm_up,
 )
-from bench.rate_report import PHASES, aggregate_phase, build_rate_record, format_rate_report, summarize_phase
-from bench.session import BenchError, gateway, publish, stack_address
+from bench.rate_phase import PHASES, aggregate_phase, summarize_phase
+from bench.rate_report import build_rate_record, format_rate_report, rate_entry
+from bench.rate_target import resolve_target, worker_threads
+from bench.session import BenchError, gateway, publish, stack_endpoints
 from bench.stack_prompts import build_prompts, load_tokenizer
-from bench.stats import describe_machine
-from strata.settings import DEFAULT_CONFIG, SettingsError, read_config
+from bench.stats import describe_machine, git_checkout
 
 if TYPE_CHECKING:
     import argparse
-    from pathlib import Path
 
     from tokenizers import Tokenizer
 
     from bench.driver import Stub
-    from services.worker.settings import WorkerSettings
-    from strata.v1 import gateway_pb2
-
-DEFAULT_SLO_MS = 2000.0
-
-
-def primary_worker(config: Path, model: str) -> WorkerSettings | None:
-    """The config's worker serving `model`; None when the config has none (a stack started elsewhere)."""
-    from services.worker.settings import WorkerSettings
-
-    workers = read_config(config).get("workers")
-    for index in range(len(workers) if isinstance(workers, list) else 0):
-        settings = WorkerSettings.load(config, index=index)
-        if settings.model_name == model:
-            return settings
-    return None
+    from bench.gateway_metrics import Buckets
+    from bench.rate_target import Target
+    from bench.session import Endpoints
 
 
-def route_slo_ms(config: Path, model: str) -> tuple[float, str]:
-    """The route's ttft_slo_ms from the config's gateway routes, else the settings' default, else 2000.
-
-    A route whose SLO check is off (0) has no SLO to measure against: strata bench's default serves.
-    """
-    section = read_config(config).get("gateway")
-    routes = section.get("routes") if isinstance(section, dict) else None
-    for route in routes if isinstance(routes, list) else []:
-        if isinstance(route, dict) and route.get("model") == model and "ttft_slo_ms" in route:
-            if float(route["ttft_slo_ms"]) > 0:
-                return float(route["ttft_slo_ms"]), f"{config}: gateway.routes[{model}].ttft_slo_ms"
-            return DEFAULT_SLO_MS, f"strata bench's default ({config}: the route's SLO check is off)"
-    from gateway.settings import RouteSettings
-
-    field = RouteSettings.model_fields.get("ttft_slo_ms")
-    if field is not None and isinstance(field.default, (int, float)) and field.default > 0:
-        return float(field.default), "the gateway's RouteSettings.ttft_slo_ms default"
-    return DEFAULT_SLO_MS, "strata bench's default"
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """What the run aims at: the primary route, its fallback, its worker's settings and the SLO."""
-
-    primary: str
-    fallback: str
-    worker: WorkerSettings | None
-    model_dir: Path
-    slo_ms: float
-    slo_source: str
-
-
-def _target(args: argparse.Namespace, models: gateway_pb2.ListModelsResponse) -> Target:
-    config = args.config or DEFAULT_CONFIG
-    primary = args.model or models.default_model
-    info = next((m for m in models.models if m.name == primary), None)
+async def _scrape(address: str | None) -> dict[str, Buckets] | None:
+    """The gateway's decision histogram now; None when its metrics address is unknown."""
+    if address is None:
+        return None
     try:
-        worker = primary_worker(config, primary)
-        slo = (args.ttft_slo_ms, "--ttft-slo-ms") if args.ttft_slo_ms else route_slo_ms(config, primary)
-    except SettingsError as exc:
-        raise BenchError(f"{exc}\n(the model folder and the SLO come from --config)") from exc
-    model_dir = args.model_dir or (worker.model_path if worker is not None else None)
-    if model_dir is None:
-        raise BenchError(f"{config} has no worker for model {primary!r}: pass --model-dir or --config")
-    fallback = info.fallback_model if info is not None else ""
-    return Target(primary, fallback, worker, model_dir, slo[0], slo[1])
+        return await scrape_decisions(address)
+    except (OSError, ValueError) as exc:  # urllib's errors are OSErrors; a page the parser cannot read
+        raise BenchError(
+            f"the gateway's metrics at http://{address}/metrics could not be read: {exc}"
+        ) from exc
 
 
-def _worker_threads(args: argparse.Namespace, target: Target) -> dict[str, int | None]:
-    """Each route's torch threads as configured (None: torch's default), for the machine record."""
-    threads = {target.primary: target.worker.threads if target.worker else None}
-    if target.fallback:
-        worker = primary_worker(args.config or DEFAULT_CONFIG, target.fallback)
-        threads[target.fallback] = worker.threads if worker else None
-    return threads
-
-
-async def _phases(
-    stub: Stub, args: argparse.Namespace, target: Target, tokenizer: Tokenizer, offsets: list[float]
-) -> dict[str, dict[str, Any]]:
-    """The rounds, OFF then ON each, on the same schedule; distinct prompts per phase; drained between."""
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in PHASES}
-    seed = f"{args.seed}/{args.prompt_tokens}"
-    for index in range(args.runs):
-        for name in PHASES:
-            prompts = build_prompts(tokenizer, len(offsets), args.prompt_tokens, f"{seed}/r{index}/{name}")
-            requests = [
-                rate_request(
-                    p, args.new_tokens, f"bench-r{index}-{name}-{i}", target.primary, fallback=name == "on"
-                )
-                for i, p in enumerate(prompts)
-            ]
-            label = f"run {index + 1}/{args.runs} fallback {name}"
-            results, wall = await run_phase(
-                stub, requests, offsets, timeout_s=args.timeout, label=label, progress=not args.no_progress
-            )
-            summary = summarize_phase(
-                results, phase=name, wall_s=wall, input_tokens=[len(p.token_ids) for p in prompts],
-                new_tokens=args.new_tokens, slo_ms=target.slo_ms, primary=target.primary,
-            )  # fmt: skip
-            runs[name].append(summary)
-            await drain(stub, args.gap)
-    return {name: aggregate_phase(phase_runs) for name, phase_runs in runs.items()}
-
-
-def _workload(
-    args: argparse.Namespace, target: Target, rate: tuple[float, str], offsets: list[float]
+async def _phase(
+    stub: Stub,
+    args: argparse.Namespace,
+    target: Target,
+    tokenizer: Tokenizer,
+    offsets: list[float],
+    *,
+    rate: tuple[int, float],
+    round_index: int,
+    name: str,
+    metrics: str | None,
 ) -> dict[str, Any]:
+    """One phase of one round at one rate, its prompts distinct from every other phase's."""
+    rate_index, rps = rate
+    seed = f"{args.seed}/{args.prompt_tokens}/{rps:g}/r{round_index}/{name}"
+    prompts = build_prompts(tokenizer, len(offsets), args.prompt_tokens, seed)
+    requests = [
+        rate_request(
+            p, args.new_tokens, f"bench-{rate_index}-r{round_index}-{name}-{i}", target.primary,
+            fallback=name == "on",
+        )
+        for i, p in enumerate(prompts)
+    ]  # fmt: skip
+    label = f"{rps:g}/s run {round_index + 1}/{args.runs} fallback {name}"
+    before = await _scrape(metrics)
+    results, wall = await run_phase(
+        stub, requests, offsets, timeout_s=args.timeout, label=label, progress=not args.no_progress
+    )
+    after = await _scrape(metrics)
+    try:
+        decisions = bucket_delta(before, after) if before is not None and after is not None else None
+    except ValueError as exc:
+        raise BenchError(f"{label}: {exc} (did the gateway restart?)") from exc
+    summary = summarize_phase(
+        results, phase=name, wall_s=wall, input_tokens=[len(p.token_ids) for p in prompts],
+        new_tokens=args.new_tokens, slo_ms=target.slo_ms, primary=target.primary, decisions=decisions,
+    )  # fmt: skip
+    await drain(stub, args.gap)
+    return summary
+
+
+async def _offered_rates(
+    stub: Stub, args: argparse.Namespace, target: Target, tokenizer: Tokenizer
+) -> tuple[dict[str, Any] | None, list[tuple[float, str]]]:
+    """The capacity run's record (auto only) and each rate to offer with where it came from."""
+    if args.rate != "auto":
+        return None, [(float(rate), "--rate") for rate in args.rate]
+    worker = target.worker
+    concurrency = args.capacity_concurrency or (worker.engine.max_num_seqs if worker else 16)
+    count = args.capacity_requests or 2 * concurrency
+    prompts = build_prompts(
+        tokenizer, count, args.prompt_tokens, f"{args.seed}/{args.prompt_tokens}/capacity"
+    )
+    capacity = await measure_capacity(stub, args, prompts, target.primary, concurrency)
+    if capacity["requests_per_s"] <= 0:
+        raise BenchError(f"the primary completed no request in the capacity run: {capacity}")
+    capacity["factor"] = args.rate_factor
+    await drain(stub, args.gap)
+    return capacity, [
+        (args.rate_factor * capacity["requests_per_s"], f"auto: {args.rate_factor:g} x capacity")
+    ]
+
+
+def _workload(args: argparse.Namespace, target: Target) -> dict[str, Any]:
+    """What every rate shares: the requests, the schedule's shape, the phases' order and the SLO."""
     return {
         "model": target.primary,
         "fallback_model": target.fallback,
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
-        "rate_rps": rate[0],
-        "rate_source": rate[1],
         "arrival": args.arrival,
         "seed": args.seed,
-        "arrivals_per_phase": len(offsets),
-        "schedule_s": offsets[-1],
         "runs": args.runs,
         "phase_order": [name for _ in range(args.runs) for name in PHASES],
         "gap_s": args.gap,
@@ -171,41 +147,47 @@ def _workload(
     }
 
 
-async def _session(address: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Everything against the stack: routes, warm-up, capacity, then the alternating phases."""
+async def _session(endpoints: Endpoints, args: argparse.Namespace) -> dict[str, Any]:
+    """Everything against the stack: routes, warm-up, capacity, then each rate's alternating phases."""
     from bench.stack_engine import resolve_device
 
-    async with gateway(address) as (stub, models):
-        target = _target(args, models)
+    async with gateway(endpoints.gateway) as (stub, models):
+        target = resolve_target(args, models)
         try:
             tokenizer = load_tokenizer(target.model_dir)
         except FileNotFoundError as exc:
             raise BenchError(str(exc)) from exc
         machine = describe_machine(resolve_device(target.worker)[0] if target.worker else "unknown")
-        machine["worker_threads"] = _worker_threads(args, target)
-        seed = f"{args.seed}/{args.prompt_tokens}"
-        warm = build_prompts(tokenizer, args.warmup_requests, args.prompt_tokens, f"{seed}/warmup")
+        machine["worker_threads"] = worker_threads(args, target)
+        # A metrics address that does not answer fails here, before any load.
+        await _scrape(endpoints.gateway_metrics)
+        warm = build_prompts(
+            tokenizer, args.warmup_requests, args.prompt_tokens, f"{args.seed}/{args.prompt_tokens}/warmup"
+        )
         await warm_up(stub, args, warm, [target.primary, *([target.fallback] if target.fallback else [])])
-
-        capacity = None
-        rate = (float(args.rate), "--rate") if args.rate != "auto" else (0.0, "")
-        if args.rate == "auto":
-            worker = target.worker
-            concurrency = args.capacity_concurrency or (worker.engine.max_num_seqs if worker else 16)
-            prompts = build_prompts(
-                tokenizer, args.capacity_requests or 2 * concurrency, args.prompt_tokens, f"{seed}/capacity"
+        capacity, offered = await _offered_rates(stub, args, target, tokenizer)
+        rates = []
+        for rate_index, (rps, source) in enumerate(offered):
+            count = arrivals_per_phase(rps, args.duration, args.arrivals)
+            offsets = arrival_offsets(rps, count, args.arrival, f"{args.seed}/arrivals")
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in PHASES}
+            for round_index in range(args.runs):
+                for name in PHASES:
+                    runs[name].append(
+                        await _phase(
+                            stub, args, target, tokenizer, offsets, rate=(rate_index, rps),
+                            round_index=round_index, name=name, metrics=endpoints.gateway_metrics,
+                        )
+                    )  # fmt: skip
+            phases = {name: aggregate_phase(phase_runs) for name, phase_runs in runs.items()}
+            rates.append(
+                rate_entry(
+                    rate_rps=rps, rate_source=source, offsets=offsets, phases=phases, slo_ms=target.slo_ms
+                )
             )
-            capacity = await measure_capacity(stub, args, prompts, target.primary, concurrency)
-            if capacity["requests_per_s"] <= 0:
-                raise BenchError(f"the primary completed no request in the capacity run: {capacity}")
-            capacity["factor"] = args.rate_factor
-            rate = (args.rate_factor * capacity["requests_per_s"], f"auto: {args.rate_factor:g} x capacity")
-            await drain(stub, args.gap)
-        count = arrivals_per_phase(rate[0], args.duration, args.arrivals)
-        offsets = arrival_offsets(rate[0], count, args.arrival, f"{args.seed}/arrivals")
-        phases = await _phases(stub, args, target, tokenizer, offsets)
         stack = {
-            "address": address,
+            "address": endpoints.gateway,
+            "gateway_metrics": endpoints.gateway_metrics,
             "spawned": args.spawn,
             "default_model": models.default_model,
             "models": [
@@ -215,21 +197,29 @@ async def _session(address: str, args: argparse.Namespace) -> dict[str, Any]:
             "model_dir": str(target.model_dir),
         }
         return {
-            "phases": phases,
+            "rates": rates,
             "capacity": capacity,
             "machine": machine,
-            "workload": _workload(args, target, rate, offsets),
+            "workload": _workload(args, target),
             "stack": stack,
         }
+
+
+def _checkout() -> dict[str, Any]:
+    """The checkout this code runs from: its commit (None outside git) and whether it was dirty."""
+    tree = Path(__file__).resolve().parents[1]
+    commit, dirty = git_checkout(tree)
+    return {"tree": str(tree), "commit": commit or None, "dirty": dirty if commit else None}
 
 
 def run_rate_benchmark(args: argparse.Namespace) -> int:
     """The open-loop run, then the record, the plot and the table; 1 when errors void the numbers."""
     from bench.plots import write_rate_plot
 
-    with stack_address(args) as address:
+    checkout = _checkout()  # at the start: what ran, even if the tree changes meanwhile
+    with stack_endpoints(args) as endpoints:
         try:
-            measured = asyncio.run(_session(address, args))
+            measured = asyncio.run(_session(endpoints, args))
         except grpc.aio.AioRpcError as exc:
             raise BenchError(
                 f"the gateway failed a ListModels call: {exc.code().name}: {exc.details()}"
@@ -237,7 +227,7 @@ def run_rate_benchmark(args: argparse.Namespace) -> int:
         except TimeoutError as exc:
             raise BenchError(str(exc)) from exc
     record = build_rate_record(
-        args, stack=measured["stack"], machine=measured["machine"], workload=measured["workload"],
-        capacity=measured["capacity"], phases=measured["phases"],
+        args, checkout=checkout, stack=measured["stack"], machine=measured["machine"],
+        workload=measured["workload"], capacity=measured["capacity"], rates=measured["rates"],
     )  # fmt: skip
     return publish(record, args, format_rate_report(record), write_rate_plot)

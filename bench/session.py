@@ -2,10 +2,11 @@
 and the record, plot and table they publish.
 
 The stack is `--address`, or one started here from `--config` (`--spawn`) and stopped on the way
-out. The gateway is reached over one grpc.aio channel, checked with a ListModels call whose answer
-(the routes, the default model) the runs record. The closed loop (bench/stack_run.py) and the open
-loop (bench/rate_run.py) both import this module; it must not import either of them, nor send a
-generation request.
+out; its gateway's /metrics address is the launcher's for a spawned stack, else
+`--gateway-metrics`, else unknown. The gateway is reached over one grpc.aio channel, checked with a
+ListModels call whose answer (the routes, the default model) the runs record. The closed loop
+(bench/stack_run.py) and the open loop (bench/rate_run.py) both import this module; it must not
+import either of them, nor send a generation request.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -37,11 +39,19 @@ class BenchError(RuntimeError):
     """The benchmark cannot run (no stack, no model, a bad config); the message says what to do."""
 
 
+@dataclass(frozen=True, slots=True)
+class Endpoints:
+    """Where the stack answers: the gateway's gRPC address and its /metrics host:port (None: unknown)."""
+
+    gateway: str
+    gateway_metrics: str | None
+
+
 @contextlib.contextmanager
-def stack_address(args: argparse.Namespace) -> Iterator[str]:
+def stack_endpoints(args: argparse.Namespace) -> Iterator[Endpoints]:
     """The gateway to drive: --address, or a stack started here and stopped on the way out."""
     if not args.spawn:
-        yield args.address
+        yield Endpoints(args.address, args.gateway_metrics)
         return
     from strata.cli.launcher import StackError, start_stack
 
@@ -55,7 +65,7 @@ def stack_address(args: argparse.Namespace) -> Iterator[str]:
     except (StackError, SettingsError) as exc:
         raise BenchError(f"the stack did not start: {exc}") from exc
     try:
-        yield stack.addresses.gateway
+        yield Endpoints(stack.addresses.gateway, stack.metrics_addresses.get("gateway"))
     finally:
         stack.stop()
 

@@ -7,16 +7,17 @@ percentiles, refusals and errors per level, as a JSON record and PNG plots. A le
 requests by default: from N = 8 on, one per stream, all at once (the workload the engine baseline
 runs); at N = 1, eight back to back, so its TTFT is a median of several. `--engine-baseline`
 times the in-process engine on the same token ids in the same run, alternating with the stack
-(bench/README.md's rules), and judges the stack against it. `--rate R` (or auto) replaces the sweep
-with open-loop arrivals, fallback off and on (bench/rate_run.py). This module is the command line only:
-it must stay cheap to import (`strata --help` builds this parser), so the options' defaults and checks
-live in bench/options.py and the work in bench/stack_run.py and bench/rate_run.py, imported when the
-command runs; neither of those may import this module.
+(bench/README.md's rules), and judges the stack against it. `--rate R[,R...]` (or auto) replaces the
+sweep with open-loop arrivals at each rate, fallback off and on (bench/rate_run.py). This module is
+the command line only: it must stay cheap to import (`strata --help` builds this parser), so the
+options' defaults and checks live in bench/options.py and the work in bench/stack_run.py and
+bench/rate_run.py, imported when the command runs; neither of those may import this module.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -37,27 +38,45 @@ def _concurrency_list(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(values)))
 
 
-def _rate(text: str) -> float | str:
+def _rates(text: str) -> str | tuple[float, ...]:
+    """--rate: auto, or a comma-separated list of requests/s (each finite and > 0, none twice), in order."""
     if text == "auto":
         return text
+    example = "requests/s > 0, a comma-separated list of them (e.g. 14,28), or auto alone"
+    parts = [part.strip() for part in text.split(",")]
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty rate: {example}")
     try:
-        value = float(text)
+        values = tuple(float(part) for part in parts)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a rate: requests/s > 0, or auto") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: the rate must be > 0 requests/s, or auto")
-    return value
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rate: {example}") from None
+    for part, value in zip(parts, values, strict=True):
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"{text!r}: {part} is no rate: {example}")
+    if len(set(values)) < len(values):
+        raise argparse.ArgumentTypeError(f"{text!r} names a rate twice: each rate runs once, in order")
+    return values
+
+
+def _host_port(text: str) -> str:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT, e.g. 127.0.0.1:9464")
+    return text
 
 
 def _add_rate_arguments(parser: argparse.ArgumentParser) -> None:
     rate = parser.add_argument_group(
         "open loop (--rate)",
         "Requests arrive at R/s whatever the stack answers; each round runs the same schedule with "
-        "fallback off (no_fallback) then on (allow_fallback), and reports goodput within the TTFT SLO.",
+        "fallback off (no_fallback) then on (allow_fallback). A request not refused within 50 ms is "
+        "admitted and counts toward the TTFT SLO whatever happens to it later.",
     )
     rate.add_argument(
-        "--rate", type=_rate, help="requests/s, or auto: --rate-factor x the primary's measured capacity"
-    )
+        "--rate", type=_rates,
+        help="requests/s, a comma-separated list of them run one after the other (e.g. 14,28), or "
+        "auto: --rate-factor x the primary's measured capacity",
+    )  # fmt: skip
     rate.add_argument("--duration", type=float, help="seconds of arrivals per phase (default: 20; smoke 3)")
     rate.add_argument("--arrivals", type=int, help="requests per phase (default: rate x --duration)")
     rate.add_argument(
@@ -66,16 +85,11 @@ def _add_rate_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     rate.add_argument(
         "--ttft-slo-ms", type=float,
-        help="goodput counts requests whose TTFT is within this (default: the route's ttft_slo_ms in "
-        "--config, else the gateway's default, else 2000)",
+        help="the TTFT SLO: goodput counts requests within it, the admitted p99 must be within 1.1x it "
+        "(default: the route's ttft_slo_ms in --config, else the gateway's default, else 2000)",
     )  # fmt: skip
     rate.add_argument("--gap", type=float, help="idle seconds between phases (default: 3; smoke 0.5)")
-    rate.add_argument(
-        "--rate-factor",
-        type=float,
-        default=2.0,
-        help="--rate auto: times the capacity (default: %(default)s)",
-    )
+    rate.add_argument("--rate-factor", type=float, help="--rate auto: times the capacity (default: 2)")
     rate.add_argument(
         "--capacity-concurrency", type=int,
         help="--rate auto: closed-loop streams (default: the primary worker's engine.max_num_seqs)",
@@ -85,6 +99,11 @@ def _add_rate_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="--rate auto: requests of the capacity run (default: 2 x streams)",
     )
+    rate.add_argument(
+        "--gateway-metrics", type=_host_port, metavar="HOST:PORT",
+        help="the gateway's /metrics, scraped around each phase for its own refusal decision time "
+        "(with --spawn: the spawned gateway's; without either: not measured)",
+    )  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

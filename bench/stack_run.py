@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from bench.driver import make_request
 from bench.load import LevelRun, run_level, summarize_level
 from bench.options import requests_per_level
-from bench.session import BenchError, gateway, publish, stack_address
+from bench.session import BenchError, gateway, publish, stack_endpoints
 from bench.stack_prompts import Prompt, build_prompts, load_tokenizer
 from bench.stack_report import aggregate_levels, build_record, engine_record, format_report, judge
 from bench.stats import describe_machine
@@ -135,7 +135,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
     engine_ttft: list[list[float]] = []
     identical = compared = 0
     models = gateway_pb2.ListModelsResponse()
-    with stack_address(args) as address:
+    with stack_endpoints(args) as endpoints:
+        address = endpoints.gateway
         if engine is not None and warmup:
             # The stack is idle until the first sweep: the engine's warm-up runs now.
             engine.throughput([list(p.token_ids) for p in warmup], args.new_tokens)

@@ -1,4 +1,4 @@
-"""Benchmark bookkeeping: seeded prompts, run statistics and the table, the machine record, parity.
+"""Benchmark bookkeeping: seeded prompts, run statistics and the table, the machine and checkout, parity.
 
 These are the pieces every benchmark shares so that all of them follow the rules in bench/README.md
 the same way. This module must not load models or time anything itself; it only describes,
@@ -14,6 +14,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -152,6 +153,15 @@ def describe_machine(device: str) -> dict[str, Any]:
         info["gpu"] = torch.cuda.get_device_name(0)
         info["cuda"] = torch.version.cuda
     return info
+
+
+def git_checkout(tree: Path) -> tuple[str, bool]:
+    """The checkout's HEAD commit ("" outside git) and whether its tracked files differ from it."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True, text=True, check=False)
+    if head.returncode != 0:
+        return "", False
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=tree, check=False).returncode != 0
+    return head.stdout.strip(), dirty
 
 
 # Reference logits kept per position: enough to see an n-way tie, small enough for long runs.

@@ -1,31 +1,41 @@
 """`strata bench --rate` end to end: the open-loop driver against an in-process gRPC gateway that answers
 slowly and refuses some requests with a retry hint (and the closed loop against the same gateway, through
-the same request driver), the SLO and worker read from a stack config, a smoke run against a spawned tiny
-stack with a fallback, and the error when no gateway answers.
+the same request driver), a list of rates run in turn against that gateway with its decision histogram
+scraped, the SLO and worker read from a stack config, a smoke run against a spawned tiny stack with a
+fallback, and the error when no gateway answers.
 
-The schedule, accounting, verdict, options and plot are tests/unit/test_bench_rate.py's."""
+The schedule, accounting, verdict and options are tests/unit/test_bench_rate.py's, the admission rule
+and the histogram tests/unit/test_bench_rate_admission.py's, the comparison and the plot
+tests/unit/test_bench_rate_compare.py's."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import queue
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
+import yaml
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
 
 from bench.driver import send
+from bench.gateway_metrics import DECISION_HISTOGRAM
 from bench.load import run_level, summarize_level
 from bench.rate import arrival_offsets, drain, rate_request, run_phase
 from bench.stack import main
 from bench.stack_prompts import Prompt
 from strata.status import ResourceExhausted, abort
 from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.tiny_tokenizer import write_tiny_tokenizer
 from tests.unit.bench_rate_helpers import FALLBACK, NEW, PRIMARY, phase_summary
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Iterator
     from pathlib import Path
 
     from bench.driver import RequestResult
@@ -33,13 +43,19 @@ if TYPE_CHECKING:
 
 
 class _SlowGateway(gateway_pb2_grpc.GatewayServicer):
-    """Holds every stream `hold_s` before its tokens; refuses requests whose id ends in an odd digit."""
+    """Holds every stream `hold_s` before its tokens; refuses requests whose id ends in an odd digit.
 
-    def __init__(self, hold_s: float) -> None:
+    With a `decisions` histogram it observes each decision as the gateway does (2 ms a refusal).
+    """
+
+    def __init__(self, hold_s: float, input_tokens: int = 2, decisions: Histogram | None = None) -> None:
         self.hold_s = hold_s
+        self.input_tokens = input_tokens
+        self.decisions = decisions
         self.in_flight = 0
         self.most_in_flight = 0
         self.list_calls = 0
+        self.received: list[gateway_pb2.GenerateRequest] = []
 
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -53,13 +69,19 @@ class _SlowGateway(gateway_pb2_grpc.GatewayServicer):
         self.list_calls += 1
         queued = max(0, 2 - self.list_calls)  # the queue reads empty from the second call on
         return gateway_pb2.ListModelsResponse(
-            models=[gateway_pb2.ModelInfo(name=PRIMARY, queued_requests=queued)]
+            default_model=PRIMARY, models=[gateway_pb2.ModelInfo(name=PRIMARY, queued_requests=queued)]
         )
 
     async def GenerateStream(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
-        if int(request.request_id[-1]) % 2:
+        self.received.append(request)
+        refuse = int(request.request_id[-1]) % 2 == 1
+        if self.decisions is not None:
+            self.decisions.labels(PRIMARY, "refused" if refuse else "admitted").observe(
+                0.002 if refuse else 0.0001
+            )
+        if refuse:
             await abort(context, ResourceExhausted("queue full: 2 requests waiting", 0.25))
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
@@ -67,7 +89,7 @@ class _SlowGateway(gateway_pb2_grpc.GatewayServicer):
         self.in_flight -= 1
         model = FALLBACK if request.allow_fallback else PRIMARY
         yield gateway_pb2.GenerateStreamResponse(token_ids=list(range(NEW)))
-        usage = common_pb2.Usage(input_tokens=2, output_tokens=NEW)
+        usage = common_pb2.Usage(input_tokens=self.input_tokens, output_tokens=NEW)
         final = gateway_pb2.GenerateResponse(model=model, usage=usage, fallback_reason="primary saturated")
         yield gateway_pb2.GenerateStreamResponse(final=final)
 
@@ -150,10 +172,94 @@ def test_the_closed_loop_keeps_its_streams_busy_and_reads_refusals_the_same_way(
     assert summary["errors"] == {} and summary["token_mismatches"] == 0
 
 
-def test_the_slo_and_the_primary_worker_come_from_the_config(tmp_path: Path) -> None:
-    import yaml
+@contextlib.contextmanager
+def _serving_in_a_thread(servicer: _SlowGateway) -> Iterator[str]:
+    """`servicer` on a free port, served from its own thread and event loop (the bench runs its own)."""
+    ports: queue.Queue[int] = queue.Queue()
+    stop = threading.Event()
 
-    from bench.rate_run import DEFAULT_SLO_MS, primary_worker, route_slo_ms
+    async def serve() -> None:
+        server = grpc.aio.server()
+        gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
+        ports.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        while not stop.is_set():
+            await asyncio.sleep(0.02)
+        await server.stop(None)
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{ports.get(timeout=10)}"
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+def test_a_list_of_rates_runs_each_in_turn_with_the_gateway_histogram_scraped(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    buckets = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+    decisions = Histogram(DECISION_HISTOGRAM, "d", ["model", "outcome"], buckets=buckets, registry=registry)
+    metrics, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    servicer = _SlowGateway(hold_s=0.05, input_tokens=16, decisions=decisions)
+    worker = {"model_name": PRIMARY, "model_path": str(write_tiny_tokenizer(tmp_path)), "device": "cpu"}
+    config = tmp_path / "stack.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {"workers": [worker], "gateway": {"routes": [{"model": PRIMARY, "ttft_slo_ms": 5000}]}}
+        )
+    )
+    out = tmp_path / "rates.json"
+    try:
+        with _serving_in_a_thread(servicer) as address:
+            argv = [
+                "--address", address, "--gateway-metrics", f"127.0.0.1:{metrics.server_port}",
+                "--config", str(config), "--smoke", "--rate", "40,20", "--arrival", "fixed",
+                "--arrivals", "6", "--prompt-tokens", "16", "--new-tokens", str(NEW), "--gap", "0",
+                "--warmup-requests", "0", "--json", str(out), "--no-progress",
+            ]  # fmt: skip
+            assert main(argv) == 0
+    finally:
+        metrics.shutdown()
+        metrics.server_close()
+        thread.join(5)
+    record = json.loads(out.read_text())
+    assert record["voided"] is False and record["capacity"] is None  # a fixed list: no capacity run
+    assert record["stack"]["gateway_metrics"] == f"127.0.0.1:{metrics.server_port}"
+    assert len(record["checkout"]["commit"]) == 40 and isinstance(record["checkout"]["dirty"], bool)
+    assert [(e["rate_rps"], e["rate_source"]) for e in record["rates"]] == [
+        (40.0, "--rate"),
+        (20.0, "--rate"),
+    ]
+    for rate in record["rates"]:
+        assert rate["arrivals_per_phase"] == 6 and rate["schedule_s"] == pytest.approx(5 / rate["rate_rps"])
+        for name in ("off", "on"):
+            phase = rate["phases"][name]
+            # Odd request ids are refused at once: 3 refused, 3 admitted, and the gateway saw the same.
+            assert (phase["offered"], phase["refused"], phase["admitted"]) == (6, 3, 3), name
+            assert phase["gateway_decision"]["refused"]["count"] == 3
+            assert phase["gateway_decision"]["refused"]["p99_ms"] == pytest.approx(2.5)
+            assert phase["gateway_decision"]["admitted"]["count"] == 3
+            route = "fallback" if name == "on" else "primary"
+            assert phase["routes"][route]["admitted"] == 3 and phase["routes"][route]["met_slo"] == 3
+        assert rate["target"]["gateway_refusal_p99"]["off"]["pass"] is True
+    # Rates one after the other, each OFF then ON; every phase's prompts its own.
+    order = [request.request_id.rsplit("-", 1)[0] for request in servicer.received]
+    assert list(dict.fromkeys(order)) == [
+        "bench-0-r0-off",
+        "bench-0-r0-on",
+        "bench-1-r0-off",
+        "bench-1-r0-on",
+    ]
+    prompts = {
+        prefix: {r.prompt for r in servicer.received if r.request_id.startswith(prefix)} for prefix in order
+    }
+    assert len(set.union(*prompts.values())) == sum(len(texts) for texts in prompts.values()) == 24
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_slo_and_the_primary_worker_come_from_the_config(tmp_path: Path) -> None:
+    from bench.rate_target import DEFAULT_SLO_MS, primary_worker, route_slo_ms
 
     def config(routes: list[dict[str, Any]]) -> Path:
         workers = [
@@ -184,10 +290,6 @@ def test_the_slo_and_the_primary_worker_come_from_the_config(tmp_path: Path) -> 
 def test_smoke_run_against_a_spawned_tiny_stack_with_a_fallback(
     tmp_path: Path, tiny_serving_dir: Path, tiny_fallback_dir: Path
 ) -> None:
-    import json
-
-    import yaml
-
     def worker(name: str, path: Path) -> dict[str, Any]:
         # Two sequences, two credits: the primary saturates at a few times its capacity.
         engine = {"num_blocks": 32, "max_num_seqs": 2, "max_num_batched_tokens": 64}
@@ -212,23 +314,41 @@ def test_smoke_run_against_a_spawned_tiny_stack_with_a_fallback(
     assert main(argv) == 0
     record = json.loads(out.read_text())
     assert record["smoke"] is True and record["voided"] is False
+    assert record["checkout"]["commit"] and record["stack"]["gateway_metrics"]  # the launcher's address
     capacity, workload = record["capacity"], record["workload"]
     assert capacity["concurrency"] == 2 and capacity["completed"] == capacity["requests"] == 4
-    assert workload["rate_rps"] == pytest.approx(3 * capacity["requests_per_s"])
     assert workload["fallback_model"] == FALLBACK and workload["ttft_slo_ms"] == 5000.0
-    off, on = record["phases"]["off"], record["phases"]["on"]
+    (rate,) = record["rates"]
+    assert rate["rate_rps"] == pytest.approx(3 * capacity["requests_per_s"])
+    assert rate["rate_source"] == "auto: 3 x capacity" and rate["arrivals_per_phase"] == 40
+    off, on = rate["phases"]["off"], rate["phases"]["on"]
     for phase in (off, on):
         assert phase["offered"] == 40 and phase["errors"] == {} and phase["token_mismatches"] == 0
-        assert phase["completed"] + phase["refused"] == 40
+        assert phase["admitted"] + phase["refused"] == 40
+        # An admitted request completed or was refused later (a shed, a refusal slower than 50 ms).
+        late = sum(phase["admitted_failures"].values())
+        assert phase["completed"] + late == phase["admitted"]
+        assert all(key.startswith("RESOURCE_EXHAUSTED:") for key in phase["admitted_failures"])
+        routes = phase["routes"]
+        assert routes["primary"]["admitted"] + routes["fallback"]["admitted"] == phase["admitted"]
+        assert phase["itl_ms"]["p99"] is not None
     # Fallback off: the primary alone, the overflow refused at once with a reason and a retry hint.
     assert off["served_by"] == {PRIMARY: off["completed"]} and off["refused"] > 0
+    assert off["routes"]["fallback"]["admitted"] == 0
     assert set(off["refusal_reasons"]) <= {"queue_full", "ttft_slo", "predicted_wait"}
     assert off["runs"][0]["refusals_with_retry_hint"] == off["refused"]
     assert off["refusal_decision_ms"]["p99"] is not None
+    # The gateway's own histogram saw at least the refusals the client saw within 50 ms.
+    decision = off["gateway_decision"]
+    assert decision["refused"]["count"] >= off["refused"] and decision["refused"]["p99_ms"] is not None
+    assert decision["admitted"]["count"] >= off["completed"]
     # Fallback on: the fallback took some of the overflow, and said why.
     assert on["fallback_served"] > 0 and on["served_by"].get(FALLBACK) == on["fallback_served"]
+    assert on["routes"]["fallback"]["admitted"] >= on["fallback_served"]
     assert all(key.startswith("primary_saturated") for key in on["fallback_reasons"])
-    assert {"goodput_ratio", "ttft_pass", "pass"} <= set(record["target"])
+    target = rate["target"]
+    assert {"ttft_p99", "ttft_pass", "goodput_ratio", "gateway_refusal_p99", "pass"} <= set(target)
+    assert target["gateway_refusal_p99"]["off"]["known"] is True
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -320,7 +320,7 @@ def test_smoke_run_against_a_spawned_tiny_stack(tmp_path: Path, tiny_serving_dir
 
 @pytest.mark.slow
 def test_refusals_are_counted_not_fatal(tmp_path: Path, tiny_serving_dir: Path) -> None:
-    from bench.session import stack_address
+    from bench.session import stack_endpoints
     from strata.rpc import channel_options
     from strata.v1 import gateway_pb2_grpc
 
@@ -337,8 +337,8 @@ def test_refusals_are_counted_not_fatal(tmp_path: Path, tiny_serving_dir: Path) 
             stub: Any = gateway_pb2_grpc.GatewayStub(channel)
             return await run_level(stub, requests, 4, timeout_s=60.0, label="refusals", progress=False)
 
-    with stack_address(args) as address:
-        run = asyncio.run(drive(address))
+    with stack_endpoints(args) as endpoints:
+        run = asyncio.run(drive(endpoints.gateway))
     summary = summarize_level(run, [16] * len(prompts), NEW_TOKENS)
     assert summary["refusals"].get("RESOURCE_EXHAUSTED", 0) >= 1
     assert summary["errors"] == {}
