@@ -55,18 +55,25 @@ NOTES = {
 
 
 def _ttft_checks(phases: dict[str, dict[str, Any]], limit_ms: float) -> dict[str, dict[str, Any]]:
-    """Per phase and route that admitted requests: the admitted TTFT p99 against the limit."""
+    """Per phase and route that admitted requests: the worst round's admitted TTFT p99 against the
+    limit (a median over rounds would let one bad round pass; None, a miss, fails)."""
     checks: dict[str, dict[str, Any]] = {}
     for name in PHASES:
         for route, figures in phases[name]["routes"].items():
             if not figures["admitted"]:
                 continue
-            value = figures["ttft_ms"]["p99"]
+            rounds = [
+                p99
+                for p99, admitted in zip(figures["ttft_p99_ms_runs"], figures["admitted_runs"], strict=True)
+                if admitted
+            ]
+            value = None if None in rounds else max(rounds)
             checks.setdefault(name, {})[route] = {
                 "admitted": figures["admitted"],
                 "no_first_token": figures["no_first_token"],
                 "limit_ms": limit_ms,
                 "value_ms": value,
+                "value_is": "the worst round's p99",
                 "pass": value is not None and value <= limit_ms,
             }
     return checks
@@ -86,7 +93,8 @@ def _gateway_checks(phases: dict[str, dict[str, Any]]) -> dict[str, dict[str, An
             "p99_ms": p99,
             "p99_over_ms": refused["p99_over_ms"] if refused is not None else None,
             "limit_ms": GATEWAY_REFUSAL_P99_MAX_MS,
-            "pass": (p99 is not None and p99 < GATEWAY_REFUSAL_P99_MAX_MS) if known else None,
+            # p99 is its bucket's upper bound: at most the limit means the p99 itself is within it.
+            "pass": (p99 is not None and p99 <= GATEWAY_REFUSAL_P99_MAX_MS) if known else None,
         }
     return checks
 

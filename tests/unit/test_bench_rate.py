@@ -196,9 +196,15 @@ def test_rounds_reduce_to_medians_and_the_verdict_judges_ttft_goodput_and_the_ga
     # Only routes that admitted requests are judged: no fallback line here.
     assert set(verdict["ttft_p99"]) == {"off", "on"} and set(verdict["ttft_p99"]["on"]) == {"primary"}
     check = verdict["ttft_p99"]["on"]["primary"]
-    assert check["limit_ms"] == pytest.approx(1.1 * SLO_MS) and check["value_ms"] == pytest.approx(250.0)
+    # Judged on the worst round (300 ms), not the median of the rounds (250 ms).
+    assert check["limit_ms"] == pytest.approx(1.1 * SLO_MS) and check["value_ms"] == pytest.approx(300.0)
     assert verdict["gateway_refusal_p99"]["off"]["known"] is False and verdict["gateway_refusal_pass"]
     assert verdict["goodput_pass"] is True and verdict["ttft_pass"] is True and verdict["pass"] is True
+
+    # One round of three past the limit fails the rate, though the median round is in time.
+    bad = judge_rate(_phases(_rounds(4, 8, 0.2), _rounds(4, 8, 1.5), _rounds(4, 8, 0.2)), SLO_MS)
+    assert bad["ttft_p99"]["on"]["primary"]["value_ms"] == pytest.approx(1500.0)
+    assert bad["ttft_pass"] is False and bad["pass"] is False
 
     # Within 1.1 x the SLO but past it: the TTFT check holds, yet none of it is goodput.
     slow = judge_rate(_phases(_rounds(4, 8, 1.05)), SLO_MS)

@@ -87,7 +87,7 @@ def test_misses_count_as_infinity_so_two_in_a_hundred_fail_the_p99() -> None:
     check = judge_rate(phases, SLO_MS)["ttft_p99"]["on"]["primary"]
     assert check == {
         "admitted": 100, "no_first_token": 2, "limit_ms": pytest.approx(1100.0), "value_ms": None,
-        "pass": False,
+        "value_is": "the worst round's p99", "pass": False,
     }  # fmt: skip
     # Had those two been dropped instead, the p99 would have passed: that is what the rule forbids.
     assert 1000 * percentile([r.ttft_s for r in results[:98] if r.ttft_s is not None], 99) < 1100.0
@@ -207,10 +207,15 @@ def test_two_scrapes_over_http_give_the_phase_its_gateway_decision_and_verdict(
         "pass": True,
     }  # fmt: skip
     assert fast["target"]["gateway_refusal_pass"] is True and fast["target"]["pass"] is True
-    # 7 ms lands in the (5, 10] ms bucket: its bound, 10 ms, is not under 10 ms.
+    # 7 ms lands in the (5, 10] ms bucket: its bound, 10 ms, is within the limit; 20 ms is not.
     histogram.labels(PRIMARY, "refused").observe(0.007)
-    slow = entry(4.0, *served, decisions=bucket_delta(after, asyncio.run(scrape_decisions(address))))
-    assert slow["target"]["gateway_refusal_p99"]["on"]["p99_ms"] == pytest.approx(10.0)
+    later = asyncio.run(scrape_decisions(address))
+    within = entry(4.0, *served, decisions=bucket_delta(after, later))
+    assert within["target"]["gateway_refusal_p99"]["on"]["p99_ms"] == pytest.approx(10.0)
+    assert within["target"]["gateway_refusal_pass"] is True
+    histogram.labels(PRIMARY, "refused").observe(0.02)
+    slow = entry(4.0, *served, decisions=bucket_delta(later, asyncio.run(scrape_decisions(address))))
+    assert slow["target"]["gateway_refusal_p99"]["on"]["p99_ms"] == pytest.approx(25.0)
     assert slow["target"]["gateway_refusal_pass"] is False and slow["target"]["pass"] is False
     # Nothing refused in between: nothing to judge, and nothing fails for it.
     idle = asyncio.run(scrape_decisions(address))
