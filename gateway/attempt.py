@@ -66,7 +66,9 @@ class Attempt:
     @classmethod
     def place(cls, request: Request, route: Route, detour: Detour | None, replica_retries: int) -> Attempt:
         """Queue the request on `route`; raises Refused, Unavailable or DeadlineExceeded at once."""
-        return cls(request, route, detour, route.enqueue(request.ticket()), replica_retries)
+        slot = route.enqueue(request.ticket())
+        request.trace.admitted(slot.forecast_ttft_s, request.arrival)
+        return cls(request, route, detour, slot, replica_retries)
 
     def __enter__(self) -> Attempt:
         self.request.attempt = self

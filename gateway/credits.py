@@ -70,6 +70,8 @@ class Slot:
         self.enqueued = time.monotonic()
         self.timer: asyncio.TimerHandle | None = None
         """Fires at the ticket's deadline while the slot waits."""
+        self.forecast_ttft_s: float | None = None
+        """The time to first token admission forecast for it (forecast.py); None without a forecast."""
         self.link: WorkerLink | None = None
         """The link the credit was granted on; None while waiting."""
         self.wire_id = ""

@@ -59,6 +59,7 @@ class RequestTrace:
         self._tracing = tracing
         self._arrival = arrival
         self._content = _content(request) if record_content else None
+        self._forecast_ms: float | None = None
         operation = "chat" if len(request.messages) else "text_completion"
         self._operation = operation
         protocol = {"rpc.system": "grpc"} if incoming.protocol == "grpc" else {}
@@ -128,6 +129,15 @@ class RequestTrace:
                 segment.stage, parent=parent, start=segment.start, end=segment.end, attributes=attributes
             )
 
+    def admitted(self, forecast_ttft_s: float | None, arrival: float) -> None:
+        """A route admitted the request with this forecast of its first token (from its arrival, as
+        `time_to_first_token_ms` counts), so that the forecast stands next to what happened."""
+        if forecast_ttft_s is None:
+            return
+        self._forecast_ms = (time.perf_counter() - arrival + forecast_ttft_s) * 1000.0
+        if self.span is not None:
+            self.span.set_attribute("strata.forecast_ttft_ms", self._forecast_ms)
+
     def finish(self, response: gateway_pb2.GenerateResponse, device_memory_bytes: int) -> None:
         """The request completed: GenAI attributes, the timing parts, the log line; ends the span."""
         timing = response.timing
@@ -159,6 +169,7 @@ class RequestTrace:
             "finish_reason": finish,
             "fallback_reason": response.fallback_reason,
             "timing_ms": {field: round(getattr(timing, field), 3) for field in _TIMING_FIELDS},
+            "forecast_ttft_ms": None if self._forecast_ms is None else round(self._forecast_ms, 3),
             "device_memory_bytes": device_memory_bytes,
         }
         if self._content is not None:
