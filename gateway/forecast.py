@@ -2,8 +2,8 @@
 
 Each worker stream has a LinkLoad: the requests open on it (prompt size, tokens still to generate,
 whether the first token came) and the worker's steps, which every message on the stream reports
-(StepInfo: an average of their durations, the engine's running limit and its prefill budget for the
-batch now running). `forecast` replays the near future of a route with those facts: each running slot
+(StepInfo: an average of the steps' cadence, the engine's running limit and its prefill budget for
+the batch now running). `forecast` replays the near future of a route with those facts: each running slot
 of a link (the engine's running limit, at most the credits this gateway holds there) frees when the
 last token of its request is due (tokens left x step time); the requests a link has queued beyond
 its slots, then the tickets ahead in the route's queue, each take the earliest free slot and hold it
@@ -55,14 +55,17 @@ class LinkLoad:
         """Prompt tokens a step may compute with the batch now running; 0 before any step."""
         self._provisional = False
         """step_s is the hello's step (often the warm-up's, a batch of one): the next replaces it."""
+        self._last: tuple[int, float, bool] | None = None
+        """The last step report: its number, when it arrived, and whether the engine was still busy."""
 
     @property
     def open_requests(self) -> int:
         return len(self._open)
 
     def clear(self) -> None:
-        """A new stream: nothing of the old one runs any more, and its steps say nothing of the new."""
+        """A new stream: nothing of the old one runs any more (its step numbers may restart too)."""
         self._open.clear()
+        self._last = None
 
     def sent(self, submission: worker_pb2.Submission) -> None:
         """A submission was queued for the worker."""
@@ -76,8 +79,9 @@ class LinkLoad:
         """The request ended or was cancelled: its slot is free."""
         self._open.pop(wire_id, None)
 
-    def observe(self, response: worker_pb2.ConnectResponse) -> None:
-        """Follow a worker message: rejections, progress and ends of requests, and the step."""
+    def observe(self, response: worker_pb2.ConnectResponse, now: float) -> None:
+        """Follow a worker message received at `now` (time.monotonic()): rejections, progress and ends
+        of requests, and the step."""
         for rejection in response.rejections:
             self.forget(rejection.request_id)
         for update in response.updates:
@@ -89,13 +93,21 @@ class LinkLoad:
                 request.output_tokens = max(request.output_tokens, update.output_tokens)
                 request.started = True
         if response.HasField("step"):
-            self._stepped(response.step, provisional=response.HasField("hello"))
+            self._stepped(response.step, now, provisional=response.HasField("hello"))
 
-    def _stepped(self, step: worker_pb2.StepInfo, *, provisional: bool) -> None:
+    def _stepped(self, step: worker_pb2.StepInfo, now: float, *, provisional: bool) -> None:
+        # A request waits for the steps' cadence, not only their forward passes: between two steps the
+        # worker applies its inbox and sends its messages, and on shared cores it waits for them. So a
+        # step's time is the wall time per step between two reports of a busy engine; after an idle
+        # engine (or for the first report) it is the step's own duration.
         seconds = step.duration_ms / 1000.0
+        last = self._last
+        if last is not None and last[2] and step.step > last[0]:
+            seconds = max(seconds, (now - last[1]) / (step.step - last[0]))
         previous = None if self._provisional else self.step_s
         self.step_s = seconds if previous is None else previous + STEP_EWMA_WEIGHT * (seconds - previous)
         self._provisional = provisional
+        self._last = (step.step, now, step.running > 0)
         self.max_running = step.max_running
         self.prefill_budget = step.prefill_budget
 

@@ -206,7 +206,7 @@ class WorkerLink:
             self._outbound = asyncio.Queue()
             self.credits.reset(first.hello.info.max_requests, first.credits.requests)
             self.load.clear()
-            self.load.observe(first)  # the worker's latest step: a forecast before this stream runs any
+            self.load.observe(first, time.monotonic())  # the latest step: a forecast before any of ours
             self.ready = True
             self.refusal = ""
             log.info(
@@ -231,7 +231,7 @@ class WorkerLink:
             call.cancel()
 
     async def _handle(self, response: worker_pb2.ConnectResponse, received: float) -> None:
-        self.load.observe(response)
+        self.load.observe(response, time.monotonic())
         for rejection in response.rejections:
             rejected = self._open.pop(rejection.request_id, None)
             if rejected is not None:

@@ -31,29 +31,29 @@ def step(duration_ms: float, *, max_running: int = 4, prefill_budget: int = 64) 
 
 def progress(load: LinkLoad, name: str, output_tokens: int, *, finished: bool = False) -> None:
     update = worker_pb2.TokenUpdate(request_id=name, output_tokens=output_tokens, finished=finished)
-    load.observe(worker_pb2.ConnectResponse(updates=[update]))
+    load.observe(worker_pb2.ConnectResponse(updates=[update]), 0.0)
 
 
 def test_the_step_time_is_a_moving_average_of_reported_steps() -> None:
     load = LinkLoad()
     assert load.step_s is None
-    load.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=8, prefill_budget=48)))
+    load.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=8, prefill_budget=48)), 0.0)
     assert load.step_s == pytest.approx(0.1)
     assert (load.max_running, load.prefill_budget) == (8, 48)
-    load.observe(worker_pb2.ConnectResponse(step=step(200.0)))
+    load.observe(worker_pb2.ConnectResponse(step=step(200.0)), 0.0)
     assert load.step_s == pytest.approx(0.1 + 0.3 * 0.1)
-    load.observe(worker_pb2.ConnectResponse())  # a message without a step changes nothing
+    load.observe(worker_pb2.ConnectResponse(), 0.0)  # a message without a step changes nothing
     assert load.step_s == pytest.approx(0.13)
 
 
 def test_the_hellos_step_is_replaced_by_the_first_step_of_the_stream() -> None:
     load = LinkLoad()
     hello = worker_pb2.ConnectResponse(hello=worker_pb2.WorkerHello(), step=step(5.0))
-    load.observe(hello)  # the worker's warm-up: one short prompt alone
+    load.observe(hello, 0.0)  # the worker's warm-up: one short prompt alone
     assert load.step_s == pytest.approx(0.005)
-    load.observe(worker_pb2.ConnectResponse(step=step(150.0)))
+    load.observe(worker_pb2.ConnectResponse(step=step(150.0)), 0.0)
     assert load.step_s == pytest.approx(0.15)
-    load.observe(worker_pb2.ConnectResponse(step=step(250.0)))
+    load.observe(worker_pb2.ConnectResponse(step=step(250.0)), 0.0)
     assert load.step_s == pytest.approx(0.15 + 0.3 * 0.1)
 
 
@@ -64,7 +64,7 @@ def test_no_forecast_before_any_step_report() -> None:
 
 def test_a_free_slot_starts_now_and_the_first_token_follows_its_prefill() -> None:
     load = LinkLoad()
-    load.observe(worker_pb2.ConnectResponse(step=step(100.0, prefill_budget=16)))
+    load.observe(worker_pb2.ConnectResponse(step=step(100.0, prefill_budget=16)), 0.0)
     got = forecast([LinkView(load, slots=4, free_credits=4)], [], ticket("t", prompt=40))
     assert got is not None
     # The step in progress, then ceil(40 / 16) = 3 prefill chunks.
@@ -73,7 +73,7 @@ def test_a_free_slot_starts_now_and_the_first_token_follows_its_prefill() -> Non
 
 def test_prompts_not_yet_prefilled_share_the_chunks_of_a_ticket_that_starts_now() -> None:
     load = LinkLoad()
-    load.observe(worker_pb2.ConnectResponse(step=step(100.0, prefill_budget=32)))
+    load.observe(worker_pb2.ConnectResponse(step=step(100.0, prefill_budget=32)), 0.0)
     load.sent(submission("a", prompt=64))
     got = forecast([LinkView(load, slots=4, free_credits=3)], [], ticket("t", prompt=32))
     assert got is not None and got.ttft_s == pytest.approx(0.1 * (1 + 3))
@@ -81,7 +81,7 @@ def test_prompts_not_yet_prefilled_share_the_chunks_of_a_ticket_that_starts_now(
 
 def test_a_full_link_frees_its_slot_when_the_shortest_request_ends() -> None:
     load = LinkLoad()
-    load.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=2, prefill_budget=64)))
+    load.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=2, prefill_budget=64)), 0.0)
     for name in ("a", "b"):
         load.sent(submission(name, new=10))
     progress(load, "a", 6)  # 4 tokens left
@@ -100,12 +100,12 @@ def test_a_full_link_frees_its_slot_when_the_shortest_request_ends() -> None:
 
 def test_finished_and_rejected_requests_free_their_slots() -> None:
     load = LinkLoad()
-    load.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=2)))
+    load.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=2)), 0.0)
     load.sent(submission("a"))
     load.sent(submission("b"))
     assert load.open_requests == 2
     progress(load, "a", 10, finished=True)
-    load.observe(worker_pb2.ConnectResponse(rejections=[worker_pb2.Rejection(request_id="b")]))
+    load.observe(worker_pb2.ConnectResponse(rejections=[worker_pb2.Rejection(request_id="b")]), 0.0)
     assert load.open_requests == 0
     got = forecast([LinkView(load, slots=2, free_credits=2)], [], ticket("t"))
     assert got is not None and got.start_s == 0.0
@@ -113,8 +113,8 @@ def test_finished_and_rejected_requests_free_their_slots() -> None:
 
 def test_requests_queued_inside_a_worker_wait_for_that_workers_slots() -> None:
     slow, fast = LinkLoad(), LinkLoad()
-    slow.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=1)))
-    fast.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=1)))
+    slow.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=1)), 0.0)
+    fast.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=1)), 0.0)
     for name in ("running", "queued"):
         slow.sent(submission(name, new=10))
     progress(slow, "running", 5)
@@ -128,7 +128,7 @@ def test_requests_queued_inside_a_worker_wait_for_that_workers_slots() -> None:
 
 def test_a_continuation_counts_its_prior_tokens() -> None:
     load = LinkLoad()
-    load.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=1)))
+    load.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=1)), 0.0)
     load.sent(submission("resumed", prompt=8, new=10, prior=7))
     progress(load, "resumed", 8)
     got = forecast([LinkView(load, slots=1, free_credits=0)], [], ticket("t"))
@@ -139,8 +139,30 @@ def test_a_continuation_counts_its_prior_tokens() -> None:
 
 def test_slots_granted_but_not_sent_yet_count_as_the_tickets_size() -> None:
     load = LinkLoad()
-    load.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=2, prefill_budget=64)))
+    load.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=2, prefill_budget=64)), 0.0)
     # Both credits granted to a burst still being tokenized: the next one waits for one of them.
     view = LinkView(load, slots=2, free_credits=0, unsent=2)
     got = forecast([view], [], ticket("t", new=10))
     assert got is not None and got.start_s == pytest.approx(0.1 * (10 + 1))
+
+
+def test_a_busy_engines_step_time_is_its_cadence_between_reports() -> None:
+    """Two reports 0.5 s apart, two steps apart, of 100 ms forward passes: a request waits 0.25 s a
+    step. After an idle engine the gap says nothing, and the step's own duration counts."""
+    load = LinkLoad()
+
+    def report(number: int, at: float, *, running: int) -> None:
+        info = step(100.0)
+        info.step, info.running = number, running
+        load.observe(worker_pb2.ConnectResponse(step=info), at)
+
+    report(10, 0.0, running=4)
+    assert load.step_s == pytest.approx(0.1)
+    report(12, 0.5, running=4)
+    assert load.step_s == pytest.approx(0.1 + 0.3 * (0.25 - 0.1))
+    before = load.step_s or 0.0
+    report(13, 0.6, running=0)  # the cadence here is 0.1 s, the step's duration
+    assert load.step_s == pytest.approx(before + 0.3 * (0.1 - before))
+    after_busy = load.step_s or 0.0
+    report(14, 30.0, running=1)  # the engine was idle since step 13
+    assert load.step_s == pytest.approx(after_busy + 0.3 * (0.1 - after_busy))
