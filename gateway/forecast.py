@@ -182,18 +182,27 @@ def forecast(links: Sequence[LinkView], ahead: Sequence[Ticket], ticket: Ticket)
     if not events:
         return None
     heapq.heapify(events)
-    for waiting in ahead:
-        _hold(events, waiting.max_new_tokens, waiting.prompt_tokens, links[events[0][1]].load)
+    starts = [
+        (_hold(events, waiting.max_new_tokens, waiting.prompt_tokens, links[events[0][1]].load), waiting)
+        for waiting in ahead
+    ]
     start, index = events[0]
     load = links[index].load
-    # A ticket that starts now shares the next steps' prefill with the prompts not yet prefilled.
-    prompt = ticket.prompt_tokens + (pending.get(index, 0) if start == 0.0 else 0)
     step_s = load.step_s or 0.0
+    # Prompts that start in the same step or the one before (slots often free together: requests
+    # admitted in one burst end in one) share the prefill budget of the steps that follow; so do the
+    # prompts not yet prefilled when the ticket starts now.
+    prompt = ticket.prompt_tokens + (pending.get(index, 0) if start <= step_s else 0)
+    prompt += sum(t.prompt_tokens for (at, i), t in starts if i == index and at >= start - step_s)
     return Forecast(start, start + step_s * (1 + load.chunks(prompt)))
 
 
-def _hold(events: list[tuple[float, int]], new_tokens: int, prompt_tokens: int, load: LinkLoad) -> None:
-    """The earliest free slot of `events` (on `load`'s link) runs one request through, then frees."""
+def _hold(
+    events: list[tuple[float, int]], new_tokens: int, prompt_tokens: int, load: LinkLoad
+) -> tuple[float, int]:
+    """The earliest free slot of `events` (on `load`'s link) runs one request through, then frees;
+    returns (when it started, the link index)."""
     at, index = heapq.heappop(events)
     steps = max(1, new_tokens) + load.chunks(prompt_tokens)
     heapq.heappush(events, (at + steps * (load.step_s or 0.0), index))
+    return at, index

@@ -166,3 +166,21 @@ def test_a_busy_engines_step_time_is_its_cadence_between_reports() -> None:
     after_busy = load.step_s or 0.0
     report(14, 30.0, running=1)  # the engine was idle since step 13
     assert load.step_s == pytest.approx(after_busy + 0.3 * (0.1 - after_busy))
+
+
+def test_tickets_that_start_together_share_the_prefill_of_the_steps_that_follow() -> None:
+    """Four slots free at the same step; four tickets ahead take them, so the ticket starts one request
+    later; two of its own kind starting together in one slot's place would split the prefill budget."""
+    load = LinkLoad()
+    load.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=4, prefill_budget=64)), 0.0)
+    for name in "abcd":
+        load.sent(submission(name, new=10))
+        progress(load, name, 7)  # 3 tokens left each: all four slots free at 0.3 s
+    view = LinkView(load, slots=4, free_credits=0)
+    alone = forecast([view], [], ticket("t", prompt=32))
+    assert alone is not None and alone.start_s == pytest.approx(0.3)
+    assert alone.ttft_s == pytest.approx(0.3 + 0.1 * (1 + 1))
+    # Three tickets ahead start at 0.3 s too: 4 x 32 prompt tokens at 64 a step take 2 chunks.
+    shared = forecast([view], [ticket(f"a{i}") for i in range(3)], ticket("t", prompt=32))
+    assert shared is not None and shared.start_s == pytest.approx(0.3)
+    assert shared.ttft_s == pytest.approx(0.3 + 0.1 * (1 + 2))
