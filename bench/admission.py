@@ -29,8 +29,18 @@ ROUTES = ("primary", "fallback")
 
 
 def refused_at_admission(result: RequestResult) -> bool:
-    """RESOURCE_EXHAUSTED within the admission window; later ones were admitted first."""
-    return result.status == REFUSAL_CODE and result.e2e_s <= ADMISSION_WINDOW_S
+    """RESOURCE_EXHAUSTED within the admission window of the request's arrival at the gateway (its
+    strata-elapsed-ms trailer; the client's own clock when the gateway sent none); later ones were
+    admitted first. The client's clock adds the network and both event loops' lag on shared cores."""
+    if result.status != REFUSAL_CODE:
+        return False
+    elapsed = result.server_elapsed_s if result.server_elapsed_s is not None else result.e2e_s
+    return elapsed <= ADMISSION_WINDOW_S
+
+
+def refused_late_by_client_clock(result: RequestResult) -> bool:
+    """Refused within the window at the gateway, but answered past it as the client measured."""
+    return refused_at_admission(result) and result.e2e_s > ADMISSION_WINDOW_S
 
 
 def route_of(result: RequestResult, primary: str) -> str:

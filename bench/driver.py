@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from strata.retry import pushback_delay_s, retry_info_delay_s
+from strata.status import elapsed_s
 from strata.v1 import common_pb2, gateway_pb2
 
 if TYPE_CHECKING:
@@ -48,6 +49,8 @@ class RequestResult:
     message: str = ""
     """The status message of a failed call."""
     retry_hint_s: float | None = None
+    server_elapsed_s: float | None = None
+    """A failed call's own time in the gateway, arrival to failure (its strata-elapsed-ms trailer)."""
     """RetryInfo (or pushback) delay of a failed call; None when it carried none."""
     model: str = ""
     """The model that served it, as the final message says."""
@@ -117,6 +120,7 @@ async def send(
         trailers = list(exc.trailing_metadata() or ())
         hints = [h for h in (retry_info_delay_s(trailers), pushback_delay_s(trailers)) if h is not None]
         result.retry_hint_s = max(hints) if hints else None
+        result.server_elapsed_s = elapsed_s(trailers)
     result.e2e_s = time.perf_counter() - sent
     result.ttft_s, result.itl_s = token_timing(sent, arrivals)
     return result

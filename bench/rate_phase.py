@@ -21,7 +21,14 @@ import statistics
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from bench.admission import ROUTES, aggregate_route, met_slo, refused_at_admission, routes_of
+from bench.admission import (
+    ROUTES,
+    aggregate_route,
+    met_slo,
+    refused_at_admission,
+    refused_late_by_client_clock,
+    routes_of,
+)
 from bench.gateway_metrics import decision_summary, merge_buckets, summary_buckets
 from bench.stats import percentile, summarize
 from bench.summary import (
@@ -45,6 +52,7 @@ _COUNTS = (
     "admitted",
     "completed",
     "refused",
+    "refused_late_by_client_clock",
     "good_requests",
     "fallback_served",
     "failovers",
@@ -118,6 +126,7 @@ def summarize_phase(
         "admitted": len(admitted),
         "completed": len(ok),
         "refused": len(refused),
+        "refused_late_by_client_clock": sum(refused_late_by_client_clock(r) for r in results),
         "wall_s": wall_s,
         "good_requests": len(good),
         "good_tokens": good_tokens,

@@ -36,6 +36,7 @@ from gateway.metrics import FALLBACKS, REQUEST_ERRORS, observe_finished
 from gateway.request import Request
 from gateway.request_trace import TOKENIZE_RPC, RequestTrace
 from gateway.validation import validate
+from strata.status import ELAPSED_KEY
 from strata.v1 import tokenizer_pb2
 
 if TYPE_CHECKING:
@@ -98,6 +99,8 @@ class Pipeline:
                     yield chunk
         except GatewayError as error:
             done = True
+            # The gateway's own time to the failure: a client can tell an at-once refusal from its own lag.
+            error.metadata = (*error.metadata, (ELAPSED_KEY, f"{(error.created - arrival) * 1000:.3f}"))
             REQUEST_ERRORS.labels(model, error.code.name.lower()).inc()
             trace.fail(incoming.request, request_id, error)
             raise

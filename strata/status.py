@@ -11,15 +11,21 @@ module must not decide when anything fails.
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import grpc
 from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+ELAPSED_KEY = "strata-elapsed-ms"
+"""A failed call's trailer: the server's own milliseconds from the request's arrival to the decision to fail."""
 
 
 class StatusError(Exception):
@@ -30,6 +36,10 @@ class StatusError(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+        self.metadata: tuple[tuple[str, str], ...] = ()
+        """More trailing metadata for the call that fails with it (such as ELAPSED_KEY)."""
+        self.created = time.perf_counter()
+        """When the failure was decided: the call may end a few event-loop turns later."""
 
 
 class InvalidArgument(StatusError):
@@ -84,6 +94,17 @@ def status_details(error: StatusError) -> bytes:
     return bytes(status.SerializeToString())
 
 
+def elapsed_s(metadata: Iterable[tuple[str, str | bytes]]) -> float | None:
+    """The server's ELAPSED_KEY trailer in seconds; None when absent or not a number."""
+    for key, value in metadata:
+        if key == ELAPSED_KEY:
+            try:
+                return float(value) / 1000.0
+            except ValueError:
+                return None
+    return None
+
+
 def retry_delay_s(details: bytes) -> float | None:
     """The RetryInfo delay in a `grpc-status-details-bin` value; None when it carries none or is garbled."""
     status = status_pb2.Status()
@@ -104,7 +125,7 @@ def trailers(error: StatusError) -> tuple[tuple[str, str | bytes], ...]:
     if isinstance(error, ResourceExhausted):
         pushback_ms = round(max(0.0, error.retry_after_s) * 1000)
         metadata += ((RETRY_PUSHBACK_KEY, str(pushback_ms)),)
-    return metadata
+    return metadata + error.metadata
 
 
 async def abort(context: grpc.aio.ServicerContext[object, object], error: StatusError) -> NoReturn:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import pytest
 
-from strata.status import RETRY_PUSHBACK_KEY, STATUS_DETAILS_KEY, retry_delay_s
+from strata.status import ELAPSED_KEY, RETRY_PUSHBACK_KEY, STATUS_DETAILS_KEY, elapsed_s, retry_delay_s
 from strata.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.integration.admission_harness import Stack, metric, request, set_step_delay
 from tests.polling import wait_for
@@ -90,6 +90,8 @@ def test_a_burst_is_refused_at_once_and_exactly(stack: Stack) -> None:
         hint = retry_delay_s(trailers[STATUS_DETAILS_KEY])
         assert hint is not None and hint > 0
         assert int(trailers[RETRY_PUSHBACK_KEY]) == round(hint * 1000)
+        # The gateway's own time from arrival to the refusal travels with it (milliseconds).
+        assert elapsed_s(trailers.items()) == float(trailers[ELAPSED_KEY]) / 1000 < 0.05
     for prompt, result in zip(prompts, results, strict=True):
         if not isinstance(result, grpc.aio.AioRpcError):
             assert list(result.token_ids) == stack.alone(model, prompt, new_tokens), prompt

@@ -69,6 +69,19 @@ def test_a_refusal_is_one_within_50_ms_and_a_later_one_is_an_admitted_miss() -> 
     assert summary["admitted_failures"] == {"RESOURCE_EXHAUSTED:shed": 1}
 
 
+def test_the_window_counts_from_arrival_at_the_gateway_when_it_says_so() -> None:
+    """The gateway's strata-elapsed-ms trailer, not the client's clock, decides: a refusal decided
+    1 ms after arrival but seen 80 ms after the send (the client's own lag) is a refusal, counted as
+    late by the client's clock; one the gateway decided 200 ms after arrival is an admitted miss."""
+    lagged = refused(0, "queue full", 0.080)
+    lagged.server_elapsed_s = 0.001
+    slow = refused(1, "request shed", 0.210)
+    slow.server_elapsed_s = 0.200
+    assert refused_at_admission(lagged) and not refused_at_admission(slow)
+    summary = phase_summary("off", [lagged, slow, ok(2, 0.1)])
+    assert (summary["refused"], summary["refused_late_by_client_clock"], summary["admitted"]) == (1, 1, 2)
+
+
 def test_misses_count_as_infinity_so_two_in_a_hundred_fail_the_p99() -> None:
     results = [ok(i, 0.1 + 0.001 * i) for i in range(98)]
     results += [failed(98, "DEADLINE_EXCEEDED", 30.0), refused(99, "shed", 0.5)]
