@@ -3,8 +3,9 @@
 Both load shapes send their requests through `send`: the closed loop (bench/load.py: N streams, each
 sending its next request when the previous one finished) and the open loop (bench/rate.py: requests
 leave on a schedule). It talks to the gateway through the raw grpc.aio stub, the cheapest client
-Python has, and stamps every message on arrival. A failed call keeps its status code, message and
-retry hint; a finished one keeps what its final message said (usage, serving model, fallback).
+Python has, and stamps every message on arrival; a call may carry metadata (the API key that names
+its tenant). A failed call keeps its status code, message and retry hint; a finished one keeps what
+its final message said (usage, serving model, fallback).
 This module owns the request and its result; it must not schedule requests, start or stop a stack,
 nor reduce results to figures (the load shapes and the reports do).
 """
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from strata.v1 import gateway_pb2_grpc
 
     Stub = gateway_pb2_grpc.GatewayAsyncStub
+    Metadata = tuple[tuple[str, str], ...]
+    """Call metadata, e.g. strata.client.auth_metadata's `authorization: Bearer <key>`."""
 
 
 @dataclass(slots=True)
@@ -97,14 +100,16 @@ async def send(
     timeout_s: float,
     *,
     due: float | None = None,
+    metadata: Metadata | None = None,
 ) -> RequestResult:
-    """Send `request` now and read its stream to the end; `due` is when its schedule wanted it sent."""
+    """Send `request` now and read its stream to the end; `due` is when its schedule wanted it sent,
+    `metadata` the call's metadata (an API key naming the tenant, say; None: none)."""
     arrivals: list[tuple[float, int]] = []
     sent = time.perf_counter()
     lag = max(0.0, sent - due) if due is not None else 0.0
     result = RequestResult(index=index, status="OK", ttft_s=None, e2e_s=0.0, send_lag_s=lag)
     try:
-        async for message in stub.GenerateStream(request, timeout=timeout_s):
+        async for message in stub.GenerateStream(request, timeout=timeout_s, metadata=metadata):
             arrived = time.perf_counter()
             if message.token_ids:
                 arrivals.append((arrived, len(message.token_ids)))

@@ -24,7 +24,7 @@ from bench.summary import REFUSAL_CODE, check_tokens, latency_percentiles
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from bench.driver import Stub
+    from bench.driver import Metadata, Stub
     from strata.v1 import gateway_pb2
 
 
@@ -45,8 +45,10 @@ async def run_level(
     timeout_s: float,
     label: str,
     progress: bool = True,
+    metadata: Metadata | None = None,
 ) -> LevelRun:
-    """Send `requests` through `concurrency` closed-loop streams; a progress bar on stderr."""
+    """Send `requests` through `concurrency` closed-loop streams, each call with `metadata`; a progress
+    bar on stderr."""
     if concurrency < 1:
         raise ValueError(f"concurrency={concurrency} must be >= 1")
     results: list[RequestResult | None] = [None] * len(requests)
@@ -58,7 +60,7 @@ async def run_level(
     async def stream() -> None:
         nonlocal tokens
         for index in pending:
-            result = await send(stub, index, requests[index], timeout_s)
+            result = await send(stub, index, requests[index], timeout_s, metadata=metadata)
             results[index] = result
             tokens += len(result.token_ids)
             bar.set_postfix_str(f"{tokens / (time.perf_counter() - started):.1f} tok/s", refresh=False)

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import argparse
     from collections.abc import Sequence
 
-    from bench.driver import RequestResult, Stub
+    from bench.driver import Metadata, RequestResult, Stub
     from bench.stack_prompts import Prompt
 
 # Between phases the gateway's queues must read empty within this bound (every answer is in by then).
@@ -75,13 +75,15 @@ async def run_phase(
     timeout_s: float,
     label: str,
     progress: bool = True,
+    metadata: Metadata | None = None,
 ) -> tuple[list[RequestResult], float]:
-    """Send each request at its offset without waiting for answers; every result and the wall time."""
+    """Send each request at its offset without waiting for answers, each call with `metadata`; every
+    result and the wall time."""
     results: list[RequestResult] = []
     bar = tqdm(total=len(requests), desc=label, unit="req", file=sys.stderr, disable=not progress)
 
     async def one(index: int, due: float) -> None:
-        results.append(await send(stub, index, requests[index], timeout_s, due=due))
+        results.append(await send(stub, index, requests[index], timeout_s, due=due, metadata=metadata))
         bar.update(1)
 
     tasks = []
@@ -98,11 +100,11 @@ async def run_phase(
     return sorted(results, key=lambda r: r.index), time.perf_counter() - start
 
 
-async def drain(stub: Stub, gap_s: float) -> None:
+async def drain(stub: Stub, gap_s: float, metadata: Metadata | None = None) -> None:
     """Wait until no route has queued requests, then stay idle `gap_s`, so a phase starts on an idle stack."""
     end = time.monotonic() + DRAIN_TIMEOUT_S
     while True:
-        models = await stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=10.0)
+        models = await stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=10.0, metadata=metadata)
         if all(m.queued_requests == 0 for m in models.models):
             break
         if time.monotonic() >= end:
@@ -125,7 +127,12 @@ async def warm_up(stub: Stub, args: argparse.Namespace, prompts: list[Prompt], r
 
 
 async def measure_capacity(
-    stub: Stub, args: argparse.Namespace, prompts: list[Prompt], model: str, concurrency: int
+    stub: Stub,
+    args: argparse.Namespace,
+    prompts: list[Prompt],
+    model: str,
+    concurrency: int,
+    metadata: Metadata | None = None,
 ) -> dict[str, Any]:
     """The primary alone (no_fallback), closed loop at `concurrency` streams: completed requests/s."""
     requests = [
@@ -133,8 +140,9 @@ async def measure_capacity(
         for i, p in enumerate(prompts)
     ]
     run = await run_level(
-        stub, requests, concurrency, timeout_s=args.timeout, label="capacity", progress=not args.no_progress
-    )
+        stub, requests, concurrency, timeout_s=args.timeout, label="capacity",
+        progress=not args.no_progress, metadata=metadata,
+    )  # fmt: skip
     summary = summarize_level(run, [len(p.token_ids) for p in prompts], args.new_tokens)
     keys = (
         "requests",

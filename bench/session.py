@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     import argparse
     from collections.abc import AsyncIterator, Callable, Iterator
 
-    from bench.driver import Stub
+    from bench.driver import Metadata, Stub
 
 # A running stack answers ListModels at once; nothing listening fails fast (no wait_for_ready).
 CONNECT_TIMEOUT_S = 10.0
@@ -71,12 +71,17 @@ def stack_endpoints(args: argparse.Namespace) -> Iterator[Endpoints]:
 
 
 @contextlib.asynccontextmanager
-async def gateway(address: str) -> AsyncIterator[tuple[Stub, gateway_pb2.ListModelsResponse]]:
-    """A stub on one channel to the gateway at `address`, and its ListModels answer."""
+async def gateway(
+    address: str, metadata: Metadata | None = None
+) -> AsyncIterator[tuple[Stub, gateway_pb2.ListModelsResponse]]:
+    """A stub on one channel to the gateway at `address`, and its ListModels answer (asked with
+    `metadata`: an API key, where the gateway wants one)."""
     async with grpc.aio.insecure_channel(address, options=channel_options(16 * MIB)) as channel:
         stub = cast("Stub", gateway_pb2_grpc.GatewayStub(channel))
         try:
-            models = await stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=CONNECT_TIMEOUT_S)
+            models = await stub.ListModels(
+                gateway_pb2.ListModelsRequest(), timeout=CONNECT_TIMEOUT_S, metadata=metadata
+            )
         except grpc.aio.AioRpcError as exc:
             raise BenchError(
                 f"no gateway answers at {address} ({exc.code().name}: {exc.details()}); "
