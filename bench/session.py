@@ -2,11 +2,12 @@
 and the record, plot and table they publish.
 
 The stack is `--address`, or one started here from `--config` (`--spawn`) and stopped on the way
-out; its gateway's /metrics address is the launcher's for a spawned stack, else
-`--gateway-metrics`, else unknown. The gateway is reached over one grpc.aio channel, checked with a
-ListModels call whose answer (the routes, the default model) the runs record. The closed loop
-(bench/stack_run.py) and the open loop (bench/rate_run.py) both import this module; it must not
-import either of them, nor send a generation request.
+out (`spawned`, which a benchmark that starts a stack per contestant uses too); its gateway's /metrics
+address is the launcher's for a spawned stack, else `--gateway-metrics`, else unknown. The gateway
+is reached over one grpc.aio channel, checked with a ListModels call whose answer (the routes, the
+default model) the runs record. The closed loop (bench/stack_run.py) and the open loop
+(bench/rate_run.py) both import this module; it must not import either of them, nor send a
+generation request.
 """
 
 from __future__ import annotations
@@ -53,12 +54,20 @@ def stack_endpoints(args: argparse.Namespace) -> Iterator[Endpoints]:
     if not args.spawn:
         yield Endpoints(args.address, args.gateway_metrics)
         return
-    from strata.cli.launcher import StackError, start_stack
-
     config = args.config or DEFAULT_CONFIG
     # The services' output would tear through the progress bars: it goes to files instead.
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="strata-bench-logs-"))
     print(f"strata bench: starting the stack of {config} (logs in {log_dir})", file=sys.stderr, flush=True)
+    with spawned(config, log_dir) as endpoints:
+        yield endpoints
+
+
+@contextlib.contextmanager
+def spawned(config: Path, log_dir: Path) -> Iterator[Endpoints]:
+    """A stack started from `config`, its gateway on a free port and its services' output in files
+    under `log_dir`; stopped on the way out."""
+    from strata.cli.launcher import StackError, start_stack
+
     try:
         # A free port: the default 50051 may belong to a stack someone else is running.
         stack = start_stack(config, env={"STRATA_GATEWAY_LISTEN": "127.0.0.1:0"}, log_dir=log_dir)

@@ -24,15 +24,15 @@ from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 import psutil
-import yaml
 
+from bench.config_copy import write_config as copy_config
 from bench.driver import make_request
 from bench.load import run_level, summarize_level
 from bench.stack_prompts import build_prompts, load_tokenizer
 from bench.trace_overhead_report import MIN_RUNS, RunResult, build_record, format_report
 from strata.otlp_receiver import OtlpReceiver
 from strata.rpc import MIB, channel_options
-from strata.settings import DEFAULT_CONFIG, SettingsError, read_config
+from strata.settings import DEFAULT_CONFIG, SettingsError
 from strata.v1 import gateway_pb2, gateway_pb2_grpc
 
 if TYPE_CHECKING:
@@ -54,26 +54,8 @@ class BenchError(RuntimeError):
 
 
 def write_config(source: Path, telemetry: Mapping[str, Any], directory: Path, name: str) -> Path:
-    """`source` with `telemetry` as its top-level section and every path made absolute, in `directory`.
-
-    Each service's own settings class resolves its path fields against `source`'s folder, so the copy
-    can live anywhere and the launcher reads the same services and routes.
-    """
-    from gateway.settings import GatewaySettings
-    from services.tokenizer.settings import TokenizerSettings
-    from services.worker.settings import WorkerSettings
-
-    path = source.resolve()
-    config = read_config(path)
-    config["telemetry"] = {**(config.get("telemetry") or {}), **telemetry}
-    config["tokenizer"] = TokenizerSettings.section_data(config, path)
-    workers = config.get("workers")
-    count = len(workers) if isinstance(workers, list) else 0
-    config["workers"] = [WorkerSettings.section_data(config, path, index) for index in range(count)]
-    config["gateway"] = GatewaySettings.section_data(config, path)
-    out = directory / f"{name}.yaml"
-    out.write_text(yaml.safe_dump(config, sort_keys=False))
-    return out
+    """`source` with `telemetry` as its top-level section and every path made absolute, in `directory`."""
+    return copy_config(source, directory, name, {"telemetry": telemetry})
 
 
 def cpu_seconds(pids: Mapping[str, int]) -> dict[str, float]:
