@@ -2,11 +2,12 @@
 against concurrency, with the in-process engine's figures as reference marks when they were measured;
 and of a `strata bench --rate` record, one column per offered rate: the admitted requests' TTFT p99
 per phase and route against the SLO and 1.1 x the SLO, goodput with fallback off and on, refusals at
-admission by reason.
+admission by reason; and of a `python -m bench.tenants` record, per contestant (fair queuing on,
+off): the quiet tenant's admitted TTFT p99 against the SLO, each tenant's goodput, Jain's index.
 
-Reads only the record's summary fields (what bench/stack_report.py and bench/rate_report.py write), so
-a plot can be redrawn from a saved JSON. Renders with matplotlib's Agg backend (no display); this
-module must not measure anything.
+Reads only the record's summary fields (what bench/stack_report.py, bench/rate_report.py and
+bench/tenant_report.py write), so a plot can be redrawn from a saved JSON. Renders with matplotlib's
+Agg backend (no display); this module must not measure anything.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
 
 _RATE_PHASES = ("off", "on")
 _PHASE_COLORS = {"off": "tab:gray", "on": "tab:green"}
+_FAIR_COLORS = {"off": "tab:gray", "on": "tab:green"}
+_TENANT_COLORS = ("tab:orange", "tab:blue")
 
 
 def _series(levels: list[dict[str, Any]], metric: str, key: str) -> tuple[list[int], list[float]]:
@@ -196,4 +199,81 @@ def write_rate_plot(record: dict[str, Any], path: Path) -> None:
         f"{workload['fallback_model'] or 'no fallback'}, {workload['prompt_tokens']} + "
         f"{workload['new_tokens']} tokens, {record['machine']['cpu_model']}"
     )
+    _save(figure, title, path)
+
+
+def _tenant_ttft_bars(axis: Any, record: dict[str, Any]) -> None:
+    """The quiet tenant's admitted TTFT p99 per contestant (median, every round) against the SLO; a
+    median landing on a miss is a hatched bar to the top, marked inf."""
+    slo = record["workload"]["ttft_slo_ms"]
+    contestants = record["contestants"]
+    finite = [v for c in contestants.values() for v in c["quiet_admitted_ttft_p99_ms_runs"] if v is not None]
+    top = 1.3 * max([slo, *finite])
+    for x, (name, contestant) in enumerate(contestants.items()):
+        value = contestant["quiet_admitted_ttft_p99_ms"]
+        if value is None:
+            axis.bar(x, top, color="white", edgecolor=_FAIR_COLORS[name], hatch="//")
+            axis.text(x, 0.5 * top, "inf", ha="center")
+        else:
+            axis.bar(x, value, color=_FAIR_COLORS[name])
+        runs = [v for v in contestant["quiet_admitted_ttft_p99_ms_runs"] if v is not None]
+        axis.plot([x] * len(runs), runs, "k.")
+    axis.axhline(slo, color="tab:red", linestyle="--", label=f"SLO {slo:.0f} ms")
+    axis.set_ylim(0, top)
+    axis.set_title("quiet tenant: admitted TTFT p99")
+    axis.set_ylabel("ms")
+    axis.legend(fontsize="small")
+
+
+def _tenant_goodput_bars(axis: Any, record: dict[str, Any]) -> None:
+    """Each tenant's goodput per contestant: the median, the min-max spread and every round."""
+    contestants = record["contestants"]
+    tenants = list(record["rates"])
+    width = 0.8 / len(tenants)
+    for t, tenant in enumerate(tenants):
+        for x, contestant in enumerate(contestants.values()):
+            figures = contestant["tenants"][tenant]
+            median, (low, high) = figures["goodput_tok_s"], figures["goodput_tok_s_spread"]
+            position = x - 0.4 + width * (t + 0.5)
+            axis.bar(
+                position, median, width, color=_TENANT_COLORS[t % len(_TENANT_COLORS)],
+                yerr=[[median - low], [high - median]], capsize=4, label=tenant if x == 0 else None,
+            )  # fmt: skip
+            axis.plot([position] * len(figures["goodput_tok_s_runs"]), figures["goodput_tok_s_runs"], "k.")
+    axis.set_title("goodput per tenant (TTFT within the SLO)")
+    axis.set_ylabel("output tokens / s")
+    axis.legend(fontsize="small")
+
+
+def _tenant_jain_bars(axis: Any, record: dict[str, Any]) -> None:
+    """Jain's index per contestant (median, every round) against the target."""
+    minimum = record["target"][record["target"]["judged"]]["jain_index"]["min"]
+    for x, (name, contestant) in enumerate(record["contestants"].items()):
+        axis.bar(x, contestant["jain_index"], color=_FAIR_COLORS[name])
+        axis.plot([x] * len(contestant["jain_index_runs"]), contestant["jain_index_runs"], "k.")
+    axis.axhline(minimum, color="tab:red", linestyle="--", label=f"target >= {minimum}")
+    axis.axhline(0.5, color="tab:gray", linestyle=":", label="0.5: one of two tenants starved")
+    axis.set_ylim(0, 1.05)
+    axis.set_title("Jain's index over x / min(demand, fair share)")
+    axis.legend(fontsize="small", loc="lower right")
+
+
+def write_tenant_plot(record: dict[str, Any], path: Path) -> None:
+    """`python -m bench.tenants`: per contestant (fair queuing on, off), the quiet tenant's admitted
+    TTFT p99 against the SLO, each tenant's goodput, and Jain's index against its target."""
+    figure, (ttft, goodput, jain) = _panels()
+    _tenant_ttft_bars(ttft, record)
+    _tenant_goodput_bars(goodput, record)
+    _tenant_jain_bars(jain, record)
+    names = list(record["contestants"])
+    for axis in (ttft, goodput, jain):
+        axis.set_xticks(range(len(names)), [f"fair queuing {name}" for name in names])
+        axis.grid(True, axis="y", alpha=0.3)
+    workload, rates = record["workload"], record["rates"]
+    shapes = ", ".join(
+        f"{t} {r['prompt_tokens']}+{workload['new_tokens']} tokens at {r['factor']:g}x capacity"
+        for t, r in rates.items()
+    )
+    verdict = "PASS" if record["pass"] else "FAIL"
+    title = f"bench.tenants ({verdict}): {workload['model']}, {shapes}, {record['machine']['cpu_model']}"
     _save(figure, title, path)

@@ -5,9 +5,9 @@ The stack is `--address`, or one started here from `--config` (`--spawn`) and st
 out (`spawned`, which a benchmark that starts a stack per contestant uses too); its gateway's /metrics
 address is the launcher's for a spawned stack, else `--gateway-metrics`, else unknown. The gateway
 is reached over one grpc.aio channel, checked with a ListModels call whose answer (the routes, the
-default model) the runs record. The closed loop (bench/stack_run.py) and the open loop
-(bench/rate_run.py) both import this module; it must not import either of them, nor send a
-generation request.
+default model) the runs record. The closed loop (bench/stack_run.py), the open loop
+(bench/rate_run.py) and the tenants' run (bench/tenant_run.py) import this module; it must not
+import any of them, nor send a generation request.
 """
 
 from __future__ import annotations
