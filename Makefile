@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tracing reliability chaos run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-tracing reliability chaos run clean
 
 setup: $(STAMP)
 
@@ -63,6 +63,12 @@ bench-stack: setup model
 # (about 6 minutes per rate); the plot lands next to the record (stack-rate-cpu.png).
 bench-fallback: setup model
 	$(BIN)/strata bench --spawn --rate 14,28 --json bench/results/stack-rate-cpu.json
+
+# Fairness between tenants: a noisy tenant at 5x its shape's capacity (512-token prompts) next to a quiet
+# one at 0.3x (32-token prompts) on the primary, fair queuing on against FIFO, 3 rounds alternated, each
+# round of each on a fresh stack; the plot lands next to the record (tenants-cpu.png).
+bench-tenants: setup model
+	$(BIN)/python -m bench.tenants --json bench/results/tenants-cpu.json
 
 # Tracing's CPU cost: the whole stack at sampling 1.0 against tracing off, 5 fresh stacks each, alternated.
 bench-tracing: setup model
