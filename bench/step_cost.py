@@ -58,6 +58,12 @@ class _Steps:
         started = time.perf_counter()
         self.engine.step()
         elapsed = (time.perf_counter() - started) * 1000.0
+        stats = self.engine.stats()
+        if stats.last_batch_tokens - stats.last_num_decodes != prefill:
+            raise RuntimeError(
+                f"a step meant to prefill {prefill} tokens computed "
+                f"{stats.last_batch_tokens - stats.last_num_decodes}: the shape is not what it says"
+            )
         if extra is not None:
             self.engine.abort(extra)
         return elapsed
@@ -97,7 +103,9 @@ def _det(m: list[list[float]]) -> float:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     loaded = load_model(args.model_dir)
-    engine = LLMEngine(loaded, EngineConfig(max_num_seqs=max(args.decodes), max_num_batched_tokens=4096))
+    # One running slot more than the largest batch: the prompt added to a step must be admitted.
+    config = EngineConfig(max_num_seqs=max(args.decodes) + 1, max_num_batched_tokens=4096)
+    engine = LLMEngine(loaded, config)
     steps = _Steps(engine, args.seed)
     steps.hold(1)
     for _ in range(3):  # untimed: first steps allocate

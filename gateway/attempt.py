@@ -67,7 +67,7 @@ class Attempt:
     def place(cls, request: Request, route: Route, detour: Detour | None, replica_retries: int) -> Attempt:
         """Queue the request on `route`; raises Refused, Unavailable or DeadlineExceeded at once."""
         slot = route.enqueue(request.ticket())
-        request.trace.admitted(slot.forecast_ttft_s, request.arrival)
+        request.trace.admitted(slot.forecast.ttft_s if slot.forecast is not None else None, request.arrival)
         return cls(request, route, detour, slot, replica_retries)
 
     def __enter__(self) -> Attempt:

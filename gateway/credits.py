@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from gateway.admission import Ticket
+    from gateway.forecast import Forecast
     from gateway.worker_link import WorkerLink
 
 
@@ -70,8 +71,8 @@ class Slot:
         self.enqueued = time.monotonic()
         self.timer: asyncio.TimerHandle | None = None
         """Fires at the ticket's deadline while the slot waits."""
-        self.forecast_ttft_s: float | None = None
-        """The time to first token admission forecast for it (forecast.py); None without a forecast."""
+        self.forecast: Forecast | None = None
+        """What admission forecast for it (forecast.py); None without a forecast."""
         self.link: WorkerLink | None = None
         """The link the credit was granted on; None while waiting."""
         self.wire_id = ""
@@ -79,6 +80,12 @@ class Slot:
         self._queue = queue
         self._outcome: asyncio.Future[WorkerLink] = asyncio.get_running_loop().create_future()
         self._released = False
+
+    @property
+    def first_token_due(self) -> float | None:
+        """When admission forecast its first token (time.monotonic(), the link's margin left out)."""
+        forecast = self.forecast
+        return None if forecast is None else self.enqueued + forecast.ttft_s - forecast.margin_s
 
     @property
     def decided(self) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
 
 STEP_EWMA_WEIGHT = 0.3
 """Weight of each reported step in the step-time average: a few steps follow a change of load."""
+MARGIN_SAMPLES = 200
+MARGIN_MIN_SAMPLES = 20
+MARGIN_QUANTILE = 0.95
 
 
 @dataclass(slots=True)
@@ -40,6 +44,8 @@ class _Open:
     output_tokens: int
     started: bool = False
     """Its first token came: it holds a running slot and only decodes."""
+    due: float | None = None
+    """When admission forecast its first token (time.monotonic(), the margin left out); None: no forecast."""
 
 
 class LinkLoad:
@@ -57,6 +63,9 @@ class LinkLoad:
         """step_s is the hello's step (often the warm-up's, a batch of one): the next replaces it."""
         self._last: tuple[int, float, bool] | None = None
         """The last step report: its number, when it arrived, and whether the engine was still busy."""
+        self._errors: deque[float] = deque(maxlen=MARGIN_SAMPLES)
+        """Seconds each recent first token came after its forecast (negative: before)."""
+        self._margin: float | None = None
 
     @property
     def open_requests(self) -> int:
@@ -67,13 +76,28 @@ class LinkLoad:
         self._open.clear()
         self._last = None
 
-    def sent(self, submission: worker_pb2.Submission) -> None:
-        """A submission was queued for the worker."""
+    def sent(self, submission: worker_pb2.Submission, due: float | None = None) -> None:
+        """A submission was queued for the worker; `due` is when its first token was forecast for."""
         self._open[submission.request_id] = _Open(
             prompt_tokens=len(submission.prompt_ids) + len(submission.prior_output_ids),
             max_new_tokens=submission.sampling.max_new_tokens,
             output_tokens=len(submission.prior_output_ids),
+            due=due,
         )
+
+    @property
+    def margin_s(self) -> float:
+        """How late first tokens came against their forecast on this stream, lately: the
+        MARGIN_QUANTILE of the last MARGIN_SAMPLES errors (0 while fewer than MARGIN_MIN_SAMPLES, or
+        when they came early). The forecast adds it: what the replay cannot see (a neighbour taking
+        the cores, the gateway's own lag) shows up here, and leaves again when it passes."""
+        if self._margin is None:
+            errors = sorted(self._errors)
+            if len(errors) < MARGIN_MIN_SAMPLES:
+                self._margin = 0.0
+            else:
+                self._margin = max(0.0, errors[min(len(errors) - 1, int(MARGIN_QUANTILE * len(errors)))])
+        return self._margin
 
     def forget(self, wire_id: str) -> None:
         """The request ended or was cancelled: its slot is free."""
@@ -90,6 +114,9 @@ class LinkLoad:
                 continue
             request = self._open.get(update.request_id)
             if request is not None:
+                if not request.started and request.due is not None:
+                    self._errors.append(now - request.due)
+                    self._margin = None
                 request.output_tokens = max(request.output_tokens, update.output_tokens)
                 request.started = True
         if response.HasField("step"):
@@ -157,6 +184,9 @@ class Forecast:
 
     start_s: float
     ttft_s: float
+    """The replay's time to first token plus the link's margin."""
+    margin_s: float = 0.0
+    """The part of ttft_s that is the link's recent lateness (LinkLoad.margin_s)."""
 
 
 def forecast(links: Sequence[LinkView], ahead: Sequence[Ticket], ticket: Ticket) -> Forecast | None:
@@ -194,7 +224,8 @@ def forecast(links: Sequence[LinkView], ahead: Sequence[Ticket], ticket: Ticket)
     # prompts not yet prefilled when the ticket starts now.
     prompt = ticket.prompt_tokens + (pending.get(index, 0) if start <= step_s else 0)
     prompt += sum(t.prompt_tokens for (at, i), t in starts if i == index and at >= start - step_s)
-    return Forecast(start, start + step_s * (1 + load.chunks(prompt)))
+    margin = load.margin_s
+    return Forecast(start, start + step_s * (1 + load.chunks(prompt)) + margin, margin)
 
 
 def _hold(

@@ -204,7 +204,7 @@ class Route:
         victims = self._queue.victims(ticket)
         wait = predicted.start_s if predicted is not None else None
         slot = Slot(ticket, self)
-        slot.forecast_ttft_s = predicted.ttft_s if predicted is not None else None
+        slot.forecast = predicted
         for victim in victims if isinstance(victims, list) else ():
             self._shed(victim, wait)
         self._queue.push(slot)

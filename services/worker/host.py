@@ -88,9 +88,9 @@ class WorkerHost:
         self._streams = itertools.count(1)
         self._connections: set[Connection] = set()
         self._owners: dict[str, Connection] = {}
+        """The stream that owns each accepted request, by engine id."""
         self.last_step: worker_pb2.StepInfo | None = None
         """The engine's latest step as streams report it; a new stream's hello carries it."""
-        """The stream that owns each accepted request, by engine id."""
 
     def _build(self) -> LLMEngine:
         # On the step thread, which runs every forward pass, so its OpenMP team gets the setting.

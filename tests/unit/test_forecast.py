@@ -184,3 +184,37 @@ def test_tickets_that_start_together_share_the_prefill_of_the_steps_that_follow(
     shared = forecast([view], [ticket(f"a{i}") for i in range(3)], ticket("t", prompt=32))
     assert shared is not None and shared.start_s == pytest.approx(0.3)
     assert shared.ttft_s == pytest.approx(0.3 + 0.1 * (1 + 2))
+
+
+def test_the_margin_is_how_late_recent_first_tokens_came_against_their_forecast() -> None:
+    """The forecast adds the 95th percentile of the link's recent lateness: none before 20 samples,
+    nothing for early ones, and it leaves as the late ones age out of the window."""
+    load = LinkLoad()
+    load.observe(worker_pb2.ConnectResponse(step=step(100.0, prefill_budget=64)), 0.0)
+
+    def first_tokens(count: int, late_s: float, start: int = 0) -> None:
+        for i in range(start, start + count):
+            load.sent(submission(f"r{i}"), due=10.0)
+            load.observe(
+                worker_pb2.ConnectResponse(
+                    updates=[worker_pb2.TokenUpdate(request_id=f"r{i}", output_tokens=1)]
+                ),
+                10.0 + late_s,
+            )
+            load.forget(f"r{i}")
+
+    first_tokens(19, 0.5)
+    assert load.margin_s == 0.0  # too few to say
+    first_tokens(1, 0.5, start=19)
+    assert load.margin_s == pytest.approx(0.5)
+    got = forecast([LinkView(load, slots=4, free_credits=4)], [], ticket("t"))
+    assert got is not None and got.margin_s == pytest.approx(0.5)
+    assert got.ttft_s == pytest.approx(0.1 * 2 + 0.5)
+    first_tokens(200, -0.3, start=20)  # on time and early: the late ones left the window
+    assert load.margin_s == 0.0
+    load.sent(submission("untimed"))  # no forecast: nothing to learn from
+    load.observe(
+        worker_pb2.ConnectResponse(updates=[worker_pb2.TokenUpdate(request_id="untimed", output_tokens=1)]),
+        99.0,
+    )
+    assert load.margin_s == 0.0
