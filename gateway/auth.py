@@ -35,6 +35,18 @@ def key_matches(header: str | bytes | None, keys: tuple[bytes, ...]) -> bool:
     return matched and bool(token)
 
 
+def tenant_of(header: str | bytes | None, keys: tuple[tuple[bytes, str], ...], default: str) -> str:
+    """The tenant whose key `header` carries (`Bearer <key>`), compared in constant time against every
+    key; `default` when it carries none of them (only reachable when no key is required)."""
+    raw = b"" if header is None else header.encode() if isinstance(header, str) else header
+    token = raw[len(_PREFIX) :] if raw.startswith(_PREFIX) else b""
+    found = default
+    for key, tenant in keys:
+        if hmac.compare_digest(token, key) and token:
+            found = tenant
+    return found
+
+
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Refuses calls without an accepted key; health checks pass without one (probes have none)."""
 

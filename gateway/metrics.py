@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import REGISTRY, Counter, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -163,3 +163,13 @@ class RouterCollector(Collector):
 
 ROUTER_GAUGES = RouterCollector()
 REGISTRY.register(ROUTER_GAUGES)
+TENANT_REQUESTS = Counter(
+    "strata_gateway_tenant_requests_total",
+    "Requests by tenant (configured names only) and by what its quota said: reserved, or quota (refused).",
+    ["tenant", "outcome"],
+)
+TENANT_RUNNING = Gauge(
+    "strata_gateway_tenant_running_requests",
+    "Requests a tenant has admitted and not finished in this gateway replica.",
+    ["tenant"],
+)

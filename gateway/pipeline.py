@@ -35,6 +35,7 @@ from gateway.fallback import received
 from gateway.metrics import FALLBACKS, REQUEST_ERRORS, observe_finished
 from gateway.request import Request
 from gateway.request_trace import TOKENIZE_RPC, RequestTrace
+from gateway.tenants import TenantBook
 from gateway.validation import validate
 from strata.status import ELAPSED_KEY
 from strata.v1 import tokenizer_pb2
@@ -74,6 +75,8 @@ class Pipeline:
         self._batcher = batcher
         self._fingerprint = fingerprint
         self._tracing = tracing
+        self.tenants = TenantBook(settings.tenants)
+        """Each tenant's quotas: a request holds a Reservation from validation to its end."""
 
     async def run(self, incoming: Incoming) -> AsyncGenerator[Chunk, None]:
         """The request's chunks; its spans, log line and metrics are recorded however it ends."""
@@ -89,14 +92,19 @@ class Pipeline:
             request_id = valid.request_id
             trace.validated(valid)
             request = Request(incoming, valid, self._router.route(valid.model), trace, arrival)
-            # Closed with this generator, so the attempt ends (and is cancelled on the worker) when a
-            # front door stops taking chunks, not whenever the abandoned generator is collected.
-            async with contextlib.aclosing(self._serve(request)) as chunks:
-                async for chunk in chunks:
-                    if chunk.final is not None:
-                        observe_finished(chunk.final)
-                        done = True
-                    yield chunk
+            request.priority = self.tenants.priority_for(incoming.tenant, valid.request.priority)
+            reservation = self.tenants.reserve(incoming.tenant, request.ticket().cost)
+            try:
+                # Closed with this generator, so the attempt ends (and is cancelled on the worker) when
+                # a front door stops taking chunks, not whenever the abandoned generator is collected.
+                async with contextlib.aclosing(self._serve(request)) as chunks:
+                    async for chunk in chunks:
+                        if chunk.final is not None:
+                            observe_finished(chunk.final)
+                            done = True
+                        yield chunk
+            finally:
+                reservation.release(request.input_tokens + len(request.token_ids))
         except GatewayError as error:
             done = True
             # The gateway's own time to the failure: a client can tell an at-once refusal from its own lag.

@@ -25,6 +25,7 @@ from gateway.errors import DeadlineExceeded, TokenizerUnavailable, Unavailable
 from gateway.fallback import FallbackPolicy
 from gateway.metrics import INTER_TOKEN_LATENCY
 from gateway.stage_clock import StageClock
+from gateway.tenant_settings import DEFAULT_TENANT
 from strata.v1 import common_pb2, gateway_pb2, tokenizer_pb2
 
 if TYPE_CHECKING:
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
     from gateway.validation import ValidRequest
     from strata.v1 import worker_pb2
 
-DEFAULT_TENANT = "default"
 ENGINE_ERROR = "the worker's engine ended the request with FINISH_REASON_ERROR (such as out of memory)"
 
 
@@ -143,6 +143,7 @@ class Request:
             max_new_tokens=self.valid.sampling.max_new_tokens - sent,
             priority=self.priority,
             deadline=self.deadline,
+            tenant=self.incoming.tenant,
         )
 
     # The worker link's side: one Detokenize entry per update, and the delta it makes.

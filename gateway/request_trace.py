@@ -60,6 +60,7 @@ class RequestTrace:
         self._arrival = arrival
         self._content = _content(request) if record_content else None
         self._forecast_ms: float | None = None
+        self._tenant = incoming.tenant
         operation = "chat" if len(request.messages) else "text_completion"
         self._operation = operation
         protocol = {"rpc.system": "grpc"} if incoming.protocol == "grpc" else {}
@@ -163,6 +164,7 @@ class RequestTrace:
             "event": "request_finished",
             "request_id": response.request_id,
             "trace_id": self.trace_id,
+            "tenant": self._tenant,
             "model": response.model,
             "input_tokens": response.usage.input_tokens,
             "output_tokens": response.usage.output_tokens,
@@ -188,6 +190,7 @@ class RequestTrace:
             "event": "request_failed",
             "request_id": request_id,
             "trace_id": self.trace_id,
+            "tenant": self._tenant,
             "model": request.model,
             "code": code,
             "error": message,

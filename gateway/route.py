@@ -22,7 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gateway.admission import AdmissionQueue, Refused, Ticket
+from gateway.admission import Refused, Ticket
+from gateway.admission_queue import AdmissionQueue
 from gateway.credits import Slot
 from gateway.discovery import Discovery, resolve
 from gateway.errors import DeadlineExceeded, Unavailable
@@ -30,6 +31,7 @@ from gateway.forecast import Forecast, LinkView, forecast
 from gateway.metrics import ADMISSION_DECISION_SECONDS, REJECTIONS
 
 if TYPE_CHECKING:
+    from collections import Counter
     from collections.abc import Callable
 
     from gateway.discovery import Resolver
@@ -71,7 +73,12 @@ class Route:
         self.fallback = settings.fallback
         self.fallback_enabled = settings.fallback_enabled
         self._default_retry_s = gateway.overload_retry_after_s
-        self._queue = AdmissionQueue(settings.max_queued_requests, settings.max_queued_tokens)
+        weights = {tenant.name: tenant.weight for tenant in gateway.tenants}
+        self._queue = AdmissionQueue(
+            settings.max_queued_requests,
+            settings.max_queued_tokens,
+            (lambda tenant: weights.get(tenant, 1.0)) if gateway.fair_queuing else None,
+        )
         self._discovery = Discovery(
             settings,
             lambda address: make_link(address, self.name, self._capacity_changed),
@@ -90,6 +97,9 @@ class Route:
     @property
     def queued_tokens(self) -> int:
         return self._queue.tokens
+
+    def queued_by_tenant(self) -> Counter[str]:
+        return self._queue.queued_by_tenant()
 
     def start(self) -> None:
         self._discovery.start()
@@ -142,7 +152,7 @@ class Route:
             for link in self.links
             if link.ready and not link.leaving
         ]
-        return forecast(views, self._queue.ahead_tickets(ticket.priority), ticket)
+        return forecast(views, self._queue.ahead_tickets(ticket), ticket)
 
     def saturation(self, ticket: Ticket) -> str | None:
         """Why the route cannot take `ticket` now within its SLO or deadline; None when it can."""
@@ -152,7 +162,7 @@ class Route:
     def _saturated(self, ticket: Ticket, predicted: Forecast | None) -> tuple[str, str, float | None] | None:
         """(reason, text, retry hint) when `ticket` would be refused now; None when it is admitted."""
         wait = predicted.start_s if predicted is not None and predicted.start_s > 0 else None
-        at_once = self._queue.ahead(ticket.priority) == 0 and self.free_credits() > 0
+        at_once = self._queue.ahead(ticket) == 0 and self.free_credits() > 0
         if not at_once:
             fit = self._queue.victims(ticket)
             if isinstance(fit, tuple):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 
-from gateway.auth import ApiKeyInterceptor
+from gateway.auth import ApiKeyInterceptor, tenant_of
 from gateway.errors import GatewayError, abort
 from gateway.metrics import ROUTER_GAUGES, STUCK_STREAMS
 from gateway.pipeline import Pipeline
@@ -26,6 +26,7 @@ from gateway.request import Incoming
 from gateway.request_trace import TRACE_KEYS
 from gateway.router import Router
 from gateway.settings import GatewaySettings
+from gateway.tenant_settings import DEFAULT_TENANT
 from gateway.tokenize_batcher import TokenizeBatcher
 from gateway.tokenizer_client import TokenizerClient
 from strata.rpc import RunningServer, shutdown_event, start_server
@@ -45,12 +46,17 @@ SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"]
 SERVICE_NAME = SERVICE.full_name
 
 
-def incoming(request: gateway_pb2.GenerateRequest, context: Context) -> Incoming:
-    """The pipeline's view of a gRPC call: the request, its deadline and its W3C trace context."""
+def incoming(
+    request: gateway_pb2.GenerateRequest, context: Context, keys: tuple[tuple[bytes, str], ...] = ()
+) -> Incoming:
+    """The pipeline's view of a gRPC call: the request, its tenant (by its API key among `keys`), its
+    deadline and its W3C trace context."""
     remaining = context.time_remaining()
     deadline = 0 if remaining is None else int((time.time() + remaining) * 1000)
-    trace = {key: value for key, value in (context.invocation_metadata() or ()) if key in TRACE_KEYS}
-    return Incoming(request, protocol="grpc", deadline_unix_ms=deadline, trace_context=trace)
+    metadata = context.invocation_metadata() or ()
+    trace = {key: value for key, value in metadata if key in TRACE_KEYS}
+    tenant = tenant_of(dict(metadata).get("authorization"), keys, DEFAULT_TENANT) if keys else DEFAULT_TENANT
+    return Incoming(request, protocol="grpc", tenant=tenant, deadline_unix_ms=deadline, trace_context=trace)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -63,18 +69,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         tokenizer: TokenizerClient,
         default_model: str,
         idle_timeout_s: float,
+        keys: tuple[tuple[bytes, str], ...] = (),
     ) -> None:
+        """`keys`: every accepted API key with its tenant (none: every call is the default tenant's)."""
         self._pipeline = pipeline
         self._router = router
         self._tokenizer = tokenizer
         self._default_model = default_model
         self._idle_timeout_s = idle_timeout_s
+        self._keys = keys
 
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: Context
     ) -> gateway_pb2.GenerateResponse:
         try:
-            async with contextlib.aclosing(self._pipeline.run(incoming(request, context))) as chunks:
+            async with contextlib.aclosing(
+                self._pipeline.run(incoming(request, context, self._keys))
+            ) as chunks:
                 async for chunk in chunks:
                     if chunk.final is not None:
                         return chunk.final
@@ -94,7 +105,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         """
         stuck = False
         try:
-            async with contextlib.aclosing(self._pipeline.run(incoming(request, context))) as chunks:
+            async with contextlib.aclosing(
+                self._pipeline.run(incoming(request, context, self._keys))
+            ) as chunks:
                 async for chunk in chunks:
                     message = gateway_pb2.GenerateStreamResponse(
                         text=chunk.text, token_ids=chunk.token_ids, final=chunk.final
@@ -133,7 +146,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     fallback_enabled=bool(route.fallback) and route.fallback_enabled,
                 )
             )
-        return gateway_pb2.ListModelsResponse(models=models, default_model=self._default_model)
+        tenants = self._pipeline.tenants.status()
+        for route in self._router.routes():
+            for tenant in tenants:
+                tenant.queued += route.queued_by_tenant()[tenant.name]
+        return gateway_pb2.ListModelsResponse(
+            models=models, default_model=self._default_model, tenants=tenants
+        )
 
 
 class GatewayServer:
@@ -205,6 +224,7 @@ class GatewayServer:
             self.tokenizer,
             self.settings.default_route,
             self.settings.stream_idle_timeout_s,
+            self.settings.tenant_keys(),
         )
         self.running = await start_server(
             self.settings.listen,

@@ -12,6 +12,7 @@ from typing import ClassVar
 from pydantic import BaseModel, ConfigDict, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from gateway.tenant_settings import DEFAULT_TENANT, TenantSettings, check_tenants
 from strata.rpc import MIB
 from strata.settings import ServiceSettings
 from strata.tls import ClientTlsSettings
@@ -128,15 +129,31 @@ class GatewaySettings(ServiceSettings):
     the gateway takes every call."""
     api_keys_file: Path | None = None
     """A file of keys, one per line (blank lines and # comments ignored), read at start."""
+    tenants: tuple[TenantSettings, ...] = ()
+    """Who shares the gateway: each tenant's keys, weight and limits (tenant_settings.py). Requests
+    with a plain api_keys key, or with no key when none is configured, are the default tenant's."""
+    fair_queuing: bool = True
+    """Serve waiting requests by tenant, weighted fair on token cost; false: first come, first served."""
 
-    def accepted_keys(self) -> tuple[bytes, ...]:
-        """Every API key, from the settings and the file, as bytes for a constant-time comparison."""
+    def default_keys(self) -> tuple[str, ...]:
+        """The plain API keys, from the settings and the file: the default tenant's."""
         keys = [key.get_secret_value() for key in self.api_keys]
         if self.api_keys_file is not None:
             for line in self.api_keys_file.read_text().splitlines():
                 if line.strip() and not line.strip().startswith("#"):
                     keys.append(line.strip())
-        return tuple(key.encode() for key in keys)
+        return tuple(keys)
+
+    def tenant_keys(self) -> tuple[tuple[bytes, str], ...]:
+        """Every accepted key, as bytes for a constant-time comparison, with the tenant it names."""
+        keys = [(key.encode(), DEFAULT_TENANT) for key in self.default_keys()]
+        for tenant in self.tenants:
+            keys.extend((key.get_secret_value().encode(), tenant.name) for key in tenant.api_keys)
+        return tuple(keys)
+
+    def accepted_keys(self) -> tuple[bytes, ...]:
+        """Every API key, the default tenant's and the tenants', as bytes."""
+        return tuple(key for key, _ in self.tenant_keys())
 
     @model_validator(mode="after")
     def _check(self) -> GatewaySettings:
@@ -178,6 +195,7 @@ class GatewaySettings(ServiceSettings):
                 raise ValueError(f"api_keys_file: cannot read {self.api_keys_file}: {exc.strerror}") from exc
         if any(not key.get_secret_value().strip() for key in self.api_keys):
             raise ValueError("api_keys must not hold an empty key; remove it")
+        check_tenants(self.tenants, self.default_keys())
         return self
 
     @property

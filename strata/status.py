@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 ELAPSED_KEY = "strata-elapsed-ms"
-"""A failed call's trailer: the server's own milliseconds from the request's arrival to the decision to fail."""
+"""A failed call's trailer: the server's own milliseconds from the request's arrival to the decision."""
 
 
 class StatusError(Exception):
@@ -84,13 +84,26 @@ class ResourceExhausted(StatusError):
         self.retry_after_s = retry_after_s
 
 
+class QuotaExceeded(ResourceExhausted):
+    """Over a quota: which one (`subject`, such as "tenant:search") and what it allows (`limit`)."""
+
+    def __init__(self, message: str, retry_after_s: float, subject: str, limit: str) -> None:
+        super().__init__(message, retry_after_s)
+        self.subject = subject
+        self.limit = limit
+
+
 def status_details(error: StatusError) -> bytes:
-    """The serialized google.rpc.Status for `error`, with a RetryInfo when it has a retry hint."""
+    """The serialized google.rpc.Status for `error`, with a RetryInfo when it has a retry hint and a
+    QuotaFailure naming the limit when it is over a quota."""
     status = status_pb2.Status(code=error.code.value[0], message=error.message)
     if isinstance(error, ResourceExhausted):
         retry = error_details_pb2.RetryInfo()
         retry.retry_delay.FromTimedelta(timedelta(seconds=max(0.0, error.retry_after_s)))
         status.details.add().Pack(retry)
+    if isinstance(error, QuotaExceeded):
+        violation = error_details_pb2.QuotaFailure.Violation(subject=error.subject, description=error.limit)
+        status.details.add().Pack(error_details_pb2.QuotaFailure(violations=[violation]))
     return bytes(status.SerializeToString())
 
 

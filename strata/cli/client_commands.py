@@ -198,6 +198,22 @@ def _models(args: argparse.Namespace) -> int:
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)) + "  " + row[3])
     print("(* the default model)")
+    if len(reply.tenants) > 1 or any(t.running or t.queued for t in reply.tenants):
+        print()
+        table = [("TENANT", "WEIGHT", "RUNNING", "QUEUED", "LIMITS")]
+        for tenant in reply.tenants:
+            limits = [
+                f"{tenant.max_concurrent_requests} requests" if tenant.max_concurrent_requests else "",
+                f"{tenant.tokens_left}/{tenant.tokens_per_minute} tokens/min left"
+                if tenant.tokens_per_minute
+                else "",
+            ]
+            shown = ", ".join(limit for limit in limits if limit) or "-"
+            table.append((tenant.name, f"{tenant.weight:g}", str(tenant.running), str(tenant.queued), shown))
+        sizes = [max(len(line[column]) for line in table) for column in range(4)]
+        for line in table:
+            cells = "  ".join(cell.ljust(size) for cell, size in zip(line, sizes, strict=False))
+            print(f"{cells}  {line[4]}")
     return 0
 
 

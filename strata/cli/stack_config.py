@@ -86,13 +86,13 @@ def routes_json(models: list[str], addresses: list[str], options: Sequence[Mappi
 
 
 def gateway_is_open(config_path: Path) -> bool:
-    """Whether the launcher can call the gateway itself: plaintext and no API keys. Otherwise its
-    readiness (every route served) is all the launcher waits for."""
+    """Whether the launcher can call the gateway itself: plaintext and no API keys (tenants have keys
+    too). Otherwise its readiness (every route served) is all the launcher waits for."""
     gateway = read_config(config_path).get("gateway") or {}
     return (
         isinstance(gateway, dict)
         and not gateway.get("tls")
-        and not (gateway.get("api_keys") or gateway.get("api_keys_file"))
+        and not (gateway.get("api_keys") or gateway.get("api_keys_file") or gateway.get("tenants"))
     )
 
 

@@ -257,25 +257,76 @@ class ListModelsResponse(_message.Message):
 
     MODELS_FIELD_NUMBER: _builtins.int
     DEFAULT_MODEL_FIELD_NUMBER: _builtins.int
+    TENANTS_FIELD_NUMBER: _builtins.int
     default_model: _builtins.str
     """The model an empty GenerateRequest.model selects."""
     @_builtins.property
     def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelInfo]:
         """One entry per model route."""
 
+    @_builtins.property
+    def tenants(self) -> _containers.RepeatedCompositeFieldContainer[Global___TenantStatus]:
+        """Each tenant's use of this gateway replica (the default tenant first)."""
+
     def __init__(
         self,
         *,
         models: _abc.Iterable[Global___ModelInfo] | None = ...,
         default_model: _builtins.str = ...,
+        tenants: _abc.Iterable[Global___TenantStatus] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_model", b"default_model", "models", b"models"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_model", b"default_model", "models", b"models", "tenants", b"tenants"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListModelsResponse: _TypeAlias = ListModelsResponse  # noqa: Y015
+
+@_typing.final
+class TenantStatus(_message.Message):
+    """One tenant as this gateway replica sees it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    WEIGHT_FIELD_NUMBER: _builtins.int
+    QUEUED_FIELD_NUMBER: _builtins.int
+    RUNNING_FIELD_NUMBER: _builtins.int
+    MAX_CONCURRENT_REQUESTS_FIELD_NUMBER: _builtins.int
+    TOKENS_PER_MINUTE_FIELD_NUMBER: _builtins.int
+    TOKENS_LEFT_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The tenant's configured name ("default" for plain API keys, or no keys)."""
+    weight: _builtins.float
+    """Its share of a saturated route relative to the other tenants waiting."""
+    queued: _builtins.int
+    """Requests waiting in the admission queues of every route."""
+    running: _builtins.int
+    """Requests admitted and not finished."""
+    max_concurrent_requests: _builtins.int
+    """Its limits; 0 is none."""
+    tokens_per_minute: _builtins.int
+    tokens_left: _builtins.int
+    """Tokens left in its current window (tokens_per_minute only)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        weight: _builtins.float = ...,
+        queued: _builtins.int = ...,
+        running: _builtins.int = ...,
+        max_concurrent_requests: _builtins.int = ...,
+        tokens_per_minute: _builtins.int = ...,
+        tokens_left: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_concurrent_requests", b"max_concurrent_requests", "name", b"name", "queued", b"queued", "running", b"running", "tokens_left", b"tokens_left", "tokens_per_minute", b"tokens_per_minute", "weight", b"weight"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TenantStatus: _TypeAlias = TenantStatus  # noqa: Y015
 
 @_typing.final
 class ModelInfo(_message.Message):

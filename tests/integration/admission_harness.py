@@ -30,7 +30,20 @@ if TYPE_CHECKING:
     from gateway.server import GatewayServer
     from services.worker.server import WorkerServer
 
-MODELS = ("burst", "slo", "deadline", "shed", "replicas", "dns", "stop", "cancel")
+MODELS = (
+    "burst",
+    "slo",
+    "deadline",
+    "fair",
+    "fifo",
+    "quota",
+    "ceiling",
+    "shed",
+    "replicas",
+    "dns",
+    "stop",
+    "cancel",
+)
 WAIT_S = 60.0
 
 

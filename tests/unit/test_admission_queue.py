@@ -12,7 +12,6 @@ import pytest
 from tokenizers import Tokenizer
 
 from gateway.admission import (
-    AdmissionQueue,
     Priority,
     Refused,
     Ticket,
@@ -20,6 +19,7 @@ from gateway.admission import (
     estimate_prompt_tokens,
     priority_of,
 )
+from gateway.admission_queue import AdmissionQueue
 from gateway.credits import Slot, StreamCredits
 from gateway.settings import GatewaySettings
 from strata.settings import SettingsError
@@ -70,8 +70,12 @@ def slot(
     tokens: int = 10,
     priority: Priority = Priority.INTERACTIVE,
     route: RecordingRoute | None = None,
+    tenant: str = "default",
+    new_tokens: int = 8,
 ) -> Slot:
-    ticket = Ticket(request_id=name, prompt_tokens=tokens, max_new_tokens=8, priority=priority)
+    ticket = Ticket(
+        request_id=name, prompt_tokens=tokens, max_new_tokens=new_tokens, priority=priority, tenant=tenant
+    )
 
     async def make() -> Slot:  # a slot belongs to the running loop, as on a route
         return Slot(ticket, route or RecordingRoute())
@@ -96,12 +100,51 @@ def test_interactive_first_then_fifo_within_a_priority() -> None:
     ):
         queue.push(w)
     assert (queue.requests, queue.tokens) == (4, 40)
-    assert queue.ahead(Priority.INTERACTIVE) == 2 and queue.ahead(Priority.BATCH) == 4
-    ahead = [t.request_id for t in queue.ahead_tickets(Priority.INTERACTIVE)]
-    assert ahead == ["i1", "i2"]
-    assert [t.request_id for t in queue.ahead_tickets(Priority.BATCH)] == ["i1", "i2", "b1", "b2"]
+    interactive, batch = slot("i3").ticket, slot("b3", priority=Priority.BATCH).ticket
+    assert queue.ahead(interactive) == 2 and queue.ahead(batch) == 4
+    assert [t.request_id for t in queue.ahead_tickets(interactive)] == ["i1", "i2"]
+    assert [t.request_id for t in queue.ahead_tickets(batch)] == ["i1", "i2", "b1", "b2"]
     assert order(queue) == ["i1", "i2", "b1", "b2"]
     assert (queue.requests, queue.tokens) == (0, 0)
+
+
+def test_fair_queuing_serves_tenants_by_token_cost_over_weight() -> None:
+    """A flood of long prompts from one tenant and a trickle of short ones from another, equal weight:
+    each tenant is served in the order of its token cost, so the short ones pass the flood; with
+    weight 2 a tenant gets twice the cost; a newcomer is tagged from the virtual time, not behind."""
+    weights = {"noisy": 1.0, "quiet": 1.0}
+    queue = AdmissionQueue(max_requests=20, max_tokens=100_000, weight=lambda tenant: weights[tenant])
+    for i in range(4):
+        queue.push(slot(f"n{i}", tokens=512, tenant="noisy", new_tokens=32))  # cost 544 each
+    for i in range(4):
+        queue.push(slot(f"q{i}", tokens=32, tenant="quiet", new_tokens=32))  # cost 64 each
+    # The quiet tenant's next request (tag 5 x 64 = 320) waits behind its own four only, not the flood.
+    quiet = slot("q-next", tokens=32, tenant="quiet", new_tokens=32).ticket
+    assert [t.request_id for t in queue.ahead_tickets(quiet)] == ["q0", "q1", "q2", "q3"]
+    noisy = slot("n-next", tokens=512, tenant="noisy", new_tokens=32).ticket
+    assert queue.ahead(noisy) == 8
+    assert order(queue) == ["q0", "q1", "q2", "q3", "n0", "n1", "n2", "n3"]
+    # After the queue drained, a tenant idle since is tagged from the virtual time, not from zero.
+    queue.push(slot("n4", tokens=512, tenant="noisy", new_tokens=32))
+    queue.push(slot("q4", tokens=32, tenant="quiet", new_tokens=32))
+    assert order(queue) == ["q4", "n4"]
+    # Weight 2 halves a tenant's charge: two of its requests per one of an equal cost.
+    weights["quiet"] = 2.0
+    fresh = AdmissionQueue(max_requests=20, max_tokens=100_000, weight=lambda tenant: weights[tenant])
+    for i in range(3):
+        fresh.push(slot(f"n{i}", tokens=96, tenant="noisy", new_tokens=32))
+        fresh.push(slot(f"q{i}", tokens=96, tenant="quiet", new_tokens=32))
+    assert order(fresh) == ["q0", "n0", "q1", "q2", "n1", "n2"]
+    assert fresh.queued_by_tenant() == {}
+
+
+def test_without_fair_queuing_tenants_share_one_fifo() -> None:
+    queue = AdmissionQueue(max_requests=20, max_tokens=100_000)
+    for name, tenant, tokens in (("n0", "noisy", 512), ("q0", "quiet", 32), ("n1", "noisy", 512)):
+        queue.push(slot(name, tokens=tokens, tenant=tenant))
+    assert queue.queued_by_tenant() == {"noisy": 2, "quiet": 1}
+    assert queue.ahead(slot("q1", tenant="quiet").ticket) == 3
+    assert order(queue) == ["n0", "q0", "n1"]
 
 
 def test_full_queue_sheds_the_newest_batch_for_an_interactive_arrival() -> None:

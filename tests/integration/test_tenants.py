@@ -1,0 +1,165 @@
+"""Tenants end to end: the real tokenizer service, a real worker and the gateway, in-process, clients
+naming their tenant by API key.
+
+A burst from one tenant does not hold another's trickle behind it (and does, first come first served,
+with fair queuing off); quota refusals carry a QuotaFailure, and unused tokens come back when a
+request ends; a tenant's priority ceiling; random keys never reach a metric label. Requests that
+must stay running slow each engine step with the worker's test-only step delay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import subprocess
+import sys
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2, status_pb2
+from prometheus_client import REGISTRY
+
+from strata.status import STATUS_DETAILS_KEY
+from strata.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.integration.admission_harness import Stack, request
+from tests.polling import wait_for
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
+
+TENANTS: list[dict[str, Any]] = [
+    {"name": "noisy", "api_keys": ["k-noisy"]},
+    {"name": "quiet", "api_keys": ["k-quiet"]},
+    {"name": "metered", "api_keys": ["k-metered"], "tokens_per_minute": 120},
+    {"name": "batchy", "api_keys": ["k-batchy"], "max_priority": "batch"},
+]
+
+
+def key(name: str) -> tuple[tuple[str, str]]:
+    return (("authorization", f"Bearer k-{name}"),)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_serving_dir: Path) -> Iterator[Stack]:
+    built = Stack(tiny_serving_dir)
+    try:
+        yield built
+    finally:
+        built.close()
+
+
+def finish_order(stack: Stack, model: str, fair: bool) -> list[str]:
+    """12 noisy requests at once on 2 credits, then 3 quiet ones while they wait: the finish order."""
+    worker = stack.start_worker(model, max_requests=2, step_delay_s=0.05)
+    gateway = stack.start_gateway(
+        {"model": model, "workers": [worker.address], "ttft_slo_ms": 0}, tenants=TENANTS, fair_queuing=fair
+    )
+    order: list[str] = []
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(gateway.address) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+
+            async def one(tenant: str, name: str) -> None:
+                await stub.Generate(request(model, name, 8), metadata=key(tenant), timeout=120)
+                order.append(name)
+
+            noisy = [asyncio.create_task(one("noisy", f"noisy {i}")) for i in range(12)]
+            route = gateway.router.route(model)
+            while route.queued_requests < 10:
+                await asyncio.sleep(0.01)
+            quiet = []
+            for i in range(3):
+                quiet.append(asyncio.create_task(one("quiet", f"quiet {i}")))
+                await asyncio.sleep(0.05)
+            await asyncio.gather(*noisy, *quiet)
+
+    asyncio.run(main())
+    return order
+
+
+@pytest.mark.slow
+def test_a_burst_from_one_tenant_does_not_hold_anothers_trickle_behind_it(stack: Stack) -> None:
+    fair = finish_order(stack, "fair", fair=True)
+    # Each quiet request waits at most behind one noisy request's turn, never behind the burst.
+    assert max(fair.index(f"quiet {i}") for i in range(3)) < 8, fair
+    fifo = finish_order(stack, "fifo", fair=False)
+    assert min(fifo.index(f"quiet {i}") for i in range(3)) >= 12, fifo  # all behind the burst
+
+
+def test_quota_refusals_name_the_limit_and_unused_tokens_come_back(stack: Stack) -> None:
+    worker = stack.start_worker("quota", max_requests=4)
+    gateway = stack.start_gateway({"model": "quota", "workers": [worker.address]}, tenants=TENANTS)
+    stub = gateway_pb2_grpc.GatewayStub(stack.channel(gateway.address))
+
+    def tokens_left() -> int:
+        (status,) = [
+            t
+            for t in stub.ListModels(gateway_pb2.ListModelsRequest(), metadata=key("quiet")).tenants
+            if t.name == "metered"
+        ]
+        return int(status.tokens_left)
+
+    assert tokens_left() == 120
+    # Reserved at admission: the prompt's upper bound (bytes + template overhead) plus max_new_tokens.
+    answer = stub.Generate(request("quota", "hi", 4), metadata=key("metered"), timeout=60)
+    used = answer.usage.input_tokens + answer.usage.output_tokens
+    left = tokens_left()
+    assert 120 - used <= left <= 120  # what it reserved beyond what it used came back (plus refill)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(request("quota", "hi", 110), metadata=key("metered"), timeout=60)
+    error = info.value
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "tokens_per_minute=120" in (error.details() or "")
+    status = status_pb2.Status.FromString(dict(error.trailing_metadata() or ())[STATUS_DETAILS_KEY])
+    failure, retry = error_details_pb2.QuotaFailure(), error_details_pb2.RetryInfo()
+    kinds = [(detail.Unpack(failure), detail.Unpack(retry)) for detail in status.details]
+    assert any(f for f, _ in kinds) and any(r for _, r in kinds)
+    assert failure.violations[0].subject == "tenant:metered"
+    assert retry.retry_delay.ToTimedelta().total_seconds() > 0
+    # Other tenants are not held to its quota.
+    assert stub.Generate(request("quota", "hi", 110), metadata=key("quiet"), timeout=60).usage.output_tokens
+    # The operator's view: each tenant's weight, running and queued requests, and what is left.
+    listed = subprocess.run(
+        [sys.executable, "-m", "strata.cli", "models", "--address", gateway.address, "--api-key", "k-quiet"],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    (line,) = [row for row in listed.splitlines() if row.startswith("metered")]
+    assert "tokens/min left" in line and "/120" in line, listed
+    wait_for(lambda: stack.worker_stats(worker).used_kv_blocks == 0, 30, "the worker freed every KV block")
+
+
+def test_a_tenants_priority_ceiling_and_random_keys_never_make_labels(stack: Stack) -> None:
+    worker = stack.start_worker("ceiling", max_requests=4)
+    gateway = stack.start_gateway({"model": "ceiling", "workers": [worker.address]}, tenants=TENANTS)
+    stub = gateway_pb2_grpc.GatewayStub(stack.channel(gateway.address))
+    batch = request("ceiling", "hi", 2, priority=gateway_pb2.PRIORITY_BATCH)
+    assert stub.Generate(batch, metadata=key("batchy"), timeout=60).usage.output_tokens == 2
+    assert stub.Generate(request("ceiling", "hi", 2), metadata=key("batchy"), timeout=60).usage.output_tokens
+    interactive = request("ceiling", "hi", 2, priority=gateway_pb2.PRIORITY_INTERACTIVE)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(interactive, metadata=key("batchy"), timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tenant 'batchy' may ask for batch at most" in (info.value.details() or "")
+    before = tenant_labels()
+    assert "batchy" in before
+    keys = [secrets.token_hex(8) for _ in range(20)]
+    for random_key in keys:
+        with pytest.raises(grpc.RpcError) as info:
+            metadata = (("authorization", f"Bearer {random_key}"),)
+            stub.Generate(request("ceiling", "hi", 2), metadata=metadata, timeout=30)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    after = tenant_labels()
+    assert after == before and not after & set(keys)
+
+
+def tenant_labels() -> set[str]:
+    """Every value the process's metrics hold for a `tenant` label."""
+    labels: set[str] = set()
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if "tenant" in sample.labels:
+                labels.add(sample.labels["tenant"])
+    return labels
