@@ -3,7 +3,8 @@ queuing on and off alternated, each round of each on a freshly started stack.
 
 Two copies of the config (bench/config_copy.py) set the gateway's `tenants` (bench/tenant_load.py's
 two) and `fair_queuing` (true, false); every stack comes from one of them, its gateway on a free port
-(bench/session.py's `spawned`). First, on a stack of the FIFO copy, after an untimed warm-up, each
+(bench/session.py's `spawned`). First, on a stack of the FIFO copy with the routes' TTFT SLO check
+off (a closed loop's burst measures the worker, not admission), after an untimed warm-up, each
 tenant's request shape gets its capacity measured as `strata bench --rate auto` does (bench/rate.py's
 closed loop at the primary's max_num_seqs, no_fallback, with the tenant's key): completed
 requests/s. Each tenant's schedule and requests are then built from it, once: the same in every
@@ -45,7 +46,7 @@ from bench.tenant_load import (
 )
 from bench.tenant_phase import aggregate_contestant, summarize_round, summarize_tenant
 from bench.tenant_report import CONTESTANTS, build_record, format_report
-from strata.settings import DEFAULT_CONFIG
+from strata.settings import DEFAULT_CONFIG, read_config
 
 if TYPE_CHECKING:
     import argparse
@@ -195,7 +196,14 @@ def _run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
         name: write_config(source, work_dir, f"fair-queuing-{name}", {"gateway": gateway_overrides(fair)})
         for name, fair in FAIR_QUEUING.items()
     }
-    with spawned(configs["off"], work_dir / "capacity-logs") as endpoints:
+    # The capacity run measures the worker, not admission: its closed loop sends a burst that the TTFT
+    # SLO check would mostly refuse, so that stack's routes run without one.
+    routes = read_config(source).get("gateway", {}).get("routes", [])
+    unchecked = [{**route, "ttft_slo_ms": 0} for route in routes if isinstance(route, dict)]
+    capacity = write_config(
+        source, work_dir, "capacity", {"gateway": {**gateway_overrides(False), "routes": unchecked}}
+    )
+    with spawned(capacity, work_dir / "capacity-logs") as endpoints:
         setup = asyncio.run(_capacity(endpoints, args))
     # Built while no stack runs: the same schedules and prompts for every phase.
     loads = [

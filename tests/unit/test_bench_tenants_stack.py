@@ -171,9 +171,12 @@ def test_the_run_copies_the_config_measures_each_shape_and_alternates_with_each_
         assert main(argv) == 0
     record = json.loads(out.read_text())
     assert record["voided"] is False and record["invalid_reasons"] == ["--smoke run"]
-    # The capacity stack is the FIFO copy's; then on, off, on, off, each a stack of its own.
+    # The capacity stack is the FIFO copy's without the SLO check; then on, off, on, off, each its own.
     names = [path.name for path in started]
-    assert names == ["fair-queuing-off.yaml", *["fair-queuing-on.yaml", "fair-queuing-off.yaml"] * 2]
+    assert names == ["capacity.yaml", *["fair-queuing-on.yaml", "fair-queuing-off.yaml"] * 2]
+    capacity = yaml.safe_load((tmp_path / "work" / "capacity.yaml").read_text())["gateway"]
+    assert capacity["fair_queuing"] is False
+    assert capacity["routes"] == [{**route, "ttft_slo_ms": 0} for route in routes]
     for name, fair in (("on", True), ("off", False)):
         written = yaml.safe_load((tmp_path / "work" / f"fair-queuing-{name}.yaml").read_text())
         assert written["gateway"]["routes"] == routes
