@@ -38,7 +38,7 @@ class EngineConfig(BaseModel):
     decode_cost_tokens: float = 2.0
     """What one decode costs a step's time, in prompt tokens of prefill: a step's prefill gets
     max_num_batched_tokens less this per decode (at least one block), so that a step's length stays
-    bounded however many sequences decode in it. Measured 2.3 on a 2-core CPU with SmolLM2-135M
+    bounded however many sequences decode in it. Measured 2.2 on a 2-core CPU with SmolLM2-135M
     (docs/engine.md); 1 gives every token of the budget to prefill."""
     max_model_len: int | None = None
     """Context limit in tokens (prompt plus output); None uses the model's."""
