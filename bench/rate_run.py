@@ -35,10 +35,10 @@ from bench.rate import (
 )
 from bench.rate_phase import PHASES, aggregate_phase, summarize_phase
 from bench.rate_report import build_rate_record, format_rate_report, rate_entry
-from bench.rate_target import resolve_target, worker_threads
+from bench.rate_target import prepare
 from bench.session import BenchError, gateway, publish, stack_endpoints
-from bench.stack_prompts import build_prompts, load_tokenizer
-from bench.stats import describe_machine, git_checkout
+from bench.stack_prompts import build_prompts
+from bench.stats import git_checkout
 
 if TYPE_CHECKING:
     import argparse
@@ -149,16 +149,8 @@ def _workload(args: argparse.Namespace, target: Target) -> dict[str, Any]:
 
 async def _session(endpoints: Endpoints, args: argparse.Namespace) -> dict[str, Any]:
     """Everything against the stack: routes, warm-up, capacity, then each rate's alternating phases."""
-    from bench.stack_engine import resolve_device
-
     async with gateway(endpoints.gateway) as (stub, models):
-        target = resolve_target(args, models)
-        try:
-            tokenizer = load_tokenizer(target.model_dir)
-        except FileNotFoundError as exc:
-            raise BenchError(str(exc)) from exc
-        machine = describe_machine(resolve_device(target.worker)[0] if target.worker else "unknown")
-        machine["worker_threads"] = worker_threads(args, target)
+        target, tokenizer, machine = prepare(args, models)
         # A metrics address that does not answer fails here, before any load.
         await _scrape(endpoints.gateway_metrics)
         warm = build_prompts(

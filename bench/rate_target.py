@@ -10,7 +10,7 @@ any load (bench/rate_run.py does).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from bench.session import BenchError
 from strata.settings import DEFAULT_CONFIG, SettingsError, read_config
@@ -18,6 +18,8 @@ from strata.settings import DEFAULT_CONFIG, SettingsError, read_config
 if TYPE_CHECKING:
     import argparse
     from pathlib import Path
+
+    from tokenizers import Tokenizer
 
     from services.worker.settings import WorkerSettings
     from strata.v1 import gateway_pb2
@@ -93,3 +95,21 @@ def worker_threads(args: argparse.Namespace, target: Target) -> dict[str, int | 
         worker = primary_worker(args.config or DEFAULT_CONFIG, target.fallback)
         threads[target.fallback] = worker.threads if worker else None
     return threads
+
+
+def prepare(
+    args: argparse.Namespace, models: gateway_pb2.ListModelsResponse
+) -> tuple[Target, Tokenizer, dict[str, Any]]:
+    """The run's target, its tokenizer, and the machine record with each route's torch threads."""
+    from bench.stack_engine import resolve_device
+    from bench.stack_prompts import load_tokenizer
+    from bench.stats import describe_machine
+
+    target = resolve_target(args, models)
+    try:
+        tokenizer = load_tokenizer(target.model_dir)
+    except FileNotFoundError as exc:
+        raise BenchError(str(exc)) from exc
+    machine = describe_machine(resolve_device(target.worker)[0] if target.worker else "unknown")
+    machine["worker_threads"] = worker_threads(args, target)
+    return target, tokenizer, machine

@@ -30,10 +30,10 @@ import grpc
 from bench.config_copy import write_config
 from bench.load import run_level
 from bench.rate import drain, measure_capacity, run_phase
-from bench.rate_target import resolve_target, worker_threads
+from bench.rate_target import prepare
 from bench.session import BenchError, gateway, publish, spawned
-from bench.stack_prompts import build_prompts, load_tokenizer
-from bench.stats import describe_machine, git_checkout
+from bench.stack_prompts import build_prompts
+from bench.stats import git_checkout
 from bench.tenant_load import (
     TENANTS,
     build_load,
@@ -91,16 +91,8 @@ async def _warm_up(
 
 async def _capacity(endpoints: Endpoints, args: argparse.Namespace) -> Setup:
     """The target, tokenizer, machine and routes, and each shape's capacity, on the FIFO copy's stack."""
-    from bench.stack_engine import resolve_device
-
     async with gateway(endpoints.gateway, LIST_METADATA) as (stub, models):
-        target = resolve_target(args, models)
-        try:
-            tokenizer = load_tokenizer(target.model_dir)
-        except FileNotFoundError as exc:
-            raise BenchError(str(exc)) from exc
-        machine = describe_machine(resolve_device(target.worker)[0] if target.worker else "unknown")
-        machine["worker_threads"] = worker_threads(args, target)
+        target, tokenizer, machine = prepare(args, models)
         worker = target.worker
         concurrency = args.capacity_concurrency or (worker.engine.max_num_seqs if worker else 16)
         count = args.capacity_requests or 2 * concurrency

@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import queue
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -31,11 +29,12 @@ from bench.stack import main
 from bench.stack_prompts import Prompt
 from strata.status import ResourceExhausted, abort
 from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.gateway_thread import serving_in_a_thread
 from tests.tiny_tokenizer import write_tiny_tokenizer
 from tests.unit.bench_rate_helpers import FALLBACK, NEW, PRIMARY, phase_summary
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Iterator
+    from collections.abc import AsyncIterator
     from pathlib import Path
 
     from bench.driver import RequestResult
@@ -172,30 +171,6 @@ def test_the_closed_loop_keeps_its_streams_busy_and_reads_refusals_the_same_way(
     assert summary["errors"] == {} and summary["token_mismatches"] == 0
 
 
-@contextlib.contextmanager
-def _serving_in_a_thread(servicer: _SlowGateway) -> Iterator[str]:
-    """`servicer` on a free port, served from its own thread and event loop (the bench runs its own)."""
-    ports: queue.Queue[int] = queue.Queue()
-    stop = threading.Event()
-
-    async def serve() -> None:
-        server = grpc.aio.server()
-        gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
-        ports.put(server.add_insecure_port("127.0.0.1:0"))
-        await server.start()
-        while not stop.is_set():
-            await asyncio.sleep(0.02)
-        await server.stop(None)
-
-    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
-    thread.start()
-    try:
-        yield f"127.0.0.1:{ports.get(timeout=10)}"
-    finally:
-        stop.set()
-        thread.join(10)
-
-
 def test_a_list_of_rates_runs_each_in_turn_with_the_gateway_histogram_scraped(tmp_path: Path) -> None:
     registry = CollectorRegistry()
     buckets = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -211,7 +186,7 @@ def test_a_list_of_rates_runs_each_in_turn_with_the_gateway_histogram_scraped(tm
     )
     out = tmp_path / "rates.json"
     try:
-        with _serving_in_a_thread(servicer) as address:
+        with serving_in_a_thread(servicer) as address:
             argv = [
                 "--address", address, "--gateway-metrics", f"127.0.0.1:{metrics.server_port}",
                 "--config", str(config), "--smoke", "--rate", "40,20", "--arrival", "fixed",

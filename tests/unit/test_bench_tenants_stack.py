@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import queue
-import threading
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -28,6 +26,7 @@ from bench.tenants import main
 from strata.settings import SettingsError
 from strata.status import ELAPSED_KEY, ResourceExhausted, abort
 from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.gateway_thread import serving_in_a_thread
 from tests.tiny_tokenizer import write_tiny_tokenizer
 
 if TYPE_CHECKING:
@@ -94,30 +93,6 @@ class _TenantGateway(gateway_pb2_grpc.GatewayServicer):
         )
 
 
-@contextlib.contextmanager
-def _serving_in_a_thread(servicer: _TenantGateway) -> Iterator[str]:
-    """`servicer` on a free port, served from its own thread and event loop (the bench runs its own)."""
-    ports: queue.Queue[int] = queue.Queue()
-    stop = threading.Event()
-
-    async def serve() -> None:
-        server = grpc.aio.server()
-        gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
-        ports.put(server.add_insecure_port("127.0.0.1:0"))
-        await server.start()
-        while not stop.is_set():
-            await asyncio.sleep(0.02)
-        await server.stop(None)
-
-    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
-    thread.start()
-    try:
-        yield f"127.0.0.1:{ports.get(timeout=10)}"
-    finally:
-        stop.set()
-        thread.join(10)
-
-
 def test_the_driver_sends_the_call_metadata_it_is_given_and_none_otherwise() -> None:
     servicer = _TenantGateway(hold_s=0.0)
     prompt = Prompt("x", (1, 2))
@@ -127,7 +102,7 @@ def test_the_driver_sends_the_call_metadata_it_is_given_and_none_otherwise() -> 
     )  # fmt: skip
 
     async def drive() -> list[str]:
-        with _serving_in_a_thread(servicer) as address:
+        with serving_in_a_thread(servicer) as address:
             async with grpc.aio.insecure_channel(address) as channel:
                 stub: Any = gateway_pb2_grpc.GatewayStub(channel)
                 keyed = await send(
@@ -167,7 +142,7 @@ def test_the_run_copies_the_config_measures_each_shape_and_alternates_with_each_
         "--new-tokens", str(NEW), "--capacity-concurrency", "2", "--capacity-requests", "4",
         "--log-dir", str(tmp_path / "work"), "--json", str(out), "--no-progress",
     ]  # fmt: skip
-    with _serving_in_a_thread(servicer) as address:
+    with serving_in_a_thread(servicer) as address:
         assert main(argv) == 0
     record = json.loads(out.read_text())
     assert record["voided"] is False and record["invalid_reasons"] == ["--smoke run"]
