@@ -305,8 +305,9 @@ class TenantStatus(_message.Message):
     running: _builtins.int
     """Requests admitted and not finished."""
     max_concurrent_requests: _builtins.int
-    """Its limits; 0 is none."""
+    """Its limit on requests admitted and not finished; 0 is none."""
     tokens_per_minute: _builtins.int
+    """Its limit on prompt plus max_new_tokens reserved per minute; 0 is none."""
     tokens_left: _builtins.int
     """Tokens left in its current window (tokens_per_minute only)."""
     def __init__(
