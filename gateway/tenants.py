@@ -10,7 +10,7 @@ pipeline, which owns the request's lifecycle, releases every reservation on ever
 minute is a token bucket (it holds at most a minute's worth and refills at the limit / 60 per second),
 so a quiet tenant may burst and the window frees continuously. Limits count per gateway replica: N
 replicas behind a load balancer admit N times the limits. This module does no I/O and must not queue
-requests (admission.py orders them by tenant).
+requests (admission_queue.py orders them by tenant).
 """
 
 from __future__ import annotations
