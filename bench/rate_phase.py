@@ -93,7 +93,7 @@ def fallback_key(reason: str) -> str:
     return "other" if reason else "none given"
 
 
-def _outcome(result: RequestResult) -> str:
+def admitted_outcome(result: RequestResult) -> str:
     """What ended an admitted request that did not complete: its code (and a refusal's reason)."""
     if result.status == REFUSAL_CODE:
         return f"{REFUSAL_CODE}:{refusal_reason(result.message)}"
@@ -140,7 +140,7 @@ def summarize_phase(
         "refusals_with_retry_hint": sum(r.retry_hint_s is not None for r in refused),
         "refusal_decision_ms": latency_percentiles([r.e2e_s for r in refused]),
         "gateway_decision": decision_summary(decisions) if decisions is not None else None,
-        "admitted_failures": dict(Counter(_outcome(r) for r in admitted if r.status != "OK")),
+        "admitted_failures": dict(Counter(admitted_outcome(r) for r in admitted if r.status != "OK")),
         "served_by": dict(Counter(r.model or "?" for r in ok)),
         "fallback_served": len(by_fallback),
         "fallback_share": len(by_fallback) / len(ok) if ok else 0.0,

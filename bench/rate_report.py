@@ -23,6 +23,7 @@ from bench.summary import (
     options_record,
     pass_text,
     report_text,
+    void_reasons,
 )
 
 if TYPE_CHECKING:
@@ -146,12 +147,7 @@ def invalid_reasons(rates: Sequence[dict[str, Any]], smoke: bool) -> tuple[list[
     for entry in rates:
         where = f"rate {entry['rate_rps']:g}/s"
         for name, phase in entry["phases"].items():
-            if phase["errors"]:
-                voiding.append(f"{where}, fallback {name}: errors {phase['errors']}")
-            if phase["token_mismatches"]:
-                voiding.append(
-                    f"{where}, fallback {name}: {phase['token_mismatches']} requests miscounted tokens"
-                )
+            voiding += void_reasons(f"{where}, fallback {name}", phase)
         if entry["phases"]["off"]["fallback_served"]:
             voiding.append(
                 f"{where}, fallback off: other models served {entry['phases']['off']['served_by']}"

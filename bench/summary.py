@@ -42,6 +42,16 @@ def check_tokens(result: RequestResult, input_tokens: int, new_tokens: int) -> l
     return problems
 
 
+def void_reasons(where: str, figures: dict[str, Any]) -> list[str]:
+    """What voids one phase's figures (`where` names it): requests that failed, or miscounted tokens."""
+    reasons = []
+    if figures["errors"]:
+        reasons.append(f"{where}: errors {figures['errors']}")
+    if figures["token_mismatches"]:
+        reasons.append(f"{where}: {figures['token_mismatches']} requests miscounted tokens")
+    return reasons
+
+
 def latency_percentiles(seconds: Sequence[float]) -> dict[str, float | None]:
     """p50/p95/p99 in milliseconds; None when nothing was measured (every request failed)."""
     return {f"p{q:g}": (1000.0 * percentile(seconds, q) if seconds else None) for q in PERCENTILES}

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from bench.admission import median_with_misses, met_slo, refused_at_admission, route_figures
 from bench.fairness import jain_index, normalized_throughputs, water_fill
-from bench.rate_phase import refusal_reason
+from bench.rate_phase import admitted_outcome, refusal_reason
 from bench.stats import summarize
 from bench.summary import REFUSAL_CODE, check_tokens, summed_counts
 
@@ -42,13 +42,6 @@ _COUNTS = (
     "token_mismatches",
 )
 _SUMMED = ("refusal_reasons", "admitted_failures", "errors", "served_by")
-
-
-def _outcome(result: RequestResult) -> str:
-    """What ended an admitted request that did not complete: its code (and a refusal's reason)."""
-    if result.status == REFUSAL_CODE:
-        return f"{REFUSAL_CODE}:{refusal_reason(result.message)}"
-    return result.status
 
 
 def summarize_tenant(
@@ -80,7 +73,7 @@ def summarize_tenant(
         "refusal_reasons": dict(
             Counter(refusal_reason(r.message) for r in results if refused_at_admission(r))
         ),
-        "admitted_failures": dict(Counter(_outcome(r) for r in admitted if r.status != "OK")),
+        "admitted_failures": dict(Counter(admitted_outcome(r) for r in admitted if r.status != "OK")),
         "errors": dict(errors),
         "error_examples": sorted({f"{r.status}: {r.message}" for r in results if r.status in errors})[:3],
         "served_by": dict(Counter(r.model or "?" for r in ok)),

@@ -13,7 +13,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from bench.admission import ADMISSION_WINDOW_S
-from bench.summary import counts_text, machine_at_end, ms_text, options_record, pass_text, report_text
+from bench.summary import (
+    counts_text,
+    machine_at_end,
+    ms_text,
+    options_record,
+    pass_text,
+    report_text,
+    void_reasons,
+)
 
 if TYPE_CHECKING:
     import argparse
@@ -73,10 +81,7 @@ def invalid_reasons(contestants: dict[str, dict[str, Any]], smoke: bool) -> tupl
     for name in CONTESTANTS:
         for tenant, figures in contestants[name]["tenants"].items():
             where = f"fair queuing {name}, tenant {tenant}"
-            if figures["errors"]:
-                voiding.append(f"{where}: errors {figures['errors']}")
-            if figures["token_mismatches"]:
-                voiding.append(f"{where}: {figures['token_mismatches']} requests miscounted tokens")
+            voiding += void_reasons(where, figures)
             if figures["fallback_served"]:
                 voiding.append(f"{where}: no_fallback requests served by {figures['served_by']}")
     return voiding, (["--smoke run"] if smoke else [])
