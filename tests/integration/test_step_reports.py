@@ -73,8 +73,10 @@ def test_every_message_reports_its_step_as_the_step_span_has_it(tiny_serving_dir
         assert (step.running, step.waiting) == (attributes["strata.running"], attributes["strata.waiting"])
         assert step.max_running == ENGINE["max_num_seqs"]
         assert step.prefill_budget == 512 - round(2 * step.running)
-    # Messages merged while a write was in flight report their newest step: some steps go unreported.
-    assert any(step.decodes == 2 for step in reported)
+    # Both requests decoded together in some step; messages merged while a write was in flight report
+    # their newest step, so which steps are reported depends on timing, but decodes are among them.
+    assert any((span.attributes or {})["strata.decode_tokens"] == 2 for span in steps.values())
+    assert any(step.decodes > 0 for step in reported)
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_that_leave_every_decode_its_token(
