@@ -27,10 +27,11 @@ class Priority(enum.IntEnum):
     INTERACTIVE = 0
     BATCH = 1
 
-    @property
-    def worker_priority(self) -> int:
-        """Submission.priority: higher runs first in the worker's engine."""
-        return 0 if self is Priority.INTERACTIVE else -1
+    def worker_priority(self, favoured: bool = False) -> int:
+        """Submission.priority (higher runs first in the worker's engine): interactive 0, batch -2, one
+        more when `favoured` (its tenant is below its fair share on the worker), never past the class
+        above."""
+        return (0 if self is Priority.INTERACTIVE else -2) + favoured
 
 
 def priority_of(value: gateway_pb2.Priority.ValueType) -> Priority:

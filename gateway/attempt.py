@@ -108,7 +108,7 @@ class Attempt:
             sampling=sampling,
             deadline_unix_ms=request.incoming.deadline_unix_ms,
             trace_context=trace.carrier(self.hop) or request.incoming.trace_context,
-            priority=request.priority.worker_priority,
+            priority=self.route.worker_priority(request.priority, self.slot.ticket.tenant, link),
             prior_output_ids=prior,
         )
         self.submitted = time.perf_counter()

@@ -2,16 +2,20 @@
 
 Each worker stream has a LinkLoad: the requests open on it (prompt size, tokens still to generate,
 whether the first token came) and the worker's steps, which every message on the stream reports
-(StepInfo: an average of the steps' cadence, the engine's running limit and its prefill budget for
-the batch now running). `forecast` replays the near future of a route with those facts: each running slot
+(StepInfo: an average of the steps' cadence, the engine's running limit and its prefill budget for the
+batch now running). `forecast` replays the near future of a route with those facts: each running slot
 of a link (the engine's running limit, at most the credits this gateway holds there) frees when the
-last token of its request is due (tokens left x step time); the requests a link has queued beyond
-its slots, then the tickets ahead in the route's queue, each take the earliest free slot and hold it
-for their whole generation; the new ticket starts in the slot it gets, and its first token comes
-after the step it waits for plus its prompt's prefill chunks. A request counts as running to its
-max_new_tokens, so the forecast is an upper bound when requests stop early (the safe side of the
-promise). This module does no I/O and must not decide: route.py compares the forecast with the SLO
-and the deadline, and worker_link.py feeds the LinkLoad.
+last token of its request is due (tokens left x step time); the requests a link has queued beyond its
+slots, then the tickets ahead in the route's queue, each take the earliest free slot and hold it for
+their whole generation; the new ticket starts in the slot it gets, and its first token comes after the
+step it waits for plus its prompt's prefill chunks, each priced by the stream's step-time model
+(step_cost.py) once it is fitted. Prompts not yet prefilled on the worker count ahead of the ticket
+only when their worker priority is at least the ticket's (the worker prefills a favoured tenant's
+prompt first, route.py). A request counts as running to its max_new_tokens, so the forecast is an upper
+bound when requests stop early (the safe side of the promise). `under_share` tells whether a tenant
+holds less than its weighted share of the work open on a stream. This module does no I/O and must not
+decide: route.py compares the forecast with the SLO and the deadline, and worker_link.py feeds the
+LinkLoad.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gateway.step_cost import StepCost
+
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from gateway.admission import Ticket
     from strata.v1 import worker_pb2
@@ -42,6 +48,9 @@ class _Open:
     prompt_tokens: int
     max_new_tokens: int
     output_tokens: int
+    tenant: str = ""
+    priority: int = 0
+    """Its Submission.priority: the worker prefills higher ones first."""
     started: bool = False
     """Its first token came: it holds a running slot and only decodes."""
     due: float | None = None
@@ -63,6 +72,9 @@ class LinkLoad:
         """step_s is the hello's step (often the warm-up's, a batch of one): the next replaces it."""
         self._last: tuple[int, float, bool] | None = None
         """The last step report: its number, when it arrived, and whether the engine was still busy."""
+        self.running = 0
+        """Requests the engine ran in its last step."""
+        self.cost = StepCost()
         self._errors: deque[float] = deque(maxlen=MARGIN_SAMPLES)
         """Seconds each recent first token came after its forecast (negative: before)."""
         self._margin: float | None = None
@@ -75,15 +87,30 @@ class LinkLoad:
         """A new stream: nothing of the old one runs any more (its step numbers may restart too)."""
         self._open.clear()
         self._last = None
+        self.cost.clear()
 
-    def sent(self, submission: worker_pb2.Submission, due: float | None = None) -> None:
-        """A submission was queued for the worker; `due` is when its first token was forecast for."""
+    def sent(self, submission: worker_pb2.Submission, due: float | None = None, tenant: str = "") -> None:
+        """A submission of `tenant` was queued for the worker; `due` is when its first token was
+        forecast for."""
         self._open[submission.request_id] = _Open(
             prompt_tokens=len(submission.prompt_ids) + len(submission.prior_output_ids),
             max_new_tokens=submission.sampling.max_new_tokens,
             output_tokens=len(submission.prior_output_ids),
+            tenant=tenant,
+            priority=submission.priority,
             due=due,
         )
+
+    def under_share(self, tenant: str, weight: Callable[[str], float]) -> bool:
+        """Whether `tenant` holds less than its weighted share of the token cost (prompt plus
+        max_new_tokens) of the requests open on this stream, among the tenants holding some."""
+        costs: dict[str, int] = {}
+        for request in self._open.values():
+            cost = request.prompt_tokens + request.max_new_tokens
+            costs[request.tenant] = costs.get(request.tenant, 0) + cost
+        total = sum(costs.values())
+        weights = sum(weight(name) for name in {*costs, tenant})
+        return costs.get(tenant, 0) < total * weight(tenant) / weights
 
     @property
     def margin_s(self) -> float:
@@ -135,6 +162,8 @@ class LinkLoad:
         self.step_s = seconds if previous is None else previous + STEP_EWMA_WEIGHT * (seconds - previous)
         self._provisional = provisional
         self._last = (step.step, now, step.running > 0)
+        self.running = step.running
+        self.cost.add(step.decodes, step.prefill_tokens, seconds)
         self.max_running = step.max_running
         self.prefill_budget = step.prefill_budget
 
@@ -146,10 +175,23 @@ class LinkLoad:
         """Steps the prefill of `prompt_tokens` takes at the current budget (at least one)."""
         return max(1, math.ceil(prompt_tokens / max(1, self.prefill_budget or prompt_tokens)))
 
-    def busy_until(self, slots: int, unsent: Sequence[_Open] = ()) -> tuple[list[float], list[_Open], int]:
+    def prefill_s(self, prompt_tokens: int) -> float:
+        """Seconds the steps computing `prompt_tokens` of prefill take, at the current batch: priced by
+        the step-time model, else the average step per chunk."""
+        chunks = self.chunks(prompt_tokens)
+        fit = self.cost.coefficients
+        if fit is None:
+            return chunks * (self.step_s or 0.0)
+        fixed, per_decode, per_token = fit
+        return chunks * (fixed + per_decode * self.running) + per_token * prompt_tokens
+
+    def busy_until(
+        self, slots: int, unsent: Sequence[_Open] = (), priority: int = 0
+    ) -> tuple[list[float], list[_Open], int]:
         """(seconds until each occupied slot frees, the requests queued behind the slots in order, the
-        prompt tokens still to prefill in the slots), with `unsent` requests granted a credit here and
-        about to be sent after the open ones. Only for a link with a step time."""
+        prompt tokens still to prefill in the slots that the worker computes before a prompt of
+        `priority`), with `unsent` requests granted a credit here and about to be sent after the open
+        ones. Only for a link with a step time."""
         step_s = self.step_s or 0.0
         ordered = [*self._open.values(), *unsent]
         ordered.sort(key=lambda r: not r.started)  # running ones hold slots first, the rest in order
@@ -159,7 +201,8 @@ class LinkLoad:
         for request in held:
             left = max(1, request.max_new_tokens - request.output_tokens)
             if not request.started:
-                pending_prefill += request.prompt_tokens
+                if request.priority >= priority:
+                    pending_prefill += request.prompt_tokens
                 left += self.chunks(request.prompt_tokens)
             frees.append(left * step_s)
         return frees, queued, pending_prefill
@@ -176,6 +219,8 @@ class LinkView:
     """Credits this gateway may still use on it: empty slots beyond these belong to other gateways."""
     unsent: int = 0
     """Slots granted on it whose submissions are not sent yet (their prompts are being tokenized)."""
+    priority: int = 0
+    """The Submission.priority the ticket would have on it (route.py's worker_priority)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,8 +244,8 @@ def forecast(links: Sequence[LinkView], ahead: Sequence[Ticket], ticket: Ticket)
         if load.step_s is None:
             continue
         # A granted slot not sent yet is taken like the ticket's own size: bursts are alike.
-        unsent = [_Open(ticket.prompt_tokens, ticket.max_new_tokens, 0)] * view.unsent
-        frees, queued, pending[index] = load.busy_until(view.slots, unsent)
+        unsent = [_Open(ticket.prompt_tokens, ticket.max_new_tokens, 0, priority=view.priority)] * view.unsent
+        frees, queued, pending[index] = load.busy_until(view.slots, unsent, view.priority)
         empty = max(0, min(view.slots - len(frees), view.free_credits))
         # The requests a worker queues behind its slots wait for that worker's slots only.
         own = [(at, index) for at in frees + [0.0] * empty]
@@ -225,7 +270,7 @@ def forecast(links: Sequence[LinkView], ahead: Sequence[Ticket], ticket: Ticket)
     prompt = ticket.prompt_tokens + (pending.get(index, 0) if start <= step_s else 0)
     prompt += sum(t.prompt_tokens for (at, i), t in starts if i == index and at >= start - step_s)
     margin = load.margin_s
-    return Forecast(start, start + step_s * (1 + load.chunks(prompt)) + margin, margin)
+    return Forecast(start, start + step_s + load.prefill_s(prompt) + margin, margin)
 
 
 def _hold(

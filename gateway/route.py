@@ -9,7 +9,9 @@ counts every request as running to its max_new_tokens and the share keeps a marg
 while it waits, then awaits `Slot.granted`. The dispatcher runs whenever a link's credits or readiness
 change (each worker message carries credits) and when a slot arrives: it grants the waiting slots in
 priority order on the ready link with the most credit, least loaded first, each grant taking one credit
-(credits.py), so a worker is never sent more than it accepts. Slots granted in one pass are submitted in
+(credits.py), so a worker is never sent more than it accepts. With fair queuing on, a request whose
+tenant holds less than its weighted share of a link's open work is sent favoured (`worker_priority`),
+and the worker prefills it before the rest of its priority. Slots granted in one pass are submitted in
 one event-loop tick and so share one ConnectRequest. A slot whose deadline passes while it waits leaves
 the queue with DEADLINE_EXCEEDED (nothing was sent to a worker); a released one leaves it too. This
 module must not talk to workers (worker_link.py) nor find them (discovery.py) nor validate requests.
@@ -22,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gateway.admission import Refused, Ticket
+from gateway.admission import Priority, Refused, Ticket
 from gateway.admission_queue import AdmissionQueue
 from gateway.credits import Slot
 from gateway.discovery import Discovery, resolve
@@ -74,11 +76,8 @@ class Route:
         self.fallback_enabled = settings.fallback_enabled
         self._default_retry_s = gateway.overload_retry_after_s
         weights = {tenant.name: tenant.weight for tenant in gateway.tenants}
-        self._queue = AdmissionQueue(
-            settings.max_queued_requests,
-            settings.max_queued_tokens,
-            (lambda tenant: weights.get(tenant, 1.0)) if gateway.fair_queuing else None,
-        )
+        self._weight = (lambda tenant: weights.get(tenant, 1.0)) if gateway.fair_queuing else None
+        self._queue = AdmissionQueue(settings.max_queued_requests, settings.max_queued_tokens, self._weight)
         self._discovery = Discovery(
             settings,
             lambda address: make_link(address, self.name, self._capacity_changed),
@@ -140,6 +139,14 @@ class Route:
     def free_credits(self) -> int:
         return sum(link.free_credits for link in self.links)
 
+    def worker_priority(self, priority: Priority, tenant: str, link: WorkerLink) -> int:
+        """Submission.priority for a request of `tenant` on `link`: its class's, favoured when fair
+        queuing is on and the tenant holds less than its weighted share of the work open there. The
+        worker prefills favoured prompts first, so fairness reaches past the queue into the worker's
+        own (a flood sent while the worker had credits cannot hold a quiet tenant's prompt behind it)."""
+        favoured = self._weight is not None and link.load.under_share(tenant, self._weight)
+        return priority.worker_priority(favoured)
+
     def forecast(self, ticket: Ticket) -> Forecast | None:
         """When `ticket` would start and get its first token, queued now; None before any step report."""
         views = [
@@ -148,6 +155,7 @@ class Route:
                 link.load.slots(link.credits.limit),
                 link.free_credits,
                 max(0, link.credits.held - link.load.open_requests),
+                self.worker_priority(ticket.priority, ticket.tenant, link),
             )
             for link in self.links
             if link.ready and not link.leaving

@@ -134,7 +134,7 @@ class WorkerLink:
             raise Unavailable(f"worker {self.address} is not ready: {self.not_ready_reason}")
         wire_id = slot.wire_id = submission.request_id
         self._open[wire_id] = request
-        self.load.sent(submission, slot.first_token_due)
+        self.load.sent(submission, slot.first_token_due, slot.ticket.tenant)
         self.submitted += 1
         WORKER_SUBMISSIONS.labels(self.model, self.address).inc()
         self._outbound.put_nowait(submission)

@@ -36,6 +36,8 @@ MODELS = (
     "deadline",
     "fair",
     "fifo",
+    "worker-fair",
+    "worker-fifo",
     "quota",
     "ceiling",
     "shed",
@@ -72,8 +74,11 @@ class Stack:
         self.tokenizer_address = str(tokenizer.address)
         self._engine: LLMEngine | None = None
 
-    def start_worker(self, model: str, *, max_requests: int, step_delay_s: float = 0.0) -> WorkerServer:
-        settings = worker_settings(self.model_dir, model, max_requests)
+    def start_worker(
+        self, model: str, *, max_requests: int, step_delay_s: float = 0.0, max_running: int | None = None
+    ) -> WorkerServer:
+        """A worker holding `max_requests`, running `max_running` of them at once (all by default)."""
+        settings = worker_settings(self.model_dir, model, max_requests, max_running)
         server: WorkerServer = self.loop.run(start_worker(settings))
         self.loop.run(server.wait_ready())
         self.servers.append(server)
@@ -132,8 +137,11 @@ class Stack:
         self.loop.close()
 
 
-def worker_settings(model_dir: Path, model: str, max_requests: int) -> WorkerSettings:
-    """A tiny worker of `model` on a free port, its engine sized for `max_requests`."""
+def worker_settings(
+    model_dir: Path, model: str, max_requests: int, max_running: int | None = None
+) -> WorkerSettings:
+    """A tiny worker of `model` on a free port, its engine running `max_running` (default
+    `max_requests`) at once."""
     return WorkerSettings.build(
         {
             "listen": "127.0.0.1:0",
@@ -142,7 +150,7 @@ def worker_settings(model_dir: Path, model: str, max_requests: int) -> WorkerSet
             "device": "cpu",
             "threads": 1,
             "max_requests": max_requests,
-            "engine": engine_config(max_requests),
+            "engine": engine_config(max_running or max_requests),
         }
     )
 

@@ -2,7 +2,8 @@
 naming their tenant by API key.
 
 A burst from one tenant does not hold another's trickle behind it (and does, first come first served,
-with fair queuing off); quota refusals carry a QuotaFailure, and unused tokens come back when a
+with fair queuing off), neither in the gateway's queue nor in the worker's, which prefills a tenant
+below its share first; quota refusals carry a QuotaFailure, and unused tokens come back when a
 request ends; a tenant's priority ceiling; random keys never reach a metric label. Requests that
 must stay running slow each engine step with the worker's test-only step delay.
 """
@@ -87,6 +88,44 @@ def test_a_burst_from_one_tenant_does_not_hold_anothers_trickle_behind_it(stack:
     assert max(fair.index(f"quiet {i}") for i in range(3)) < 8, fair
     fifo = finish_order(stack, "fifo", fair=False)
     assert min(fifo.index(f"quiet {i}") for i in range(3)) >= 12, fifo  # all behind the burst
+
+
+def worker_finish_order(stack: Stack, model: str, fair: bool) -> list[str]:
+    """8 noisy requests sent to a worker holding 16 and running 2, then a quiet one while 6 of them
+    wait inside the worker: the finish order."""
+    worker = stack.start_worker(model, max_requests=16, max_running=2, step_delay_s=0.05)
+    gateway = stack.start_gateway(
+        {"model": model, "workers": [worker.address], "ttft_slo_ms": 0}, tenants=TENANTS, fair_queuing=fair
+    )
+    order: list[str] = []
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(gateway.address) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+
+            async def one(tenant: str, name: str) -> None:
+                await stub.Generate(request(model, name, 8), metadata=key(tenant), timeout=120)
+                order.append(name)
+
+            noisy = [asyncio.create_task(one("noisy", f"noisy {i}")) for i in range(8)]
+            while worker.host.stats().waiting < 6:
+                await asyncio.sleep(0.01)
+            await asyncio.gather(*noisy, one("quiet", "quiet"))
+
+    asyncio.run(main())
+    return order
+
+
+@pytest.mark.slow
+def test_the_worker_prefills_a_tenant_below_its_share_before_a_flood_already_waiting_there(
+    stack: Stack,
+) -> None:
+    """The quiet request is sent favoured (worker priority 1) and takes the first running slot that
+    frees; first come, first served, it waits behind every noisy request already on the worker."""
+    fair = worker_finish_order(stack, "worker-fair", fair=True)
+    assert fair.index("quiet") <= 3, fair
+    fifo = worker_finish_order(stack, "worker-fifo", fair=False)
+    assert fifo.index("quiet") == 8, fifo
 
 
 def test_quota_refusals_name_the_limit_and_unused_tokens_come_back(stack: Stack) -> None:

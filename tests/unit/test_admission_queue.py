@@ -197,7 +197,8 @@ def test_priority_deadline_and_estimate_helpers(tiny_serving_dir: Path) -> None:
     assert priority_of(gateway_pb2.PRIORITY_UNSPECIFIED) is Priority.INTERACTIVE
     assert priority_of(gateway_pb2.PRIORITY_INTERACTIVE) is Priority.INTERACTIVE
     assert priority_of(gateway_pb2.PRIORITY_BATCH) is Priority.BATCH
-    assert Priority.INTERACTIVE.worker_priority > Priority.BATCH.worker_priority
+    assert Priority.INTERACTIVE.worker_priority() > Priority.BATCH.worker_priority(favoured=True)
+    assert Priority.BATCH.worker_priority(favoured=True) > Priority.BATCH.worker_priority()
     assert deadline_from_unix_ms(0) is None
     tokenizer = Tokenizer.from_file(str(tiny_serving_dir / "tokenizer.json"))
     for prompt in ("Hello world", "Ünïcødé — 東京 🚀 " * 20, "a" * 300, "  spaces\n\ttabs  "):

@@ -218,3 +218,60 @@ def test_the_margin_is_how_late_recent_first_tokens_came_against_their_forecast(
         99.0,
     )
     assert load.margin_s == 0.0
+
+
+def fitted_load(fixed_ms: float, per_decode_ms: float, per_token_ms: float, budget: int) -> LinkLoad:
+    """A LinkLoad whose worker reported 24 idle steps of varied batches, timed by the given model."""
+    load = LinkLoad()
+    for i in range(24):
+        decodes, prefill = 2 + i % 4, 64 * (i % 3)
+        duration = fixed_ms + per_decode_ms * decodes + per_token_ms * prefill
+        info = worker_pb2.StepInfo(
+            step=i + 1,
+            duration_ms=duration,
+            decodes=decodes,
+            prefill_tokens=prefill,
+            running=0,
+            max_running=8,
+            prefill_budget=budget,
+        )
+        load.observe(worker_pb2.ConnectResponse(step=info), float(i))
+    return load
+
+
+def test_prefill_chunks_are_priced_by_the_step_time_model_once_fitted() -> None:
+    """A 512-token prompt ahead costs its tokens' time, not a short average step per chunk."""
+    load = fitted_load(20.0, 3.0, 1.0, budget=256)
+    load.sent(submission("long", prompt=512))
+    got = forecast([LinkView(load, slots=8, free_credits=7)], [], ticket("t", prompt=32))
+    assert got is not None
+    # The step in progress (the average step), then ceil(544 / 256) = 3 chunks of 20 ms fixed and
+    # 544 prefill tokens at 1 ms (the last step reported 0 running, so no decode cost).
+    assert got.ttft_s == pytest.approx((load.step_s or 0) + 3 * 0.020 + 0.544)
+
+
+def test_a_favoured_ticket_does_not_wait_for_prompts_of_a_lower_worker_priority() -> None:
+    load = fitted_load(20.0, 3.0, 1.0, budget=256)
+    load.sent(submission("noisy", prompt=512), tenant="noisy")
+    behind = forecast([LinkView(load, slots=8, free_credits=7, priority=0)], [], ticket("t", prompt=32))
+    ahead = forecast([LinkView(load, slots=8, free_credits=7, priority=1)], [], ticket("t", prompt=32))
+    assert behind is not None and ahead is not None
+    assert ahead.ttft_s == pytest.approx((load.step_s or 0) + 0.020 + 0.032)
+    assert behind.ttft_s > ahead.ttft_s + 0.5
+
+
+def test_a_tenant_is_under_share_while_it_holds_less_than_its_weighted_part_of_the_open_cost() -> None:
+    load = LinkLoad()
+    weights = {"noisy": 1.0, "quiet": 1.0, "heavy": 3.0}.__getitem__
+    assert not load.under_share("quiet", weights)  # nothing open: nobody to be favoured over
+    load.sent(submission("n1", prompt=500, new=12), tenant="noisy")
+    assert load.under_share("quiet", weights)
+    assert not load.under_share("noisy", weights)  # alone, it holds all of its share
+    load.sent(submission("q1", prompt=20, new=12), tenant="quiet")
+    assert load.under_share("quiet", weights) and not load.under_share("noisy", weights)
+    # Weight 3 of 5: 3/5 of (512 + 32) = 326 tokens is its share, and it holds none.
+    assert load.under_share("heavy", weights)
+    load.sent(submission("h1", prompt=300, new=12), tenant="heavy")
+    assert load.under_share("heavy", weights)  # 312 < 3/5 x 856
+    load.sent(submission("h2", prompt=500, new=12), tenant="heavy")
+    assert not load.under_share("heavy", weights)  # 824 >= 3/5 x 1368

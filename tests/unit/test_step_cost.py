@@ -1,0 +1,51 @@
+"""The step-time model alone: a least-squares fit of fixed + per decode + per prefill token. No I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.step_cost import STEP_COST_MIN_SAMPLES, STEP_COST_SAMPLES, StepCost
+
+
+def steps(cost: StepCost, fixed: float, per_decode: float, per_token: float, count: int = 24) -> None:
+    for i in range(count):
+        decodes, prefill = 4 + 3 * (i % 5), 96 * (i % 3)
+        cost.add(decodes, prefill, fixed + per_decode * decodes + per_token * prefill)
+
+
+def test_the_fit_recovers_the_coefficients_of_exact_steps() -> None:
+    cost = StepCost()
+    steps(cost, 0.020, 0.003, 0.0013)
+    assert cost.coefficients == pytest.approx((0.020, 0.003, 0.0013), rel=1e-6)
+
+
+def test_unfitted_until_enough_steps_and_until_prefill_varies() -> None:
+    cost = StepCost()
+    for i in range(STEP_COST_MIN_SAMPLES - 1):
+        cost.add(4 + i, 64 * (i % 2), 0.05 + 0.001 * i)
+    assert cost.coefficients is None  # too few
+    decode_only = StepCost()
+    for i in range(32):
+        decode_only.add(4 + i % 7, 0, 0.02 + 0.003 * (4 + i % 7))
+    assert decode_only.coefficients is None  # no step had prefill: its price is unknown
+
+
+def test_a_negative_coefficient_is_dropped_and_the_rest_refitted() -> None:
+    """Steps whose time falls with their batch (noise on a shared core) never price decodes below zero."""
+    cost = StepCost()
+    for i in range(24):
+        decodes, prefill = 4 + 3 * (i % 5), 96 * (i % 3)
+        cost.add(decodes, prefill, 0.2 - 0.001 * decodes + 0.001 * prefill)
+    fit = cost.coefficients
+    assert fit is not None
+    fixed, per_decode, per_token = fit
+    assert per_decode == 0.0 and fixed > 0 and per_token == pytest.approx(0.001, rel=0.2)
+
+
+def test_the_fit_follows_the_latest_steps_and_a_new_stream_starts_over() -> None:
+    cost = StepCost()
+    steps(cost, 0.020, 0.003, 0.0013)
+    steps(cost, 0.040, 0.006, 0.0026, count=STEP_COST_SAMPLES)
+    assert cost.coefficients == pytest.approx((0.040, 0.006, 0.0026), rel=1e-6)
+    cost.clear()
+    assert cost.coefficients is None
