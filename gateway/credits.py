@@ -83,9 +83,12 @@ class Slot:
 
     @property
     def first_token_due(self) -> float | None:
-        """When admission forecast its first token (time.monotonic(), the link's margin left out)."""
+        """When admission forecast its first token (time.monotonic(), the link's margin left out);
+        None when there was no forecast or only a cold one (Forecast.priced)."""
         forecast = self.forecast
-        return None if forecast is None else self.enqueued + forecast.ttft_s - forecast.margin_s
+        if forecast is None or not forecast.priced:
+            return None
+        return self.enqueued + forecast.ttft_s - forecast.margin_s
 
     @property
     def decided(self) -> bool:

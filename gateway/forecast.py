@@ -232,6 +232,10 @@ class Forecast:
     """The replay's time to first token plus the link's margin."""
     margin_s: float = 0.0
     """The part of ttft_s that is the link's recent lateness (LinkLoad.margin_s)."""
+    priced: bool = False
+    """The link's step-time model priced the prefill. An unpriced forecast (a worker's first few
+    steps) is a cold guess: how late it comes says nothing of the replay's error, so the margin does
+    not learn from it."""
 
 
 def forecast(links: Sequence[LinkView], ahead: Sequence[Ticket], ticket: Ticket) -> Forecast | None:
@@ -270,7 +274,8 @@ def forecast(links: Sequence[LinkView], ahead: Sequence[Ticket], ticket: Ticket)
     prompt = ticket.prompt_tokens + (pending.get(index, 0) if start <= step_s else 0)
     prompt += sum(t.prompt_tokens for (at, i), t in starts if i == index and at >= start - step_s)
     margin = load.margin_s
-    return Forecast(start, start + step_s + load.prefill_s(prompt) + margin, margin)
+    priced = load.cost.coefficients is not None
+    return Forecast(start, start + step_s + load.prefill_s(prompt) + margin, margin, priced)
 
 
 def _hold(

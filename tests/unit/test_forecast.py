@@ -248,6 +248,15 @@ def test_prefill_chunks_are_priced_by_the_step_time_model_once_fitted() -> None:
     # The step in progress (the average step), then ceil(544 / 256) = 3 chunks of 20 ms fixed and
     # 544 prefill tokens at 1 ms (the last step reported 0 running, so no decode cost).
     assert got.ttft_s == pytest.approx((load.step_s or 0) + 3 * 0.020 + 0.544)
+    assert got.priced
+
+
+def test_a_forecast_before_the_model_is_fitted_is_cold_and_not_priced() -> None:
+    """A cold forecast (the average step per chunk) is marked, so the margin never learns from it."""
+    load = LinkLoad()
+    load.observe(worker_pb2.ConnectResponse(step=step(100.0, prefill_budget=16)), 0.0)
+    got = forecast([LinkView(load, slots=4, free_credits=4)], [], ticket("t", prompt=40))
+    assert got is not None and not got.priced
 
 
 def test_a_favoured_ticket_does_not_wait_for_prompts_of_a_lower_worker_priority() -> None:
