@@ -3,12 +3,17 @@
 The forecast of a first token needs what the steps *carrying its prefill* cost, not the average step:
 on a CPU a step with a 384-token chunk takes several times a decode-only step of the same batch, and an
 average over mostly short steps promises first tokens far too early. StepCost fits the three
-coefficients by least squares over the last STEP_COST_SAMPLES steps a worker reported (their cadence,
-decodes and prefill tokens; bench/step_cost.py fits the same model offline). A coefficient the samples
-make negative is dropped (fixed at 0) and the rest refitted, since no step gets cheaper with more work;
-a prefill token that comes out free leaves the model unfitted. Until the samples vary enough to tell
-the three apart, the forecast keeps the average step (`coefficients` is None). This module does no I/O
-and must not forecast (forecast.py) nor read worker messages (forecast.py's LinkLoad feeds it).
+coefficients by least squares over the worker's recent steps (their cadence, decodes and prefill
+tokens; bench/step_cost.py fits the same model offline). The samples are kept by prefill size: the
+last RECENT_SAMPLES steps with little or no prefill, and the last SIZED_SAMPLES of each larger size.
+So the price of a long prompt stays anchored on steps that computed long prompts, however many short
+steps followed: fitted on short prompts alone, a per-request overhead reads as a per-token price, a
+long prompt is then forecast far too slow, refused, and never measured again. A coefficient the
+samples make negative is dropped (fixed at 0) and the rest refitted, since no step gets cheaper with
+more work; a prefill token that comes out free leaves the model unfitted. Until the samples vary
+enough to tell the three apart, the forecast keeps the average step (`coefficients` is None). This
+module does no I/O and must not forecast (forecast.py) nor read worker messages (forecast.py's LinkLoad
+feeds it).
 """
 
 from __future__ import annotations
@@ -17,40 +22,48 @@ from collections import deque
 
 import numpy as np
 
-STEP_COST_SAMPLES = 64
-"""Steps the fit covers: a few seconds of a busy worker, so it follows a change of load."""
+RECENT_SAMPLES = 48
+"""Steps with less than SIZES[0] prefill tokens the fit keeps: a few seconds of a busy worker."""
+SIZES = (64, 256)
+"""Prefill sizes from which steps are kept apart, SIZED_SAMPLES of each (64-255 and 256 up)."""
+SIZED_SAMPLES = 12
 STEP_COST_MIN_SAMPLES = 8
+
+Sample = tuple[float, float, float]
+"""(decodes, prefill tokens, seconds) of one step."""
 
 
 class StepCost:
     """The least-squares step-time model of one worker stream's recent steps."""
 
     def __init__(self) -> None:
-        self._samples: deque[tuple[float, float, float]] = deque(maxlen=STEP_COST_SAMPLES)
-        """(decodes, prefill tokens, seconds) of each recent step."""
+        self._samples: list[deque[Sample]] = [deque(maxlen=RECENT_SAMPLES)]
+        self._samples += [deque(maxlen=SIZED_SAMPLES) for _ in SIZES]
         self._fit: tuple[float, float, float] | None = None
         self._stale = False
 
     def clear(self) -> None:
         """A new stream, perhaps a new worker: its steps are not the old one's."""
-        self._samples.clear()
+        for samples in self._samples:
+            samples.clear()
         self._fit = None
         self._stale = False
 
     def add(self, decodes: int, prefill_tokens: int, seconds: float) -> None:
-        self._samples.append((float(decodes), float(prefill_tokens), seconds))
+        size = sum(prefill_tokens >= bound for bound in SIZES)
+        self._samples[size].append((float(decodes), float(prefill_tokens), seconds))
         self._stale = True
 
     @property
     def coefficients(self) -> tuple[float, float, float] | None:
         """(fixed s, s per decode, s per prefill token); None until the samples tell them apart."""
         if self._stale:
-            self._fit = _fit(self._samples)
+            self._fit = _fit([sample for samples in self._samples for sample in samples])
             self._stale = False
         return self._fit
 
 
-def _fit(samples: deque[tuple[float, float, float]]) -> tuple[float, float, float] | None:
+def _fit(samples: list[Sample]) -> tuple[float, float, float] | None:
     if len(samples) < STEP_COST_MIN_SAMPLES:
         return None
     data = np.asarray(samples)

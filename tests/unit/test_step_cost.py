@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.step_cost import STEP_COST_MIN_SAMPLES, STEP_COST_SAMPLES, StepCost
+from gateway.step_cost import RECENT_SAMPLES, SIZED_SAMPLES, STEP_COST_MIN_SAMPLES, StepCost
 
 
 def steps(cost: StepCost, fixed: float, per_decode: float, per_token: float, count: int = 24) -> None:
@@ -45,7 +45,31 @@ def test_a_negative_coefficient_is_dropped_and_the_rest_refitted() -> None:
 def test_the_fit_follows_the_latest_steps_and_a_new_stream_starts_over() -> None:
     cost = StepCost()
     steps(cost, 0.020, 0.003, 0.0013)
-    steps(cost, 0.040, 0.006, 0.0026, count=STEP_COST_SAMPLES)
+    steps(cost, 0.040, 0.006, 0.0026, count=4 * RECENT_SAMPLES)
     assert cost.coefficients == pytest.approx((0.040, 0.006, 0.0026), rel=1e-6)
     cost.clear()
     assert cost.coefficients is None
+
+
+def test_steps_with_long_prefills_keep_pricing_long_prompts_however_many_short_ones_follow() -> None:
+    """Short prompts carry a per-request overhead that a fit on them alone reads as a per-token price
+    (half again too slow at 512 tokens); the last long-prefill steps stay in the fit and anchor it."""
+
+    def seconds(decodes: int, prefill: int) -> float:
+        return 0.02 + 0.003 * decodes + 0.001 * prefill + (0.03 if prefill else 0.0)
+
+    def price(cost: StepCost) -> float:
+        fit = cost.coefficients
+        assert fit is not None
+        return fit[0] + fit[2] * 512
+
+    true = seconds(0, 512)
+    short_only, anchored = StepCost(), StepCost()
+    for i in range(SIZED_SAMPLES):
+        anchored.add(4 + i % 5, 480, seconds(4 + i % 5, 480))
+    for i in range(10 * RECENT_SAMPLES):
+        decodes, prefill = 4 + 3 * (i % 5), 32 * (i % 3)
+        for cost in (short_only, anchored):
+            cost.add(decodes, prefill, seconds(decodes, prefill))
+    assert price(short_only) > 1.3 * true
+    assert price(anchored) == pytest.approx(true, rel=0.1)
