@@ -1,10 +1,13 @@
-"""What admission knows of a request: its Ticket, its Priority, and the Refused error.
+"""What admission knows of a request: its Ticket, its Priority, its likely prompt size, and Refused.
 
-A Ticket is decided on at arrival, before tokenizing, so no refusal waits for the tokenizer: the
-prompt size is then an upper bound (its UTF-8 bytes plus template overhead), replaced by the exact
-count once tokenized. Its cost (prompt plus max_new_tokens) is what fair queuing charges its tenant
-(admission_queue.py). Whether a ticket is admitted is the route's forecast of its time to first token
-(forecast.py). This module does no I/O and must not queue tickets nor choose links.
+A Ticket is decided on at arrival, before tokenizing, so no refusal waits for the tokenizer: the prompt
+size is then an upper bound (its UTF-8 bytes plus template overhead), replaced by the exact count once
+tokenized. Its cost (prompt plus max_new_tokens) is what fair queuing charges its tenant
+(admission_queue.py). The bound suits budgets but not forecasts (English runs near four bytes a token,
+so a 512-token prompt is bounded at about 2,500): PromptEstimate learns the route's ratio of exact
+counts to bounds, and the forecast prices a prompt not yet tokenized at its bound times it. Whether a
+ticket is admitted is the route's forecast of its time to first token (forecast.py). This module does
+no I/O and must not queue tickets nor choose links.
 """
 
 from __future__ import annotations
@@ -78,6 +81,26 @@ class Ticket:
 
     def remaining_s(self, now: float) -> float | None:
         return None if self.deadline is None else self.deadline - now
+
+
+PROMPT_RATIO_WEIGHT = 0.1
+"""Weight of each tokenized prompt in the moving ratio of exact counts to bounds."""
+
+
+class PromptEstimate:
+    """A route's moving ratio of prompts' exact token counts to their bounds (1 before any)."""
+
+    def __init__(self) -> None:
+        self.ratio = 1.0
+
+    def observe(self, bound: int, exact: int) -> None:
+        if bound > 0:
+            sample = min(1.0, exact / bound)
+            self.ratio += PROMPT_RATIO_WEIGHT * (sample - self.ratio)
+
+    def expected(self, bound: int) -> int:
+        """The tokens a prompt bounded at `bound` likely has (at least one)."""
+        return max(1, round(bound * self.ratio))
 
 
 class Refused(ResourceExhausted):

@@ -7,7 +7,7 @@ its previous tag ended, or the lane's virtual time (the tag last served) when it
 new ticket's cost over its weight. A tenant that floods the queue only pushes its own tags out; a
 quiet tenant's next request is tagged near the virtual time and served first. With fair queuing off,
 tags are arrival order (first come, first served). A ticket's place behind others is what the
-forecast reads (`ahead_tickets`). The queue is bounded by `max_queued_requests` and
+forecast reads (`ahead_slots`). The queue is bounded by `max_queued_requests` and
 `max_queued_tokens` (a lone slot always fits, so one long prompt is never refused by the token budget
 alone); when full, an interactive arrival evicts the batch slots served last, refused with reason
 "shed". This module does no I/O and must not decide admission (route.py) nor count credits.
@@ -62,17 +62,17 @@ class AdmissionQueue:
         start = max(self._virtual[ticket.priority], self._finish.get((ticket.priority, ticket.tenant), 0.0))
         return start + ticket.cost / self._weight(ticket.tenant)
 
-    def ahead_tickets(self, ticket: Ticket) -> list[Ticket]:
-        """The waiting tickets `ticket` would wait behind, were it queued now, in the order served."""
+    def ahead_slots(self, ticket: Ticket) -> list[Slot]:
+        """The waiting slots `ticket` would wait behind, were it queued now, in the order served."""
         tag = self._tag(ticket)
-        interactive = [s.ticket for t, _, s in self._lanes[Priority.INTERACTIVE]]
+        interactive = [s for t, _, s in self._lanes[Priority.INTERACTIVE]]
         if ticket.priority is Priority.INTERACTIVE:
-            return [s.ticket for t, _, s in self._lanes[Priority.INTERACTIVE] if t < tag]
-        return interactive + [s.ticket for t, _, s in self._lanes[Priority.BATCH] if t < tag]
+            return [s for t, _, s in self._lanes[Priority.INTERACTIVE] if t < tag]
+        return interactive + [s for t, _, s in self._lanes[Priority.BATCH] if t < tag]
 
     def ahead(self, ticket: Ticket) -> int:
         """How many waiting tickets `ticket` would wait behind."""
-        return len(self.ahead_tickets(ticket))
+        return len(self.ahead_slots(ticket))
 
     def victims(self, ticket: Ticket) -> list[Slot] | tuple[str, str]:
         """The batch slots to shed so `ticket` fits (often none), or (reason, text) when it cannot fit."""
@@ -136,6 +136,7 @@ class AdmissionQueue:
         if any(waiting is slot for _, _, waiting in self._lanes[slot.ticket.priority]):
             self.tokens += tokens - slot.tokens
         slot.tokens = tokens
+        slot.exact = True
 
     def clear(self) -> list[Slot]:
         """Empty the queue, returning every slot in the order it would have been served."""

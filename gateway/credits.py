@@ -68,6 +68,8 @@ class Slot:
         self.ticket = ticket
         self.tokens = ticket.prompt_tokens
         """The prompt size the queue counts: the estimate, then the exact count."""
+        self.exact = False
+        """`tokens` is the exact count: the prompt was tokenized."""
         self.enqueued = time.monotonic()
         self.timer: asyncio.TimerHandle | None = None
         """Fires at the ticket's deadline while the slot waits."""

@@ -20,11 +20,12 @@ module must not talk to workers (worker_link.py) nor find them (discovery.py) no
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gateway.admission import Priority, Refused, Ticket
+from gateway.admission import Priority, PromptEstimate, Refused, Ticket
 from gateway.admission_queue import AdmissionQueue
 from gateway.credits import Slot
 from gateway.discovery import Discovery, resolve
@@ -78,6 +79,7 @@ class Route:
         weights = {tenant.name: tenant.weight for tenant in gateway.tenants}
         self._weight = (lambda tenant: weights.get(tenant, 1.0)) if gateway.fair_queuing else None
         self._queue = AdmissionQueue(settings.max_queued_requests, settings.max_queued_tokens, self._weight)
+        self._prompts = PromptEstimate()
         self._discovery = Discovery(
             settings,
             lambda address: make_link(address, self.name, self._capacity_changed),
@@ -160,7 +162,17 @@ class Route:
             for link in self.links
             if link.ready and not link.leaving
         ]
-        return forecast(views, self._queue.ahead_tickets(ticket), ticket)
+        ahead = [
+            self._sized(slot.ticket, slot.tokens if slot.exact else None)
+            for slot in self._queue.ahead_slots(ticket)
+        ]
+        return forecast(views, ahead, self._sized(ticket, None))
+
+    def _sized(self, ticket: Ticket, exact: int | None) -> Ticket:
+        """`ticket` as the forecast prices it: its exact prompt size when tokenized, else the size its
+        bound likely has (PromptEstimate)."""
+        tokens = exact if exact is not None else self._prompts.expected(ticket.prompt_tokens)
+        return dataclasses.replace(ticket, prompt_tokens=tokens)
 
     def saturation(self, ticket: Ticket) -> str | None:
         """Why the route cannot take `ticket` now within its SLO or deadline; None when it can."""
@@ -234,6 +246,7 @@ class Route:
         return slot
 
     def set_tokens(self, slot: Slot, tokens: int) -> None:
+        self._prompts.observe(slot.ticket.prompt_tokens, tokens)
         self._queue.set_tokens(slot, tokens)
 
     def withdraw(self, slot: Slot) -> None:

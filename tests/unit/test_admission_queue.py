@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 
 from gateway.admission import (
     Priority,
+    PromptEstimate,
     Refused,
     Ticket,
     deadline_from_unix_ms,
@@ -102,8 +103,8 @@ def test_interactive_first_then_fifo_within_a_priority() -> None:
     assert (queue.requests, queue.tokens) == (4, 40)
     interactive, batch = slot("i3").ticket, slot("b3", priority=Priority.BATCH).ticket
     assert queue.ahead(interactive) == 2 and queue.ahead(batch) == 4
-    assert [t.request_id for t in queue.ahead_tickets(interactive)] == ["i1", "i2"]
-    assert [t.request_id for t in queue.ahead_tickets(batch)] == ["i1", "i2", "b1", "b2"]
+    assert [s.ticket.request_id for s in queue.ahead_slots(interactive)] == ["i1", "i2"]
+    assert [s.ticket.request_id for s in queue.ahead_slots(batch)] == ["i1", "i2", "b1", "b2"]
     assert order(queue) == ["i1", "i2", "b1", "b2"]
     assert (queue.requests, queue.tokens) == (0, 0)
 
@@ -120,7 +121,7 @@ def test_fair_queuing_serves_tenants_by_token_cost_over_weight() -> None:
         queue.push(slot(f"q{i}", tokens=32, tenant="quiet", new_tokens=32))  # cost 64 each
     # The quiet tenant's next request (tag 5 x 64 = 320) waits behind its own four only, not the flood.
     quiet = slot("q-next", tokens=32, tenant="quiet", new_tokens=32).ticket
-    assert [t.request_id for t in queue.ahead_tickets(quiet)] == ["q0", "q1", "q2", "q3"]
+    assert [s.ticket.request_id for s in queue.ahead_slots(quiet)] == ["q0", "q1", "q2", "q3"]
     noisy = slot("n-next", tokens=512, tenant="noisy", new_tokens=32).ticket
     assert queue.ahead(noisy) == 8
     assert order(queue) == ["q0", "q1", "q2", "q3", "n0", "n1", "n2", "n3"]
@@ -293,3 +294,16 @@ def test_a_refusal_carries_its_wait_as_retry_info_and_pushback() -> None:
     assert metadata[RETRY_PUSHBACK_KEY] == "2250"
     assert (refusal.code, refusal.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_full")
     assert RETRY_PUSHBACK_KEY not in dict(trailers(Unavailable("down")))
+
+
+def test_the_prompt_estimate_learns_how_many_tokens_a_bound_turns_out_to_be() -> None:
+    """Bounds are bytes; after tokenized prompts of a quarter of their bound, a bound of 2,000 is
+    forecast as about 500 tokens, never more than the bound itself."""
+    estimate = PromptEstimate()
+    assert estimate.expected(2000) == 2000  # nothing learnt: the bound
+    for _ in range(60):
+        estimate.observe(2000, 500)
+    assert estimate.expected(2000) == pytest.approx(500, rel=0.02)
+    for _ in range(60):
+        estimate.observe(100, 400)  # an exact count above its bound is capped at the bound
+    assert estimate.expected(2000) <= 2000 and estimate.expected(0) == 1
