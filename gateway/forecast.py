@@ -9,13 +9,13 @@ last token of its request is due (tokens left x step time); the requests a link 
 slots, then the tickets ahead in the route's queue, each take the earliest free slot and hold it for
 their whole generation; the new ticket starts in the slot it gets, and its first token comes after the
 step it waits for plus its prompt's prefill chunks, each priced by the stream's step-time model
-(step_cost.py) once it is fitted. Prompts not yet prefilled on the worker count ahead of the ticket
-only when their worker priority is at least the ticket's (the worker prefills a favoured tenant's
-prompt first, route.py). A request counts as running to its max_new_tokens, so the forecast is an upper
-bound when requests stop early (the safe side of the promise). `under_share` tells whether a tenant
-holds less than its weighted share of the work open on a stream. This module does no I/O and must not
-decide: route.py compares the forecast with the SLO and the deadline, and worker_link.py feeds the
-LinkLoad.
+(step_cost.py) once it is fitted, less what the reported steps already computed of them. Prompts not
+yet prefilled on the worker count ahead of the ticket only when their worker priority is at least the
+ticket's (the worker prefills a favoured tenant's prompt first, route.py). A request counts as running
+to its max_new_tokens, so the forecast is an upper bound when requests stop early (the safe side of the
+promise). `under_share` tells whether a tenant holds less than its weighted share of the work open on a
+stream. This module does no I/O and must not decide: route.py compares the forecast with the SLO and
+the deadline, and worker_link.py feeds the LinkLoad.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ class _Open:
     tenant: str = ""
     priority: int = 0
     """Its Submission.priority: the worker prefills higher ones first."""
+    prefilled: int = 0
+    """Prompt tokens the reported steps computed for it, by the order the worker prefills in."""
     started: bool = False
     """Its first token came: it holds a running slot and only decodes."""
     due: float | None = None
@@ -135,6 +137,9 @@ class LinkLoad:
         of requests, and the step."""
         for rejection in response.rejections:
             self.forget(rejection.request_id)
+        if response.HasField("step"):
+            # Before the updates: the prompts this step finished were still unstarted when it ran.
+            self._prefilled(response.step.prefill_tokens)
         for update in response.updates:
             if update.finished:
                 self.forget(update.request_id)
@@ -148,6 +153,18 @@ class LinkLoad:
                 request.started = True
         if response.HasField("step"):
             self._stepped(response.step, now, provisional=response.HasField("hello"))
+
+    def _prefilled(self, tokens: int) -> None:
+        """A step computed `tokens` of prefill: credit them to the unstarted prompts in the order the
+        worker takes them (higher priority first, then as sent). Merged messages report only their
+        newest step, so the progress seen is at most the real one: the forecast stays on the safe side."""
+        waiting = [r for r in self._open.values() if not r.started]
+        for request in sorted(waiting, key=lambda r: -r.priority):
+            take = min(tokens, request.prompt_tokens - request.prefilled)
+            request.prefilled += take
+            tokens -= take
+            if tokens <= 0:
+                return
 
     def _stepped(self, step: worker_pb2.StepInfo, now: float, *, provisional: bool) -> None:
         # A request waits for the steps' cadence, not only their forward passes: between two steps the
@@ -202,8 +219,8 @@ class LinkLoad:
             left = max(1, request.max_new_tokens - request.output_tokens)
             if not request.started:
                 if request.priority >= priority:
-                    pending_prefill += request.prompt_tokens
-                left += self.chunks(request.prompt_tokens)
+                    pending_prefill += request.prompt_tokens - request.prefilled
+                left += self.chunks(request.prompt_tokens - request.prefilled)
             frees.append(left * step_s)
         return frees, queued, pending_prefill
 

@@ -284,3 +284,29 @@ def test_a_tenant_is_under_share_while_it_holds_less_than_its_weighted_part_of_t
     assert load.under_share("heavy", weights)  # 312 < 3/5 x 856
     load.sent(submission("h2", prompt=500, new=12), tenant="heavy")
     assert not load.under_share("heavy", weights)  # 824 >= 3/5 x 1368
+
+
+def test_reported_prefill_is_credited_to_the_prompts_in_the_order_the_worker_takes_them() -> None:
+    """A step that computed 400 prompt tokens leaves 112 of a 512-token prompt sent first to wait for,
+    and all of a later one; a favoured prompt sent later is credited first."""
+    load = LinkLoad()
+    load.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=8, prefill_budget=128)), 0.0)
+    load.sent(submission("first", prompt=512))
+    load.sent(submission("second", prompt=256))
+    info = worker_pb2.StepInfo(
+        step=2, duration_ms=100.0, prefill_tokens=400, max_running=8, prefill_budget=128
+    )
+    load.observe(worker_pb2.ConnectResponse(step=info), 0.1)
+    _, _, pending = load.busy_until(8)
+    assert pending == 112 + 256
+    favoured = submission("favoured", prompt=64)
+    favoured.priority = 1
+    load.sent(favoured)
+    info = worker_pb2.StepInfo(
+        step=3, duration_ms=100.0, prefill_tokens=100, max_running=8, prefill_budget=128
+    )
+    load.observe(worker_pb2.ConnectResponse(step=info), 0.2)
+    _, _, pending = load.busy_until(8)
+    assert pending == (112 - 36) + 256
+    _, _, ahead_of_favoured = load.busy_until(8, priority=1)
+    assert ahead_of_favoured == 0
