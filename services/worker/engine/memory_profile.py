@@ -46,9 +46,10 @@ def size_kv_cache(
     loaded: LoadedModel,
     config: EngineConfig,
     max_model_len: int,
-    limit: Callable[[str], MemoryLimit] = memory_limit,
+    limit: Callable[[str], MemoryLimit] | None = None,
 ) -> MemoryBudget:
-    """Profile the largest step, then plan the KV cache within `limit(device)`; raises MemoryBudgetError."""
+    """Profile the largest step, then plan the KV cache within `limit(device)` (memory_limit's by
+    default); raises MemoryBudgetError."""
     profile = profile_largest_step(loaded, config, max_model_len)
     request = CacheRequest(
         block_size=config.block_size,
@@ -60,7 +61,8 @@ def size_kv_cache(
         kv_cache_memory_bytes=config.kv_cache_memory_bytes,
     )
     # Measured after loading and profiling: what others took meanwhile is no longer available.
-    return plan(limit(str(loaded.device)), profile, request)
+    found = (memory_limit if limit is None else limit)(str(loaded.device))
+    return plan(found, profile, request)
 
 
 def explicit_num_blocks(loaded: LoadedModel, config: EngineConfig) -> int | None:
