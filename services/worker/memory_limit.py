@@ -156,7 +156,7 @@ def cuda_limit(device: str) -> MemoryLimit:
     held = int(torch.cuda.memory_reserved(index))
     candidates = [
         (f"{device} total memory", int(total)),
-        (f"{device} free memory plus own", int(free) + held),
+        (f"{device} free memory plus this process's", int(free) + held),
     ]
     source, size = min(candidates, key=lambda item: item[1])
     return MemoryLimit(size, source, tuple(candidates))

@@ -97,9 +97,10 @@ def test_the_cache_is_sized_from_the_smaller_of_available_memory_and_the_limit(
     _limit_at(monkeypatch, tmp_path / "host", 64 * 2**30, available=160 * MIB)
     engine = LLMEngine.from_model_dir(tiny_long_serving_dir, config)
     assert engine.memory.limit.source == "machine available memory"
-    assert engine.memory.num_blocks == (
-        engine.memory.budget_bytes - engine.memory.profile.peak_bytes
-    ) // engine.memory.bytes_per_block
+    assert (
+        engine.memory.num_blocks
+        == (engine.memory.budget_bytes - engine.memory.profile.peak_bytes) // engine.memory.bytes_per_block
+    )
 
 
 def test_a_budget_too_small_refuses_to_start_with_the_numbers(
@@ -159,4 +160,6 @@ def test_the_budget_appears_in_the_log_the_metrics_and_list_models(
         ("activations", memory.activation_peak_bytes),
         ("kv_cache", memory.kv_cache_bytes),
     ):
-        assert REGISTRY.get_sample_value("strata_memory_budget_bytes", {"model": "tiny", "part": part}) == value
+        assert (
+            REGISTRY.get_sample_value("strata_memory_budget_bytes", {"model": "tiny", "part": part}) == value
+        )

@@ -23,7 +23,9 @@ GIB = 2**30
 REPO = Path(__file__).resolve().parents[2]
 
 
-def fake_cgroups(tmp_path: Path, version: str, cgroup_path: str, files: dict[str, dict[str, str]]) -> CgroupFiles:
+def fake_cgroups(
+    tmp_path: Path, version: str, cgroup_path: str, files: dict[str, dict[str, str]]
+) -> CgroupFiles:
     """A /proc/self and a cgroup tree under tmp_path; `files` maps cgroup paths to their files."""
     proc = tmp_path / "proc" / "self"
     proc.mkdir(parents=True)
@@ -143,3 +145,20 @@ def test_inside_a_real_cgroup_the_limit_is_its_memory_limit() -> None:
     assert found["source"].startswith("cgroup v1 memory.limit_in_bytes of /")
     assert found["source"].endswith(child.name)
     assert GIB - 64 * 2**20 <= found["bytes"] <= GIB
+
+
+def test_on_cuda_the_limit_is_the_smaller_of_total_and_free_plus_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A GPU that another process half fills: free (30 GiB) plus what torch holds here (10 GiB) is below
+    the device's 80 GiB, so it is the limit. torch's CUDA queries are replaced: CI has no GPU."""
+    import torch
+
+    from services.worker.memory_limit import cuda_limit
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 10 * GIB)
+    limit = cuda_limit("cuda:0")
+    assert limit.bytes == 40 * GIB
+    assert limit.source == "cuda:0 free memory plus this process's"
+    assert dict(limit.candidates)["cuda:0 total memory"] == 80 * GIB
