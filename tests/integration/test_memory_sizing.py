@@ -28,8 +28,8 @@ from services.worker.memory_budget import MemoryBudgetError
 from services.worker.memory_limit import cpu_limit
 from services.worker.model.loader import load_model
 from strata.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.cgroup_files import fake_cgroups
 from tests.integration.tiny_stack import tiny_stack
-from tests.unit.test_memory_limit import fake_cgroups
 
 if TYPE_CHECKING:
     from pathlib import Path
