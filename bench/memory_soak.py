@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from bench.stats import describe_machine, save_record
 from services.worker.device_memory import device_memory_bytes
 from services.worker.engine.config import EngineConfig
@@ -65,16 +67,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--abort-share", type=float, default=0.2)
     parser.add_argument("--bound", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads", type=int, help="torch threads (default: torch's)"
+    )
     parser.add_argument("--json", type=Path, help="write the record here")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     config = EngineConfig(max_num_seqs=args.max_num_seqs, memory_utilization=args.memory_utilization)
     started = time.monotonic()
     engine = LLMEngine.from_model_dir(args.model, config, device=args.device)
     built_s = time.monotonic() - started
-    print(engine.memory.describe(), flush=True)
+    print(f"built in {built_s:.1f} s: {engine.memory.describe()}", flush=True)
     rng = random.Random(args.seed)
     tokens = wave(engine, rng, args.wave, 0, args.abort_share)
     warm = device_memory_bytes(args.device)
+    print(f"warm-up wave done at {time.monotonic() - started:.1f} s: {warm / MIB:.1f} MiB", flush=True)
     readings: list[dict[str, Any]] = []
     soak_started = time.monotonic()
     index = 0
