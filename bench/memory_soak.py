@@ -67,9 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--abort-share", type=float, default=0.2)
     parser.add_argument("--bound", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--threads", type=int, help="torch threads (default: torch's)"
-    )
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--json", type=Path, help="write the record here")
     args = parser.parse_args(argv)
     if args.threads is not None:
