@@ -20,9 +20,8 @@ module must not talk to workers (worker_link.py) nor find them (discovery.py) no
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from gateway.admission import Priority, PromptEstimate, Refused, Ticket
@@ -172,7 +171,7 @@ class Route:
         """`ticket` as the forecast prices it: its exact prompt size when tokenized, else the size its
         bound likely has (PromptEstimate)."""
         tokens = exact if exact is not None else self._prompts.expected(ticket.prompt_tokens)
-        return dataclasses.replace(ticket, prompt_tokens=tokens)
+        return replace(ticket, prompt_tokens=tokens)
 
     def saturation(self, ticket: Ticket) -> str | None:
         """Why the route cannot take `ticket` now within its SLO or deadline; None when it can."""
