@@ -46,6 +46,9 @@ class StreamCredits:
         """Credits other gateways held at the worker's last report."""
         self.held = 0
         """Slots granted on this stream and not released: its requests about to be sent, or sent."""
+        self.unsent: set[Slot] = set()
+        """The held slots whose submissions are not sent yet (their prompts are being tokenized): the
+        forecast counts them by their own sizes."""
 
     def available(self) -> int:
         """Credits free for new grants."""
@@ -100,6 +103,7 @@ class Slot:
     def grant(self, link: WorkerLink) -> None:
         """The dispatcher's grant: take one of `link`'s credits for this slot."""
         link.credits.held += 1
+        link.credits.unsent.add(self)
         self.link = link
         self._outcome.set_result(link)
 
@@ -130,4 +134,5 @@ class Slot:
             self._queue.withdraw(self)
             return
         link.credits.held -= 1
+        link.credits.unsent.discard(self)
         link.slot_released(self)

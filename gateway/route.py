@@ -155,7 +155,10 @@ class Route:
                 link.load,
                 link.load.slots(link.credits.limit),
                 link.free_credits,
-                max(0, link.credits.held - link.load.open_requests),
+                [
+                    self._sized(slot.ticket, slot.tokens if slot.exact else None)
+                    for slot in link.credits.unsent
+                ],
                 self.worker_priority(ticket.priority, ticket.tenant, link),
             )
             for link in self.links
