@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml requirements.lock
+$(STAMP): pyproject.toml requirements.lock requirements-test-clients.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
@@ -23,7 +23,9 @@ $(STAMP): pyproject.toml requirements.lock
 		echo "setup: no NVIDIA GPU: installing the CPU build of $(TORCH_SPEC)"; \
 	fi
 	$(BIN)/python -m pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[dev]'
+	# LiteLLM alone first, checked against its pinned hash; the next line finds it installed.
+	$(BIN)/python -m pip install --quiet --no-deps --require-hashes -r requirements-test-clients.txt
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[dev,test-clients]'
 	touch $(STAMP)
 
 model: setup
