@@ -70,7 +70,11 @@ def spawned(config: Path, log_dir: Path) -> Iterator[Endpoints]:
 
     try:
         # A free port: the default 50051 may belong to a stack someone else is running.
-        stack = start_stack(config, env={"STRATA_GATEWAY_LISTEN": "127.0.0.1:0"}, log_dir=log_dir)
+        stack = start_stack(
+            config,
+            env={"STRATA_GATEWAY_LISTEN": "127.0.0.1:0", "STRATA_GATEWAY_HTTP_LISTEN": "127.0.0.1:0"},
+            log_dir=log_dir,
+        )
     except (StackError, SettingsError) as exc:
         raise BenchError(f"the stack did not start: {exc}") from exc
     try:

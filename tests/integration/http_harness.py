@@ -81,9 +81,14 @@ class HttpStack:
 
 
 def start_http_stack(
-    model_dir: Path, model: str = MODEL, tracing: Tracing | None = None, **gateway: Any
+    model_dir: Path,
+    model: str = MODEL,
+    tracing: Tracing | None = None,
+    step_delay_s: float = STEP_DELAY_S,
+    **gateway: Any,
 ) -> HttpStack:
-    """The three services serving `model_dir` as `model`, the gateway's HTTP API on a free port."""
+    """The three services serving `model_dir` as `model`, the gateway's HTTP API on a free port; the
+    worker sleeps `step_delay_s` before each engine step."""
     loop = LoopThread()
     servers: list[Any] = []
     try:
@@ -102,7 +107,7 @@ def start_http_stack(
                 "num_blocks": 128,
                 "max_num_seqs": 8,
                 "enable_fault_injection": True,
-                "fault_step_delay_s": STEP_DELAY_S,
+                "fault_step_delay_s": step_delay_s,
             },
         }
         worker = loop.run(start_worker(WorkerSettings.build(worker_settings)))

@@ -27,7 +27,9 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
     from pathlib import Path
 
-CHAT = [{"role": "user", "content": "Hello there"}]
+    from openai.types.chat import ChatCompletionMessageParam
+
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello there"}]
 STAGES = ("network", "preprocess", "queue", "forward", "decode")
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 
