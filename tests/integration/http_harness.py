@@ -54,7 +54,10 @@ class HttpStack:
 
     def worker_stats(self) -> worker_pb2.GetWorkerStatsResponse:
         stub = worker_pb2_grpc.WorkerServiceStub(self._channel(self.worker_address))
-        return stub.GetWorkerStats(worker_pb2.GetWorkerStatsRequest(), timeout=10)
+        stats: worker_pb2.GetWorkerStatsResponse = stub.GetWorkerStats(
+            worker_pb2.GetWorkerStatsRequest(), timeout=10
+        )
+        return stats
 
     def queued(self) -> int:
         stub = gateway_pb2_grpc.GatewayStub(self._channel(self.gateway_address))
