@@ -46,6 +46,8 @@ class Endpoints:
 
     gateway: str
     gateway_metrics: str | None
+    http: str | None = None
+    """host:port of the gateway's HTTP API; None when unknown or off."""
 
 
 @contextlib.contextmanager
@@ -78,7 +80,11 @@ def spawned(config: Path, log_dir: Path) -> Iterator[Endpoints]:
     except (StackError, SettingsError) as exc:
         raise BenchError(f"the stack did not start: {exc}") from exc
     try:
-        yield Endpoints(stack.addresses.gateway, stack.metrics_addresses.get("gateway"))
+        yield Endpoints(
+            stack.addresses.gateway,
+            stack.metrics_addresses.get("gateway"),
+            stack.http_addresses.get("gateway"),
+        )
     finally:
         stack.stop()
 
