@@ -16,6 +16,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import httpx2
 import openai
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -319,3 +320,28 @@ def test_health_is_200_while_serving(stack: HttpStack) -> None:
     test_http_cancel.py), and needs no key."""
     done = curl("-o", "/dev/null", "-w", "%{http_code}", stack.origin + "/health")
     assert done.stdout == "200"
+
+
+def test_first_event_leaves_with_the_headers(stack: HttpStack) -> None:
+    """A stream's first event follows its headers at once: with Nagle's algorithm on the server's
+    sockets it would wait for the client's delayed ACK (about 40 ms on Linux) on every stream."""
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "stream": True}
+
+    async def gaps() -> list[float]:
+        measured = []
+        async with httpx2.AsyncClient(headers={"authorization": f"Bearer {KEY}"}) as http:
+            for _ in range(6):
+                async with http.stream(
+                    "POST", f"{stack.base_url}/completions", json=body, timeout=30
+                ) as reply:
+                    headers_at = time.perf_counter()
+                    first: float | None = None
+                    async for line in reply.aiter_lines():  # to the end: the connection is kept
+                        if line.startswith("data: ") and first is None:
+                            first = time.perf_counter() - headers_at
+                    assert first is not None
+                    measured.append(first)
+        return measured
+
+    measured = asyncio.run(gaps())
+    assert sorted(measured)[3] < 0.02, measured
