@@ -2,8 +2,9 @@
 
 It POSTs a streaming /v1/completions (the prompt text, greedy, EOS ignored, `include_usage`) through
 httpx2's async client, the cheapest well-kept HTTP client Python has, reads the Server-Sent Events
-as they arrive and stamps each one: the first event with text is the first token, the usage chunk
-gives the token counts (an HTTP chunk carries text, not token ids). The record is bench/driver.py's
+as they arrive and stamps each one: the first event with text is the first token (the gateway sends
+no chunk without text), the usage chunk gives the token counts (an HTTP chunk carries text, not
+token ids). The record is bench/driver.py's
 RequestResult, so both protocols' results reduce the same way. This module owns the request; it must
 not schedule requests nor reduce results (bench/http_vs_grpc.py does).
 """
@@ -59,7 +60,7 @@ async def send_http(
                     break
                 if chunk["choices"] and chunk["choices"][0]["text"]:
                     if result.ttft_s is None:
-                        result.ttft_s = arrived - sent
+                        result.ttft_s = result.first_text_s = arrived - sent
                     else:
                         result.itl_s.append(arrived - previous)
                     previous = arrived
