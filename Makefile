@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-tracing reliability chaos run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing reliability chaos run clean
 
 setup: $(STAMP)
 
@@ -71,6 +71,10 @@ bench-fallback: setup model
 # round of each on a fresh stack; the plot lands next to the record (tenants-cpu.png).
 bench-tenants: setup model
 	$(BIN)/python -m bench.tenants --json bench/results/tenants-cpu.json
+
+# The HTTP API against gRPC on the same workloads, alternated: 64 streams' tokens/s, one stream's TTFT.
+bench-http: setup model
+	$(BIN)/python -m bench.http_vs_grpc --json bench/results/http-vs-grpc-cpu.json
 
 # Tracing's CPU cost: the whole stack at sampling 1.0 against tracing off, 5 fresh stacks each, alternated.
 bench-tracing: setup model

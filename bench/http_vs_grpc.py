@@ -6,12 +6,13 @@ with EOS ignored on prompts of exactly `--prompt-tokens` tokens, distinct for ev
 run (so no contestant gains from the prefix cache): throughput, `--streams` (64) closed-loop streams
 of one request each of `--new-tokens` (64), output tokens/s over the level's wall time; and time to
 first token, one stream sending `--ttft-requests` (8) requests of `--ttft-new-tokens` (8) back to back,
-TTFT p50 (to the first text, as a client of either protocol sees it). gRPC goes through the raw grpc.aio stub (bench/driver.py), HTTP through httpx2's async
-client (bench/http_driver.py), each with its own connection pool, from this one process, whose CPU
-time (the client's) is recorded per level. After a warm-up of both, `--runs` (3) rounds: each runs
-both workloads, the protocols' order swapped every round (G H H G, H G G H, ...). Targets: HTTP at
-least 0.9x gRPC's tokens/s at `--streams`, and at most 5 ms more TTFT p50 at one stream, judged on
-the medians. This module must not start services other than through bench/session.py.
+TTFT p50 (to the first text, as a client of either protocol sees it). gRPC goes through the raw
+grpc.aio stub (bench/driver.py), HTTP through httpx2's async client (bench/http_driver.py), each with
+its own connections, from this one process, whose CPU time (the client's) is recorded per level.
+After a warm-up of both, `--runs` (3) rounds: each runs both workloads, the protocols' order swapped
+every round (G H H G, H G G H, ...). Targets: HTTP at least 0.9x gRPC's tokens/s at `--streams`, and
+at most 5 ms more TTFT p50 at one stream, judged on the medians. This module must not start
+services other than through bench/session.py.
 """
 
 from __future__ import annotations
