@@ -1,28 +1,24 @@
-"""The OpenAI-compatible HTTP API end to end, driven by the clients people use: the official openai SDK
-(sync and async), LiteLLM's OpenAI-compatible provider, and curl for the wire format itself.
+"""The OpenAI-compatible HTTP API driven by the clients people use: the official openai SDK (sync and
+async) and LiteLLM's OpenAI-compatible provider, against a real stack; and the SDK against the real
+default model. (tests/integration/test_http_wire.py checks the wire format itself, with curl.)
 
 One real stack per module (tokenizer service, worker, gateway with its HTTP API on a free port, the
-tiny random-weight model); the gateway traces into memory so that a caller's traceparent can be seen
-joined. Greedy requests (temperature 0) make a stream's text comparable with the whole answer's.
+tiny random-weight model). Greedy requests (temperature 0) make a stream's text comparable with the
+whole answer's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import subprocess
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-import httpx2
 import openai
 import pytest
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from strata.tracing import Tracing
-from tests.integration.http_harness import KEY, MAX_BODY, MODEL, TIGHT_KEY, HttpStack, start_http_stack
+from tests.integration.http_harness import KEY, MODEL, TIGHT_KEY, HttpStack, start_http_stack
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -32,13 +28,13 @@ if TYPE_CHECKING:
 
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello there"}]
 STAGES = ("network", "preprocess", "queue", "forward", "decode")
-TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+REAL_MODEL = "smollm2-135m-instruct"
+QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_serving_dir: Path) -> Iterator[HttpStack]:
-    tracing = Tracing.with_exporter("g", InMemorySpanExporter(), 1.0, batch=False)
-    running = start_http_stack(tiny_serving_dir, tracing=tracing)
+    running = start_http_stack(tiny_serving_dir)
     try:
         yield running
     finally:
@@ -47,31 +43,6 @@ def stack(tiny_serving_dir: Path) -> Iterator[HttpStack]:
 
 def client(stack: HttpStack, key: str = KEY, retries: int = 0) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.base_url, api_key=key, max_retries=retries, timeout=60)
-
-
-def curl(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["curl", "-sS", *args], capture_output=True, text=True, timeout=60, check=True)
-
-
-def post(stack: HttpStack, path: str, body: str, *headers: str) -> tuple[int, dict[str, str], str]:
-    """curl's status, headers (lower-cased names) and body for a POST of `body`."""
-    auth = ("-H", f"Authorization: Bearer {KEY}")
-    hdrs = [arg for header in headers for arg in ("-H", header)]
-    done = curl(
-        "-i",
-        "-N",
-        stack.base_url + path,
-        *auth,
-        *hdrs,
-        "-H",
-        "content-type: application/json",
-        "--data-binary",
-        body,
-    )
-    head, _, payload = done.stdout.replace("\r\n", "\n").partition("\n\n")
-    status_line, *lines = head.split("\n")
-    fields = {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
-    return int(status_line.split()[1]), fields, payload
 
 
 def test_sdk_chat_completion_has_openai_shape_and_strata_headers(stack: HttpStack) -> None:
@@ -227,121 +198,21 @@ def test_litellm_openai_compatible_provider_stream_and_not(stack: HttpStack) -> 
     assert streamed == whole.choices[0].message.content
 
 
-def test_curl_sees_sse_framing_then_done(stack: HttpStack) -> None:
-    """The wire format: text/event-stream, every event one `data:` line and a blank line, chunk objects
-    with one id, then `data: [DONE]` last."""
-    body = {"model": MODEL, "messages": CHAT, "max_tokens": 6, "stream": True}
-    status, headers, payload = post(stack, "/chat/completions", json.dumps(body))
-    assert status == 200 and headers["content-type"].startswith("text/event-stream")
-    events = payload.strip("\n").split("\n\n")
-    assert all(event.startswith("data: ") and "\n" not in event for event in events)
-    assert events[-1] == "data: [DONE]"
-    objects = [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
-    assert {item["object"] for item in objects} == {"chat.completion.chunk"}
-    assert objects[-1]["choices"][0]["finish_reason"] == "length" and "strata" in objects[-1]
-
-
-def test_traceparent_joins_the_callers_trace(stack: HttpStack) -> None:
-    """A caller's traceparent header makes the request part of its trace: the trace id comes back."""
-    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
-    status, headers, _ = post(
-        stack, "/completions", json.dumps(body), f"traceparent: 00-{TRACE_ID}-00f067aa0ba902b7-01"
-    )
-    assert status == 200 and headers["x-strata-trace-id"] == TRACE_ID
-
-
-@pytest.mark.parametrize(
-    ("body", "param"),
-    [
-        ("{not json", None),
-        ("[1, 2]", None),
-        ('{"messages": "hi"}', "messages"),
-        ('{"messages": [{"role": "user", "content": "x"}], "max_tokens": "8"}', "max_tokens"),
-        (
-            '{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
-            "messages[0].content[0].type",
-        ),
-        ('{"messages": [{"role": "user", "content": "x"}], "frobnicate": 1}', "frobnicate"),
-        ('{"messages": [{"role": "user", "content": "x"}], "n": 3}', "n"),
-        ('{"messages": [{"role": "user", "content": "x"}], "logprobs": true}', "logprobs"),
-        ('{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', "tools"),
-        ('{"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}', "presence_penalty"),
-    ],
-)
-def test_malformed_or_unsupported_bodies_are_400_naming_the_field(
-    stack: HttpStack, body: str, param: str | None
-) -> None:
-    """Bodies that are not JSON, not an object, of a wrong type, or that ask for a feature the
-    gateway lacks are 400 with OpenAI's error body naming the field; never a 500, never ignored."""
-    status, _, payload = post(stack, "/chat/completions", body)
-    error = json.loads(payload)["error"]
-    assert status == 400 and error["param"] == param and error["type"] == "invalid_request_error"
-    if param is not None:
-        assert error["message"].startswith(f"{param}:")
-
-
-def test_habitual_default_fields_are_accepted(stack: HttpStack) -> None:
-    """What LangChain and LiteLLM send by habit, at default values, is accepted."""
-    body = {
-        "model": MODEL,
-        "messages": [
-            {"role": "developer", "content": "Be brief."},
-            {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
-        ],
-        "max_tokens": 3,
-        "n": 1,
-        "presence_penalty": 0,
-        "frequency_penalty": 0.0,
-        "logprobs": False,
-        "user": "someone",
-        "parallel_tool_calls": True,
-        "tools": [],
-        "tool_choice": "none",
-        "response_format": {"type": "text"},
-        "service_tier": "auto",
-        "store": False,
-        "stream": False,
-        "stream_options": {"include_usage": False},
-    }
-    status, _, payload = post(stack, "/chat/completions", json.dumps(body))
-    assert status == 200, payload
-    assert json.loads(payload)["usage"]["completion_tokens"] <= 3
-
-
-def test_body_over_the_limit_is_413(stack: HttpStack) -> None:
-    """A body over max_message_bytes is refused with 413 before it is parsed."""
-    body = json.dumps({"model": MODEL, "prompt": "x" * MAX_BODY})
-    status, _, payload = post(stack, "/completions", body)
-    assert status == 413 and json.loads(payload)["error"]["code"] == "request_too_large"
-
-
-def test_health_is_200_while_serving(stack: HttpStack) -> None:
-    """GET /health is readiness: 200 while the gateway serves (503 before and while draining:
-    test_http_cancel.py), and needs no key."""
-    done = curl("-o", "/dev/null", "-w", "%{http_code}", stack.origin + "/health")
-    assert done.stdout == "200"
-
-
-def test_first_event_leaves_with_the_headers(stack: HttpStack) -> None:
-    """A stream's first event follows its headers at once: with Nagle's algorithm on the server's
-    sockets it would wait for the client's delayed ACK (about 40 ms on Linux) on every stream."""
-    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "stream": True}
-
-    async def gaps() -> list[float]:
-        measured = []
-        async with httpx2.AsyncClient(headers={"authorization": f"Bearer {KEY}"}) as http:
-            for _ in range(6):
-                async with http.stream(
-                    "POST", f"{stack.base_url}/completions", json=body, timeout=30
-                ) as reply:
-                    headers_at = time.perf_counter()
-                    first: float | None = None
-                    async for line in reply.aiter_lines():  # to the end: the connection is kept
-                        if line.startswith("data: ") and first is None:
-                            first = time.perf_counter() - headers_at
-                    assert first is not None
-                    measured.append(first)
-        return measured
-
-    measured = asyncio.run(gaps())
-    assert sorted(measured)[3] < 0.02, measured
+@pytest.mark.real_model
+def test_sdk_gets_paris_from_the_real_model(real_model_dir: Path) -> None:
+    """Greedy chat through the SDK, whole and streamed: both say Paris, and the stream's text is the
+    whole answer's (the chat template, tokenization and detokenization are the real ones)."""
+    stack = start_http_stack(real_model_dir, model=REAL_MODEL, step_delay_s=0.0)
+    try:
+        client = openai.OpenAI(base_url=stack.base_url, api_key=KEY, max_retries=0, timeout=120)
+        whole = client.chat.completions.create(
+            model=REAL_MODEL, messages=QUESTION, max_tokens=32, temperature=0
+        )
+        text = whole.choices[0].message.content or ""
+        assert "Paris" in text and whole.model == REAL_MODEL
+        stream = client.chat.completions.create(
+            model=REAL_MODEL, messages=QUESTION, max_tokens=32, temperature=0, stream=True
+        )
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == text
+    finally:
+        stack.close()
