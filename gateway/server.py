@@ -277,10 +277,13 @@ class GatewayServer:
         self._serving = False
         if self.running is not None:
             await self.running.set_serving(False)
-            # Both front doors drain at once, within the one grace period, before the links close.
-            await asyncio.gather(
-                self.running.stop(grace), self.http.stop(grace) if self.http is not None else asyncio.sleep(0)
-            )
+            # Both front doors drain at once, within the one grace period, before the links close. gRPC
+            # stops on this task, as it did alone: run from a task of its own (gather), it went on
+            # taking new calls after NOT_SERVING (tests/reliability/test_s04_graceful_shutdown.py).
+            http_stopped = asyncio.ensure_future(self.http.stop(grace)) if self.http is not None else None
+            await self.running.stop(grace)
+            if http_stopped is not None:
+                await http_stopped
         ROUTER_GAUGES.remove(self._load)
         if self._health_task is not None:
             self._health_task.cancel()
