@@ -85,6 +85,8 @@ class Chunk:
     text: str
     token_ids: list[int]
     final: gateway_pb2.GenerateResponse | None = None
+    model: str = ""
+    """The model serving the request when this chunk was made (a failover changes it mid-stream)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,10 +246,10 @@ class Request:
             attempt.end()
             final = self._final(finish)
             self.trace.finish(final, self.device_memory_bytes)
-            return Chunk(chunk_text, ids, final), None
+            return Chunk(chunk_text, ids, final, self.model), None
         if not ids and not chunk_text:
             return None, failure
-        return Chunk(chunk_text, ids), failure
+        return Chunk(chunk_text, ids, model=self.model), failure
 
     def _chunk_sent(self, tokens: int) -> None:
         now = time.perf_counter()

@@ -61,6 +61,7 @@ class RequestTrace:
         self._content = _content(request) if record_content else None
         self._forecast_ms: float | None = None
         self._tenant = incoming.tenant
+        self._protocol = incoming.protocol
         operation = "chat" if len(request.messages) else "text_completion"
         self._operation = operation
         protocol = {"rpc.system": "grpc"} if incoming.protocol == "grpc" else {}
@@ -165,6 +166,7 @@ class RequestTrace:
             "request_id": response.request_id,
             "trace_id": self.trace_id,
             "tenant": self._tenant,
+            "protocol": self._protocol,
             "model": response.model,
             "input_tokens": response.usage.input_tokens,
             "output_tokens": response.usage.output_tokens,
@@ -191,6 +193,7 @@ class RequestTrace:
             "request_id": request_id,
             "trace_id": self.trace_id,
             "tenant": self._tenant,
+            "protocol": self._protocol,
             "model": request.model,
             "code": code,
             "error": message,
