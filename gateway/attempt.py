@@ -110,6 +110,8 @@ class Attempt:
             trace_context=trace.carrier(self.hop) or request.incoming.trace_context,
             priority=self.route.worker_priority(request.priority, self.slot.ticket.tenant, link),
             prior_output_ids=prior,
+            # The tenant salts the worker's prefix cache: tenants never share cached blocks.
+            cache_salt=self.slot.ticket.tenant,
         )
         self.submitted = time.perf_counter()
         request.clock.wait("queue", self.submitted)
