@@ -74,6 +74,7 @@ bench-tenants: setup model
 bench-tracing: setup model
 	$(BIN)/python -m bench.trace_overhead --json bench/results/trace-overhead-cpu.json
 
+# Prefix caching on against off: a shared system prompt, multi-turn chat, and one stream with a long cached prefix.
 bench-prefix: setup model
 	$(BIN)/python -m bench.prefix_cache --json bench/results/prefix-cache-cpu.json
 

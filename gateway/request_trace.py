@@ -130,6 +130,18 @@ class RequestTrace:
                 segment.stage, parent=parent, start=segment.start, end=segment.end, attributes=attributes
             )
 
+    def routed(self, replica: str, reason: str, preferred: str) -> None:
+        """The replica the request's credit was granted on, why (prefix_routing.py's reasons), and
+        the replica its prefix preferred (empty without a prefix key)."""
+        if self.span is not None:
+            self.span.set_attributes(
+                {
+                    "strata.route.replica": replica,
+                    "strata.route.reason": reason,
+                    "strata.route.preferred": preferred,
+                }
+            )
+
     def admitted(self, forecast_ttft_s: float | None, arrival: float) -> None:
         """A route admitted the request with this forecast of its first token (from its arrival, as
         `time_to_first_token_ms` counts), so that the forecast stands next to what happened."""
