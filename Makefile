@@ -78,6 +78,10 @@ bench-tracing: setup model
 bench-prefix: setup model
 	$(BIN)/python -m bench.prefix_cache --json bench/results/prefix-cache-cpu.json
 
+# Prefix-aware routing against least-loaded: two replicas behind one route, 4 system prompts, 256 requests.
+bench-prefix-routing: setup model
+	$(BIN)/python -m bench.prefix_routing --json bench/results/prefix-routing-cpu.json
+
 # The reliability suite's full versions (tests/reliability and the security tests it names); writes
 # docs/reliability.md: per scenario what was done, what must hold, the figures measured, pass or fail,
 # and the run's own run time. The scale-out scenario needs libnss-wrapper, hence testdeps.
