@@ -9,7 +9,7 @@ same worker, and a worker joining or leaving moves only its share of the keys.
 The load bound keeps affinity from piling work on one replica (consistent hashing with bounded
 loads): the key's replica (the first point of the ring at or after the key) takes the request when
 it has a free credit and its open requests (running plus queued there, from every gateway) stay
-within ceil(load_factor x the route's average) once this one is added; otherwise the least loaded
+within load_factor x the route's average once this one is added; otherwise the least loaded
 replica takes it. This module only
 chooses among the links it is given: it must not grant credits (route.py does) nor talk to workers.
 """
@@ -104,9 +104,11 @@ class Choice(Generic[R]):
 
 
 def load_bound(replicas: Sequence[Replica], factor: float) -> int:
-    """The most open requests a replica may hold once one more request is added to the route."""
-    total = sum(replica.open_load for replica in replicas) + 1
-    return math.ceil(factor * total / len(replicas))
+    """The most open requests a replica may hold once one more request is added to the route:
+    factor x the average, rounded down (so no replica passes it), but never below the average rounded
+    up (so some replica always has room)."""
+    average = (sum(replica.open_load for replica in replicas) + 1) / len(replicas)
+    return max(math.floor(factor * average), math.ceil(average))
 
 
 def choose(replicas: Sequence[R], ring: Ring, key: int | None, factor: float) -> Choice[R] | None:
