@@ -523,7 +523,7 @@ class GetWorkerStatsResponse(_message.Message):
     waiting: _builtins.int
     """Requests admitted but not yet scheduled."""
     used_kv_blocks: _builtins.int
-    """KV cache blocks in use."""
+    """KV cache blocks in use: held by a request (cached blocks nobody holds are evictable, so free)."""
     total_kv_blocks: _builtins.int
     """KV cache blocks in all."""
     free_kv_tokens: _builtins.int
