@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing reliability chaos run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-prefix-routing reliability chaos run clean
 
 setup: $(STAMP)
 
@@ -79,6 +79,14 @@ bench-http: setup model
 # Tracing's CPU cost: the whole stack at sampling 1.0 against tracing off, 5 fresh stacks each, alternated.
 bench-tracing: setup model
 	$(BIN)/python -m bench.trace_overhead --json bench/results/trace-overhead-cpu.json
+
+# Prefix caching on against off: a shared system prompt, multi-turn chat, and one stream with a long cached prefix.
+bench-prefix: setup model
+	$(BIN)/python -m bench.prefix_cache --json bench/results/prefix-cache-cpu.json
+
+# Prefix-aware routing against least-loaded: two replicas behind one route, 4 system prompts, 256 requests.
+bench-prefix-routing: setup model
+	$(BIN)/python -m bench.prefix_routing --json bench/results/prefix-routing-cpu.json
 
 # The reliability suite's full versions (tests/reliability and the security tests it names); writes
 # docs/reliability.md: per scenario what was done, what must hold, the figures measured, pass or fail,

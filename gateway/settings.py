@@ -45,6 +45,12 @@ class RouteSettings(BaseModel):
     """A request is admitted when its forecast time to first token is at most this share of
     ttft_slo_ms: the rest is margin for what the forecast cannot see (another worker's load slowing
     the steps, the arrivals of the next moments)."""
+    prefix_routing_tokens: int = 64
+    """With several workers, requests whose first this-many prompt tokens (and tenant) agree go to
+    the same worker, which has their prefix cached (prefix_routing.py); 0 routes to the least loaded."""
+    prefix_routing_load_factor: float = 1.25
+    """Prefix routing's load bound: a worker takes a request for its prefix only while its open
+    requests stay within this factor of the route's average; otherwise the least loaded takes it."""
 
     @model_validator(mode="after")
     def _check(self) -> RouteSettings:
@@ -63,7 +69,12 @@ class RouteSettings(BaseModel):
             raise ValueError(
                 f"route {self.model!r}: ttft_slo_share={self.ttft_slo_share} must be in (0, 1], e.g. 0.75"
             )
-        for name in ("max_queued_requests", "max_queued_tokens", "ttft_slo_ms"):
+        if self.prefix_routing_load_factor < 1:
+            raise ValueError(
+                f"route {self.model!r}: prefix_routing_load_factor={self.prefix_routing_load_factor} must be "
+                ">= 1 (1 keeps every worker at the average), e.g. 1.25"
+            )
+        for name in ("max_queued_requests", "max_queued_tokens", "ttft_slo_ms", "prefix_routing_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"route {self.model!r}: {name}={getattr(self, name)} must be >= 0")
         return self

@@ -101,6 +101,12 @@ class WorkerLink:
     def open_requests(self) -> int:
         return len(self._open)
 
+    @property
+    def open_load(self) -> int:
+        """Requests open on the worker from every gateway, as prefix routing counts load: this
+        stream's granted slots (sent or about to be) plus other gateways' at the last report."""
+        return self.credits.held + self.credits.others
+
     def set_leaving(self, leaving: bool = True) -> None:
         """Take no new requests (the address left discovery), or take them again; open ones run on."""
         self.leaving = leaving
