@@ -55,6 +55,8 @@ class RequestResult:
     server_elapsed_s: float | None = None
     """A failed call's own time in the gateway, arrival to failure (its strata-elapsed-ms trailer)."""
     """RetryInfo (or pushback) delay of a failed call; None when it carried none."""
+    first_text_s: float | None = None
+    """Time to the first message with text (a first token may make none: part of a character)."""
     model: str = ""
     """The model that served it, as the final message says."""
     fallback_reason: str = ""
@@ -111,6 +113,8 @@ async def send(
     try:
         async for message in stub.GenerateStream(request, timeout=timeout_s, metadata=metadata):
             arrived = time.perf_counter()
+            if message.text and result.first_text_s is None:
+                result.first_text_s = arrived - sent
             if message.token_ids:
                 arrivals.append((arrived, len(message.token_ids)))
                 result.token_ids.extend(message.token_ids)

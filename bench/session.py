@@ -46,6 +46,8 @@ class Endpoints:
 
     gateway: str
     gateway_metrics: str | None
+    http: str | None = None
+    """host:port of the gateway's HTTP API; None when unknown or off."""
 
 
 @contextlib.contextmanager
@@ -70,11 +72,19 @@ def spawned(config: Path, log_dir: Path) -> Iterator[Endpoints]:
 
     try:
         # A free port: the default 50051 may belong to a stack someone else is running.
-        stack = start_stack(config, env={"STRATA_GATEWAY_LISTEN": "127.0.0.1:0"}, log_dir=log_dir)
+        stack = start_stack(
+            config,
+            env={"STRATA_GATEWAY_LISTEN": "127.0.0.1:0", "STRATA_GATEWAY_HTTP_LISTEN": "127.0.0.1:0"},
+            log_dir=log_dir,
+        )
     except (StackError, SettingsError) as exc:
         raise BenchError(f"the stack did not start: {exc}") from exc
     try:
-        yield Endpoints(stack.addresses.gateway, stack.metrics_addresses.get("gateway"))
+        yield Endpoints(
+            stack.addresses.gateway,
+            stack.metrics_addresses.get("gateway"),
+            stack.http_addresses.get("gateway"),
+        )
     finally:
         stack.stop()
 

@@ -157,7 +157,11 @@ def _one_run(
     config = write_config(args.config, telemetry, work_dir, f"run{index}-{mode}")
     log_dir = work_dir / f"run{index}-{mode}-logs"
     try:
-        stack = start_stack(config, env={"STRATA_GATEWAY_LISTEN": "127.0.0.1:0"}, log_dir=log_dir)
+        stack = start_stack(
+            config,
+            env={"STRATA_GATEWAY_LISTEN": "127.0.0.1:0", "STRATA_GATEWAY_HTTP_LISTEN": "127.0.0.1:0"},
+            log_dir=log_dir,
+        )
     except (StackError, SettingsError) as exc:
         raise BenchError(f"the stack did not start (tracing {mode}): {exc}") from exc
     try:

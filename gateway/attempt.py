@@ -66,7 +66,7 @@ class Attempt:
     @classmethod
     def place(cls, request: Request, route: Route, detour: Detour | None, replica_retries: int) -> Attempt:
         """Queue the request on `route`; raises Refused, Unavailable or DeadlineExceeded at once."""
-        slot = route.enqueue(request.ticket())
+        slot = route.enqueue(request.ticket(), request.prompt_ids)
         request.trace.admitted(slot.forecast.ttft_s if slot.forecast is not None else None, request.arrival)
         return cls(request, route, detour, slot, replica_retries)
 
@@ -82,7 +82,9 @@ class Attempt:
     async def granted(self) -> WorkerLink:
         """Wait for a worker credit; the link it is on. Raises why the queue let the request go."""
         request = self.request
-        return await self.slot.granted(len(request.prompt_ids) + len(request.token_ids))
+        link = await self.slot.granted(len(request.prompt_ids) + len(request.token_ids), request.prompt_ids)
+        self.request.trace.routed(link.address, self.slot.route_reason, self.slot.preferred)
+        return link
 
     def send(self, link: WorkerLink) -> None:
         """Submit on the granted link: the wait so far was queueing; the worker's part begins."""
@@ -110,6 +112,8 @@ class Attempt:
             trace_context=trace.carrier(self.hop) or request.incoming.trace_context,
             priority=self.route.worker_priority(request.priority, self.slot.ticket.tenant, link),
             prior_output_ids=prior,
+            # The tenant salts the worker's prefix cache: tenants never share cached blocks.
+            cache_salt=self.slot.ticket.tenant,
         )
         self.submitted = time.perf_counter()
         request.clock.wait("queue", self.submitted)

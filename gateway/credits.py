@@ -34,6 +34,9 @@ class SlotQueue(Protocol):
 
     def set_tokens(self, slot: Slot, tokens: int) -> None: ...
 
+    def set_prompt(self, slot: Slot, prompt_ids: list[int]) -> None:
+        """The tokenized prompt: the queue may route the slot by its prefix (and move its credit)."""
+
     def withdraw(self, slot: Slot) -> None: ...
 
 
@@ -46,6 +49,9 @@ class StreamCredits:
         """Credits other gateways held at the worker's last report."""
         self.held = 0
         """Slots granted on this stream and not released: its requests about to be sent, or sent."""
+        self.unsent: set[Slot] = set()
+        """The held slots whose submissions are not sent yet (their prompts are being tokenized): the
+        forecast counts them by their own sizes."""
 
     def available(self) -> int:
         """Credits free for new grants."""
@@ -79,6 +85,12 @@ class Slot:
         """The link the credit was granted on; None while waiting."""
         self.wire_id = ""
         """The submission's id on the link's stream, once submitted."""
+        self.prefix_key: int | None = None
+        """The prompt's routing key (prefix_routing.py) once tokenized; None before or when off."""
+        self.route_reason = ""
+        """Why the credit is on its link (prefix_routing.py's reasons); empty while waiting."""
+        self.preferred = ""
+        """The replica the prompt's prefix preferred; empty without a key."""
         self._queue = queue
         self._outcome: asyncio.Future[WorkerLink] = asyncio.get_running_loop().create_future()
         self._released = False
@@ -100,6 +112,7 @@ class Slot:
     def grant(self, link: WorkerLink) -> None:
         """The dispatcher's grant: take one of `link`'s credits for this slot."""
         link.credits.held += 1
+        link.credits.unsent.add(self)
         self.link = link
         self._outcome.set_result(link)
 
@@ -108,13 +121,31 @@ class Slot:
         if not self._outcome.done():
             self._outcome.set_exception(error)
 
-    async def granted(self, prompt_tokens: int) -> WorkerLink:
-        """Wait for the grant (the exact prompt size replaces the estimate); the link it is on.
+    def move(self, link: WorkerLink) -> None:
+        """Carry a granted, unsent credit to `link` (prefix routing's choice once the prompt is
+        tokenized): the old link gets its credit back at once."""
+        old = self.link
+        if old is None or self.wire_id or self._released:
+            raise RuntimeError("only a granted slot whose submission is not sent yet can move")
+        link.credits.held += 1
+        link.credits.unsent.add(self)
+        self.link = link
+        old.credits.held -= 1
+        old.credits.unsent.discard(self)
+        old.slot_released(self)
+
+    async def granted(self, prompt_tokens: int, prompt_ids: list[int] | None = None) -> WorkerLink:
+        """Wait for the grant (the exact prompt size replaces the estimate, the tokenized prompt
+        lets the route choose by prefix); the link it is on.
 
         Raises what `refuse` was given: Refused ("shed"), DeadlineExceeded or Unavailable.
         """
         self._queue.set_tokens(self, prompt_tokens)
-        return await self._outcome
+        if prompt_ids:
+            self._queue.set_prompt(self, prompt_ids)
+        await self._outcome
+        assert self.link is not None  # set by grant, changed only by move
+        return self.link
 
     def release(self) -> None:
         """Give the claim up, whatever its state; idempotent."""
@@ -130,4 +161,5 @@ class Slot:
             self._queue.withdraw(self)
             return
         link.credits.held -= 1
+        link.credits.unsent.discard(self)
         link.slot_released(self)

@@ -234,8 +234,8 @@ class LinkView:
     """Running slots for this stream (LinkLoad.slots)."""
     free_credits: int
     """Credits this gateway may still use on it: empty slots beyond these belong to other gateways."""
-    unsent: int = 0
-    """Slots granted on it whose submissions are not sent yet (their prompts are being tokenized)."""
+    unsent: Sequence[Ticket] = ()
+    """The tickets of slots granted on it whose submissions are not sent yet (being tokenized)."""
     priority: int = 0
     """The Submission.priority the ticket would have on it (route.py's worker_priority)."""
 
@@ -264,8 +264,7 @@ def forecast(links: Sequence[LinkView], ahead: Sequence[Ticket], ticket: Ticket)
         load = view.load
         if load.step_s is None:
             continue
-        # A granted slot not sent yet is taken like the ticket's own size: bursts are alike.
-        unsent = [_Open(ticket.prompt_tokens, ticket.max_new_tokens, 0, priority=view.priority)] * view.unsent
+        unsent = [_Open(t.prompt_tokens, t.max_new_tokens, 0, priority=view.priority) for t in view.unsent]
         frees, queued, pending[index] = load.busy_until(view.slots, unsent, view.priority)
         empty = max(0, min(view.slots - len(frees), view.free_credits))
         # The requests a worker queues behind its slots wait for that worker's slots only.

@@ -81,6 +81,18 @@ REQUEST_ERRORS = Counter(
     "Requests that ended with an error status, by gRPC code name (invalid_argument, unavailable, ...).",
     ["model", "code"],
 )
+REQUESTS = Counter(
+    "strata_gateway_requests_total",
+    "Requests that ended, by the front door they came through (protocol grpc or http) and how they ended "
+    "(code ok, cancelled, or the error's gRPC code name).",
+    ["model", "protocol", "code"],
+)
+HTTP_RESPONSES = Counter(
+    "strata_gateway_http_responses_total",
+    "Responses of the HTTP API by endpoint and status, those refused before the pipeline (401, 413, a "
+    "malformed body) included.",
+    ["endpoint", "status"],
+)
 STUCK_STREAMS = Counter(
     "strata_gateway_stuck_streams_total",
     "Streams cancelled because the client read nothing for stream_idle_timeout_s.",

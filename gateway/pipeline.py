@@ -32,7 +32,7 @@ from gateway.admission import Refused
 from gateway.attempt import Attempt
 from gateway.errors import GatewayError, ResourceExhausted, Unavailable
 from gateway.fallback import received
-from gateway.metrics import FALLBACKS, REQUEST_ERRORS, observe_finished
+from gateway.metrics import FALLBACKS, REQUEST_ERRORS, REQUESTS, observe_finished
 from gateway.request import Request
 from gateway.request_trace import TOKENIZE_RPC, RequestTrace
 from gateway.tenants import TenantBook
@@ -101,6 +101,7 @@ class Pipeline:
                     async for chunk in chunks:
                         if chunk.final is not None:
                             observe_finished(chunk.final)
+                            REQUESTS.labels(model, incoming.protocol, "ok").inc()
                             done = True
                         yield chunk
             finally:
@@ -110,10 +111,12 @@ class Pipeline:
             # The gateway's own time to the failure: a client can tell an at-once refusal from its own lag.
             error.metadata = (*error.metadata, (ELAPSED_KEY, f"{(error.created - arrival) * 1000:.3f}"))
             REQUEST_ERRORS.labels(model, error.code.name.lower()).inc()
+            REQUESTS.labels(model, incoming.protocol, error.code.name.lower()).inc()
             trace.fail(incoming.request, request_id, error)
             raise
         finally:
             if not done:  # the client cancelled or went away
+                REQUESTS.labels(model, incoming.protocol, "cancelled").inc()
                 trace.fail(incoming.request, request_id, None)
 
     async def _serve(self, request: Request) -> AsyncGenerator[Chunk, None]:

@@ -76,6 +76,8 @@ class Delta:
     """The Detokenize call that turned this update into text."""
     device_memory_bytes: int = 0
     """The worker's device memory; on the last update."""
+    cached_prompt_tokens: int = 0
+    """Prompt tokens the worker's prefix cache served for this attempt."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +87,8 @@ class Chunk:
     text: str
     token_ids: list[int]
     final: gateway_pb2.GenerateResponse | None = None
+    model: str = ""
+    """The model serving the request when this chunk was made (a failover changes it mid-stream)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +131,8 @@ class Request:
         self.fallback_reason = ""
         self.failover_at_token = 0
         self.device_memory_bytes = 0
+        self.cached_input_tokens = 0
+        """Prompt tokens the serving attempt's worker took from its prefix cache."""
         self._last_chunk = arrival
 
     @property
@@ -188,6 +194,7 @@ class Request:
                 received=received,
                 detokenize=detokenize,
                 device_memory_bytes=update.device_memory_bytes,
+                cached_prompt_tokens=update.cached_prompt_tokens,
             )
         )
 
@@ -220,6 +227,8 @@ class Request:
                 break
             if delta.token_ids or delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 attempt.took(delta)
+                # Every update carries it; a failover's attempt replaces what the lost one reported.
+                self.cached_input_tokens = delta.cached_prompt_tokens
                 if delta.device_memory_bytes:
                     self.device_memory_bytes = delta.device_memory_bytes
             text.append(delta.text)
@@ -244,10 +253,10 @@ class Request:
             attempt.end()
             final = self._final(finish)
             self.trace.finish(final, self.device_memory_bytes)
-            return Chunk(chunk_text, ids, final), None
+            return Chunk(chunk_text, ids, final, self.model), None
         if not ids and not chunk_text:
             return None, failure
-        return Chunk(chunk_text, ids), failure
+        return Chunk(chunk_text, ids, model=self.model), failure
 
     def _chunk_sent(self, tokens: int) -> None:
         now = time.perf_counter()
@@ -271,7 +280,11 @@ class Request:
         return gateway_pb2.GenerateResponse(
             text="".join(self.text),
             finish_reason=finish,
-            usage=common_pb2.Usage(input_tokens=self.input_tokens, output_tokens=len(self.token_ids)),
+            usage=common_pb2.Usage(
+                input_tokens=self.input_tokens,
+                output_tokens=len(self.token_ids),
+                cached_input_tokens=self.cached_input_tokens,
+            ),
             model=self.model,
             fallback_reason=self.fallback_reason,
             timing=self.timing,

@@ -61,6 +61,7 @@ class RequestTrace:
         self._content = _content(request) if record_content else None
         self._forecast_ms: float | None = None
         self._tenant = incoming.tenant
+        self._protocol = incoming.protocol
         operation = "chat" if len(request.messages) else "text_completion"
         self._operation = operation
         protocol = {"rpc.system": "grpc"} if incoming.protocol == "grpc" else {}
@@ -130,6 +131,18 @@ class RequestTrace:
                 segment.stage, parent=parent, start=segment.start, end=segment.end, attributes=attributes
             )
 
+    def routed(self, replica: str, reason: str, preferred: str) -> None:
+        """The replica the request's credit was granted on, why (prefix_routing.py's reasons), and
+        the replica its prefix preferred (empty without a prefix key)."""
+        if self.span is not None:
+            self.span.set_attributes(
+                {
+                    "strata.route.replica": replica,
+                    "strata.route.reason": reason,
+                    "strata.route.preferred": preferred,
+                }
+            )
+
     def admitted(self, forecast_ttft_s: float | None, arrival: float) -> None:
         """A route admitted the request with this forecast of its first token (from its arrival, as
         `time_to_first_token_ms` counts), so that the forecast stands next to what happened."""
@@ -150,6 +163,7 @@ class RequestTrace:
                     "gen_ai.response.id": response.request_id,
                     "gen_ai.usage.input_tokens": response.usage.input_tokens,
                     "gen_ai.usage.output_tokens": response.usage.output_tokens,
+                    "strata.usage.cached_input_tokens": response.usage.cached_input_tokens,
                     "gen_ai.response.finish_reasons": [finish],
                     "strata.fallback_reason": response.fallback_reason,
                     "strata.time_to_first_token_ms": timing.time_to_first_token_ms,
@@ -165,9 +179,11 @@ class RequestTrace:
             "request_id": response.request_id,
             "trace_id": self.trace_id,
             "tenant": self._tenant,
+            "protocol": self._protocol,
             "model": response.model,
             "input_tokens": response.usage.input_tokens,
             "output_tokens": response.usage.output_tokens,
+            "cached_input_tokens": response.usage.cached_input_tokens,
             "finish_reason": finish,
             "fallback_reason": response.fallback_reason,
             "timing_ms": {field: round(getattr(timing, field), 3) for field in _TIMING_FIELDS},
@@ -191,6 +207,7 @@ class RequestTrace:
             "request_id": request_id,
             "trace_id": self.trace_id,
             "tenant": self._tenant,
+            "protocol": self._protocol,
             "model": request.model,
             "code": code,
             "error": message,

@@ -8,8 +8,11 @@ Slot in the bounded queue. Admission is a promise: an admitted request must meet
 counts every request as running to its max_new_tokens and the share keeps a margin. The caller tokenizes
 while it waits, then awaits `Slot.granted`. The dispatcher runs whenever a link's credits or readiness
 change (each worker message carries credits) and when a slot arrives: it grants the waiting slots in
-priority order on the ready link with the most credit, least loaded first, each grant taking one credit
-(credits.py), so a worker is never sent more than it accepts. With fair queuing on, a request whose
+priority order, each grant taking one credit (credits.py), so a worker is never sent more than it
+accepts, on the link prefix_routing.py chooses: the replica the prompt's prefix hashes to while it is
+within the load bound, else the ready link with the most credit. A slot is usually granted before its
+prompt is tokenized (a credit was free at once); once tokenized, `set_prompt` moves its unsent credit
+to the prefix's replica when that is another with a credit free. With fair queuing on, a request whose
 tenant holds less than its weighted share of a link's open work is sent favoured (`worker_priority`),
 and the worker prefills it before the rest of its priority. Slots granted in one pass are submitted in
 one event-loop tick and so share one ConnectRequest. A slot whose deadline passes while it waits leaves
@@ -20,9 +23,8 @@ module must not talk to workers (worker_link.py) nor find them (discovery.py) no
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from gateway.admission import Priority, PromptEstimate, Refused, Ticket
@@ -32,12 +34,14 @@ from gateway.discovery import Discovery, resolve
 from gateway.errors import DeadlineExceeded, Unavailable
 from gateway.forecast import Forecast, LinkView, forecast
 from gateway.metrics import ADMISSION_DECISION_SECONDS, REJECTIONS
+from gateway.prefix_routing import Ring, choose, prefix_key
 
 if TYPE_CHECKING:
     from collections import Counter
     from collections.abc import Callable
 
     from gateway.discovery import Resolver
+    from gateway.prefix_routing import Choice
     from gateway.settings import GatewaySettings, RouteSettings
     from gateway.worker_link import WorkerLink
     from strata.v1 import common_pb2
@@ -85,6 +89,7 @@ class Route:
         self._weight = (lambda tenant: weights.get(tenant, 1.0)) if gateway.fair_queuing else None
         self._queue = AdmissionQueue(settings.max_queued_requests, settings.max_queued_tokens, self._weight)
         self._prompts = PromptEstimate()
+        self._ring = Ring(())
         self._discovery = Discovery(
             settings,
             lambda address: make_link(address, self.name, self._capacity_changed),
@@ -167,16 +172,29 @@ class Route:
 
     def forecast(self, ticket: Ticket) -> Forecast | None:
         """When `ticket` would start and get its first token, queued now; None before any step report."""
+        return self._forecast_on(ticket, [link for link in self.links if link.ready and not link.leaving])
+
+    def _forecast_for(self, ticket: Ticket, key: int | None) -> Forecast | None:
+        """The forecast on the replica `key` would be sent to now; the route's without a key."""
+        if key is not None:
+            choice = self._choose_key(key)
+            if choice is not None:
+                return self._forecast_on(ticket, [choice.replica])
+        return self.forecast(ticket)
+
+    def _forecast_on(self, ticket: Ticket, links: list[WorkerLink]) -> Forecast | None:
         views = [
             LinkView(
                 link.load,
                 link.load.slots(link.credits.limit),
                 link.free_credits,
-                max(0, link.credits.held - link.load.open_requests),
+                [
+                    self._sized(slot.ticket, slot.tokens if slot.exact else None)
+                    for slot in link.credits.unsent
+                ],
                 self.worker_priority(ticket.priority, ticket.tenant, link),
             )
-            for link in self.links
-            if link.ready and not link.leaving
+            for link in links
         ]
         ahead = [
             self._sized(slot.ticket, slot.tokens if slot.exact else None)
@@ -188,7 +206,7 @@ class Route:
         """`ticket` as the forecast prices it: its exact prompt size when tokenized, else the size its
         bound likely has (PromptEstimate)."""
         tokens = exact if exact is not None else self._prompts.expected(ticket.prompt_tokens)
-        return dataclasses.replace(ticket, prompt_tokens=tokens)
+        return replace(ticket, prompt_tokens=tokens)
 
     def saturation(self, ticket: Ticket) -> str | None:
         """Why the route cannot take `ticket` now within its SLO or deadline; None when it can."""
@@ -231,16 +249,18 @@ class Route:
             return "ttft_slo", text, wait
         return None
 
-    def enqueue(self, ticket: Ticket) -> Slot:
+    def enqueue(self, ticket: Ticket, prompt_ids: list[int] | None = None) -> Slot:
         """Decide at once: a Slot in the queue (granted at once when a credit is free), or raise Refused,
-        Unavailable or DeadlineExceeded."""
+        Unavailable or DeadlineExceeded. With `prompt_ids` (a retry or a failover: already tokenized)
+        the slot is routed by its prefix and the forecast is the chosen replica's."""
         started = time.perf_counter()
         remaining = ticket.remaining_s(time.monotonic())
         if remaining is not None and remaining <= 0:
             raise DeadlineExceeded(f"the deadline passed before model {self.name!r} could admit the request")
         if not self.available():
             raise Unavailable(self.unavailable_reason())
-        predicted = self.forecast(ticket)
+        key = prefix_key(ticket.tenant, prompt_ids or [], self.settings.prefix_routing_tokens)
+        predicted = self._forecast_for(ticket, key)
         saturated = self._saturated(ticket, predicted)
         if saturated is not None:
             reason, text, wait = saturated
@@ -251,6 +271,7 @@ class Route:
         wait = predicted.start_s if predicted is not None else None
         slot = Slot(ticket, self)
         slot.forecast = predicted
+        slot.prefix_key = key
         for victim in victims if isinstance(victims, list) else ():
             self._shed(victim, wait)
         self._queue.push(slot)
@@ -264,6 +285,29 @@ class Route:
     def set_tokens(self, slot: Slot, tokens: int) -> None:
         self._prompts.observe(slot.ticket.prompt_tokens, tokens)
         self._queue.set_tokens(slot, tokens)
+
+    def set_prompt(self, slot: Slot, prompt_ids: list[int]) -> None:
+        """The slot's prompt is tokenized: a waiting slot is granted by its prefix; one the dispatcher
+        granted before the prompt was known (a credit was free at once) moves to the replica its
+        prefix chooses when that is another and has a free credit, since nothing was sent yet; the
+        forecast is then the chosen replica's."""
+        slot.prefix_key = prefix_key(slot.ticket.tenant, prompt_ids, self.settings.prefix_routing_tokens)
+        link = slot.link
+        if slot.prefix_key is None or link is None or slot.wire_id:
+            return
+        # The slot's own credit is free for this choice: it is about to leave `link` or stay.
+        link.credits.held -= 1
+        try:
+            choice = self._choose(slot)
+        finally:
+            link.credits.held += 1
+        if choice is None:
+            return
+        chosen = choice.replica
+        slot.route_reason, slot.preferred = choice.reason, choice.preferred
+        if chosen is not link:
+            slot.move(chosen)
+            slot.forecast = self._forecast_on(slot.ticket, [chosen]) or slot.forecast
 
     def withdraw(self, slot: Slot) -> None:
         """A released slot that was never granted leaves the queue (if still in it)."""
@@ -312,10 +356,20 @@ class Route:
             return
         self._dispatch()
 
+    def _choose(self, slot: Slot) -> Choice[WorkerLink] | None:
+        """The ready link for `slot` (by its prefix when known); None when no link has a credit."""
+        return self._choose_key(slot.prefix_key)
+
+    def _choose_key(self, key: int | None) -> Choice[WorkerLink] | None:
+        links = [link for link in self.links if link.ready and not link.leaving]
+        addresses = tuple(sorted(link.address for link in links))
+        if addresses != self._ring.addresses:
+            self._ring = Ring(addresses)
+        return choose(links, self._ring, key, self.settings.prefix_routing_load_factor)
+
     def _dispatch(self) -> None:
         while self._queue.requests:
-            best = max(self.links, key=lambda link: link.free_credits, default=None)
-            if best is None or best.free_credits <= 0:
+            if not any(link.free_credits > 0 for link in self.links):
                 return
             slot = self._queue.pop_next()
             if slot is None:
@@ -324,4 +378,7 @@ class Route:
                 slot.timer.cancel()
             if slot.decided:  # its request was released a moment ago
                 continue
-            slot.grant(best)
+            choice = self._choose(slot)
+            assert choice is not None  # some link has a free credit
+            slot.route_reason, slot.preferred = choice.reason, choice.preferred
+            slot.grant(choice.replica)

@@ -1,11 +1,12 @@
 """The gateway's gRPC server: the strata.v1.Gateway servicer, readiness, start and stop, and `main`.
 
-`start` binds the listen address (health NOT_SERVING), opens the tokenizer connection and the routes'
-worker links, and returns at once; health turns SERVING when the tokenizer is serving and every route
-has a ready link (or a fallback with one, which then serves it), and follows them as they come and
-go. `main` runs until SIGTERM or SIGINT, then drains: NOT_SERVING, no new calls, running streams
-finish within the grace period, links close. This module must not hold request logic (pipeline.py)
-nor map errors to codes (errors.py).
+`start` binds the listen address (health NOT_SERVING) and, with `http_listen`, the HTTP API
+(http_server.py, over the same pipeline), opens the tokenizer connection and the routes' worker
+links, and returns at once; health turns SERVING when the tokenizer is serving and every route has a
+ready link (or a fallback with one, which then serves it), and follows them as they come and go.
+`main` runs until SIGTERM or SIGINT, then drains: NOT_SERVING, no new calls on either front door,
+running requests finish within the grace period, links close. This module must not hold request
+logic (pipeline.py) nor map errors to codes (errors.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import grpc
 
 from gateway.auth import ApiKeyInterceptor, tenant_of
 from gateway.errors import GatewayError, abort
+from gateway.http_server import HttpFrontDoor
 from gateway.metrics import ROUTER_GAUGES, STUCK_STREAMS
 from gateway.pipeline import Pipeline
 from gateway.request import Incoming
@@ -29,7 +31,7 @@ from gateway.settings import GatewaySettings
 from gateway.tenant_settings import DEFAULT_TENANT
 from gateway.tokenize_batcher import TokenizeBatcher
 from gateway.tokenizer_client import TokenizerClient
-from strata.rpc import RunningServer, shutdown_event, start_server
+from strata.rpc import RunningServer, announce, shutdown_event, start_server
 from strata.service_main import run_service
 from strata.strict_handlers import add_servicer
 from strata.tracing import Tracing
@@ -170,6 +172,8 @@ class GatewayServer:
         self.running: RunningServer | None = None
         self.address = ""
         """host:port the server is bound to."""
+        self.http: HttpFrontDoor | None = None
+        """The OpenAI-compatible HTTP API when http_listen is set."""
         self._health_dirty = asyncio.Event()
         self._ready_changed = asyncio.Event()
         self._serving = False
@@ -228,6 +232,11 @@ class GatewayServer:
             self.settings.stream_idle_timeout_s,
             self.settings.tenant_keys(),
         )
+        if self.settings.http_listen:
+            self.http = HttpFrontDoor(self.settings, self.pipeline, self.router, lambda: self._serving)
+            http_address = await self.http.start()
+            if announce_file is not None:  # before the gRPC address, which a reader takes as complete
+                announce(announce_file.with_name(announce_file.name + ".http"), http_address)
         self.running = await start_server(
             self.settings.listen,
             register=[lambda server: add_servicer(server, servicer, SERVICE)],
@@ -243,7 +252,12 @@ class GatewayServer:
         ROUTER_GAUGES.add(self._load)
         self.tokenizer.start()
         self.router.start()
-        log.info("gateway listening on %s, routes: %s", self.address, ", ".join(self.router.models))
+        log.info(
+            "gateway listening on %s%s, routes: %s",
+            self.address,
+            f" (HTTP API on {self.http.address})" if self.http is not None else "",
+            ", ".join(self.router.models),
+        )
 
     async def wait_ready(self, timeout: float) -> bool:
         """Wait until health is SERVING; False when `timeout` seconds passed first."""
@@ -265,7 +279,13 @@ class GatewayServer:
         self._serving = False
         if self.running is not None:
             await self.running.set_serving(False)
+            # Both front doors drain at once, within the one grace period, before the links close. gRPC
+            # stops on this task, as it did alone: run from a task of its own (gather), it went on
+            # taking new calls after NOT_SERVING (tests/reliability/test_s04_graceful_shutdown.py).
+            http_stopped = asyncio.ensure_future(self.http.stop(grace)) if self.http is not None else None
             await self.running.stop(grace)
+            if http_stopped is not None:
+                await http_stopped
         ROUTER_GAUGES.remove(self._load)
         if self._health_task is not None:
             self._health_task.cancel()

@@ -9,11 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from gateway.tenant_settings import DEFAULT_TENANT, TenantSettings, check_tenants
-from strata.rpc import MIB
+from strata.rpc import MIB, check_listen
 from strata.settings import ServiceSettings
 from strata.tls import ClientTlsSettings
 
@@ -45,6 +45,12 @@ class RouteSettings(BaseModel):
     """A request is admitted when its forecast time to first token is at most this share of
     ttft_slo_ms: the rest is margin for what the forecast cannot see (another worker's load slowing
     the steps, the arrivals of the next moments)."""
+    prefix_routing_tokens: int = 64
+    """With several workers, requests whose first this-many prompt tokens (and tenant) agree go to
+    the same worker, which has their prefix cached (prefix_routing.py); 0 routes to the least loaded."""
+    prefix_routing_load_factor: float = 1.25
+    """Prefix routing's load bound: a worker takes a request for its prefix only while its open
+    requests stay within this factor of the route's average; otherwise the least loaded takes it."""
 
     @model_validator(mode="after")
     def _check(self) -> RouteSettings:
@@ -63,7 +69,12 @@ class RouteSettings(BaseModel):
             raise ValueError(
                 f"route {self.model!r}: ttft_slo_share={self.ttft_slo_share} must be in (0, 1], e.g. 0.75"
             )
-        for name in ("max_queued_requests", "max_queued_tokens", "ttft_slo_ms"):
+        if self.prefix_routing_load_factor < 1:
+            raise ValueError(
+                f"route {self.model!r}: prefix_routing_load_factor={self.prefix_routing_load_factor} must be "
+                ">= 1 (1 keeps every worker at the average), e.g. 1.25"
+            )
+        for name in ("max_queued_requests", "max_queued_tokens", "ttft_slo_ms", "prefix_routing_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"route {self.model!r}: {name}={getattr(self, name)} must be >= 0")
         return self
@@ -134,6 +145,21 @@ class GatewaySettings(ServiceSettings):
     with a plain api_keys key, or with no key when none is configured, are the default tenant's."""
     fair_queuing: bool = True
     """Serve waiting requests by tenant, weighted fair on token cost; false: first come, first served."""
+    http_listen: str = ""
+    """host:port of the OpenAI-compatible HTTP API (docs/http-api.md), served by the same process and
+    pipeline, with the same TLS (`tls`) and API keys; port 0 takes a free one; empty turns it off."""
+    http_default_max_tokens: int = 256
+    """max_tokens of an HTTP request that sends neither max_tokens nor max_completion_tokens, capped by
+    max_new_tokens_limit and the model's context (the gRPC API's default is default_max_new_tokens)."""
+    http_max_connections: int = 1024
+    """Open HTTP connections plus requests in progress at most; beyond it the HTTP API answers 503."""
+    http_keep_alive_s: int = 5
+    """How long an idle HTTP/1.1 keep-alive connection stays open."""
+
+    @field_validator("http_listen")
+    @classmethod
+    def _http_host_port(cls, value: str) -> str:
+        return check_listen(value, "127.0.0.1:8000")
 
     def default_keys(self) -> tuple[str, ...]:
         """The plain API keys, from the settings and the file: the default tenant's."""
@@ -188,6 +214,9 @@ class GatewaySettings(ServiceSettings):
                 f"max_new_tokens_limit={self.max_new_tokens_limit} is below default_max_new_tokens="
                 f"{self.default_max_new_tokens}; raise it, e.g. 4096"
             )
+        for name in ("http_default_max_tokens", "http_max_connections", "http_keep_alive_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1, e.g. 256")
         if self.api_keys_file is not None:
             try:
                 self.accepted_keys()

@@ -101,6 +101,12 @@ class WorkerLink:
     def open_requests(self) -> int:
         return len(self._open)
 
+    @property
+    def open_load(self) -> int:
+        """Requests open on the worker from every gateway, as prefix routing counts load: this
+        stream's granted slots (sent or about to be) plus other gateways' at the last report."""
+        return self.credits.held + self.credits.others
+
     def set_leaving(self, leaving: bool = True) -> None:
         """Take no new requests (the address left discovery), or take them again; open ones run on."""
         self.leaving = leaving
@@ -133,6 +139,7 @@ class WorkerLink:
         if not self.ready:
             raise Unavailable(f"worker {self.address} is not ready: {self.not_ready_reason}")
         wire_id = slot.wire_id = submission.request_id
+        self.credits.unsent.discard(slot)
         self._open[wire_id] = request
         self.load.sent(submission, slot.first_token_due, slot.ticket.tenant)
         self.submitted += 1

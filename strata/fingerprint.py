@@ -1,8 +1,10 @@
-"""The identity of a model's tokenizer: a sha256 over the files that decide how text becomes ids.
+"""The identity of a model's tokenizer and of its weights: sha256s over the files that decide them.
 
-The tokenizer service and every worker compute it from their own copy of the model folder; the
-worker refuses a gateway whose tokenizer fingerprint differs, so ids can never be read with the wrong
-vocabulary. This module must not import torch nor the tokenizers library: both sides only hash files.
+The tokenizer service and every worker compute the tokenizer's from their own copy of the model
+folder; the worker refuses a gateway whose tokenizer fingerprint differs, so ids can never be read
+with the wrong vocabulary. The weights' fingerprint roots every prefix-cache block hash, since the
+same tokens give other K/V under other weights. This module must not import torch nor the
+tokenizers library: both sides only hash files.
 """
 
 from __future__ import annotations
@@ -44,4 +46,25 @@ def tokenizer_fingerprint(model_dir: Path) -> str:
             f"{model_dir} holds none of the tokenizer files {', '.join(TOKENIZER_FILES[:2])}, ...; "
             "point the setting at a model folder (run `strata fetch-model` for the default one)"
         )
+    return digest.hexdigest()
+
+
+# Enough of each weight file to tell two checkpoints apart without reading every byte at start: the
+# safetensors header (every tensor's name, dtype, shape and offsets) and the first and last MiB.
+_WEIGHT_SAMPLE_BYTES = 1 << 20
+
+
+def weights_fingerprint(model_dir: Path) -> str:
+    """sha256 (hex) over config.json and each *.safetensors file's size, header, first and last MiB."""
+    digest = hashlib.sha256()
+    config = model_dir / "config.json"
+    if config.is_file():
+        digest.update(config.read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        size = path.stat().st_size
+        digest.update(f"{path.name}\0{size}\0".encode())
+        with path.open("rb") as file:
+            digest.update(file.read(_WEIGHT_SAMPLE_BYTES))
+            file.seek(max(0, size - _WEIGHT_SAMPLE_BYTES))
+            digest.update(file.read(_WEIGHT_SAMPLE_BYTES))
     return digest.hexdigest()

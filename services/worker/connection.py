@@ -67,7 +67,13 @@ class StreamHost(Protocol):
     def credits_message(self) -> worker_pb2.Credits: ...
 
     def accept(
-        self, engine_id: str, prompt: list[int], params: SamplingParams, priority: int, owner: Connection
+        self,
+        engine_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        priority: int,
+        owner: Connection,
+        cache_salt: str = "",
     ) -> None:
         """Check the request once, take a credit, queue it on the engine; raise what refuses it."""
 
@@ -97,6 +103,8 @@ class AcceptedRequest:
     first_step: float | None = None
     """time.monotonic() at the start of the first step that produced one of its tokens."""
     output_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    """Prompt tokens the prefix cache served, as the engine's updates report them."""
     deadline: asyncio.TimerHandle | None = None
     spans: RequestSpans | None = None
     """Its trace state; None when untraced."""
@@ -222,7 +230,9 @@ class Connection:
         # Everything that may raise comes before the credit is taken, so a refusal holds nothing.
         spans = self.host.spans.start(submission.trace_context)
         params, prompt = sampling_params(submission), engine_prompt(submission)
-        self.host.accept(engine_id, prompt, params, engine_priority(submission.priority), self)
+        self.host.accept(
+            engine_id, prompt, params, engine_priority(submission.priority), self, submission.cache_salt
+        )
         record = AcceptedRequest(
             request_id,
             engine_id,
@@ -271,6 +281,7 @@ class Connection:
             output_tokens=record.output_tokens,
             finish_reason=finish_reason,
             error=error,
+            cached_prompt_tokens=record.cached_prompt_tokens,
         )
 
     def _record(self, engine_id: str) -> AcceptedRequest | None:
@@ -298,6 +309,7 @@ class Connection:
                 forward_ms=forward_ms,
                 prior_tokens=record.prior_tokens,
             )
+            record.cached_prompt_tokens = update.cached_prompt_tokens
             updates.append(update)
             if out.finished:
                 update.device_memory_bytes = self.host.device_memory_bytes()

@@ -191,7 +191,13 @@ class WorkerHost:
         self._connections.discard(connection)
 
     def accept(
-        self, engine_id: str, prompt: list[int], params: SamplingParams, priority: int, owner: Connection
+        self,
+        engine_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        priority: int,
+        owner: Connection,
+        cache_salt: str = "",
     ) -> None:
         """Check the request once, take a credit for `owner`, queue it on the engine.
 
@@ -204,7 +210,7 @@ class WorkerHost:
         self.credits.acquire()
         self._owners[engine_id] = owner
         self._idle.clear()
-        self.engine.add_request(engine_id, prompt, params, priority)
+        self.engine.add_request(engine_id, prompt, params, priority, cache_salt)
 
     def abort(self, engine_id: str) -> None:
         """Abort an accepted request in the engine (its KV blocks are free before the next step)."""
@@ -299,6 +305,11 @@ class WorkerHost:
             response.total_kv_blocks = stats.num_blocks
             response.free_kv_tokens = stats.free_kv_tokens
             response.steps = stats.num_steps
+            response.cached_kv_blocks = stats.num_cached_blocks
+            response.evictable_kv_blocks = stats.num_evictable_blocks
+            response.prefix_cache_evictions = stats.num_evictions
+            response.prefix_cache_query_blocks = stats.prefix_query_blocks
+            response.prefix_cache_hit_blocks = stats.prefix_hit_blocks
         return response
 
 

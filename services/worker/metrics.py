@@ -1,10 +1,11 @@
 """The worker's Prometheus metrics, every series labelled with the model the worker serves.
 
-`EngineMetrics` reads the batch-size, running, waiting, KV-usage and device-memory gauges from the
-engine's latest snapshot when Prometheus scrapes, and, as a step listener, observes each step's time
-and counts the tokens it computed; the memory budget's parts are set once, when the engine is built.
-Rejected submissions are counted by code where connection.py rejects them. This module must not
-decide anything nor touch gRPC.
+`EngineMetrics` reads the batch-size, running, waiting, KV-usage, device-memory and prefix-cache
+gauges from the engine's latest snapshot when Prometheus scrapes, and, as a step listener, observes
+each step's time, counts the tokens it computed, and moves the prefix cache's counters (queried and
+hit prompt blocks, whose ratio is the hit rate, and evictions) by what the step added; the memory
+budget's parts are set once, when the engine is built. Rejected submissions are counted by code
+where connection.py rejects them. This module must not decide anything nor touch gRPC.
 """
 
 from __future__ import annotations
@@ -49,6 +50,24 @@ STEP_TOKENS = Counter(
     "Tokens the engine computed, by phase (prefill or decode).",
     ["model", "phase"],
 )
+PREFIX_CACHED_BLOCKS = Gauge(
+    "strata_prefix_cache_blocks",
+    "KV blocks in the prefix cache, by state (cached: all indexed; evictable: no request holds them).",
+    ["model", "state"],
+)
+PREFIX_QUERY_BLOCKS = Counter(
+    "strata_prefix_cache_query_blocks_total",
+    "Full prompt blocks new requests could have found in the prefix cache.",
+    ["model"],
+)
+PREFIX_HIT_BLOCKS = Counter(
+    "strata_prefix_cache_hit_blocks_total",
+    "Full prompt blocks the prefix cache served (hit rate: this over the query blocks).",
+    ["model"],
+)
+PREFIX_EVICTIONS = Counter(
+    "strata_prefix_cache_evictions_total", "Cached KV blocks evicted to make room for new ones.", ["model"]
+)
 WORKER_REJECTIONS = Counter(
     "strata_worker_rejections_total", "Submissions the worker refused, by gRPC code name.", ["model", "code"]
 )
@@ -67,6 +86,14 @@ class EngineMetrics:
         REQUESTS_RUNNING.labels(model).set_function(lambda: self._read(lambda stats: stats.num_running))
         REQUESTS_WAITING.labels(model).set_function(lambda: self._read(lambda stats: stats.num_waiting))
         KV_CACHE_USAGE.labels(model).set_function(lambda: self._read(lambda stats: stats.kv_cache_usage))
+        PREFIX_CACHED_BLOCKS.labels(model, "cached").set_function(
+            lambda: self._read(lambda stats: stats.num_cached_blocks)
+        )
+        PREFIX_CACHED_BLOCKS.labels(model, "evictable").set_function(
+            lambda: self._read(lambda stats: stats.num_evictable_blocks)
+        )
+        self._counted = (0, 0, 0)
+        """The prefix cache's (query blocks, hit blocks, evictions) already added to the counters."""
 
     def set_memory(self, budget: MemoryBudget) -> None:
         for part, size in budget.parts().items():
@@ -81,6 +108,12 @@ class EngineMetrics:
         STEP_SECONDS.labels(model).observe(report.ended - report.started)
         STEP_TOKENS.labels(model, "decode").inc(stats.last_num_decodes)
         STEP_TOKENS.labels(model, "prefill").inc(stats.last_batch_tokens - stats.last_num_decodes)
+        now = (stats.prefix_query_blocks, stats.prefix_hit_blocks, stats.num_evictions)
+        queried, hit, evicted = (new - old for new, old in zip(now, self._counted, strict=True))
+        self._counted = now
+        PREFIX_QUERY_BLOCKS.labels(model).inc(queried)
+        PREFIX_HIT_BLOCKS.labels(model).inc(hit)
+        PREFIX_EVICTIONS.labels(model).inc(evicted)
 
 
 def _batch_size(stats: EngineStats) -> float:

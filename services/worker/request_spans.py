@@ -94,6 +94,7 @@ class WorkerSpans:
         output_tokens: int,
         finish_reason: str,
         error: str = "",
+        cached_prompt_tokens: int = 0,
     ) -> None:
         """End the request's `queue` (and, once it was scheduled, `forward`) span."""
         if spans is None:
@@ -109,6 +110,7 @@ class WorkerSpans:
             "gen_ai.usage.output_tokens": output_tokens,
             "gen_ai.response.finish_reasons": [finish_reason],
             "strata.steps": len(spans.links),
+            "strata.cached_prompt_tokens": cached_prompt_tokens,
         }
         self._emit("forward", spans.parent, first_step, ended, forward_attributes, spans.links, error)
 

@@ -90,6 +90,8 @@ class Child:
     """Its plaintext health-only port (health_listen); empty when it has none."""
     metrics_address: str = ""
     """host:port of its /metrics endpoint; empty when it has none."""
+    http_address: str = ""
+    """host:port of its HTTP API (the gateway's http_listen); empty when it has none."""
     _pump: OutputPump | None = None
     _log: IO[bytes] | None = None
 
@@ -99,7 +101,7 @@ class Child:
 
     def start(self, base_env: Mapping[str, str]) -> None:
         """Start the process: the first time on the configured addresses, later on the announced ones."""
-        for suffix in ("", ".health", ".metrics"):
+        for suffix in ("", ".health", ".metrics", ".http"):
             self.announce_file.with_name(self.announce_file.name + suffix).unlink(missing_ok=True)
         command = ["-m", self.module, "--config", str(self.config_path)]
         command += ["--announce-file", str(self.announce_file), *self.args]
@@ -127,6 +129,8 @@ class Child:
             pinned[f"{self.env_prefix}HEALTH_LISTEN"] = self.health_address
         if self.metrics_address:
             pinned[f"{self.env_prefix}TELEMETRY__METRICS_LISTEN"] = self.metrics_address
+        if self.http_address:
+            pinned[f"{self.env_prefix}HTTP_LISTEN"] = self.http_address
         return pinned
 
     def returncode(self) -> int | None:
@@ -150,7 +154,7 @@ class Child:
         if not self.announce_file.exists():
             return False
         self.address = self.announce_file.read_text().strip()
-        for suffix in (".health", ".metrics"):
+        for suffix in (".health", ".metrics", ".http"):
             path = self.announce_file.with_name(self.announce_file.name + suffix)
             if path.exists():
                 setattr(self, f"{suffix[1:]}_address", path.read_text().strip())

@@ -106,6 +106,11 @@ class Stack:
         return {child.name: child.health_address for child in self.children if child.health_address}
 
     @property
+    def http_addresses(self) -> dict[str, str]:
+        """host:port of each child's HTTP API by service name (the gateway's, when http_listen is set)."""
+        return {child.name: child.http_address for child in self.children if child.http_address}
+
+    @property
     def pids(self) -> dict[str, int]:
         """Process id of each child by service name ("tokenizer", "worker 0", ..., "gateway")."""
         return {child.name: child.process.pid for child in self.children if child.process is not None}

@@ -48,6 +48,8 @@ def _print_ready(stack: Stack, supervisor_metrics: str) -> None:
     addresses = stack.addresses
     print(f"strata up: the stack is ready ({stack.config_path})")
     print(f"  gateway    {addresses.gateway}")
+    for address in stack.http_addresses.values():
+        print(f"  http       http://{address}/v1  (OpenAI-compatible)")
     print(f"  tokenizer  {addresses.tokenizer}")
     for index, (address, model) in enumerate(zip(addresses.workers, stack.worker_models, strict=True)):
         print(f"  worker {index:<3} {address}  ({model})")

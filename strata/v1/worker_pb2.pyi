@@ -119,12 +119,17 @@ class Submission(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     PRIOR_OUTPUT_IDS_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request id, unique among the stream's running requests."""
     deadline_unix_ms: _builtins.int
     """Absolute deadline in Unix milliseconds; 0 is none."""
     priority: _builtins.int
     """Higher runs first when the engine must choose; 0 is normal."""
+    cache_salt: _builtins.str
+    """Who may share this request's cached KV blocks: the gateway sends the tenant's name, so requests of
+    one tenant share prompt prefixes and no tenant can time another's. Empty shares with other empties.
+    """
     @_builtins.property
     def prompt_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt's token ids."""
@@ -159,10 +164,11 @@ class Submission(_message.Message):
         trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         priority: _builtins.int = ...,
         prior_output_ids: _abc.Iterable[_builtins.int] | None = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_unix_ms", b"deadline_unix_ms", "prior_output_ids", b"prior_output_ids", "priority", b"priority", "prompt_ids", b"prompt_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "deadline_unix_ms", b"deadline_unix_ms", "prior_output_ids", b"prior_output_ids", "priority", b"priority", "prompt_ids", b"prompt_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -307,6 +313,7 @@ class TokenUpdate(_message.Message):
     QUEUE_MS_FIELD_NUMBER: _builtins.int
     FORWARD_MS_FIELD_NUMBER: _builtins.int
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request."""
     finished: _builtins.bool
@@ -325,6 +332,10 @@ class TokenUpdate(_message.Message):
     """Bytes of device memory in use on the worker (CUDA allocations, or the process's resident memory on
     the CPU); on the request's last update.
     """
+    cached_prompt_tokens: _builtins.int
+    """Prompt tokens the prefix cache served instead of computing them (full KV blocks of an earlier
+    request with the same prefix and cache_salt).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens generated since the previous update of this request."""
@@ -341,10 +352,11 @@ class TokenUpdate(_message.Message):
         queue_ms: _builtins.float = ...,
         forward_ms: _builtins.float = ...,
         device_memory_bytes: _builtins.int = ...,
+        cached_prompt_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_memory_bytes", b"device_memory_bytes", "finish_reason", b"finish_reason", "finished", b"finished", "forward_ms", b"forward_ms", "output_tokens", b"output_tokens", "prompt_tokens", b"prompt_tokens", "queue_ms", b"queue_ms", "request_id", b"request_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "device_memory_bytes", b"device_memory_bytes", "finish_reason", b"finish_reason", "finished", b"finished", "forward_ms", b"forward_ms", "output_tokens", b"output_tokens", "prompt_tokens", b"prompt_tokens", "queue_ms", b"queue_ms", "request_id", b"request_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -391,7 +403,7 @@ class Credits(_message.Message):
     requests: _builtins.int
     """Requests the worker accepts now."""
     kv_tokens: _builtins.int
-    """Free KV cache, in tokens."""
+    """Free KV cache, in tokens: free blocks plus cached blocks no request references (evictable)."""
     def __init__(
         self,
         *,
@@ -507,20 +519,35 @@ class GetWorkerStatsResponse(_message.Message):
     FREE_KV_TOKENS_FIELD_NUMBER: _builtins.int
     OPEN_REQUESTS_FIELD_NUMBER: _builtins.int
     STEPS_FIELD_NUMBER: _builtins.int
+    CACHED_KV_BLOCKS_FIELD_NUMBER: _builtins.int
+    EVICTABLE_KV_BLOCKS_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHE_EVICTIONS_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHE_QUERY_BLOCKS_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHE_HIT_BLOCKS_FIELD_NUMBER: _builtins.int
     running: _builtins.int
     """Requests being generated."""
     waiting: _builtins.int
     """Requests admitted but not yet scheduled."""
     used_kv_blocks: _builtins.int
-    """KV cache blocks in use."""
+    """KV cache blocks in use: held by a request (cached blocks nobody holds are evictable, so free)."""
     total_kv_blocks: _builtins.int
     """KV cache blocks in all."""
     free_kv_tokens: _builtins.int
-    """Free KV cache in tokens."""
+    """Free KV cache in tokens: free blocks plus cached blocks no request references (evictable)."""
     open_requests: _builtins.int
     """Requests connected streams have open (submitted and not finished)."""
     steps: _builtins.int
     """Engine steps run since start."""
+    cached_kv_blocks: _builtins.int
+    """KV blocks in the prefix cache's index, referenced or not."""
+    evictable_kv_blocks: _builtins.int
+    """Cached KV blocks no request references: evictable, and counted free in free_kv_tokens."""
+    prefix_cache_evictions: _builtins.int
+    """Cached blocks evicted since start to make room for new ones."""
+    prefix_cache_query_blocks: _builtins.int
+    """Full prompt blocks new requests could have found cached, since start."""
+    prefix_cache_hit_blocks: _builtins.int
+    """Of those, the blocks the prefix cache served."""
     def __init__(
         self,
         *,
@@ -531,10 +558,15 @@ class GetWorkerStatsResponse(_message.Message):
         free_kv_tokens: _builtins.int = ...,
         open_requests: _builtins.int = ...,
         steps: _builtins.int = ...,
+        cached_kv_blocks: _builtins.int = ...,
+        evictable_kv_blocks: _builtins.int = ...,
+        prefix_cache_evictions: _builtins.int = ...,
+        prefix_cache_query_blocks: _builtins.int = ...,
+        prefix_cache_hit_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["free_kv_tokens", b"free_kv_tokens", "open_requests", b"open_requests", "running", b"running", "steps", b"steps", "total_kv_blocks", b"total_kv_blocks", "used_kv_blocks", b"used_kv_blocks", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_kv_blocks", b"cached_kv_blocks", "evictable_kv_blocks", b"evictable_kv_blocks", "free_kv_tokens", b"free_kv_tokens", "open_requests", b"open_requests", "prefix_cache_evictions", b"prefix_cache_evictions", "prefix_cache_hit_blocks", b"prefix_cache_hit_blocks", "prefix_cache_query_blocks", b"prefix_cache_query_blocks", "running", b"running", "steps", b"steps", "total_kv_blocks", b"total_kv_blocks", "used_kv_blocks", b"used_kv_blocks", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -28,7 +28,7 @@ def write_tiny_config(path: Path, model_dir: Path, **worker_overrides: object) -
     config = {
         "tokenizer": {"listen": "127.0.0.1:0", "models": {"tiny": str(model_dir)}},
         "workers": [worker],
-        "gateway": {"listen": "127.0.0.1:0", "default_model": "tiny"},
+        "gateway": {"listen": "127.0.0.1:0", "http_listen": "127.0.0.1:0", "default_model": "tiny"},
     }
     path.write_text(yaml.safe_dump(config))
     return path

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING
 
+import httpx2
 import pytest
 import yaml
 
@@ -134,6 +135,10 @@ def test_up_serves_until_stopped_and_leaves_no_process(
         )
         done = strata("generate", "hello", "--address", str(up.gateway), "--max-new-tokens", "3")
         assert done.returncode == 0, done.stderr
+        # The HTTP API is printed and serves from the same gateway process, and stops with it.
+        assert up.http is not None and up.http.endswith("/v1")
+        reply = httpx2.post(f"{up.http}/completions", json={"prompt": "hello", "max_tokens": 3}, timeout=30)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
         up.process.send_signal(stop_signal)
         assert up.process.wait(60) == 0, up.stderr()
         assert gone([child.pid for child in children], within_s=5)
@@ -176,6 +181,7 @@ def test_real_model_knows_the_capital_of_france(tmp_path: Path, real_model_dir: 
         worker["model_path"] = absolute(worker["model_path"])
         assert worker["model_path"] in fetched  # the primary and its int8 fallback, both fetched
     config["gateway"]["listen"] = "127.0.0.1:0"
+    config["gateway"]["http_listen"] = "127.0.0.1:0"
     path = tmp_path / "local.yaml"
     path.write_text(yaml.safe_dump(config))
     with start_stack(path, log_dir=tmp_path / "logs", ready_timeout_s=600) as stack:

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import subprocess
 from typing import TYPE_CHECKING, Any
 
 import grpc
+import httpx2
 import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -108,6 +110,7 @@ class SecureStack:
                 GatewaySettings.build(
                     {
                         "listen": "127.0.0.1:0",
+                        "http_listen": "127.0.0.1:0",
                         "tls": server_tls,
                         "tokenizer_address": self.tokenizer.address,
                         "routes": [{"model": "tiny", "workers": [self.worker.address]}],
@@ -170,6 +173,23 @@ def test_a_client_with_a_key_is_served_over_tls_end_to_end(
         served += response.usage.output_tokens == 4 and response.model == "tiny"
     figure(KEYS, "configured keys served all their tokens (settings, keys file)", served, "of 2")
     assert served == 2
+
+
+def test_the_http_api_serves_https_with_the_same_certificate_and_keys(
+    stack: SecureStack, certs: dict[str, Path]
+) -> None:
+    """The gateway's HTTP API speaks TLS with the gateway's `tls` (a client trusting the CA is served,
+    a plaintext one is not) and wants the same API keys."""
+    assert stack.gateway.http is not None
+    url = f"https://{stack.gateway.http.address}/v1/completions"
+    body = {"prompt": "hello", "max_tokens": 3}
+    trusted = ssl.create_default_context(cafile=str(certs["ca"]))
+    with httpx2.Client(verify=trusted, timeout=30) as https:
+        reply = https.post(url, json=body, headers={"authorization": f"Bearer {KEY}"})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+        assert https.post(url, json=body).status_code == 401
+    with pytest.raises(httpx2.TransportError):
+        httpx2.post(url.replace("https://", "http://"), json=body, timeout=10)
 
 
 WRONG_KEYS: dict[str, tuple[str | None, str]] = {

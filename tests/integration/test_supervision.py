@@ -122,6 +122,7 @@ def test_under_strata_up_a_killed_primary_is_served_by_the_fallback_then_by_itse
         name: str((DEFAULT_CONFIG.parent / folder).resolve()) for name, folder in models.items()
     }
     config["gateway"]["listen"] = "127.0.0.1:0"
+    config["gateway"]["http_listen"] = "127.0.0.1:0"
     path = tmp_path / "local.yaml"
     path.write_text(yaml.safe_dump(config))
     primary, fallback = (worker["model_name"] for worker in config["workers"])

@@ -325,3 +325,36 @@ def test_too_many_submissions_in_one_message_end_the_stream(tiny_serving_dir: Pa
             await wait_idle(stub)  # the stream's open request was aborted with it
 
     asyncio.run(main())
+
+
+def test_a_warm_prefix_cache_counts_as_free_and_reports_cached_tokens(tiny_serving_dir: Path) -> None:
+    """After requests that share a 48-token prefix end, their cached blocks stay evictable and the
+    worker still offers its whole cache (stats' free_kv_tokens and the stream's credits): a warm cache
+    must not make a worker look full. The second request of a tenant is served the prefix (its
+    updates say 48 cached prompt tokens, in 3 blocks of 16) and gets the same tokens as alone; the
+    same prompt from another tenant (cache_salt) is served nothing."""
+    prefix = [7, 8, 9, 10] * 12
+    first, second = [*prefix, 50, 51], [*prefix, 60, 61, 62]
+    expected = expected_tokens(tiny_serving_dir, second, 6)
+
+    async def main() -> tuple[GatewaySide, worker_pb2.GetWorkerStatsResponse]:
+        async with running_worker(tiny_serving_dir) as (_, stub):
+            side = await connect(stub, tiny_serving_dir)
+            await side.send(submission("warm", first, 4, cache_salt="acme"))
+            await side.read_until(lambda s: "warm" in s.finals)
+            await side.send(submission("hit", second, 6, cache_salt="acme"))
+            await side.read_until(lambda s: "hit" in s.finals)
+            await side.send(submission("other", second, 6, cache_salt="globex"))
+            await side.read_until(lambda s: "other" in s.finals)
+            return side, await wait_idle(stub)
+
+    side, idle = asyncio.run(main())
+    assert side.finals["warm"].cached_prompt_tokens == 0
+    assert side.finals["hit"].cached_prompt_tokens == 48
+    assert side.finals["other"].cached_prompt_tokens == 0
+    assert side.tokens["hit"] == side.tokens["other"] == expected
+    assert idle.evictable_kv_blocks == idle.cached_kv_blocks > 0
+    assert idle.used_kv_blocks == 0
+    assert idle.free_kv_tokens == idle.total_kv_blocks * 16
+    assert idle.prefix_cache_hit_blocks == 3
+    assert side.messages[-1].credits.kv_tokens == idle.total_kv_blocks * 16

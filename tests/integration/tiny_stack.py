@@ -1,5 +1,6 @@
-"""One tiny stack in-process for a test's own event loop: the real tokenizer service, one worker and the
-gateway on 127.0.0.1:0, started in order and stopped gateway first however the test ends.
+"""One tiny stack in-process for a test's own event loop: the real tokenizer service, one worker (or
+several replicas on one route) and the gateway on 127.0.0.1:0, started in order and stopped gateway
+first however the test ends.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class TinyStack:
     tokenizer: TokenizerServer
     worker: WorkerServer
     gateway: GatewayServer
+    workers: tuple[WorkerServer, ...] = ()
+    """Every replica of the route (worker is the first)."""
 
 
 @contextlib.asynccontextmanager
@@ -41,8 +44,11 @@ async def tiny_stack(
     worker: dict[str, Any] | None = None,
     gateway: dict[str, Any] | None = None,
     gateway_tracing: Tracing | None = None,
+    replicas: int = 1,
+    route: dict[str, Any] | None = None,
 ) -> AsyncIterator[TinyStack]:
-    """The three services serving `model_dir` as model "tiny"; `worker` and `gateway` add settings."""
+    """The three services serving `model_dir` as model "tiny" (with `replicas` workers on its route);
+    `worker`, `gateway` and `route` (the route's own) add settings."""
     async with contextlib.AsyncExitStack() as stack:
         tokenizer = await start_tokenizer(
             TokenizerSettings.build({"listen": "127.0.0.1:0", "models": {"tiny": model_dir}})
@@ -56,13 +62,16 @@ async def tiny_stack(
             "threads": 1,
             **(worker or {}),
         }
-        running_worker = await start_worker(WorkerSettings.build(worker_settings))
-        stack.push_async_callback(running_worker.stop, 0)
-        await running_worker.wait_ready()
+        workers = []
+        for _ in range(replicas):
+            running_worker = await start_worker(WorkerSettings.build(worker_settings))
+            stack.push_async_callback(running_worker.stop, 0)
+            await running_worker.wait_ready()
+            workers.append(running_worker)
         gateway_settings = {
             "listen": "127.0.0.1:0",
             "tokenizer_address": tokenizer.address,
-            "routes": [{"model": "tiny", "workers": [running_worker.address]}],
+            "routes": [{"model": "tiny", "workers": [w.address for w in workers], **(route or {})}],
             **(gateway or {}),
         }
         running_gateway = await start_gateway(
@@ -70,4 +79,4 @@ async def tiny_stack(
         )
         stack.push_async_callback(running_gateway.stop, 0)
         assert await running_gateway.wait_ready(READY_S), "the tiny stack's gateway never became ready"
-        yield TinyStack(tokenizer, running_worker, running_gateway)
+        yield TinyStack(tokenizer, workers[0], running_gateway, tuple(workers))

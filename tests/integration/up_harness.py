@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
 READY_LINE = re.compile(r"^\s+gateway\s+(\S+)\s*$")
+HTTP_LINE = re.compile(r"^\s+http\s+(\S+)")
 
 
 class Up:
@@ -40,6 +41,8 @@ class Up:
         )
         self.lines: list[str] = []
         self.gateway: str | None = None
+        self.http: str | None = None
+        """The HTTP API's base URL (http://host:port/v1) when the gateway serves one."""
         self._ready = threading.Event()
         threading.Thread(target=self._drain, daemon=True).start()
 
@@ -50,6 +53,9 @@ class Up:
             match = READY_LINE.match(line)
             if match:
                 self.gateway = match.group(1)
+            http = HTTP_LINE.match(line)
+            if http:
+                self.http = http.group(1)
             if line.startswith("Ctrl-C stops the stack"):  # the last line of the ready message
                 self._ready.set()
 

@@ -6,7 +6,9 @@ all its tokens), some are streams the client cancels after its first tokens, som
 short enough to end them in the queue or mid-generation (DEADLINE_EXCEEDED, or RESOURCE_EXHAUSTED
 when the gateway predicts the wait exceeds them). Afterwards the worker's running and waiting
 counts, used KV blocks and free KV tokens, its open requests and the gateway's queue must be back
-exactly at their values before the soak; each service's resident memory after the warm-up (the
+exactly at their values before the soak, with the prefix cache warm (blocks the requests left cached are
+evictable, and free plus evictable is the whole cache: a warm cache looks exactly as free as a cold
+one); each service's resident memory after the warm-up (the
 first tenth) is compared with its value at the end and may grow by 20% at most.
 """
 
@@ -133,6 +135,7 @@ def test_soak_returns_to_the_initial_state(
         elapsed = time.monotonic() - started
         settled = seconds_until(lambda: _state(worker, gateway) == initial, 30, "back to the initial state")
         final = _state(worker, gateway)
+        warm = worker_stats(worker)
         rss_end = {name: rss_bytes(stack.pids[name]) for name in SERVICES}
         assert stack.poll() is None
 
@@ -145,7 +148,10 @@ def test_soak_returns_to_the_initial_state(
         growth = (rss_end[name] - rss_warm[name]) / rss_warm[name] * 100
         figure(7, f"{name}: RSS after warm-up -> end", f"{rss_warm[name] >> 20} -> {rss_end[name] >> 20} MiB")
         figure(7, f"{name}: RSS growth", growth, "%")
+    figure(7, "prefix cache after the soak: evictable blocks", warm.evictable_kv_blocks)
     assert final == initial
+    assert warm.evictable_kv_blocks > 0 and warm.used_kv_blocks == 0
+    assert warm.free_kv_tokens == warm.total_kv_blocks * 16  # the default block_size
     assert set(outcomes["plain"]) == {"ok"}, outcomes["plain"]
     assert set(outcomes["cancel"]) <= {"cancelled"}, outcomes["cancel"]
     assert set(outcomes["deadline"]) <= {"ok", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"}, outcomes[

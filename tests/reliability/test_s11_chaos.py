@@ -185,8 +185,10 @@ def test_chaos_soak_keeps_answers_right_and_the_stack_recovers(
     roles[GATEWAY] = "gateway"
     texts = prompts(version.seed, version.mix.prompts, version.prompt_words, WORDS)
     faults = fault_schedule_of(version)
-    # configs/local.yaml's gateway listens on the default port; the soak's takes a free one.
-    env = {"STRATA_GATEWAY_LISTEN": "127.0.0.1:0"} if full else {}
+    # configs/local.yaml's gateway listens on the default ports; the soak's takes free ones.
+    env = (
+        {"STRATA_GATEWAY_LISTEN": "127.0.0.1:0", "STRATA_GATEWAY_HTTP_LISTEN": "127.0.0.1:0"} if full else {}
+    )
     started = time.monotonic()
     with start_stack(chaos_config, env=env, log_dir=tmp_path / "logs", ready_timeout_s=900) as stack:
         stack_start_s = time.monotonic() - started

@@ -47,7 +47,9 @@ class FakeModel:
 
 def make_scheduler(num_blocks: int = 256, max_model_len: int = 4096, **config: object) -> Scheduler:
     engine_config = EngineConfig.model_validate(config)
-    block_manager = BlockManager(num_blocks, engine_config.block_size)
+    block_manager = BlockManager(
+        num_blocks, engine_config.block_size, enable_prefix_caching=engine_config.enable_prefix_caching
+    )
     return Scheduler(engine_config, block_manager, max_model_len=max_model_len, eos_token_ids=[EOS])
 
 

@@ -51,6 +51,9 @@ class RecordingRoute:
     def set_tokens(self, slot: Slot, tokens: int) -> None:
         slot.tokens = tokens
 
+    def set_prompt(self, slot: Slot, prompt_ids: list[int]) -> None:
+        slot.prefix_key = len(prompt_ids)
+
     def withdraw(self, slot: Slot) -> None:
         self.withdrawn.append(slot)
 

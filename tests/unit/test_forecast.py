@@ -137,13 +137,14 @@ def test_a_continuation_counts_its_prior_tokens() -> None:
     assert load.open_requests == 0
 
 
-def test_slots_granted_but_not_sent_yet_count_as_the_tickets_size() -> None:
+def test_slots_granted_but_not_sent_yet_count_by_their_own_sizes() -> None:
     load = LinkLoad()
     load.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=2, prefill_budget=64)), 0.0)
-    # Both credits granted to a burst still being tokenized: the next one waits for one of them.
-    view = LinkView(load, slots=2, free_credits=0, unsent=2)
+    # Both credits granted to longer requests still being tokenized: the next one waits for the
+    # shorter of them, not for one of its own size.
+    view = LinkView(load, slots=2, free_credits=0, unsent=[ticket("a", new=30), ticket("b", new=40)])
     got = forecast([view], [], ticket("t", new=10))
-    assert got is not None and got.start_s == pytest.approx(0.1 * (10 + 1))
+    assert got is not None and got.start_s == pytest.approx(0.1 * (30 + 1))
 
 
 def test_a_busy_engines_step_time_is_its_cadence_between_reports() -> None:

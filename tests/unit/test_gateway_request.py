@@ -35,6 +35,8 @@ class RecordingLink:
 
     address: str = "w:1"
     sent: list[worker_pb2.Submission] = field(default_factory=list)
+    load: LinkLoad = field(default_factory=LinkLoad)
+    """What fair queuing's worker priority reads of the link."""
 
     def submit(self, slot: Any, submission: worker_pb2.Submission, request: Request) -> None:
         self.sent.append(submission)
@@ -44,6 +46,7 @@ class _ReadyLink:
     """A link the route sees as ready with no credit, so a placed slot waits in its queue."""
 
     ready, leaving, info, free_credits, open_requests, not_ready_reason = True, False, None, 0, 0, ""
+    address, open_load = "127.0.0.1:1", 0
 
     def __init__(self) -> None:
         self.load = LinkLoad()

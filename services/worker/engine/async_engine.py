@@ -61,6 +61,7 @@ class _Add:
     prompt_ids: list[int]
     params: SamplingParams
     priority: int
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,12 +167,18 @@ class AsyncEngine:
         return stream
 
     def add_request(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str = "",
     ) -> None:
         """Queue a request that passed `check` (not checked again), whose outputs reach only the step
         listeners and its failure the failure listeners. For servers that read whole steps, not one
-        stream per request, and that take their own resources for a request between the two calls."""
-        self._enqueue(_Add(request_id, list(prompt_ids), params, priority), None)
+        stream per request, and that take their own resources for a request between the two calls.
+        cache_salt: who may share its cached KV blocks (the tenant)."""
+        self._enqueue(_Add(request_id, list(prompt_ids), params, priority, cache_salt), None)
 
     def add_step_listener(
         self, on_step: StepListener, on_failure: FailureListener | None = None
@@ -248,7 +255,9 @@ class AsyncEngine:
                 return
             if isinstance(cmd, _Add):
                 try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.priority)
+                    self.engine.add_request(
+                        cmd.request_id, cmd.prompt_ids, cmd.params, cmd.priority, cmd.cache_salt
+                    )
                 except (InvalidRequestError, ValueError) as exc:
                     # `check` ran on the loop, the scheduler's own state lives here: should they ever
                     # disagree, the one request fails, never the engine.

@@ -50,6 +50,9 @@ class EngineConfig(BaseModel):
     """Split a prompt longer than the step's remaining budget across steps."""
     mixed_batches: bool = True
     """Mix decodes with prefill chunks in one step; False alternates prefill-only and decode-only steps."""
+    enable_prefix_caching: bool = True
+    """Keep full KV blocks after their request ends and share them, by content, with every request
+    of the same cache salt (tenant) whose prompt starts with the same tokens; False prefills all."""
     cuda_graphs: bool = True
     """On CUDA, replay decode-only steps from captured graphs (eager when False; ignored on CPU)."""
     enable_fault_injection: bool = False

@@ -24,6 +24,7 @@ from services.worker.engine.params import InvalidRequestError, SamplingParams
 from services.worker.engine.scheduler import Scheduler, SchedulerStats
 from services.worker.engine.sequence import FinishReason, Sequence, StepOutput
 from services.worker.model.loader import load_model
+from strata.fingerprint import weights_fingerprint
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -49,6 +50,11 @@ class EngineStats(SchedulerStats):
     """Sequences of the last step that decoded one token (the rest of its tokens were prefill)."""
 
 
+def model_fingerprint(loaded: LoadedModel) -> str:
+    """What besides the tokens decides a block's K/V: the weights, their dtype and quantization."""
+    return f"{weights_fingerprint(loaded.path)}:{loaded.dtype}:{loaded.quantization or 'none'}"
+
+
 class LLMEngine:
     """Continuous batching over a paged KV cache for one model. Not thread-safe: one caller thread."""
 
@@ -72,7 +78,12 @@ class LLMEngine:
         self.memory: MemoryBudget = size_kv_cache(loaded, config, self.max_model_len)
         num_blocks = self.memory.num_blocks
         self.runner = ModelRunner(loaded, num_blocks, config.block_size, use_cuda_graphs=config.cuda_graphs)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            model_fingerprint=model_fingerprint(loaded),
+        )
         self.scheduler = Scheduler(
             config,
             self.block_manager,
@@ -115,9 +126,15 @@ class LLMEngine:
         self.scheduler.check_fits(len(prompt_ids), params.max_new_tokens)
 
     def add_request(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str = "",
     ) -> Sequence:
-        """Queue a request that passed `validate` (this is not checked again)."""
+        """Queue a request that passed `validate` (this is not checked again); it shares cached KV
+        blocks only with requests of the same cache_salt (the tenant)."""
         seed = params.seed if params.seed is not None else secrets.randbelow(2**63)
         self._arrivals += 1
         seq = Sequence(
@@ -127,6 +144,7 @@ class LLMEngine:
             priority=priority,
             arrival=self._arrivals,
             seed=seed,
+            cache_salt=cache_salt,
         )
         self.scheduler.add(seq)
         return seq

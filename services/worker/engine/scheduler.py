@@ -3,15 +3,16 @@
 Owns the waiting and running queues, the per-step token budget (of which a step's decodes leave prefill
 less, at decode_cost_tokens each, so that a step's length stays bounded), chunked prefill, priorities
 (FCFS within one), preemption by recompute when KV blocks run out, and load shedding after a step that
-ran out of memory. postprocess turns the sampled token ids back into per-request outputs and finish
-decisions. It must not import torch nor do I/O: the runner executes batches, the engine loop owns the
-thread that calls schedule, postprocess, abort and shed_load, one at a time.
+ran out of memory. A waiting sequence whose prefix the block manager has cached starts from those
+blocks: its KV need and its share of the prefill budget count only the tokens it computes.
+postprocess offers each step's newly full blocks to the prefix cache before anything frees them,
+and turns the sampled token ids back into per-request outputs and finish decisions. It must not
+import torch nor do I/O: the runner executes batches, the engine loop owns the thread that calls
+schedule, postprocess, abort and shed_load, one at a time.
 """
 
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.worker.engine.params import InvalidRequestError
@@ -23,6 +24,8 @@ from services.worker.engine.sequence import (
     SequenceStatus,
     StepOutput,
 )
+from services.worker.engine.step_plan import SchedulerStats, StepPlan
+from services.worker.engine.waiting_queue import WaitingQueue
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -32,46 +35,6 @@ if TYPE_CHECKING:
     from services.worker.engine.config import EngineConfig
 
 __all__ = ["ScheduledBatch", "ScheduledEntry", "Scheduler", "SchedulerStats", "StepOutput"]
-
-# Waiting order: priority, then preempted sequences (most recently preempted first), then arrival.
-_QueueKey = tuple[int, int, int]
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    """A snapshot of the queues, the KV cache and the counters since start."""
-
-    num_running: int
-    num_waiting: int
-    num_blocks: int
-    num_free_blocks: int
-    free_kv_tokens: int
-    total_kv_tokens: int
-    kv_cache_usage: float
-    num_steps: int
-    num_preemptions: int
-    num_load_sheds: int
-    effective_max_num_seqs: int
-    prefill_budget: int
-    """Prompt tokens the next step may compute with the sequences now running all decoding."""
-
-
-class _Plan:
-    """A batch being built, with the step's remaining token budget."""
-
-    def __init__(self, step_id: int, budget: int) -> None:
-        self.batch = ScheduledBatch(step_id)
-        self.budget = budget
-        self.scheduled: set[str] = set()
-
-    def add(self, seq: Sequence, num_tokens: int, *, decode: bool) -> None:
-        start = seq.num_computed_tokens
-        end = start + num_tokens
-        entry = ScheduledEntry(seq, start, num_tokens, seq.token_slice(start, end), end == seq.num_tokens)
-        self.batch.entries.append(entry)
-        self.batch.num_decodes += decode
-        self.budget -= num_tokens
-        self.scheduled.add(seq.request_id)
 
 
 def _urgency(seq: Sequence) -> tuple[int, int]:
@@ -100,7 +63,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.effective_max_num_seqs = config.max_num_seqs
-        self._waiting: list[tuple[_QueueKey, Sequence]] = []
+        self._waiting = WaitingQueue()
         self._running: list[Sequence] = []  # in admission order: shed_load drops the newest
         self._requests: dict[str, Sequence] = {}
         self._num_steps = 0
@@ -108,6 +71,8 @@ class Scheduler:
         self._num_load_sheds = 0
         self._steps_since_shed = 0
         self._last_kind_was_prefill = False
+        self._prefix_query_blocks = 0
+        self._prefix_hit_blocks = 0
 
     def check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
         """Raise InvalidRequestError if a request of this size could never fit this engine's KV cache."""
@@ -130,7 +95,7 @@ class Scheduler:
         if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
             raise ValueError(f"{seq!r} is not a fresh waiting sequence")
         self._requests[seq.request_id] = seq
-        self._enqueue(seq, (seq.priority, 1, seq.arrival))
+        self._waiting.push_new(seq)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORTED) -> bool:
         """Drop a request from either queue and free its blocks now; False if it is not here."""
@@ -151,7 +116,7 @@ class Scheduler:
     @property
     def waiting(self) -> list[Sequence]:
         """A copy of the waiting sequences, in the order they will be admitted."""
-        return [seq for _, seq in self._waiting]
+        return list(self._waiting)
 
     @property
     def has_work(self) -> bool:
@@ -181,6 +146,11 @@ class Scheduler:
             num_load_sheds=self._num_load_sheds,
             effective_max_num_seqs=self.effective_max_num_seqs,
             prefill_budget=self.prefill_budget(len(self._running)),
+            num_cached_blocks=bm.num_cached_blocks,
+            num_evictable_blocks=bm.num_evictable_blocks,
+            num_evictions=bm.num_evictions,
+            prefix_query_blocks=self._prefix_query_blocks,
+            prefix_hit_blocks=self._prefix_hit_blocks,
         )
 
     def prefill_budget(self, num_decodes: int) -> int:
@@ -193,7 +163,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """Pick this step's work. Allocates the KV blocks it needs; may preempt running sequences."""
         self._num_steps += 1
-        plan = _Plan(self._num_steps, self.config.max_num_batched_tokens)
+        plan = StepPlan(self._num_steps, self.config.max_num_batched_tokens)
         order = sorted(self._running, key=_urgency)
         if self.config.mixed_batches:
             self._schedule_decodes(plan, order)
@@ -226,6 +196,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != entry.start:
                 raise RuntimeError(f"step {batch.step_id} is stale for {seq!r} (postprocessed twice?)")
             seq.num_computed_tokens += entry.num_tokens
+            # Before the sequence can finish and free them: its full blocks are shareable from now.
+            self.block_manager.commit(seq)
             if token is None:
                 continue
             seq.output_ids.append(token)
@@ -240,6 +212,7 @@ class Scheduler:
                     finish_reason=reason,
                     num_prompt_tokens=seq.num_prompt_tokens,
                     num_output_tokens=seq.num_output_tokens,
+                    num_cached_tokens=seq.num_cached_tokens,
                 )
             )
         self._recover_after_shed()
@@ -265,7 +238,7 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Raise unless queues, statuses and block accounting agree (tests call it after each step)."""
-        waiting = [seq for _, seq in self._waiting]
+        waiting = list(self._waiting)
         if any(s.status is not SequenceStatus.WAITING or s.block_table for s in waiting):
             raise AssertionError("a waiting sequence is not WAITING or holds blocks")
         if any(s.status is not SequenceStatus.RUNNING for s in self._running):
@@ -278,7 +251,7 @@ class Scheduler:
             raise AssertionError("a sequence has more computed tokens than its blocks hold")
         self.block_manager.check_invariants(self._running)
 
-    def _schedule_decodes(self, plan: _Plan, order: list[Sequence]) -> None:
+    def _schedule_decodes(self, plan: StepPlan, order: list[Sequence]) -> None:
         i = 0
         while i < len(order) and plan.budget > 0:
             seq = order[i]
@@ -296,7 +269,7 @@ class Scheduler:
                 self._preempt(seq)
                 plan.batch.preempted.append(seq)
 
-    def _schedule_prefills(self, plan: _Plan, order: list[Sequence]) -> None:
+    def _schedule_prefills(self, plan: StepPlan, order: list[Sequence]) -> None:
         bm = self.block_manager
         i = 0
         while i < len(order) and plan.budget > 0:
@@ -314,23 +287,36 @@ class Scheduler:
         if plan.batch.preempted:
             return
         while self._waiting and plan.budget > 0 and len(self._running) < self.effective_max_num_seqs:
-            seq = self._waiting[0][1]
-            n = seq.num_new_tokens_to_compute
+            seq = self._waiting.peek()
+            hit = bm.cached_prefix(seq)
+            cached = len(hit.blocks) * bm.block_size
+            n = seq.num_new_tokens_to_compute - cached
             if n <= plan.budget:
                 chunk = n
             elif self.config.chunked_prefill or n > self.config.max_num_batched_tokens:
                 chunk = plan.budget  # without chunking, only what could never fit whole is split
             else:
                 return
-            if not bm.can_grow(seq, chunk):
+            if not bm.can_admit(seq, hit, cached + chunk):
                 return  # strict FCFS: a smaller request behind it does not jump the queue
-            self._waiting.pop(0)
+            self._waiting.pop()
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
-            bm.allocate_for(seq, chunk)
+            seq.num_computed_tokens = bm.take_cached(seq, hit)
+            if seq.num_preemptions == 0:
+                self._count_first_admission(seq, len(hit.blocks))
+            bm.allocate_for(seq, seq.num_computed_tokens + chunk)
             plan.add(seq, chunk, decode=False)
 
-    def _make_room(self, plan: _Plan, order: list[Sequence], index: int, target: int) -> int:
+    def _count_first_admission(self, seq: Sequence, hit_blocks: int) -> None:
+        """Usage's cached prompt tokens and the hit rate count a request's first admission only: a
+        preempted sequence finding its own blocks again is not a client's prompt served from cache."""
+        seq.num_cached_tokens = min(hit_blocks * self.block_manager.block_size, seq.num_prompt_tokens)
+        cacheable = (seq.num_prompt_tokens - 1) // self.block_manager.block_size
+        self._prefix_query_blocks += cacheable
+        self._prefix_hit_blocks += min(hit_blocks, cacheable)
+
+    def _make_room(self, plan: StepPlan, order: list[Sequence], index: int, target: int) -> int:
         """Preempt running sequences less urgent than order[index] and not yet scheduled this step
         until it can cache target tokens; return how many tokens it can cache (maybe fewer)."""
         bm = self.block_manager
@@ -356,10 +342,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self._num_preemptions += 1
-        self._enqueue(seq, (seq.priority, 0, -self._num_preemptions))
-
-    def _enqueue(self, seq: Sequence, key: _QueueKey) -> None:
-        bisect.insort(self._waiting, (key, seq), key=lambda item: item[0])
+        self._waiting.push_preempted(seq, self._num_preemptions)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.params
@@ -373,7 +356,7 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self._running.remove(seq)
         else:
-            self._waiting = [item for item in self._waiting if item[1] is not seq]
+            self._waiting.remove(seq)
         if self.block_manager.holds(seq):
             self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED

@@ -42,13 +42,20 @@ class Sequence:
 
     num_computed_tokens counts the leading tokens whose K/V are cached; the rest must be computed
     before the next token can be sampled. Preemption by recompute resets it to 0 and drops
-    block_table, keeping output_ids, so the output resumes exactly where it stopped.
+    block_table, keeping output_ids, so the output resumes exactly where it stopped (and the prefix
+    cache usually gives it its own blocks back). block_hashes holds the chained hashes of its first
+    full blocks, computed once (tokens at a position never change); num_committed_blocks counts the
+    leading blocks of its table the block manager has offered to the prefix cache.
     """
 
     __slots__ = (
         "arrival",
+        "block_hashes",
         "block_table",
+        "cache_salt",
         "finish_reason",
+        "num_cached_tokens",
+        "num_committed_blocks",
         "num_computed_tokens",
         "num_preemptions",
         "output_ids",
@@ -69,7 +76,10 @@ class Sequence:
         priority: int = 0,
         arrival: int = 0,
         seed: int | None = None,
+        cache_salt: str = "",
     ) -> None:
+        """cache_salt: who may share this sequence's cached blocks (the tenant); "" shares with all
+        sequences of salt "" only."""
         self.request_id = request_id
         self.prompt_ids: list[int] = list(prompt_ids)
         if not self.prompt_ids:
@@ -87,6 +97,11 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
+        self.cache_salt = cache_salt
+        self.block_hashes: list[int] = []
+        self.num_committed_blocks = 0
+        self.num_cached_tokens = 0
+        """Prompt tokens the prefix cache served at its first admission (Usage's cached_input_tokens)."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -141,6 +156,8 @@ class StepOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0
+    """Prompt tokens the prefix cache served instead of computing them."""
 
 
 @dataclass(frozen=True, slots=True)

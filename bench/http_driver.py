@@ -1,0 +1,72 @@
+"""One benchmark request over the gateway's OpenAI-compatible HTTP API, and what the client saw of it.
+
+It POSTs a streaming /v1/completions (the prompt text, greedy, EOS ignored, `include_usage`) through
+httpx2's async client, the cheapest well-kept HTTP client Python has, reads the Server-Sent Events
+as they arrive and stamps each one: the first event with text is the first token (the gateway sends
+no chunk without text), the usage chunk gives the token counts (an HTTP chunk carries text, not
+token ids). The record is bench/driver.py's
+RequestResult, so both protocols' results reduce the same way. This module owns the request; it must
+not schedule requests nor reduce results (bench/http_vs_grpc.py does).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING
+
+from bench.driver import RequestResult
+
+if TYPE_CHECKING:
+    import httpx2
+
+    from bench.stack_prompts import Prompt
+
+DATA = "data: "
+
+
+def body(prompt: Prompt, new_tokens: int, model: str) -> dict[str, object]:
+    """The same request bench/driver.py's make_request sends over gRPC, in the HTTP API's names."""
+    return {
+        "model": model,
+        "prompt": prompt.text,
+        "max_tokens": new_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def send_http(
+    client: httpx2.AsyncClient, url: str, index: int, payload: dict[str, object], timeout_s: float
+) -> RequestResult:
+    """POST `payload` to `url` and read its event stream to the end."""
+    sent = time.perf_counter()
+    result = RequestResult(index=index, status="OK", ttft_s=None, e2e_s=0.0)
+    previous = sent
+    async with client.stream("POST", url, json=payload, timeout=timeout_s) as response:
+        if response.status_code != 200:
+            await response.aread()
+            result.status, result.message = str(response.status_code), response.text
+        else:
+            async for line in response.aiter_lines():
+                if not line.startswith(DATA) or line == "data: [DONE]":
+                    continue
+                arrived = time.perf_counter()
+                chunk = json.loads(line.removeprefix(DATA))
+                if "error" in chunk:
+                    result.status, result.message = "STREAM_ERROR", chunk["error"]["message"]
+                    break
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    if result.ttft_s is None:
+                        result.ttft_s = result.first_text_s = arrived - sent
+                    else:
+                        result.itl_s.append(arrived - previous)
+                    previous = arrived
+                if chunk.get("usage"):
+                    result.usage_input_tokens = chunk["usage"]["prompt_tokens"]
+                    result.usage_output_tokens = chunk["usage"]["completion_tokens"]
+                    result.model = chunk["model"]
+    result.e2e_s = time.perf_counter() - sent
+    return result

@@ -1,0 +1,284 @@
+"""POST /v1/chat/completions and POST /v1/completions: one HTTP request through the pipeline.
+
+Each endpoint is an ASGI app. It checks the API key (the same keys and tenants as gRPC), reads the
+body up to max_message_bytes (413 beyond), parses it (openai_schema.py), builds the pipeline's
+Incoming with protocol "http", the caller's W3C trace context and the deadline of the
+`x-strata-timeout-ms` header, and answers: a whole JSON response, or Server-Sent Events (`data:`
+chunks, then `data: [DONE]`). A stream's headers go out with its first chunk, so a request refused
+before any token gets its real status (429, 503, ...); a failure after that is an error event.
+
+From the moment the body is read, a watcher waits for the client to disconnect; when it does, the
+request's task is cancelled wherever it is (queued, prefilling, streaming; stream or not), which
+closes the pipeline and so cancels the request on the worker. A stream whose client takes no event
+for stream_idle_timeout_s is cancelled the same way. This module must not hold request logic (the
+pipeline does) nor map errors (openai_errors.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+from sse_starlette.event import ServerSentEvent
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse
+
+from gateway.auth import key_matches, tenant_of
+from gateway.errors import GatewayError
+from gateway.metrics import HTTP_RESPONSES, STUCK_STREAMS
+from gateway.openai_errors import HttpError, from_gateway, from_validation, too_large, unauthenticated
+from gateway.openai_mapping import FINISH_REASONS, Reply, extension, headers, to_generate_request
+from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from gateway.request import Incoming
+from gateway.request_trace import TRACE_KEYS
+from gateway.tenant_settings import DEFAULT_TENANT
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncGenerator, Coroutine
+
+    from starlette.types import Receive, Scope, Send
+
+    from gateway.pipeline import Pipeline
+    from gateway.request import Chunk
+    from gateway.router import Router
+    from gateway.settings import GatewaySettings
+    from strata.v1 import gateway_pb2
+
+log = logging.getLogger("strata.requests")
+
+TIMEOUT_HEADER = "x-strata-timeout-ms"
+"""The request's deadline, in milliseconds from its arrival (gRPC's call deadline, over HTTP)."""
+DONE = ServerSentEvent(data="[DONE]", sep="\n").encode()
+
+
+def event(payload: dict[str, Any]) -> bytes:
+    """One SSE `data:` event holding `payload` as compact JSON."""
+    return ServerSentEvent(data=json.dumps(payload, separators=(",", ":")), sep="\n").encode()
+
+
+class Completions:
+    """The ASGI app of one completions endpoint (chat or text)."""
+
+    def __init__(self, chat: bool, settings: GatewaySettings, pipeline: Pipeline, router: Router) -> None:
+        self._chat = chat
+        self._schema = ChatCompletionRequest if chat else CompletionRequest
+        self._endpoint = "chat.completions" if chat else "completions"
+        self._settings = settings
+        self._pipeline = pipeline
+        self._router = router
+        self._keys = settings.tenant_keys()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        arrival = time.time()
+        request = Request(scope, receive)
+        try:
+            incoming, body = await self._incoming(request, arrival)
+        except HttpError as error:
+            await self._error(error, scope, receive, send)
+            return
+        except ClientDisconnect:
+            return  # gone before its body arrived: nothing was started for it
+        token_field = body.token_limit()[0]
+        if body.stream:
+            answer = self._stream(incoming, body, token_field, send)
+        else:
+            answer = self._whole(incoming, token_field)
+        response = await _unless_disconnected(answer, receive)
+        if response is not None:
+            await response(scope, receive, send)
+            HTTP_RESPONSES.labels(self._endpoint, str(response.status_code)).inc()
+
+    async def _incoming(
+        self, request: Request, arrival: float
+    ) -> tuple[Incoming, ChatCompletionRequest | CompletionRequest]:
+        header = request.headers.get("authorization")
+        if self._keys and not key_matches(header, tuple(key for key, _ in self._keys)):
+            raise unauthenticated()
+        tenant = tenant_of(header, self._keys, DEFAULT_TENANT) if self._keys else DEFAULT_TENANT
+        deadline = _deadline(request.headers.get(TIMEOUT_HEADER), arrival)
+        raw = await _read_body(request, self._settings.max_message_bytes)
+        try:
+            body = self._schema.model_validate_json(raw)
+        except ValidationError as error:
+            raise from_validation(error) from error
+        generate = to_generate_request(body, self._settings, self._context)
+        generate.request_id = uuid.uuid4().hex  # known before the first chunk: every chunk's id
+        trace = {key: value for key in TRACE_KEYS if (value := request.headers.get(key)) is not None}
+        incoming = Incoming(
+            generate, protocol="http", tenant=tenant, deadline_unix_ms=deadline, trace_context=trace
+        )
+        return incoming, body
+
+    def _context(self, model: str) -> int | None:
+        """A served model's context length when known; None for a name no route serves (the
+        pipeline's validation answers 404 for it)."""
+        return self._router.max_model_len(model) if model in self._router.models else None
+
+    async def _whole(self, incoming: Incoming, token_field: str) -> JSONResponse:
+        reply = Reply(self._chat, incoming.request.model or self._settings.default_route)
+        try:
+            async with contextlib.aclosing(self._pipeline.run(incoming)) as chunks:
+                async for chunk in chunks:
+                    if chunk.final is not None:
+                        return JSONResponse(reply.whole(chunk.final), headers=headers(chunk.final))
+        except GatewayError as error:
+            return _error_response(from_gateway(error, token_field))
+        raise AssertionError("the pipeline ended without a final chunk")
+
+    async def _stream(
+        self,
+        incoming: Incoming,
+        body: ChatCompletionRequest | CompletionRequest,
+        token_field: str,
+        send: Send,
+    ) -> JSONResponse | None:
+        """Send the stream itself once its first chunk is there; a JSON error when none came."""
+        reply = Reply(self._chat, incoming.request.model or self._settings.default_route)
+        reply.started(incoming.request.request_id, reply.model)
+        async with contextlib.aclosing(self._pipeline.run(incoming)) as chunks:
+            try:
+                first = await anext(chunks)
+            except GatewayError as error:
+                return _error_response(from_gateway(error, token_field))
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            HTTP_RESPONSES.labels(self._endpoint, "200").inc()
+            events = self._events(reply, first, chunks, body.include_usage, token_field)
+            idle = self._settings.stream_idle_timeout_s
+            async with contextlib.aclosing(events):
+                async for data in events:
+                    try:
+                        async with asyncio.timeout(idle):
+                            await send({"type": "http.response.body", "body": data, "more_body": True})
+                    except TimeoutError:
+                        # Closing the pipeline (leaving this block) cancels the request on the worker;
+                        # the connection closes unfinished, which is all a reader that reads nothing gets.
+                        STUCK_STREAMS.labels(reply.model).inc()
+                        return None
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return None
+
+    async def _events(
+        self,
+        reply: Reply,
+        first: Chunk,
+        chunks: AsyncGenerator[Chunk, None],
+        include_usage: bool,
+        token_field: str,
+    ) -> AsyncGenerator[bytes, None]:
+        chunk: Chunk | None = first
+        opening = True
+        try:
+            while chunk is not None:
+                reply.model = chunk.model or reply.model
+                final = chunk.final
+                if final is None:
+                    if chunk.text or (opening and self._chat):
+                        yield event(reply.chunk(chunk.text, first=opening and self._chat))
+                        opening = False
+                    chunk = await anext(chunks, None)
+                    continue
+                reply.model = final.model
+                last = reply.chunk(chunk.text, _finish(final), first=opening and self._chat)
+                closing = reply.usage_chunk(final) if include_usage else last
+                closing["strata"] = extension(final)
+                if include_usage:
+                    yield event(last)
+                yield event(closing)
+                yield DONE
+                return
+        except GatewayError as error:
+            yield event(from_gateway(error, token_field).body())
+
+    async def _error(self, error: HttpError, scope: Scope, receive: Receive, send: Send) -> None:
+        log.info(
+            "request refused by the HTTP API: %d",
+            error.status,
+            extra={
+                "fields": {
+                    "event": "request_refused",
+                    "protocol": "http",
+                    "endpoint": self._endpoint,
+                    "status": error.status,
+                    "error": error.message,
+                }
+            },
+        )
+        await _error_response(error)(scope, receive, send)
+        HTTP_RESPONSES.labels(self._endpoint, str(error.status)).inc()
+
+
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-store"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+def _finish(final: gateway_pb2.GenerateResponse) -> str:
+    return FINISH_REASONS.get(final.finish_reason, "stop")
+
+
+def _error_response(error: HttpError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def _deadline(header: str | None, arrival: float) -> int:
+    """The absolute deadline (unix ms) of the timeout header; 0 when absent."""
+    if header is None:
+        return 0
+    try:
+        timeout_ms = float(header)
+    except ValueError:
+        timeout_ms = -1.0
+    if not timeout_ms > 0:
+        raise HttpError(
+            400,
+            f"{TIMEOUT_HEADER}: {header!r} must be a positive number of milliseconds, e.g. 30000",
+            param=TIMEOUT_HEADER,
+            code="invalid_value",
+        )
+    return int(arrival * 1000 + timeout_ms)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to be over `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_large(limit)
+        parts.append(part)
+    return b"".join(parts)
+
+
+async def _unless_disconnected(answer: Coroutine[Any, Any, JSONResponse | None], receive: Receive) -> Any:
+    """`answer`'s result, or None once the client disconnected (`answer` is then cancelled, which
+    closes its pipeline and so cancels the request on the worker)."""
+    work = asyncio.ensure_future(answer)
+    watch = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            work.cancel()
+        watch.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
+    if work.cancelled():
+        return None
+    return work.result()
+
+
+async def _disconnect(receive: Receive) -> None:
+    """Returns when the server reports the client gone (or the response complete)."""
+    while (await receive())["type"] != "http.disconnect":
+        continue

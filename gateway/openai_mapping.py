@@ -1,0 +1,185 @@
+"""Between the OpenAI API's shapes and the pipeline's: requests in, responses and stream chunks out.
+
+`to_generate_request` turns a parsed body into the GenerateRequest the gRPC front door would pass,
+with the OpenAI API's defaults (temperature 1, top_p 1, max_tokens from `http_default_max_tokens`
+capped by max_new_tokens_limit and the model's context) instead of the gRPC ones. `Reply` builds the
+response objects of one request: the whole `chat.completion` or `text_completion`, each stream
+chunk, and the final chunk's `strata` extension (who served it and where the time went), plus the
+headers that say the same on a whole response. `http_param` names a pipeline error's field as the
+client sent it (`max_tokens`, not `sampling.max_new_tokens`). This module must not do I/O nor decide
+anything about admission: the pipeline validates and decides.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import TYPE_CHECKING, Any
+
+from gateway.stage_clock import STAGES
+from strata.v1 import common_pb2, gateway_pb2
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+    from gateway.settings import GatewaySettings
+
+FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
+PRIORITIES = {"interactive": gateway_pb2.PRIORITY_INTERACTIVE, "batch": gateway_pb2.PRIORITY_BATCH}
+TRUNCATIONS = {"refuse": gateway_pb2.TRUNCATION_REFUSE, "left": gateway_pb2.TRUNCATION_LEFT}
+# The OpenAI API's newer name for the system role.
+ROLE_ALIASES = {"developer": "system"}
+_SAMPLING_PATH = re.compile(r"^sampling\.(\w+)")
+
+
+def to_generate_request(
+    body: ChatCompletionRequest | CompletionRequest,
+    settings: GatewaySettings,
+    context_limit: Callable[[str], int | None],
+) -> gateway_pb2.GenerateRequest:
+    """The pipeline's request for `body`; `context_limit(model)` is the model's context when known."""
+    _, max_tokens = body.token_limit()
+    if max_tokens is None:
+        max_tokens = min(settings.http_default_max_tokens, settings.max_new_tokens_limit)
+        context = context_limit(body.model or settings.default_route)
+        if context is not None:
+            max_tokens = max(1, min(max_tokens, context - 1))
+    sampling = common_pb2.SamplingParams(
+        max_new_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        no_repeat_ngram_size=body.no_repeat_ngram_size,
+        stop=body.stops(),
+        ignore_eos=body.ignore_eos,
+    )
+    if body.repetition_penalty is not None:
+        sampling.repetition_penalty = body.repetition_penalty
+    if body.seed is not None:
+        sampling.seed = body.seed
+    request = gateway_pb2.GenerateRequest(
+        model=body.model,
+        sampling=sampling,
+        allow_fallback=body.allow_fallback,
+        no_fallback=body.no_fallback,
+        priority=PRIORITIES[body.priority] if body.priority else gateway_pb2.PRIORITY_UNSPECIFIED,
+        truncation=TRUNCATIONS[body.truncation] if body.truncation else gateway_pb2.TRUNCATION_UNSPECIFIED,
+    )
+    if hasattr(body, "messages"):
+        for message in body.messages:
+            role = ROLE_ALIASES.get(message.role, message.role)
+            request.messages.add(role=role, content=message.text())
+    else:
+        request.prompt = body.prompt_text()
+    return request
+
+
+def http_param(message: str, token_field: str) -> str | None:
+    """The request field a pipeline error names, in the HTTP API's names; None when it names none."""
+    field, sep, _ = message.partition(":")
+    if not sep or " " in field:
+        return None
+    match = _SAMPLING_PATH.match(field)
+    if match is None:
+        return field
+    name = match.group(1)
+    if name == "max_new_tokens":
+        return token_field
+    return field.removeprefix("sampling.")
+
+
+def http_message(message: str, token_field: str) -> str:
+    """The pipeline's message with its leading field path in the HTTP API's names."""
+    param = http_param(message, token_field)
+    field = message.partition(":")[0]
+    return f"{param}{message[len(field) :]}" if param is not None and param != field else message
+
+
+class Reply:
+    """The OpenAI objects of one request's answer, for a chat or a text completion."""
+
+    def __init__(self, chat: bool, request_model: str) -> None:
+        self.chat = chat
+        self.created = int(time.time())
+        self.model = request_model
+        self.id = ""
+
+    def started(self, request_id: str, model: str) -> None:
+        """The request's id and serving model, as the first chunk tells them."""
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
+        self.model = model
+
+    def whole(self, final: gateway_pb2.GenerateResponse) -> dict[str, Any]:
+        """The non-streaming response body."""
+        self.started(final.request_id, final.model)
+        finish = FINISH_REASONS.get(final.finish_reason, "stop")
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": final.text}
+        else:
+            choice["text"] = final.text
+        return {**self._head(), "choices": [choice], "usage": usage(final)}
+
+    def chunk(self, text: str, finish: str | None = None, first: bool = False) -> dict[str, Any]:
+        """One stream chunk with a text delta (and the finish reason on the last one)."""
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if self.chat:
+            delta: dict[str, str] = {"role": "assistant"} if first else {}
+            if text or first:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text
+        return {**self._head(chunk=True), "choices": [choice]}
+
+    def usage_chunk(self, final: gateway_pb2.GenerateResponse) -> dict[str, Any]:
+        """The last chunk of a stream that asked for `include_usage`: no choices, the usage."""
+        return {**self._head(chunk=True), "choices": [], "usage": usage(final)}
+
+    def _head(self, chunk: bool = False) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+
+def usage(final: gateway_pb2.GenerateResponse) -> dict[str, int]:
+    prompt, completion = final.usage.input_tokens, final.usage.output_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def server_timing(timing: common_pb2.Timing) -> str:
+    """The W3C Server-Timing value: each stage's milliseconds, then the total."""
+    parts = [f"{stage};dur={getattr(timing, f'{stage}_ms'):.3f}" for stage in STAGES]
+    return ", ".join([*parts, f"total;dur={timing.total_ms:.3f}"])
+
+
+def extension(final: gateway_pb2.GenerateResponse) -> dict[str, Any]:
+    """The final stream chunk's `strata` object: what a whole response's headers carry, and more."""
+    timing = final.timing
+    return {
+        "request_id": final.request_id,
+        "trace_id": final.trace_id,
+        "fallback_reason": final.fallback_reason,
+        "failover_at_token": final.failover_at_token,
+        "server_timing": server_timing(timing),
+        "timing_ms": {
+            "time_to_first_token": timing.time_to_first_token_ms,
+            "total": timing.total_ms,
+            **{stage: getattr(timing, f"{stage}_ms") for stage in STAGES},
+        },
+    }
+
+
+def headers(final: gateway_pb2.GenerateResponse) -> dict[str, str]:
+    """A whole response's headers: who served it, why a fallback, its trace, where the time went."""
+    return {
+        "x-request-id": _header_safe(final.request_id),
+        "x-strata-trace-id": final.trace_id,
+        "x-strata-fallback-reason": _header_safe(final.fallback_reason),
+        "server-timing": server_timing(final.timing),
+    }
+
+
+def _header_safe(value: str) -> str:
+    """`value` as a header may carry it: printable ASCII (a reason may quote a model's name)."""
+    return "".join(c if " " <= c <= "~" else "?" for c in value)

@@ -1,0 +1,178 @@
+"""The OpenAI-compatible HTTP API's request bodies, as pydantic models that parse and check them.
+
+`ChatCompletionRequest` (POST /v1/chat/completions) and `CompletionRequest` (POST /v1/completions)
+take the OpenAI field names, Strata's own options as extra body fields (`top_k`, `priority`, ...), and
+the fields clients send by habit (`n`, `presence_penalty`, `logprobs`, `tools`, ...) at their default
+values. A habitual field whose value asks for a feature the gateway lacks is refused naming the field
+(`n: 3 ...`), and so is a field this API does not know: nothing is ignored in silence. Parsing is
+strict about types (a string is not a number), so a wrong type is a field-level error, never a crash.
+This module must not know the gRPC request (openai_mapping.py builds it) nor send anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class TextPart(_Body):
+    """One part of a message's content; only text parts exist here."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[TextPart]
+    name: str | None = None
+    """Accepted for the clients that send it; the chat template has no place for it."""
+
+    def text(self) -> str:
+        """The content as one string: text parts are joined by newlines (as vLLM does)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Body):
+    type: Literal["text"]
+
+
+def _unsupported(field: str, value: object, why: str) -> ValueError:
+    return ValueError(f"{field}: {value!r} is not supported ({why}); omit it or send its default")
+
+
+class _Common(_Body):
+    """What both endpoints share: sampling, streaming, Strata's options, the habitual fields."""
+
+    model: str = ""
+    """Empty (or absent) takes the gateway's default model."""
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = 1.0
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    """An end user's id: accepted, and not used."""
+    # Strata's own options (extra body fields, as vLLM takes its own).
+    top_k: int = 0
+    repetition_penalty: float | None = None
+    no_repeat_ngram_size: int = 0
+    ignore_eos: bool = False
+    priority: Literal["interactive", "batch"] | None = None
+    allow_fallback: bool = False
+    no_fallback: bool = False
+    truncation: Literal["refuse", "left"] | None = None
+    # Fields clients send by habit: their default value only.
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+    top_logprobs: int | None = None
+    service_tier: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @model_validator(mode="after")
+    def _defaults_only(self) -> _Common:
+        if self.n != 1:
+            raise _unsupported("n", self.n, "one choice per request")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0:
+                raise _unsupported(name, getattr(self, name), "use repetition_penalty instead")
+        if self.logit_bias:
+            raise _unsupported("logit_bias", self.logit_bias, "no logit bias")
+        if self.logprobs not in (None, False, 0):
+            raise _unsupported("logprobs", self.logprobs, "no log probabilities yet")
+        if self.top_logprobs:
+            raise _unsupported("top_logprobs", self.top_logprobs, "no log probabilities yet")
+        if self.service_tier not in (None, "auto", "default"):
+            raise _unsupported("service_tier", self.service_tier, "one tier; use priority instead")
+        if self.store:
+            raise _unsupported("store", self.store, "completions are not stored")
+        return self
+
+
+class ChatCompletionRequest(_Common):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: ResponseFormat | None = None
+    modalities: list[Literal["text"]] | None = None
+
+    def token_limit(self) -> tuple[str, int | None]:
+        """The field that sets the most tokens to generate, and its value (None: neither is set)."""
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+    @model_validator(mode="after")
+    def _no_tools(self) -> ChatCompletionRequest:
+        if self.max_tokens is not None and self.max_completion_tokens not in (None, self.max_tokens):
+            raise ValueError(
+                f"max_completion_tokens: {self.max_completion_tokens} differs from max_tokens: "
+                f"{self.max_tokens}; send one of them"
+            )
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise _unsupported(name, "[...]", "no tool calls; send an empty list")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise _unsupported("tool_choice", self.tool_choice, "no tool calls")
+        if self.function_call not in (None, "none", "auto"):
+            raise _unsupported("function_call", self.function_call, "no tool calls")
+        return self
+
+
+class CompletionRequest(_Common):
+    """POST /v1/completions: one prompt string (or a list holding exactly one)."""
+
+    prompt: str | list[str]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def token_limit(self) -> tuple[str, int | None]:
+        return "max_tokens", self.max_tokens
+
+    def prompt_text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CompletionRequest:
+        if isinstance(self.prompt, list) and len(self.prompt) != 1:
+            raise _unsupported("prompt", f"a list of {len(self.prompt)}", "one prompt per request")
+        if self.echo:
+            raise _unsupported("echo", self.echo, "the prompt is not echoed")
+        if self.best_of not in (None, 1):
+            raise _unsupported("best_of", self.best_of, "one sample per request")
+        if self.suffix:
+            raise _unsupported("suffix", self.suffix, "no insertion")
+        return self

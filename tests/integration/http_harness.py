@@ -1,0 +1,140 @@
+"""The HTTP API tests' stack: the real tokenizer service, a real worker and the gateway with its HTTP API
+on ephemeral ports, on one event loop in a background thread, plus what the tests read of them.
+
+The worker's engine sleeps a little before each step (fault injection, test mode only) so that a
+long generation lasts long enough for a client to walk away from it; it holds few credits so that
+further requests wait in the gateway's queue. Two API keys: the default tenant's, and a tenant
+limited to one request at a time (for 429s whose retry hint is known: 1 s).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from gateway.server import start as start_gateway
+from gateway.settings import GatewaySettings
+from services.tokenizer.server import start as start_tokenizer
+from services.tokenizer.settings import TokenizerSettings
+from services.worker.server import start as start_worker
+from services.worker.settings import WorkerSettings
+from strata.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.integration.loop_thread import LoopThread
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from strata.tracing import Tracing
+
+KEY = "http-test-key"
+TIGHT_KEY = "http-tight-key"
+"""The key of tenant `tight`: one request running at a time."""
+MAX_BODY = 64 * 1024
+STEP_DELAY_S = 0.004
+CREDITS = 3
+MODEL = "tiny"
+
+
+@dataclass
+class HttpStack:
+    loop: LoopThread
+    servers: list[Any]
+    gateway: Any
+    base_url: str
+    """http://host:port/v1, as the openai SDK takes it."""
+    worker_address: str
+    gateway_address: str
+    channels: list[grpc.Channel]
+
+    @property
+    def origin(self) -> str:
+        return self.base_url.removesuffix("/v1")
+
+    def worker_stats(self) -> worker_pb2.GetWorkerStatsResponse:
+        stub = worker_pb2_grpc.WorkerServiceStub(self._channel(self.worker_address))
+        stats: worker_pb2.GetWorkerStatsResponse = stub.GetWorkerStats(
+            worker_pb2.GetWorkerStatsRequest(), timeout=10
+        )
+        return stats
+
+    def queued(self) -> int:
+        stub = gateway_pb2_grpc.GatewayStub(self._channel(self.gateway_address))
+        reply = stub.ListModels(
+            gateway_pb2.ListModelsRequest(), metadata=[("authorization", f"Bearer {KEY}")], timeout=10
+        )
+        return sum(model.queued_requests for model in reply.models)
+
+    def idle(self) -> bool:
+        stats = self.worker_stats()
+        return stats.used_kv_blocks == 0 and stats.open_requests == 0
+
+    def _channel(self, address: str) -> grpc.Channel:
+        channel = grpc.insecure_channel(address)
+        self.channels.append(channel)
+        return channel
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
+        for server in reversed(self.servers):
+            self.loop.run(server.stop(0))
+        self.loop.close()
+
+
+def start_http_stack(
+    model_dir: Path,
+    model: str = MODEL,
+    tracing: Tracing | None = None,
+    step_delay_s: float = STEP_DELAY_S,
+    **gateway: Any,
+) -> HttpStack:
+    """The three services serving `model_dir` as `model`, the gateway's HTTP API on a free port; the
+    worker sleeps `step_delay_s` before each engine step."""
+    loop = LoopThread()
+    servers: list[Any] = []
+    try:
+        tokenizer = loop.run(
+            start_tokenizer(TokenizerSettings.build({"listen": "127.0.0.1:0", "models": {model: model_dir}}))
+        )
+        servers.append(tokenizer)
+        worker_settings = {
+            "listen": "127.0.0.1:0",
+            "model_name": model,
+            "model_path": model_dir,
+            "device": "cpu",
+            "threads": 1,
+            "max_requests": CREDITS,
+            "engine": {
+                "num_blocks": 128,
+                "max_num_seqs": 8,
+                "enable_fault_injection": True,
+                "fault_step_delay_s": step_delay_s,
+            },
+        }
+        worker = loop.run(start_worker(WorkerSettings.build(worker_settings)))
+        servers.append(worker)
+        loop.run(worker.wait_ready())
+        settings = {
+            "listen": "127.0.0.1:0",
+            "http_listen": "127.0.0.1:0",
+            "tokenizer_address": tokenizer.address,
+            "routes": [{"model": model, "workers": [worker.address], "ttft_slo_ms": 0}],
+            "max_message_bytes": MAX_BODY,
+            "api_keys": [KEY],
+            "tenants": [{"name": "tight", "api_keys": [TIGHT_KEY], "max_concurrent_requests": 1}],
+            **gateway,
+        }
+        running = loop.run(start_gateway(GatewaySettings.build(settings), tracing=tracing))
+        servers.append(running)
+        assert loop.run(running.wait_ready(60)), "the gateway did not become ready in 60 s"
+        assert running.http is not None
+        return HttpStack(
+            loop, servers, running, f"http://{running.http.address}/v1", worker.address, running.address, []
+        )
+    except BaseException:
+        for server in reversed(servers):
+            loop.run(server.stop(0))
+        loop.close()
+        raise
