@@ -3,8 +3,8 @@
 A Ticket is decided on at arrival, before tokenizing, so no refusal waits for the tokenizer: the prompt
 size is then an upper bound (its UTF-8 bytes plus template overhead), replaced by the exact count once
 tokenized. Its cost (prompt plus max_new_tokens) is what fair queuing charges its tenant
-(admission_queue.py). The bound suits budgets but not forecasts (English runs near four bytes a token,
-so a 512-token prompt is bounded at about 2,500): PromptEstimate learns the route's ratio of exact
+(admission_queue.py). The bound suits budgets but not forecasts (English text has several bytes a
+token, so the bound is several times the count): PromptEstimate learns the route's ratio of exact
 counts to bounds, and the forecast prices a prompt not yet tokenized at its bound times it. Whether a
 ticket is admitted is the route's forecast of its time to first token (forecast.py). This module does
 no I/O and must not queue tickets nor choose links.

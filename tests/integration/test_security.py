@@ -25,11 +25,8 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from gateway.server import start as start_gateway
 from gateway.settings import GatewaySettings
-from services.tokenizer.server import start as start_tokenizer
 from services.tokenizer.settings import TokenizerSettings
-from services.worker.server import start as start_worker
 from services.worker.settings import WorkerSettings
 from strata.cli.launcher import start_stack
 from strata.client import StrataClient
@@ -39,7 +36,7 @@ from strata.settings import SettingsError
 from strata.tls import ClientTlsSettings
 from strata.tracing import Tracing
 from strata.v1 import tokenizer_pb2, tokenizer_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.integration.loop_thread import LoopThread
+from tests.integration.secure_harness import SecureStack, certificates
 from tests.integration.tiny_stack import tiny_stack
 
 if TYPE_CHECKING:
@@ -55,91 +52,9 @@ SECRET = "zebra-quartz-7731"
 """A prompt marker that must appear in no span and no log line."""
 
 
-def _openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
-
-
-def _self_signed(subject: str, key: Path, cert: Path) -> None:
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", subject,
-             "-keyout", str(key), "-out", str(cert))  # fmt: skip
-
-
-def _certificates(directory: Path) -> dict[str, Path]:
-    names = ("ca", "ca-key", "server", "server-key", "client", "client-key", "rogue", "rogue-key")
-    paths = {name: directory / f"{name}.pem" for name in names}
-    _self_signed("/CN=strata-test-ca", paths["ca-key"], paths["ca"])
-    san = directory / "san.cnf"
-    san.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    for name, subject in (("server", "/CN=localhost"), ("client", "/CN=strata-gateway")):
-        request = directory / f"{name}.csr"
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subject,
-                 "-keyout", str(paths[f"{name}-key"]), "-out", str(request))  # fmt: skip
-        _openssl("x509", "-req", "-in", str(request), "-CA", str(paths["ca"]), "-CAkey", str(paths["ca-key"]),
-                 "-CAcreateserial", "-days", "2", "-extfile", str(san), "-out", str(paths[name]))  # fmt: skip
-    # Signed by nobody the services trust.
-    _self_signed("/CN=rogue", paths["rogue-key"], paths["rogue"])
-    return paths
-
-
-class SecureStack:
-    def __init__(self, model_dir: Path, certs: dict[str, Path], keys_file: Path) -> None:
-        self.loop = LoopThread()
-        self.spans = InMemorySpanExporter()
-        server_tls = {"cert_file": certs["server"], "key_file": certs["server-key"]}
-        mutual = {**server_tls, "client_ca_file": certs["ca"]}
-        common = {"listen": "127.0.0.1:0", "health_listen": "127.0.0.1:0", "tls": mutual}
-        tracing = {
-            name: Tracing.with_exporter(name, self.spans, 1.0, batch=False) for name in ("g", "t", "w")
-        }
-        self.tokenizer = self.loop.run(
-            start_tokenizer(
-                TokenizerSettings.build({**common, "models": {"tiny": model_dir}}), tracing=tracing["t"]
-            )
-        )
-        self.worker = self.loop.run(
-            start_worker(
-                WorkerSettings.build(
-                    {**common, "model_name": "tiny", "model_path": model_dir, "device": "cpu", "threads": 1}
-                ),
-                tracing=tracing["w"],
-            )
-        )
-        self.loop.run(self.worker.wait_ready())
-        self.gateway = self.loop.run(
-            start_gateway(
-                GatewaySettings.build(
-                    {
-                        "listen": "127.0.0.1:0",
-                        "http_listen": "127.0.0.1:0",
-                        "tls": server_tls,
-                        "tokenizer_address": self.tokenizer.address,
-                        "routes": [{"model": "tiny", "workers": [self.worker.address]}],
-                        "internal_tls": {
-                            "ca_file": certs["ca"],
-                            "cert_file": certs["client"],
-                            "key_file": certs["client-key"],
-                        },
-                        "api_keys": [KEY],
-                        "api_keys_file": keys_file,
-                        "default_max_new_tokens": 4,
-                        "max_new_tokens_limit": 64,
-                    }
-                ),
-                tracing=tracing["g"],
-            )
-        )
-        assert self.loop.run(self.gateway.wait_ready(60)), "the gateway never linked over mutual TLS"
-
-    def close(self) -> None:
-        self.loop.run(self.gateway.stop(0))
-        self.loop.run(self.worker.stop(grace=0))
-        self.loop.run(self.tokenizer.stop(grace=0))
-        self.loop.close()
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return _certificates(tmp_path_factory.mktemp("certs"))
+    return certificates(tmp_path_factory.mktemp("certs"))
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +63,7 @@ def stack(
 ) -> Iterator[SecureStack]:
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
     keys.write_text(f"# one key per line\n\n{FILE_KEY}\n")
-    running = SecureStack(tiny_serving_dir, certs, keys)
+    running = SecureStack(tiny_serving_dir, certs, keys, KEY)
     try:
         yield running
     finally:

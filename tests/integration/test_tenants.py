@@ -51,13 +51,22 @@ def stack(tiny_serving_dir: Path) -> Iterator[Stack]:
         built.close()
 
 
-def finish_order(stack: Stack, model: str, fair: bool) -> list[str]:
-    """12 noisy requests at once on 2 credits, then 3 quiet ones while they wait: the finish order."""
-    worker = stack.start_worker(model, max_requests=2, step_delay_s=0.05)
+def finish_order(stack: Stack, model: str, fair: bool, *, inside_worker: bool = False) -> list[str]:
+    """A burst of noisy requests, then quiet ones while the burst waits: the finish order. The burst
+    waits in the gateway's queue (12 noisy on 2 credits, then 3 quiet), or with `inside_worker`, in
+    the worker's own waiting line (8 noisy on a worker holding 16 and running 2, then 1 quiet)."""
+    if inside_worker:
+        worker = stack.start_worker(model, max_requests=16, max_running=2, step_delay_s=0.05)
+    else:
+        worker = stack.start_worker(model, max_requests=2, step_delay_s=0.05)
     gateway = stack.start_gateway(
         {"model": model, "workers": [worker.address], "ttft_slo_ms": 0}, tenants=TENANTS, fair_queuing=fair
     )
+    route = gateway.router.route(model)
     order: list[str] = []
+
+    def burst_waits() -> bool:
+        return worker.host.stats().waiting >= 6 if inside_worker else route.queued_requests >= 10
 
     async def main() -> None:
         async with grpc.aio.insecure_channel(gateway.address) as channel:
@@ -67,12 +76,13 @@ def finish_order(stack: Stack, model: str, fair: bool) -> list[str]:
                 await stub.Generate(request(model, name, 8), metadata=key(tenant), timeout=120)
                 order.append(name)
 
-            noisy = [asyncio.create_task(one("noisy", f"noisy {i}")) for i in range(12)]
-            route = gateway.router.route(model)
-            while route.queued_requests < 10:
+            noisy = [
+                asyncio.create_task(one("noisy", f"noisy {i}")) for i in range(8 if inside_worker else 12)
+            ]
+            while not burst_waits():
                 await asyncio.sleep(0.01)
             quiet = []
-            for i in range(3):
+            for i in range(1 if inside_worker else 3):
                 quiet.append(asyncio.create_task(one("quiet", f"quiet {i}")))
                 await asyncio.sleep(0.05)
             await asyncio.gather(*noisy, *quiet)
@@ -90,42 +100,16 @@ def test_a_burst_from_one_tenant_does_not_hold_anothers_trickle_behind_it(stack:
     assert min(fifo.index(f"quiet {i}") for i in range(3)) >= 12, fifo  # all behind the burst
 
 
-def worker_finish_order(stack: Stack, model: str, fair: bool) -> list[str]:
-    """8 noisy requests sent to a worker holding 16 and running 2, then a quiet one while 6 of them
-    wait inside the worker: the finish order."""
-    worker = stack.start_worker(model, max_requests=16, max_running=2, step_delay_s=0.05)
-    gateway = stack.start_gateway(
-        {"model": model, "workers": [worker.address], "ttft_slo_ms": 0}, tenants=TENANTS, fair_queuing=fair
-    )
-    order: list[str] = []
-
-    async def main() -> None:
-        async with grpc.aio.insecure_channel(gateway.address) as channel:
-            stub = gateway_pb2_grpc.GatewayStub(channel)
-
-            async def one(tenant: str, name: str) -> None:
-                await stub.Generate(request(model, name, 8), metadata=key(tenant), timeout=120)
-                order.append(name)
-
-            noisy = [asyncio.create_task(one("noisy", f"noisy {i}")) for i in range(8)]
-            while worker.host.stats().waiting < 6:
-                await asyncio.sleep(0.01)
-            await asyncio.gather(*noisy, one("quiet", "quiet"))
-
-    asyncio.run(main())
-    return order
-
-
 @pytest.mark.slow
 def test_the_worker_prefills_a_tenant_below_its_share_before_a_flood_already_waiting_there(
     stack: Stack,
 ) -> None:
     """The quiet request is sent favoured (worker priority 1) and takes the first running slot that
     frees; first come, first served, it waits behind every noisy request already on the worker."""
-    fair = worker_finish_order(stack, "worker-fair", fair=True)
-    assert fair.index("quiet") <= 3, fair
-    fifo = worker_finish_order(stack, "worker-fifo", fair=False)
-    assert fifo.index("quiet") == 8, fifo
+    fair = finish_order(stack, "worker-fair", fair=True, inside_worker=True)
+    assert fair.index("quiet 0") <= 3, fair
+    fifo = finish_order(stack, "worker-fifo", fair=False, inside_worker=True)
+    assert fifo.index("quiet 0") == 8, fifo
 
 
 def test_quota_refusals_name_the_limit_and_unused_tokens_come_back(stack: Stack) -> None:
