@@ -8,7 +8,8 @@ Contestants: prefix routing on (`prefix_routing_tokens` 64, bound 1.25) and off 
 a fresh stack per run, alternated over 3 rounds. Per run: the cache hit rate (prompt blocks the
 workers served from cache over cacheable prompt blocks, from their GetWorkerStats), TTFT p50 (the
 gateway's `timing.time_to_first_token_ms`), and the load balance: every 0.2 s each worker's running
-plus waiting requests, and the largest share over the average while the route holds at least 8.
+plus waiting requests, and the largest share over the average while the route holds at least 8 and
+requests remain to be sent (the drain after the last one says nothing about routing).
 Targets: hit rate >= 0.9 with prefix routing, and no replica above 1.3x the average. This module
 must not change anything but prefix_routing_tokens between contestants.
 """
@@ -113,9 +114,12 @@ async def drive(
     failures: list[str] = []
     balance: list[float] = []
     done = asyncio.Event()
+    queue = list(reversed(plan))
 
     async def sample() -> None:
-        while not done.is_set():
+        # Only while requests remain to be sent: then the router is choosing. Once the last is sent,
+        # whichever replica finishes its share first drains to zero whatever the routing.
+        while not done.is_set() and queue:
             loads = [s.running + s.waiting for s in await _stats(stubs)]
             if sum(loads) >= MIN_LOAD_FOR_BALANCE:
                 balance.append(max(loads) / (sum(loads) / len(loads)))
@@ -123,7 +127,6 @@ async def drive(
 
     async with grpc.aio.insecure_channel(gateway) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
-        queue = list(reversed(plan))
 
         async def user() -> None:
             while queue:
