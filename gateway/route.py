@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from gateway.prefix_routing import Choice
     from gateway.settings import GatewaySettings, RouteSettings
     from gateway.worker_link import WorkerLink
+    from strata.v1 import common_pb2
 
     MakeLink = Callable[[str, str, Callable[[], None]], WorkerLink]
     """(address, model, on_capacity) -> a new link."""
@@ -62,6 +63,10 @@ class RouteStatus:
     ready_workers: int
     configured_workers: int
     queued_requests: int
+    kv_cache_tokens: int
+    """Tokens the KV caches of the ready workers hold together."""
+    memory: common_pb2.MemoryBudget | None
+    """The memory budget of the first worker that reported one."""
 
 
 class Route:
@@ -141,6 +146,17 @@ class Route:
             ready_workers=sum(1 for link in links if link.ready),
             configured_workers=len(links),
             queued_requests=self.queued_requests,
+            kv_cache_tokens=sum(
+                link.info.memory.kv_tokens for link in links if link.ready and link.info is not None
+            ),
+            memory=next(
+                (
+                    link.info.memory
+                    for link in links
+                    if link.info is not None and link.info.HasField("memory")
+                ),
+                None,
+            ),
         )
 
     def free_credits(self) -> int:

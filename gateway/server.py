@@ -146,6 +146,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     fallback_model=route.fallback,
                     queued_requests=status.queued_requests,
                     fallback_enabled=bool(route.fallback) and route.fallback_enabled,
+                    kv_cache_tokens=status.kv_cache_tokens,
+                    memory=status.memory,
                 )
             )
         tenants = self._pipeline.tenants.status()

@@ -1,5 +1,5 @@
 """Translation between the worker's wire types and the engine's: sampling parameters, finish reasons,
-token updates, priorities and the continuation of a request another worker started.
+token updates, priorities, the continuation of a request another worker started, and the memory budget.
 
 The proto leaves some sampling fields unset to mean "off"; this module fills the engine's defaults
 for them and rejects what the gateway must always fill. A submission with `prior_output_ids` (a
@@ -18,6 +18,7 @@ from strata.v1 import common_pb2, worker_pb2
 
 if TYPE_CHECKING:
     from services.worker.engine.sequence import StepOutput
+    from services.worker.memory_budget import MemoryBudget
 
 FINISH_REASONS: dict[FinishReason, common_pb2.FinishReason.ValueType] = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
@@ -106,4 +107,23 @@ def ended_update(
         output_tokens=output_tokens,
         queue_ms=queue_ms,
         forward_ms=forward_ms,
+    )
+
+
+def memory_budget(budget: MemoryBudget) -> common_pb2.MemoryBudget:
+    """The budget as GetWorkerInfo (and through the gateway, ListModels) reports it."""
+    parts = budget.parts()
+    return common_pb2.MemoryBudget(
+        limit_bytes=parts["limit"],
+        limit_source=budget.limit.source,
+        memory_utilization=budget.memory_utilization,
+        budget_bytes=parts["budget"],
+        weights_bytes=parts["weights"],
+        runtime_bytes=parts["runtime"],
+        activation_peak_bytes=parts["activations"],
+        kv_cache_bytes=parts["kv_cache"],
+        kv_blocks=budget.num_blocks,
+        kv_tokens=budget.kv_tokens,
+        largest_context=budget.largest_context,
+        sized_by=budget.sized_by,
     )

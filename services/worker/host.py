@@ -1,10 +1,12 @@
 """The worker's engine host: loads the one model, warms it up, and shares it between Connect streams.
 
-It resolves device and dtype from the settings, builds the engine on its step thread, proves it with
-a one-token generation before declaring itself ready, and owns what every stream shares: the
-credits (a request takes one in `accept`, after the one check of its parameters and id, and gives it
-back in `finished`), the map from engine request ids to the stream that owns each, and the drain on
-shutdown. Streams reach it only through the StreamHost protocol (connection.py).
+It resolves device and dtype from the settings, builds the engine on its step thread (which sizes its
+KV cache from the memory budget: the host logs the budget and publishes it in metrics and
+GetWorkerInfo), proves it with a one-token generation before declaring itself ready, and owns what
+every stream shares: the credits (a request takes one in `accept`, after the one check of its
+parameters and id, and gives it back in `finished`), the map from engine request ids to the stream
+that owns each, and the drain on shutdown.
+Streams reach it only through the StreamHost protocol (connection.py).
 Each engine step it hands every stream its outputs, then every stream its credits, so no stream
 reads credits that another stream's finished requests are about to free. This module must not
 speak gRPC (server.py does) nor build stream messages (connection.py does).
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.worker.connection import Connection
+from services.worker.convert import memory_budget
 from services.worker.credits import CreditPool
 from services.worker.device_memory import device_memory_bytes
 from services.worker.engine.async_engine import AsyncEngine, EngineDeadError
@@ -110,6 +113,9 @@ class WorkerHost:
         try:
             self.fingerprint = await asyncio.to_thread(tokenizer_fingerprint, self.settings.model_path)
             await self.engine.start()
+            budget = self.engine.engine.memory
+            log.info("%s", budget.describe())
+            self.metrics.set_memory(budget)
             self.engine.add_step_listener(self._on_step, self._on_failure)
             await self._warm_up()
         except asyncio.CancelledError:
@@ -285,6 +291,7 @@ class WorkerHost:
             engine = self.engine.engine
             info.max_model_len = engine.max_model_len
             info.eos_token_ids.extend(engine.model_config.eos_token_ids)
+            info.memory.CopyFrom(memory_budget(engine.memory))
         return info
 
     def stats(self) -> worker_pb2.GetWorkerStatsResponse:

@@ -3,9 +3,9 @@
 `EngineMetrics` reads the batch-size, running, waiting, KV-usage, device-memory and prefix-cache
 gauges from the engine's latest snapshot when Prometheus scrapes, and, as a step listener, observes
 each step's time, counts the tokens it computed, and moves the prefix cache's counters (queried and
-hit prompt blocks, whose ratio is the hit rate, and evictions) by what the step added.
-Rejected submissions are counted by code where connection.py rejects them. This module must not
-decide anything nor touch gRPC.
+hit prompt blocks, whose ratio is the hit rate, and evictions) by what the step added; the memory
+budget's parts are set once, when the engine is built. Rejected submissions are counted by code
+where connection.py rejects them. This module must not decide anything nor touch gRPC.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from services.worker.engine.async_engine import StepReport
     from services.worker.engine.engine import EngineStats
+    from services.worker.memory_budget import MemoryBudget
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
@@ -34,6 +35,12 @@ DEVICE_MEMORY = Gauge(
     "strata_device_memory_bytes",
     "Device memory in use: CUDA allocations on a GPU, the process's resident memory on the CPU.",
     ["model", "device"],
+)
+MEMORY_BUDGET = Gauge(
+    "strata_memory_budget_bytes",
+    "The worker's memory plan at start, by part: limit (what it may use), budget (memory_utilization of "
+    "it), weights, runtime, activations (the measured peak of the largest step) and kv_cache.",
+    ["model", "part"],
 )
 STEP_SECONDS = Histogram(
     "strata_engine_step_seconds", "Wall time of one engine step.", ["model"], buckets=STEP_BUCKETS
@@ -87,6 +94,10 @@ class EngineMetrics:
         )
         self._counted = (0, 0, 0)
         """The prefix cache's (query blocks, hit blocks, evictions) already added to the counters."""
+
+    def set_memory(self, budget: MemoryBudget) -> None:
+        for part, size in budget.parts().items():
+            MEMORY_BUDGET.labels(self._model, part).set(size)
 
     def _read(self, field: Callable[[EngineStats], float]) -> float:
         stats = self._snapshot()

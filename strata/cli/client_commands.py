@@ -189,14 +189,15 @@ def _models(args: argparse.Namespace) -> int:
             reply = client.list_models(timeout=args.timeout)
         except grpc.RpcError as error:
             return _rpc_failed(error)
-    rows = [("MODEL", "CONTEXT", "WORKERS", "FALLBACK")]
+    rows = [("MODEL", "CONTEXT", "KV TOKENS", "WORKERS", "FALLBACK")]
     for model in reply.models:
         name = model.name + (" *" if model.name == reply.default_model else "")
         workers = f"{model.ready_workers}/{model.configured_workers} ready"
-        rows.append((name, str(model.max_model_len), workers, model.fallback_model or "-"))
-    widths = [max(len(row[column]) for row in rows) for column in range(3)]
+        kv = str(model.kv_cache_tokens)
+        rows.append((name, str(model.max_model_len), kv, workers, model.fallback_model or "-"))
+    widths = [max(len(row[column]) for row in rows) for column in range(4)]
     for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)) + "  " + row[3])
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)) + "  " + row[4])
     print("(* the default model)")
     if len(reply.tenants) > 1 or any(t.running or t.queued for t in reply.tenants):
         print()

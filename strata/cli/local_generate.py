@@ -31,6 +31,7 @@ async def _stream(
     from transformers import AutoTokenizer
 
     from services.worker.engine.async_engine import AsyncEngine
+    from services.worker.engine.config import EngineConfig
     from services.worker.engine.engine import LLMEngine
     from services.worker.engine.params import SamplingParams
 
@@ -40,7 +41,9 @@ async def _stream(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
     prompt_ids: list[int] = tokenizer.encode(prompt, add_special_tokens=False)
-    engine = AsyncEngine(lambda: LLMEngine.from_model_dir(model_dir))
+    # One request: a cache and a profiled step for one sequence, not for a server's 64.
+    config = EngineConfig(max_num_seqs=1)
+    engine = AsyncEngine(lambda: LLMEngine.from_model_dir(model_dir, config))
     await engine.start()
     try:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)

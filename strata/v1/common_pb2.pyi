@@ -232,3 +232,71 @@ class Timing(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Timing: _TypeAlias = Timing  # noqa: Y015
+
+@_typing.final
+class MemoryBudget(_message.Message):
+    """How a model worker spends its memory, as it measured and planned it at start."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LIMIT_BYTES_FIELD_NUMBER: _builtins.int
+    LIMIT_SOURCE_FIELD_NUMBER: _builtins.int
+    MEMORY_UTILIZATION_FIELD_NUMBER: _builtins.int
+    BUDGET_BYTES_FIELD_NUMBER: _builtins.int
+    WEIGHTS_BYTES_FIELD_NUMBER: _builtins.int
+    RUNTIME_BYTES_FIELD_NUMBER: _builtins.int
+    ACTIVATION_PEAK_BYTES_FIELD_NUMBER: _builtins.int
+    KV_CACHE_BYTES_FIELD_NUMBER: _builtins.int
+    KV_BLOCKS_FIELD_NUMBER: _builtins.int
+    KV_TOKENS_FIELD_NUMBER: _builtins.int
+    LARGEST_CONTEXT_FIELD_NUMBER: _builtins.int
+    SIZED_BY_FIELD_NUMBER: _builtins.int
+    limit_bytes: _builtins.int
+    """The most memory the worker may hold, in bytes: the smallest of the machine's available memory and
+    its cgroup limit on the CPU, of the device's total and free memory on a GPU.
+    """
+    limit_source: _builtins.str
+    """Which ceiling limit_bytes is, e.g. "cgroup v2 memory.max of /" or "machine available memory"."""
+    memory_utilization: _builtins.float
+    """The fraction of limit_bytes the worker plans to use in all (engine.memory_utilization)."""
+    budget_bytes: _builtins.int
+    """memory_utilization times limit_bytes."""
+    weights_bytes: _builtins.int
+    """The model's weights."""
+    runtime_bytes: _builtins.int
+    """The rest of the process before its first step: interpreter, libraries, allocator."""
+    activation_peak_bytes: _builtins.int
+    """The measured peak above that while the largest step the settings allow ran."""
+    kv_cache_bytes: _builtins.int
+    """The KV cache."""
+    kv_blocks: _builtins.int
+    """KV cache blocks."""
+    kv_tokens: _builtins.int
+    """Tokens the KV cache holds (kv_blocks times the block size)."""
+    largest_context: _builtins.int
+    """The longest request the cache holds alone, in tokens."""
+    sized_by: _builtins.str
+    """What set the cache's size: "memory_utilization", "num_blocks" or "kv_cache_memory_bytes"."""
+    def __init__(
+        self,
+        *,
+        limit_bytes: _builtins.int = ...,
+        limit_source: _builtins.str = ...,
+        memory_utilization: _builtins.float = ...,
+        budget_bytes: _builtins.int = ...,
+        weights_bytes: _builtins.int = ...,
+        runtime_bytes: _builtins.int = ...,
+        activation_peak_bytes: _builtins.int = ...,
+        kv_cache_bytes: _builtins.int = ...,
+        kv_blocks: _builtins.int = ...,
+        kv_tokens: _builtins.int = ...,
+        largest_context: _builtins.int = ...,
+        sized_by: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["activation_peak_bytes", b"activation_peak_bytes", "budget_bytes", b"budget_bytes", "kv_blocks", b"kv_blocks", "kv_cache_bytes", b"kv_cache_bytes", "kv_tokens", b"kv_tokens", "largest_context", b"largest_context", "limit_bytes", b"limit_bytes", "limit_source", b"limit_source", "memory_utilization", b"memory_utilization", "runtime_bytes", b"runtime_bytes", "sized_by", b"sized_by", "weights_bytes", b"weights_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MemoryBudget: _TypeAlias = MemoryBudget  # noqa: Y015

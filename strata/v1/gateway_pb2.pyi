@@ -343,6 +343,8 @@ class ModelInfo(_message.Message):
     FALLBACK_MODEL_FIELD_NUMBER: _builtins.int
     QUEUED_REQUESTS_FIELD_NUMBER: _builtins.int
     FALLBACK_ENABLED_FIELD_NUMBER: _builtins.int
+    KV_CACHE_TOKENS_FIELD_NUMBER: _builtins.int
+    MEMORY_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The name to put in GenerateRequest.model."""
     max_model_len: _builtins.int
@@ -359,6 +361,12 @@ class ModelInfo(_message.Message):
     """Requests waiting in this route's admission queue."""
     fallback_enabled: _builtins.bool
     """Whether this route currently uses its fallback (false when it has none or fallback is off)."""
+    kv_cache_tokens: _builtins.int
+    """Tokens the KV caches of the route's ready workers hold together."""
+    @_builtins.property
+    def memory(self) -> _common_pb2.MemoryBudget:
+        """The memory budget of one of the route's workers (the first that reported one)."""
+
     def __init__(
         self,
         *,
@@ -370,10 +378,12 @@ class ModelInfo(_message.Message):
         fallback_model: _builtins.str = ...,
         queued_requests: _builtins.int = ...,
         fallback_enabled: _builtins.bool = ...,
+        kv_cache_tokens: _builtins.int = ...,
+        memory: _common_pb2.MemoryBudget | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["memory", b"memory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["configured_workers", b"configured_workers", "fallback_enabled", b"fallback_enabled", "fallback_model", b"fallback_model", "max_model_len", b"max_model_len", "name", b"name", "queued_requests", b"queued_requests", "ready_workers", b"ready_workers", "tokenizer_fingerprint", b"tokenizer_fingerprint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["configured_workers", b"configured_workers", "fallback_enabled", b"fallback_enabled", "fallback_model", b"fallback_model", "kv_cache_tokens", b"kv_cache_tokens", "max_model_len", b"max_model_len", "memory", b"memory", "name", b"name", "queued_requests", b"queued_requests", "ready_workers", b"ready_workers", "tokenizer_fingerprint", b"tokenizer_fingerprint"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

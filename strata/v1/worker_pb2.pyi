@@ -448,6 +448,7 @@ class GetWorkerInfoResponse(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
+    MEMORY_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model name."""
     tokenizer_fingerprint: _builtins.str
@@ -464,6 +465,10 @@ class GetWorkerInfoResponse(_message.Message):
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The end-of-sequence token ids the engine stops at."""
 
+    @_builtins.property
+    def memory(self) -> _common_pb2.MemoryBudget:
+        """How the worker's memory is spent: the limit it found, weights, activation peak, KV cache."""
+
     def __init__(
         self,
         *,
@@ -474,10 +479,11 @@ class GetWorkerInfoResponse(_message.Message):
         eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         device: _builtins.str = ...,
         dtype: _builtins.str = ...,
+        memory: _common_pb2.MemoryBudget | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["memory", b"memory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "max_model_len", b"max_model_len", "max_requests", b"max_requests", "model", b"model", "tokenizer_fingerprint", b"tokenizer_fingerprint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "max_model_len", b"max_model_len", "max_requests", b"max_requests", "memory", b"memory", "model", b"model", "tokenizer_fingerprint", b"tokenizer_fingerprint"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

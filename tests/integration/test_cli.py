@@ -105,7 +105,8 @@ def test_models_lists_the_route(gateway: str) -> None:
     done = strata("models", "--address", gateway)
     assert done.returncode == 0, done.stderr
     row = next(line for line in done.stdout.splitlines() if line.startswith("tiny"))
-    assert row.split()[:5] == ["tiny", "*", "256", "1/1", "ready"]
+    # KV TOKENS: the tiny config's 128 blocks of 16 tokens.
+    assert row.split()[:6] == ["tiny", "*", "256", "2048", "1/1", "ready"]
 
 
 def test_address_comes_from_the_environment(gateway: str) -> None:

@@ -76,5 +76,7 @@ def test_real_model_16_concurrent_prompts_match_generate(real_model_dir: Path) -
         )
         for q in questions
     ] + [tokenizer.encode(p) for p in plain]
-    config = EngineConfig(max_num_batched_tokens=64, max_num_seqs=16)
+    # A fixed 512 MiB cache: sized from memory, this in-process engine would take most of a shared
+    # test machine's free memory for 16 short prompts.
+    config = EngineConfig(max_num_batched_tokens=64, max_num_seqs=16, kv_cache_memory_bytes=512 * 2**20)
     _check_engine_against_hf(real_model_dir, prompts, 32, config)

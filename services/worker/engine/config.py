@@ -28,9 +28,13 @@ class EngineConfig(BaseModel):
     block_size: int = 16
     """Tokens per KV cache block."""
     num_blocks: int | None = None
-    """KV cache blocks; None lets the runner size the cache from kv_cache_memory_bytes."""
-    kv_cache_memory_bytes: int = 512 * 1024 * 1024
-    """Memory the runner may give the KV cache when num_blocks is None."""
+    """KV cache blocks; None sizes the cache from kv_cache_memory_bytes, or else memory_utilization."""
+    kv_cache_memory_bytes: int | None = None
+    """Bytes of KV cache when num_blocks is None; None sizes the cache from memory_utilization."""
+    memory_utilization: float = 0.8
+    """Fraction of the memory the worker may use (the smallest of the machine's available memory and
+    its cgroup limit, or the GPU's) that it plans to use in all: weights, the measured peak of the
+    largest step, and a KV cache of what is left. Workers sharing one machine split it between them."""
     max_num_seqs: int = 64
     """Most sequences running at once."""
     max_num_batched_tokens: int = 512
@@ -73,7 +77,23 @@ class EngineConfig(BaseModel):
             raise _invalid("num_blocks", value, "must be >= 1, or unset to size it from memory", "1024")
         return value
 
-    @field_validator("kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens", "shed_recovery_steps")
+    @field_validator("kv_cache_memory_bytes")
+    @classmethod
+    def _bytes_or_auto(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise _invalid(
+                "kv_cache_memory_bytes", value, "must be >= 1, or unset to size it from memory", "536870912"
+            )
+        return value
+
+    @field_validator("memory_utilization")
+    @classmethod
+    def _fraction(cls, value: float) -> float:
+        if not 0 < value <= 1:
+            raise _invalid("memory_utilization", value, "must be in (0, 1]", "0.8")
+        return value
+
+    @field_validator("max_num_seqs", "max_num_batched_tokens", "shed_recovery_steps")
     @classmethod
     def _positive(cls, value: int, info: ValidationInfo) -> int:
         if value < 1:

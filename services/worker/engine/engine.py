@@ -18,7 +18,8 @@ import torch
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.faults import FaultInjector, SimulatedOutOfMemoryError
-from services.worker.engine.model_runner import ModelRunner, blocks_for_budget
+from services.worker.engine.memory_profile import explicit_num_blocks, size_kv_cache
+from services.worker.engine.model_runner import ModelRunner
 from services.worker.engine.params import InvalidRequestError, SamplingParams
 from services.worker.engine.scheduler import Scheduler, SchedulerStats
 from services.worker.engine.sequence import FinishReason, Sequence, StepOutput
@@ -28,6 +29,7 @@ from strata.fingerprint import weights_fingerprint
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from services.worker.memory_budget import MemoryBudget
     from services.worker.model.config import ModelConfig
     from services.worker.model.loader import LoadedModel
 
@@ -60,11 +62,21 @@ class LLMEngine:
         self.config = config
         self.model_config: ModelConfig = loaded.config
         self.max_model_len = config.resolve_max_model_len(loaded.config.max_position_embeddings)
-        num_blocks = config.num_blocks or blocks_for_budget(
-            loaded, config.block_size, config.kv_cache_memory_bytes
-        )
-        # One full-length request must always fit, or preemption could loop forever.
-        self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
+        explicit = explicit_num_blocks(loaded, config)
+        if explicit and explicit * config.block_size < self.max_model_len:
+            # One full-length request must always fit, or preemption could loop forever: an explicit
+            # cache smaller than the context shrinks the context (a budget that small refuses to start).
+            log.warning(
+                "the explicit KV cache holds %d tokens, less than max_model_len=%d: requests are "
+                "limited to %d tokens",
+                explicit * config.block_size,
+                self.max_model_len,
+                explicit * config.block_size,
+            )
+            self.max_model_len = explicit * config.block_size
+        # Before the cache exists: the largest step is measured, and the cache gets what is left.
+        self.memory: MemoryBudget = size_kv_cache(loaded, config, self.max_model_len)
+        num_blocks = self.memory.num_blocks
         self.runner = ModelRunner(loaded, num_blocks, config.block_size, use_cuda_graphs=config.cuda_graphs)
         self.block_manager = BlockManager(
             num_blocks,

@@ -21,12 +21,6 @@ if TYPE_CHECKING:
     from services.worker.model.loader import LoadedModel
 
 
-def blocks_for_budget(loaded: LoadedModel, block_size: int, memory_bytes: int) -> int:
-    """How many KV blocks of `block_size` tokens fit in `memory_bytes` for this model."""
-    per_block = KVCache.bytes_per_block(loaded.config, block_size, loaded.dtype)
-    return memory_bytes // per_block
-
-
 class ModelRunner:
     """Runs scheduled batches of one model; one instance per engine, used from one thread."""
 
