@@ -2,37 +2,38 @@
 
 A request passes one door per route. `Route.enqueue` decides at once, without awaiting anything:
 UNAVAILABLE when no link is ready, DEADLINE_EXCEEDED when the deadline already passed, a Refused
-(RESOURCE_EXHAUSTED with the reason and the forecast wait as retry hint) when the queue is full or the
-forecast time to first token (forecast.py) exceeds the deadline or `ttft_slo_share` of the SLO, else a
-Slot in the bounded queue. Admission is a promise: an admitted request must meet the SLO, so the forecast
-counts every request as running to its max_new_tokens and the share keeps a margin. The caller tokenizes
-while it waits, then awaits `Slot.granted`. The dispatcher runs whenever a link's credits or readiness
-change (each worker message carries credits) and when a slot arrives: it grants the waiting slots in
-priority order, each grant taking one credit (credits.py), so a worker is never sent more than it
-accepts, on the link prefix_routing.py chooses: the replica the prompt's prefix hashes to while it is
-within the load bound, else the ready link with the most credit. A slot is usually granted before its
-prompt is tokenized (a credit was free at once); once tokenized, `set_prompt` moves its unsent credit
-to the prefix's replica when that is another with a credit free. With fair queuing on, a request whose
-tenant holds less than its weighted share of a link's open work is sent favoured (`worker_priority`),
-and the worker prefills it before the rest of its priority. Slots granted in one pass are submitted in
-one event-loop tick and so share one ConnectRequest. A slot whose deadline passes while it waits leaves
-the queue with DEADLINE_EXCEEDED (nothing was sent to a worker); a released one leaves it too. This
-module must not talk to workers (worker_link.py) nor find them (discovery.py) nor validate requests.
+(RESOURCE_EXHAUSTED with the reason and the forecast wait as retry hint) when admission_judge.py says
+the queue is full or the forecast time to first token exceeds the deadline or `ttft_slo_share` of the
+SLO, else a Slot in the bounded queue. Admission is a promise: an admitted request must meet the SLO, so
+the forecast counts every request as running to its max_new_tokens and the share keeps a margin. The
+caller tokenizes while it waits, then awaits `Slot.granted`. The dispatcher runs whenever a link's
+credits or readiness change (each worker message carries credits) and when a slot arrives: it grants the
+waiting slots in priority order, each grant taking one credit (credits.py), so a worker is never sent
+more than it accepts, on the link prefix_routing.py chooses: the replica the prompt's prefix hashes to
+while it is within the load bound, else the ready link with the most credit. A slot is usually granted
+before its prompt is tokenized (a credit was free at once); once tokenized, `set_prompt` moves its
+unsent credit to the prefix's replica when that is another with a credit free. With fair queuing on, a
+request whose tenant holds less than its weighted share of a link's open work is sent favoured
+(`worker_priority`), and the worker prefills it before the rest of its priority. Slots granted in one
+pass are submitted in one event-loop tick and so share one ConnectRequest. A slot whose deadline passes
+while it waits leaves the queue with DEADLINE_EXCEEDED (nothing was sent to a worker); a released one
+leaves it too. This module must not talk to workers (worker_link.py) nor find them (discovery.py) nor
+validate requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gateway.admission import Priority, PromptEstimate, Refused, Ticket
+from gateway.admission import Priority, Refused, Ticket
+from gateway.admission_judge import AdmissionJudge
 from gateway.admission_queue import AdmissionQueue
 from gateway.credits import Slot
 from gateway.discovery import Discovery, resolve
 from gateway.errors import DeadlineExceeded, Unavailable
-from gateway.forecast import Forecast, LinkView, forecast
 from gateway.metrics import ADMISSION_DECISION_SECONDS, REJECTIONS
 from gateway.prefix_routing import Ring, choose, prefix_key
 
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from gateway.discovery import Resolver
+    from gateway.forecast import Forecast
     from gateway.prefix_routing import Choice
     from gateway.settings import GatewaySettings, RouteSettings
     from gateway.worker_link import WorkerLink
@@ -88,7 +90,7 @@ class Route:
         weights = {tenant.name: tenant.weight for tenant in gateway.tenants}
         self._weight = (lambda tenant: weights.get(tenant, 1.0)) if gateway.fair_queuing else None
         self._queue = AdmissionQueue(settings.max_queued_requests, settings.max_queued_tokens, self._weight)
-        self._prompts = PromptEstimate()
+        self._judge = AdmissionJudge(settings, self._queue, self.worker_priority)
         self._ring = Ring(())
         self._discovery = Discovery(
             settings,
@@ -172,82 +174,20 @@ class Route:
 
     def forecast(self, ticket: Ticket) -> Forecast | None:
         """When `ticket` would start and get its first token, queued now; None before any step report."""
-        return self._forecast_on(ticket, [link for link in self.links if link.ready and not link.leaving])
+        return self._judge.forecast(ticket, self._ready_links())
 
     def _forecast_for(self, ticket: Ticket, key: int | None) -> Forecast | None:
         """The forecast on the replica `key` would be sent to now; the route's without a key."""
         if key is not None:
             choice = self._choose_key(key)
             if choice is not None:
-                return self._forecast_on(ticket, [choice.replica])
+                return self._judge.forecast(ticket, [choice.replica])
         return self.forecast(ticket)
-
-    def _forecast_on(self, ticket: Ticket, links: list[WorkerLink]) -> Forecast | None:
-        views = [
-            LinkView(
-                link.load,
-                link.load.slots(link.credits.limit),
-                link.free_credits,
-                [
-                    self._sized(slot.ticket, slot.tokens if slot.exact else None)
-                    for slot in link.credits.unsent
-                ],
-                self.worker_priority(ticket.priority, ticket.tenant, link),
-            )
-            for link in links
-        ]
-        ahead = [
-            self._sized(slot.ticket, slot.tokens if slot.exact else None)
-            for slot in self._queue.ahead_slots(ticket)
-        ]
-        return forecast(views, ahead, self._sized(ticket, None))
-
-    def _sized(self, ticket: Ticket, exact: int | None) -> Ticket:
-        """`ticket` as the forecast prices it: its exact prompt size when tokenized, else the size its
-        bound likely has (PromptEstimate)."""
-        tokens = exact if exact is not None else self._prompts.expected(ticket.prompt_tokens)
-        return replace(ticket, prompt_tokens=tokens)
 
     def saturation(self, ticket: Ticket) -> str | None:
         """Why the route cannot take `ticket` now within its SLO or deadline; None when it can."""
-        found = self._saturated(ticket, self.forecast(ticket))
+        found = self._judge.refusal(ticket, self.forecast(ticket), self.free_credits(), self.links)
         return found[1] if found is not None else None
-
-    def _saturated(self, ticket: Ticket, predicted: Forecast | None) -> tuple[str, str, float | None] | None:
-        """(reason, text, retry hint) when `ticket` would be refused now; None when it is admitted."""
-        wait = predicted.start_s if predicted is not None and predicted.start_s > 0 else None
-        at_once = self._queue.ahead(ticket) == 0 and self.free_credits() > 0
-        if not at_once:
-            fit = self._queue.victims(ticket)
-            if isinstance(fit, tuple):
-                return fit[0], fit[1], wait
-        slo_s = self.settings.ttft_slo_ms / 1000.0
-        if predicted is None:
-            if at_once or slo_s <= 0:
-                return None  # it starts now, and its steps will make the first forecast
-            text = (
-                "no worker has reported a step yet to forecast a wait from: only requests that start at once"
-            )
-            return "ttft_slo", text, None
-        ttft = predicted.ttft_s
-        remaining = ticket.remaining_s(time.monotonic())
-        if remaining is not None and ttft > remaining:
-            text = (
-                f"the remaining deadline {max(0.0, remaining):.2f} s is shorter than the forecast wait "
-                f"for a first token, {ttft:.2f} s"
-            )
-            return "predicted_wait", text, wait
-        # An idle worker's step time may be old: a request it can take at once is admitted, and its
-        # steps bring the forecast up to date.
-        idle = all(link.load.open_requests == 0 for link in self.links)
-        limit_s = slo_s * self.settings.ttft_slo_share
-        if slo_s > 0 and not (at_once and idle) and ttft > limit_s:
-            text = (
-                f"forecast time to first token {ttft:.2f} s exceeds {limit_s:.2f} s "
-                f"({self.settings.ttft_slo_share:g} of the SLO {slo_s:.1f} s)"
-            )
-            return "ttft_slo", text, wait
-        return None
 
     def enqueue(self, ticket: Ticket, prompt_ids: list[int] | None = None) -> Slot:
         """Decide at once: a Slot in the queue (granted at once when a credit is free), or raise Refused,
@@ -261,7 +201,7 @@ class Route:
             raise Unavailable(self.unavailable_reason())
         key = prefix_key(ticket.tenant, prompt_ids or [], self.settings.prefix_routing_tokens)
         predicted = self._forecast_for(ticket, key)
-        saturated = self._saturated(ticket, predicted)
+        saturated = self._judge.refusal(ticket, predicted, self.free_credits(), self.links)
         if saturated is not None:
             reason, text, wait = saturated
             REJECTIONS.labels(self.name, reason).inc()
@@ -283,7 +223,7 @@ class Route:
         return slot
 
     def set_tokens(self, slot: Slot, tokens: int) -> None:
-        self._prompts.observe(slot.ticket.prompt_tokens, tokens)
+        self._judge.prompts.observe(slot.ticket.prompt_tokens, tokens)
         self._queue.set_tokens(slot, tokens)
 
     def set_prompt(self, slot: Slot, prompt_ids: list[int]) -> None:
@@ -307,7 +247,7 @@ class Route:
         slot.route_reason, slot.preferred = choice.reason, choice.preferred
         if chosen is not link:
             slot.move(chosen)
-            slot.forecast = self._forecast_on(slot.ticket, [chosen]) or slot.forecast
+            slot.forecast = self._judge.forecast(slot.ticket, [chosen]) or slot.forecast
 
     def withdraw(self, slot: Slot) -> None:
         """A released slot that was never granted leaves the queue (if still in it)."""
@@ -360,8 +300,11 @@ class Route:
         """The ready link for `slot` (by its prefix when known); None when no link has a credit."""
         return self._choose_key(slot.prefix_key)
 
+    def _ready_links(self) -> list[WorkerLink]:
+        return [link for link in self.links if link.ready and not link.leaving]
+
     def _choose_key(self, key: int | None) -> Choice[WorkerLink] | None:
-        links = [link for link in self.links if link.ready and not link.leaving]
+        links = self._ready_links()
         addresses = tuple(sorted(link.address for link in links))
         if addresses != self._ring.addresses:
             self._ring = Ring(addresses)

@@ -23,8 +23,11 @@ if TYPE_CHECKING:
 
     from strata.v1 import gateway_pb2
 
+# 16 prompts: the ring's points depend on the workers' OS-given ports, so 4 prompts would all land on
+# one replica in 1 run of 8; 16 do in 1 of 32,768.
 SYSTEMS = [
-    f"System {name}: " + f"you answer questions about {name} briefly and kindly. " * 2 for name in "ABCD"
+    f"System {name}: " + f"you answer questions about {name} briefly and kindly. " * 2
+    for name in "ABCDEFGHIJKLMNOP"
 ]
 WAIT_S = 60.0
 
@@ -40,17 +43,17 @@ async def _worker_hits(address: str) -> tuple[int, int]:
 
 
 def test_requests_sharing_a_prefix_reach_the_worker_that_cached_it(tiny_serving_dir: Path) -> None:
-    """4 system prompts x 4 requests, one at a time, over 2 workers: every request after the first
-    of its prompt is served that prompt's blocks from cache, so the two workers together hit 12 of
-    16 requests' prefixes; with prefix routing off (least loaded), the replica with the most credit
-    takes each and hits follow only from where the load put them."""
+    """16 system prompts x 3 requests, one at a time, over 2 workers that both serve some: every
+    request after the first of its prompt is served that prompt's blocks from cache, so the two
+    workers together hit 32 of 48 requests' prefixes: with both replicas in use, that holds only if
+    each prompt keeps to the replica that cached it."""
 
     async def main() -> list[gateway_pb2.GenerateResponse]:
         async with tiny_stack(tiny_serving_dir, replicas=2) as stack:
             async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
                 stub = gateway_pb2_grpc.GatewayStub(channel)
                 answers = []
-                for turn in range(4):
+                for turn in range(3):
                     for system in SYSTEMS:
                         prompt = f"{system} Question {turn}?"
                         answers.append(await stub.Generate(request(prompt, 4), timeout=WAIT_S))
