@@ -2,7 +2,9 @@
 
 This module owns the per-step attention metadata (built once per engine step, shared by every
 layer) and the attention backend interface with its portable implementation: `TorchAttention`
-gathers each sequence's blocks and calls torch's scaled_dot_product_attention, on CPU or CUDA. A
+attends decodes in place on the CPU in float32 (the native kernel of csrc/paged_attention.cpp reads
+each sequence's blocks where they lie), and elsewhere gathers each sequence's blocks and calls
+torch's scaled_dot_product_attention, on CPU or CUDA, as it does for prefill chunks. A
 fused paged-attention GPU kernel replaces it by implementing `AttentionBackend` against the same
 metadata. It must not decide which blocks a sequence owns (the engine does) nor touch weights.
 
@@ -18,6 +20,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from services.worker.model import native
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +217,10 @@ class TorchAttention:
         heads = q.shape[1]
         parts: list[Tensor] = []
         decodes = meta.num_decodes
-        if meta.decode_block_ids is not None:
+        kernels = native.library() if decodes and _reads_in_place(q, key_cache) else None
+        if kernels is not None:
+            parts.append(_paged_decode(kernels, q[:decodes], key_cache, value_cache, meta, scale))
+        elif meta.decode_block_ids is not None:
             # GQA without copying K/V per query head: each kv head's query-head group becomes the
             # query-length axis of one SDPA row, which the [B, 1, 1, L] padding mask broadcasts over.
             key_rows, value_rows = self._buffers(key_cache, meta.decode_block_ids.shape[0])
@@ -245,6 +252,48 @@ class TorchAttention:
             parts.append(attended[0].transpose(0, 1).reshape(-1, heads * head_dim))
         # A decode-only or single-prefill step (the common cases) needs no concatenation copy.
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _reads_in_place(q: Tensor, cache: Tensor) -> bool:
+    """Whether the native kernel can attend to this step's decodes: float32 on the CPU, dense heads."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == cache.dtype == torch.float32
+        and q.stride(2) == 1
+        and q.stride(1) == q.shape[2]
+        and cache.is_contiguous()
+    )
+
+
+def _paged_decode(
+    kernels: native.Library,
+    q: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> Tensor:
+    """The decodes' attention [decodes, heads * head_dim], reading their blocks where they lie."""
+    decodes, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = key_cache.shape
+    out = torch.empty(decodes, heads * head_dim, dtype=q.dtype)
+    kernels.paged_decode_attention(
+        q.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        meta.block_tables.data_ptr(),
+        meta.seq_lens.data_ptr(),
+        out.data_ptr(),
+        decodes,
+        q.stride(0),
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        meta.block_tables.shape[1],
+        scale,
+    )
+    return out
 
 
 def _gather(cache: Tensor, block_ids: Tensor, sequences: int, length: int, out: Tensor | None) -> Tensor:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from services.worker.model.rope import apply_rotary
+from services.worker.model.small_linear import project
 
 if TYPE_CHECKING:
     from services.worker.model.attention import AttentionBackend, AttentionMetadata
@@ -62,14 +63,14 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
         layer_cache: tuple[Tensor, Tensor],
     ) -> Tensor:
-        qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
+        qkv = project(self.qkv_proj, x).view(x.shape[0], -1, self.head_dim)
         rotated_heads = self.num_heads + self.num_kv_heads
         qk = apply_rotary(qkv[:, :rotated_heads], cos, sin)
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads :]
         v = qkv[:, rotated_heads:]
         out = self.backend.forward(q, k, v, layer_cache, meta, self.scale)
-        result: Tensor = self.o_proj(out)
+        result: Tensor = project(self.o_proj, out)
         return result
 
 
@@ -83,10 +84,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up = project(self.gate_up_proj, x)
         gate = gate_up[:, : self.intermediate_size]
         up = gate_up[:, self.intermediate_size :]
-        result: Tensor = self.down_proj(F.silu(gate) * up)
+        result: Tensor = project(self.down_proj, F.silu(gate) * up)
         return result
 
 

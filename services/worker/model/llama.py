@@ -12,12 +12,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from services.worker.model.attention import TorchAttention
 from services.worker.model.layers import LlamaDecoderLayer, RMSNorm
 from services.worker.model.rope import RotaryEmbedding
+from services.worker.model.small_linear import linear, project
 
 if TYPE_CHECKING:
     from services.worker.model.attention import AttentionBackend, AttentionMetadata
@@ -81,6 +81,5 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Project selected hidden rows [N, hidden] to float32 logits [N, vocab]."""
         if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        logits: Tensor = self.lm_head(hidden)
-        return logits.float()
+            return linear(hidden, self.embed_tokens.weight).float()
+        return project(self.lm_head, hidden).float()
