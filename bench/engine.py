@@ -35,6 +35,7 @@ from bench.baselines import (
     special_token_ids,
 )
 from bench.ceiling import CeilingResult, linear_ceiling, nominal_step_log
+from bench.physical_limit import ModelBytes, measure_machine, physical_limit
 from bench.stats import (
     PARITY_TOP2_GAP,
     add_workload_arguments,
@@ -249,6 +250,8 @@ def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     reference = naive.reference(checked, args.reference_batch)
     print("bench.engine: warm-up and parity check of every contestant", file=sys.stderr, flush=True)
     parity = {name: check_parity(run()[0], reference, args.tie_gap) for name, run in contestants.items()}
+    # The warm-up's schedule with the cached tokens each step attended to: the physical limit's input.
+    cached_tokens = list(engine.step_cached_tokens) if engine is not None else []
 
     # The ceiling replays the warm-up's engine schedule, and takes its turn in every round.
     schedule = (
@@ -264,6 +267,7 @@ def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         return [], ceilings[-1].seconds
 
     results = _rounds({**contestants, "ceiling": run_ceiling}, args.runs)
+    limit = _physical_limit(args, engine, schedule, cached_tokens)
     for name in contestants:
         for outputs, _ in results[name]:
             parity[name].merge(check_parity(outputs, reference, args.tie_gap))
@@ -284,6 +288,10 @@ def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         {
             "valid": parity_ok and not args.smoke,
             "smoke": args.smoke,
+            "physical_limit_tok_s": (
+                len(prompts) * args.new_tokens / limit["seconds"] if limit is not None else None
+            ),
+            "physical_limit": limit,
             "ceiling_schedule": "engine step log" if engine is not None else "nominal (no engine)",
             "ceiling_weights": "engine model (fused qkv, gate_up)" if engine is not None else "transformers",
             "ceiling_layer_seconds_by_m": ceilings[-1].layer_seconds_by_m,
@@ -321,6 +329,17 @@ def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         }
     )
     return record
+
+
+def _physical_limit(
+    args: argparse.Namespace, engine: Any, schedule: list[tuple[int, int]], cached_tokens: list[int]
+) -> dict[str, Any] | None:
+    """Bytes over bandwidth and FLOPs over matmul throughput for the engine's schedule (CPU only)."""
+    if engine is None or args.device != "cpu":
+        return None
+    element = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
+    steps = [(t, n, cached) for (t, n), cached in zip(schedule, cached_tokens, strict=True)]
+    return physical_limit(ModelBytes.of(engine.model_config, element), measure_machine(), steps)
 
 
 def main(argv: list[str] | None = None) -> int:
