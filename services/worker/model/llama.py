@@ -71,11 +71,15 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"{input_ids.shape[0]} input ids for a step of {meta.num_tokens} tokens")
         if cache.num_layers != len(self.layers):
             raise ValueError(f"the cache has {cache.num_layers} layers, the model {len(self.layers)}")
-        hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        residual = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, residual.dtype)
+        delta: Tensor | None = None
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, meta, cache.layer(index))
-        normed: Tensor = self.norm(hidden)
+            delta, residual = layer(delta, residual, cos, sin, meta, cache.layer(index))
+        if delta is None:  # a model without layers
+            only: Tensor = self.norm(residual)
+            return only
+        normed, _ = self.norm.add(delta, residual)
         return normed
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

@@ -7,7 +7,7 @@ for each call); and the entry points' signatures. No -march: each kernel carries
 instruction sets and picks one at run time from the CPU it runs on, not the build machine's.
 `python -m services.worker.model.native` builds it (make setup runs that); a missing build is
 compiled on first use; a machine without a compiler serves through torch's own operators after one
-warning; STRATA_NATIVE_KERNELS=off turns the kernels off (benchmarks compare both). It must not
+warning; STRATA_NATIVE_KERNELS=off in the environment (or set_enabled) turns them off. It must not
 decide when a kernel applies: small_linear.py and attention.py do.
 """
 
@@ -112,16 +112,32 @@ class Library:
         self.paged_decode_attention = library.strata_paged_decode_attention
         self.paged_decode_attention.restype = None
         self.paged_decode_attention.argtypes = [_P, _P, _P, _P, _P, _P, *([_I64] * 7), _F32]
+        self.rms_norm = library.strata_rms_norm
+        self.rms_norm.restype = None
+        self.rms_norm.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _F32]
+        self.rotary = library.strata_rotary
+        self.rotary.restype = None
+        self.rotary.argtypes = [_P, _P, _P, _I64, _I64, _I64, _I64]
 
 
 _library: Library | None = None
 _load_failed = False
+# Read once: library() runs several times per layer, and an environment lookup each time cost 3% of a
+# decode step at batch 1.
+_enabled = os.environ.get(_SWITCH_ENV, "on") != "off"
+
+
+def set_enabled(enabled: bool) -> bool:
+    """Turn the kernels on or off for this process (benchmarks compare both); returns the old state."""
+    global _enabled
+    previous, _enabled = _enabled, enabled
+    return previous
 
 
 def library() -> Library | None:
     """The loaded kernels, built on first use; None where turned off or (after one warning) unbuildable."""
     global _library, _load_failed
-    if os.environ.get(_SWITCH_ENV, "on") == "off":
+    if not _enabled:
         return None
     if _library is None and not _load_failed:
         try:

@@ -39,7 +39,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return F.linear(x, weight, bias)
     x = x.contiguous()
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-    bias_ptr = bias.contiguous().data_ptr() if bias is not None else None
+    # Held in a name so a contiguous copy outlives the call that reads it.
+    dense_bias = bias.contiguous() if bias is not None else None
+    bias_ptr = dense_bias.data_ptr() if dense_bias is not None else None
     kernels.small_linear(
         x.data_ptr(), weight.data_ptr(), bias_ptr, out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1]
     )
