@@ -88,6 +88,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="add a contestant `quantized`: the engine with these weights, held to no parity rule "
         "(quantization changes logits; tests/integration/test_fallback_model.py gates its quality)",
     )
+    p.add_argument(
+        "--compare-native",
+        action="store_true",
+        help="add a contestant `engine_torch_ops`: the same engine with the native CPU kernels off "
+        "(torch's F.linear, gathered SDPA, rms_norm and rotary), to measure what the kernels buy",
+    )
     p.add_argument("--smoke", action="store_true", help="allow --runs < 3; marks the record invalid")
     args = p.parse_args(argv)
     if args.runs < 3 and not args.smoke:
@@ -174,6 +180,20 @@ def _rounds(contestants: dict[str, Run], runs: int) -> dict[str, list[tuple[list
     return results
 
 
+def _without_native(run: Run) -> Run:
+    """The same run with the native CPU kernels switched off for its duration."""
+    from services.worker.model import native
+
+    def wrapped() -> tuple[list[list[int]], float]:
+        previous = native.set_enabled(False)
+        try:
+            return run()
+        finally:
+            native.set_enabled(previous)
+
+    return wrapped
+
+
 def _engine_run(
     engine: Any,
     prompts: list[list[int]],
@@ -232,6 +252,7 @@ def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         contestants["hf_cb"] = lambda: hf_cb.run(prompts)
     engine, engine_logs = None, list[list[tuple[int, int]]]()
     full_decode_rates: list[float] = []
+    torch_ops_decode_rates: list[float] = []
     if not args.skip_engine:
         from services.worker.engine.engine import LLMEngine
         from services.worker.engine.params import SamplingParams
@@ -239,6 +260,10 @@ def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         engine = LLMEngine.from_model_dir(model_dir, config=engine_config, device=args.device, dtype=dtype)
         params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
         contestants["engine"] = _engine_run(engine, prompts, params, engine_logs, full_decode_rates)
+        if args.compare_native:
+            contestants["engine_torch_ops"] = _without_native(
+                _engine_run(engine, prompts, params, [], torch_ops_decode_rates)
+            )
     quantized_decode_rates: list[float] = []
     if args.quantization and not args.skip_engine:
         quantized = LLMEngine.from_model_dir(
@@ -299,6 +324,9 @@ def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
             "engine_steps": len(schedule) if engine is not None else 0,
             "engine_full_batch_decode_tok_s": (
                 statistics.median(full_decode_rates) if full_decode_rates else None
+            ),
+            "engine_torch_ops_full_batch_decode_tok_s": (
+                statistics.median(torch_ops_decode_rates) if torch_ops_decode_rates else None
             ),
             "quantization": args.quantization,
             "quantized_full_batch_decode_tok_s": (

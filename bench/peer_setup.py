@@ -12,6 +12,7 @@ it must not time anything (bench/peer.py does).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -142,26 +143,45 @@ def converter_python(root: Path) -> Path:
     return python
 
 
+def _converter_view(root: Path, model_dir: Path) -> Path:
+    """The checkpoint as the converter's transformers (4.57) can read it: links to every file, and a
+    tokenizer_config.json whose tokenizer class is the generic fast one (transformers 5 writes
+    "TokenizersBackend", a class 4.57 lacks; tokenizer.json itself is unchanged)."""
+    view = root / "convert-input" / model_dir.name
+    view.mkdir(parents=True, exist_ok=True)
+    for item in model_dir.iterdir():
+        link = view / item.name
+        if item.name == "tokenizer_config.json":
+            settings = json.loads(item.read_text())
+            settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+            link.write_text(json.dumps(settings))
+        elif not link.exists():
+            link.symlink_to(item.resolve())
+    return view
+
+
 def convert(root: Path, source: Path, model_dir: Path, outtype: str) -> Path:
     """Our checkpoint as GGUF of `outtype` (f32 or q8_0), converted by llama.cpp's own script."""
     target = root / "gguf" / f"{model_dir.name}-{outtype}.gguf"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    _log(f"converting {model_dir} to {target.name}")
+    log = target.with_suffix(".log")
+    _log(f"converting {model_dir} to {target.name} (log: {log})")
     partial = target.with_suffix(".partial")
-    subprocess.run(
-        [
-            str(converter_python(root)),
-            str(source / "convert_hf_to_gguf.py"),
-            str(model_dir),
-            "--outtype",
-            outtype,
-            "--outfile",
-            str(partial),
-        ],
-        check=True,
-    )
+    command = [
+        str(converter_python(root)),
+        str(source / "convert_hf_to_gguf.py"),
+        str(_converter_view(root, model_dir)),
+        "--outtype",
+        outtype,
+        "--outfile",
+        str(partial),
+    ]
+    with log.open("w") as output:
+        done = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"bench.peer: converting to {outtype} failed: see {log}")
     partial.replace(target)
     return target
 
