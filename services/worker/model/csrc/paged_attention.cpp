@@ -27,6 +27,10 @@ struct Decode {
   float* out;            // [batch, heads, dim]
   int64_t q_stride, heads, kv_heads, dim, block_size, table_width;
   float scale;
+  const float* new_k;    // [batch, kv_heads, dim] rows new_stride apart, or null when already cached
+  const float* new_v;
+  int64_t new_stride;
+  const int64_t* slots;  // [batch] cache slot of each decode's new k/v
 };
 
 __attribute__((target("avx512f"))) float dot_avx512(const float* a, const float* b, int64_t n) {
@@ -79,6 +83,16 @@ void one_group(const Decode& d, const Ops& f, int64_t seq, int64_t kv_head, std:
   const int64_t len = d.lens[seq];
   const int64_t token_stride = d.kv_heads * d.dim;
   const int64_t* table = d.tables + seq * d.table_width;
+  if (d.new_k != nullptr) {
+    // This decode's own k/v go to the cache first (its last position), then it attends to them too.
+    const int64_t slot = d.slots[seq];
+    float* k_dst = const_cast<float*>(d.keys) + slot * token_stride + kv_head * d.dim;
+    float* v_dst = const_cast<float*>(d.values) + slot * token_stride + kv_head * d.dim;
+    const float* k_src = d.new_k + seq * d.new_stride + kv_head * d.dim;
+    const float* v_src = d.new_v + seq * d.new_stride + kv_head * d.dim;
+    std::copy(k_src, k_src + d.dim, k_dst);
+    std::copy(v_src, v_src + d.dim, v_dst);
+  }
   scores.resize(static_cast<size_t>(group * len));
   for (int64_t g = 0; g < group; ++g) {
     const float* q = d.q + seq * d.q_stride + (kv_head * group + g) * d.dim;
@@ -111,12 +125,16 @@ void one_group(const Decode& d, const Ops& f, int64_t seq, int64_t kv_head, std:
 extern "C" {
 
 // q [batch, heads, dim] with rows q_stride floats apart, caches [num_blocks, block_size, kv_heads, dim],
-// tables [batch, table_width] int64, lens [batch] int32, out [batch, heads, dim] contiguous.
-void strata_paged_decode_attention(const float* q, const float* keys, const float* values, const int64_t* tables,
+// tables [batch, table_width] int64, lens [batch] int32, out [batch, heads, dim] contiguous. With new_k
+// and new_v (rows new_stride floats apart) each decode's k/v are first written at slots[seq]; each
+// (sequence, kv head) task writes only its own head, so no two tasks touch the same bytes.
+void strata_paged_decode_attention(const float* q, float* keys, float* values, const int64_t* tables,
                                    const int32_t* lens, float* out, int64_t batch, int64_t q_stride, int64_t heads,
                                    int64_t kv_heads, int64_t dim, int64_t block_size, int64_t table_width,
-                                   float scale) {
-  const Decode d{q, keys, values, tables, lens, out, q_stride, heads, kv_heads, dim, block_size, table_width, scale};
+                                   float scale, const float* new_k, const float* new_v, int64_t new_stride,
+                                   const int64_t* slots) {
+  const Decode d{q,     keys,        values, tables, lens,  out,   q_stride, heads,     kv_heads,
+                 dim,   block_size,  table_width,    scale, new_k, new_v,    new_stride, slots};
   const Ops& f = ops();
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t first, int64_t last) {
     std::vector<float> scores;
