@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import tarfile
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,7 +95,7 @@ def fetch_sdist(root: Path) -> Path:
             )
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(".partial")
-        urllib.request.urlretrieve(urllib.request.urljoin(SIMPLE_INDEX, match.group(1)), partial)
+        urllib.request.urlretrieve(urllib.parse.urljoin(SIMPLE_INDEX, match.group(1)), partial)
         partial.replace(target)
     found = _sha256(target)
     if found != SDIST_SHA256:

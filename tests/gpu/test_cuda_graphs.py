@@ -8,7 +8,7 @@ Without a CUDA device (CI has none) these tests are reported as skipped, with th
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -28,8 +28,10 @@ pytestmark = pytest.mark.gpu
 NEW_TOKENS = 24
 
 
-def _engine(model_dir: Path, graphs: bool, **overrides: int) -> LLMEngine:
-    config = EngineConfig(num_blocks=512, block_size=16, cuda_graphs=graphs, max_num_seqs=48, **overrides)
+def _engine(model_dir: Path, graphs: bool, max_model_len: int | None = None) -> LLMEngine:
+    config = EngineConfig(
+        num_blocks=512, block_size=16, cuda_graphs=graphs, max_num_seqs=48, max_model_len=max_model_len
+    )
     return LLMEngine.from_model_dir(model_dir, config, device="cuda", dtype=torch.float32)
 
 
@@ -54,7 +56,8 @@ def test_graph_and_eager_decode_both_match_transformers(tiny_llama_dir: Path) ->
     graphed_engine = _engine(tiny_llama_dir, True)
     graphed = graphed_engine.generate(prompts, params)
     assert graphed_engine.runner.graphs is not None and graphed_engine.runner.graphs.replays > 0
-    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).to("cuda")
+    hf: Any = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    hf = hf.to("cuda")
     for index, prompt in enumerate(prompts):
         ref, logits = hf_greedy_reference(hf, prompt, NEW_TOKENS)
         assert_greedy_parity(eager[index], ref, logits, context=f"eager prompt {index}")

@@ -79,7 +79,8 @@ def test_bfloat16_on_request(tiny_llama_dir: Path) -> None:
     )
     # The bound is tight enough to catch a broken path: one layer's output projection zeroed fails it.
     broken = load_model(tiny_llama_dir, dtype=torch.bfloat16)
-    broken.model.layers[0].self_attn.o_proj.weight.zero_()
+    first: Any = broken.model.layers[0]
+    first.self_attn.o_proj.weight.zero_()
     cache = KVCache.allocate(broken.config, 4, 8, broken.dtype, "cpu")
     meta = AttentionMetadata.build([6], [6], [[2]], 8, "cpu", 0)
     with torch.inference_mode():
