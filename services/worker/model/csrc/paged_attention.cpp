@@ -136,7 +136,9 @@ void strata_paged_decode_attention(const float* q, float* keys, float* values, c
   const Decode d{q,     keys,        values, tables, lens,  out,   q_stride, heads,     kv_heads,
                  dim,   block_size,  table_width,    scale, new_k, new_v,    new_stride, slots};
   const Ops& f = ops();
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t first, int64_t last) {
+  // A task is a few microseconds at short contexts: one decode's few kv heads run inline, since
+  // waking the pool would cost as much as the work.
+  at::parallel_for(0, batch * kv_heads, 8, [&](int64_t first, int64_t last) {
     std::vector<float> scores;
     for (int64_t task = first; task < last; ++task) one_group(d, f, task / kv_heads, task % kv_heads, scores);
   });
