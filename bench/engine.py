@@ -119,6 +119,8 @@ def _engine_config(args: argparse.Namespace) -> Any:
         num_blocks=math.ceil(args.requests * per_request * 1.25) + 1,
         max_num_batched_tokens=args.max_num_batched_tokens or defaults.max_num_batched_tokens,
         mixed_batches=not args.no_mixed,
+        # Every run repeats the same prompts: a prefix cache would skip the timed runs' prefill.
+        enable_prefix_caching=False,
     )
 
 

@@ -72,7 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     most = max(args.npl)
     block = EngineConfig().block_size
     per_request = math.ceil((args.prompt_tokens + args.new_tokens + 1) / block)
-    config = EngineConfig(max_num_seqs=most, num_blocks=math.ceil(most * per_request * 1.25) + 1)
+    # No prefix cache: the timed run repeats the warm-up's prompts, and llama-batched-bench clears its
+    # KV memory before each run, so a cache would let only our side skip the prefill.
+    config = EngineConfig(
+        max_num_seqs=most,
+        num_blocks=math.ceil(most * per_request * 1.25) + 1,
+        enable_prefix_caching=False,
+    )
     engine = LLMEngine.from_model_dir(args.model, config=config, quantization=args.quantization)
     for npl in args.npl:
         prompts = make_prompts(npl, args.prompt_tokens, vocab, excluded, args.seed)
