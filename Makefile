@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-prefix-routing reliability chaos run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-prefix-routing bench-peer reliability chaos run clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,8 @@ $(STAMP): pyproject.toml requirements.lock requirements-test-clients.txt
 	# LiteLLM alone first, checked against its pinned hash; the next line finds it installed.
 	$(BIN)/python -m pip install --quiet --no-deps --require-hashes -r requirements-test-clients.txt
 	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[dev,test-clients]'
+	# The native CPU kernels, compiled once for this torch and compiler (workers would on first use).
+	$(BIN)/python -m services.worker.model.native
 	touch $(STAMP)
 
 model: setup
@@ -87,6 +89,12 @@ bench-prefix: setup model
 # Prefix-aware routing against least-loaded: two replicas behind one route, 4 system prompts, 256 requests.
 bench-prefix-routing: setup model
 	$(BIN)/python -m bench.prefix_routing --json bench/results/prefix-routing-cpu.json
+
+# The engine against llama.cpp's llama-batched-bench on the same weights, 1 and 64 streams, float32 and int8,
+# alternated, 3 rounds. The first run fetches, builds (about 12 minutes on 2 cores) and converts the peer
+# into ~/.cache/strata/peer ($$STRATA_PEER_CACHE); later runs reuse it. Not part of CI.
+bench-peer: setup model
+	$(BIN)/python -m bench.peer --json bench/results/peer-cpu.json
 
 # The reliability suite's full versions (tests/reliability and the security tests it names); writes
 # docs/reliability.md: per scenario what was done, what must hold, the figures measured, pass or fail,

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional
+
+from services.worker.model import small_linear
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -65,7 +66,8 @@ def _pass(weights: list[tuple[Tensor, Tensor | None]], inputs: dict[int, Tensor]
 
     def eager() -> None:
         for weight, bias in weights:
-            functional.linear(inputs[weight.shape[1]], weight, bias)
+            # The engine's own projection: the small-batch kernel where it applies, else F.linear.
+            small_linear.linear(inputs[weight.shape[1]], weight, bias)
 
     device = weights[0][0].device
     if device.type != "cuda":

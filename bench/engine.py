@@ -35,6 +35,7 @@ from bench.baselines import (
     special_token_ids,
 )
 from bench.ceiling import CeilingResult, linear_ceiling, nominal_step_log
+from bench.physical_limit import ModelBytes, measure_machine, physical_limit
 from bench.stats import (
     PARITY_TOP2_GAP,
     add_workload_arguments,
@@ -87,6 +88,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="add a contestant `quantized`: the engine with these weights, held to no parity rule "
         "(quantization changes logits; tests/integration/test_fallback_model.py gates its quality)",
     )
+    p.add_argument(
+        "--compare-native",
+        action="store_true",
+        help="add a contestant `engine_torch_ops`: the same engine with the native CPU kernels off "
+        "(torch's F.linear, gathered SDPA, rms_norm and rotary), to measure what the kernels buy",
+    )
     p.add_argument("--smoke", action="store_true", help="allow --runs < 3; marks the record invalid")
     args = p.parse_args(argv)
     if args.runs < 3 and not args.smoke:
@@ -112,6 +119,8 @@ def _engine_config(args: argparse.Namespace) -> Any:
         num_blocks=math.ceil(args.requests * per_request * 1.25) + 1,
         max_num_batched_tokens=args.max_num_batched_tokens or defaults.max_num_batched_tokens,
         mixed_batches=not args.no_mixed,
+        # Every run repeats the same prompts: a prefix cache would skip the timed runs' prefill.
+        enable_prefix_caching=False,
     )
 
 
@@ -173,12 +182,27 @@ def _rounds(contestants: dict[str, Run], runs: int) -> dict[str, list[tuple[list
     return results
 
 
+def _without_native(run: Run) -> Run:
+    """The same run with the native CPU kernels switched off for its duration."""
+    from services.worker.model import native
+
+    def wrapped() -> tuple[list[list[int]], float]:
+        previous = native.set_enabled(False)
+        try:
+            return run()
+        finally:
+            native.set_enabled(previous)
+
+    return wrapped
+
+
 def _engine_run(
     engine: Any,
     prompts: list[list[int]],
     params: Any,
     logs: list[list[tuple[int, int]]],
     full_decode_rates: list[float],
+    cached_logs: list[list[int]] | None = None,
 ) -> Run:
     def run() -> tuple[list[list[int]], float]:
         engine.reset_step_log()
@@ -186,6 +210,8 @@ def _engine_run(
         outputs: list[list[int]] = engine.generate(prompts, params)
         elapsed = time.perf_counter() - started
         logs.append(list(engine.step_log))
+        if cached_logs is not None:
+            cached_logs.append(list(engine.step_cached_tokens))
         # Steady state: the steps where every request decodes (the GPU floor's workload).
         full = [
             seconds
@@ -230,14 +256,22 @@ def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         hf_cb = HfContinuousBatching(hf_model, args.requests, args.prompt_tokens, args.new_tokens, budget)
         contestants["hf_cb"] = lambda: hf_cb.run(prompts)
     engine, engine_logs = None, list[list[tuple[int, int]]]()
+    engine_cached_logs: list[list[int]] = []
     full_decode_rates: list[float] = []
+    torch_ops_decode_rates: list[float] = []
     if not args.skip_engine:
         from services.worker.engine.engine import LLMEngine
         from services.worker.engine.params import SamplingParams
 
         engine = LLMEngine.from_model_dir(model_dir, config=engine_config, device=args.device, dtype=dtype)
         params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-        contestants["engine"] = _engine_run(engine, prompts, params, engine_logs, full_decode_rates)
+        contestants["engine"] = _engine_run(
+            engine, prompts, params, engine_logs, full_decode_rates, engine_cached_logs
+        )
+        if args.compare_native:
+            contestants["engine_torch_ops"] = _without_native(
+                _engine_run(engine, prompts, params, [], torch_ops_decode_rates)
+            )
     quantized_decode_rates: list[float] = []
     if args.quantization and not args.skip_engine:
         quantized = LLMEngine.from_model_dir(
@@ -249,6 +283,8 @@ def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     reference = naive.reference(checked, args.reference_batch)
     print("bench.engine: warm-up and parity check of every contestant", file=sys.stderr, flush=True)
     parity = {name: check_parity(run()[0], reference, args.tie_gap) for name, run in contestants.items()}
+    # The warm-up's schedule with the cached tokens each step attended to: the physical limit's input.
+    cached_tokens = engine_cached_logs[0] if engine_cached_logs else []
 
     # The ceiling replays the warm-up's engine schedule, and takes its turn in every round.
     schedule = (
@@ -264,6 +300,7 @@ def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         return [], ceilings[-1].seconds
 
     results = _rounds({**contestants, "ceiling": run_ceiling}, args.runs)
+    limit = _physical_limit(args, engine, schedule, cached_tokens)
     for name in contestants:
         for outputs, _ in results[name]:
             parity[name].merge(check_parity(outputs, reference, args.tie_gap))
@@ -284,6 +321,10 @@ def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         {
             "valid": parity_ok and not args.smoke,
             "smoke": args.smoke,
+            "physical_limit_tok_s": (
+                len(prompts) * args.new_tokens / limit["seconds"] if limit is not None else None
+            ),
+            "physical_limit": limit,
             "ceiling_schedule": "engine step log" if engine is not None else "nominal (no engine)",
             "ceiling_weights": "engine model (fused qkv, gate_up)" if engine is not None else "transformers",
             "ceiling_layer_seconds_by_m": ceilings[-1].layer_seconds_by_m,
@@ -291,6 +332,9 @@ def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
             "engine_steps": len(schedule) if engine is not None else 0,
             "engine_full_batch_decode_tok_s": (
                 statistics.median(full_decode_rates) if full_decode_rates else None
+            ),
+            "engine_torch_ops_full_batch_decode_tok_s": (
+                statistics.median(torch_ops_decode_rates) if torch_ops_decode_rates else None
             ),
             "quantization": args.quantization,
             "quantized_full_batch_decode_tok_s": (
@@ -321,6 +365,17 @@ def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         }
     )
     return record
+
+
+def _physical_limit(
+    args: argparse.Namespace, engine: Any, schedule: list[tuple[int, int]], cached_tokens: list[int]
+) -> dict[str, Any] | None:
+    """Bytes over bandwidth and FLOPs over matmul throughput for the engine's schedule (CPU only)."""
+    if engine is None or args.device != "cpu":
+        return None
+    element = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
+    steps = [(t, n, cached) for (t, n), cached in zip(schedule, cached_tokens, strict=True)]
+    return physical_limit(ModelBytes.of(engine.model_config, element), measure_machine(), steps)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -84,16 +84,26 @@ def rates_record(rates: dict[str, list[float]]) -> dict[str, Any]:
 
 
 def format_table(record: dict[str, Any]) -> str:
-    """Contestant, tok/s median, spread, ratio to hf_cb, fraction of the ceiling."""
-    names = [n for n in ("naive", "hf_cb", "engine", "ceiling") if f"{n}_tok_s" in record]
+    """Contestant, tok/s median, spread, ratio to hf_cb, fraction of the ceiling; the physical limit."""
+    names = [n for n in ("naive", "hf_cb", "engine", "engine_torch_ops", "ceiling") if f"{n}_tok_s" in record]
     hf, ceiling = record.get("hf_cb_tok_s"), record.get("ceiling_tok_s")
-    lines = [f"{'contestant':<10} {'tok/s':>10} {'spread (min-max)':>22} {'vs hf_cb':>9} {'vs ceiling':>11}"]
+    lines = [f"{'contestant':<16} {'tok/s':>10} {'spread (min-max)':>22} {'vs hf_cb':>9} {'vs ceiling':>11}"]
     for name in names:
         median = record[f"{name}_tok_s"]
         low, high = record[f"{name}_spread"]
         vs_hf = f"{median / hf:.2f}x" if hf else "-"
         vs_ceiling = f"{median / ceiling:.1%}" if ceiling else "-"
-        lines.append(f"{name:<10} {median:>10.1f} {f'{low:.1f}-{high:.1f}':>22} {vs_hf:>9} {vs_ceiling:>11}")
+        lines.append(f"{name:<16} {median:>10.1f} {f'{low:.1f}-{high:.1f}':>22} {vs_hf:>9} {vs_ceiling:>11}")
+    limit = record.get("physical_limit_tok_s")
+    if limit:
+        machine = record["physical_limit"]["machine"]
+        bandwidth, gflops = machine["read_bandwidth_gb_s"], machine["matmul_gflop_s"]
+        engine = record.get("engine_tok_s")
+        share = f"; the engine is at {engine / limit:.1%} of it" if engine else ""
+        lines.append(
+            f"physical limit {limit:.1f} tok/s (weights and KV over {bandwidth:.1f} GB/s, "
+            f"FLOPs over {gflops:.0f} GFLOP/s){share}"
+        )
     return "\n".join(lines)
 
 

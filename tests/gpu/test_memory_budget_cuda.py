@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_the_cache_is_the_gpu_budget_less_the_measured_peak(tiny_llama_dir: Path, graphs: bool) -> None:
-    """The limit is the device's, the peak comes from torch's allocator (plus the largest graph's pool
+    """The limit is the device's, the peak comes from torch's allocator (plus the graphs' memory
     when graphs are on), and the cache is the budget less that peak, capped by the running slots."""
     config = EngineConfig(max_num_seqs=256, memory_utilization=0.05, cuda_graphs=graphs)
     engine = LLMEngine.from_model_dir(tiny_llama_dir, config, device="cuda", dtype=torch.float32)

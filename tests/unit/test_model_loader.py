@@ -52,12 +52,42 @@ def test_loads_float32_on_cpu_by_default(tiny_llama_dir: Path) -> None:
     assert all(p.dtype == torch.float32 and not p.requires_grad for p in loaded.model.parameters())
 
 
+# bfloat16 keeps 8 significant bits: a value's rounding error is up to 2**-8 of it. Two correct bf16
+# programs that order their sums differently disagree by a few such roundings of the largest
+# activations on the way; BF16_ULPS of them, scaled by the reference's largest |logit|, is the bound.
+BF16_EPS = 2.0**-8
+BF16_ULPS = 4
+
+
+def bf16_tolerance(reference: torch.Tensor) -> float:
+    return BF16_ULPS * BF16_EPS * max(1.0, float(reference.abs().max()))
+
+
 def test_bfloat16_on_request(tiny_llama_dir: Path) -> None:
     loaded = load_model(tiny_llama_dir, dtype=torch.bfloat16)
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
     logits = _prefill_logits(tiny_llama_dir, dtype=torch.bfloat16)
     assert logits.dtype == torch.float32
-    assert float((logits - _prefill_logits(tiny_llama_dir)).abs().max()) < 0.1
+    # The reference: transformers in bfloat16 on the same weights, the same six tokens.
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        reference = hf(torch.tensor([[5, 9, 1, 200, 17, 3]])).logits[0].float()
+    tolerance = bf16_tolerance(reference)
+    difference = float((logits - reference).abs().max())
+    assert difference <= tolerance, (
+        f"bf16 logits differ from transformers' by {difference:.4g} > {tolerance:.4g}"
+    )
+    # The bound is tight enough to catch a broken path: one layer's output projection zeroed fails it.
+    broken = load_model(tiny_llama_dir, dtype=torch.bfloat16)
+    first: Any = broken.model.layers[0]
+    first.self_attn.o_proj.weight.zero_()
+    cache = KVCache.allocate(broken.config, 4, 8, broken.dtype, "cpu")
+    meta = AttentionMetadata.build([6], [6], [[2]], 8, "cpu", 0)
+    with torch.inference_mode():
+        wrong = broken.model.compute_logits(
+            broken.model(torch.tensor([5, 9, 1, 200, 17, 3]), torch.arange(6), meta, cache)
+        )
+    assert float((wrong - reference).abs().max()) > tolerance
 
 
 def test_sharded_checkpoint_loads_like_a_single_file(tiny_llama_untied_dir: Path, tmp_path: Path) -> None:

@@ -1,14 +1,21 @@
-"""CUDA graphs for decode-only steps: capture once per (batch bucket, context bucket), then replay.
+"""CUDA graphs for decode-only steps: captured at warm-up per (batch bucket, context bucket), then replayed.
 
 A decode step of a small model on a GPU is bound by kernel launches, not math; replaying a captured
 graph removes the launch cost. Graphs need static shapes, so a step is padded up to the next batch
 bucket and its context to the next power-of-two number of blocks; padding rows write their K/V into
-one scratch block that no sequence owns. This module only runs the model; it must not choose what
-runs (the scheduler does) nor sample.
+one scratch block that no sequence owns. `capture_all` captures every bucket the engine's settings can
+reach (batches up to max_num_seqs, contexts up to max_model_len) while the worker warms up, before it
+reports SERVING, largest first so the shared memory pool is sized once; an out-of-memory capture drops
+that batch bucket and every larger one, and says so. A step no captured graph fits runs eagerly:
+nothing is captured inside a serving step, where a capture would stall every running request. This
+module only runs the model; it must not choose what runs (the scheduler does) nor sample.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,8 +28,22 @@ if TYPE_CHECKING:
     from services.worker.model.kv_cache import KVCache
     from services.worker.model.llama import LlamaForCausalLM
 
+log = logging.getLogger(__name__)
+
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 MIN_CONTEXT_BLOCKS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureReport:
+    """What the warm-up capture did: graphs, seconds, device memory, and the buckets it gave up."""
+
+    graphs: int
+    seconds: float
+    memory_bytes: int
+    largest_batch: int
+    largest_blocks: int
+    dropped_batches: tuple[int, ...] = field(default_factory=tuple)
 
 
 class _Graph:
@@ -71,11 +92,67 @@ class CudaGraphRunner:
         self.pad_block = pad_block
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool: Any = None
+        self.replays = 0  # decode steps served from a graph (tests and benchmarks read it)
         self.max_blocks = -(-model.config.max_position_embeddings // block_size)
 
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
+
+    def buckets(self, max_num_seqs: int, max_model_len: int) -> tuple[list[int], list[int]]:
+        """The batch and context-block buckets a step of these settings can reach."""
+        top_batch = next((b for b in BATCH_BUCKETS if b >= max_num_seqs), BATCH_BUCKETS[-1])
+        batches = [b for b in BATCH_BUCKETS if b <= top_batch]
+        top_blocks = _next_power_of_two(
+            -(-min(max_model_len, self.max_blocks * self.block_size) // self.block_size)
+        )
+        blocks = [b for b in _powers_of_two(MIN_CONTEXT_BLOCKS) if b <= top_blocks]
+        return batches, blocks
+
+    def capture_all(self, max_num_seqs: int, max_model_len: int) -> CaptureReport:
+        """Capture every reachable bucket now, largest first; an OOM drops that batch bucket and larger."""
+        batches, blocks = self.buckets(max_num_seqs, max_model_len)
+        torch.cuda.synchronize(self.device)
+        free_before, _ = torch.cuda.mem_get_info(self.device)
+        started = time.perf_counter()
+        dropped: list[int] = []
+        for batch in reversed(batches):
+            try:
+                for size in reversed(blocks):
+                    if (batch, size) not in self._graphs:
+                        self._capture(batch, size)
+            except torch.OutOfMemoryError:
+                dropped = [b for b in batches if b >= batch]
+                for key in [k for k in self._graphs if k[0] >= batch]:
+                    del self._graphs[key]
+                torch.cuda.empty_cache()
+                log.warning(
+                    "CUDA graph capture ran out of memory at batch %d: batches %s run eagerly; lower "
+                    "max_num_seqs or kv_cache_memory_bytes to capture them",
+                    batch,
+                    dropped,
+                )
+                continue
+        torch.cuda.synchronize(self.device)
+        free_after, _ = torch.cuda.mem_get_info(self.device)
+        captured = [b for b in batches if b not in dropped]
+        report = CaptureReport(
+            graphs=len(self._graphs),
+            seconds=time.perf_counter() - started,
+            memory_bytes=max(0, free_before - free_after),
+            largest_batch=max(captured, default=0),
+            largest_blocks=max(blocks),
+            dropped_batches=tuple(sorted(set(dropped))),
+        )
+        log.info(
+            "captured %d CUDA graphs (batches up to %d, contexts up to %d blocks) in %.1f s, %.1f MiB",
+            report.graphs,
+            report.largest_batch,
+            report.largest_blocks,
+            report.seconds,
+            report.memory_bytes / 2**20,
+        )
+        return report
 
     def run_decode(
         self,
@@ -89,9 +166,13 @@ class CudaGraphRunner:
         blocks = _next_power_of_two(max(-(-c // self.block_size) for c in context_lens))
         if batch is None or blocks > _next_power_of_two(self.max_blocks):
             return None
-        graph = self._graphs.get((batch, blocks)) or self._capture(batch, blocks)
+        graph = self._graphs.get((batch, blocks))
+        if graph is None:
+            # Not captured at warm-up (dropped after an out-of-memory capture): eager, never a capture here.
+            return None
         self._fill(graph, input_ids, positions, context_lens, block_tables)
         graph.graph.replay()
+        self.replays += 1
         assert graph.hidden is not None
         return graph.hidden[: len(input_ids)]
 
@@ -143,3 +224,7 @@ class CudaGraphRunner:
 
 def _next_power_of_two(value: int) -> int:
     return max(MIN_CONTEXT_BLOCKS, 1 << max(0, value - 1).bit_length())
+
+
+def _powers_of_two(start: int) -> list[int]:
+    return [start << shift for shift in range(32)]

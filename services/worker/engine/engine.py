@@ -77,7 +77,14 @@ class LLMEngine:
         # Before the cache exists: the largest step is measured, and the cache gets what is left.
         self.memory: MemoryBudget = size_kv_cache(loaded, config, self.max_model_len)
         num_blocks = self.memory.num_blocks
-        self.runner = ModelRunner(loaded, num_blocks, config.block_size, use_cuda_graphs=config.cuda_graphs)
+        self.runner = ModelRunner(
+            loaded,
+            num_blocks,
+            config.block_size,
+            use_cuda_graphs=config.cuda_graphs,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
         self.block_manager = BlockManager(
             num_blocks,
             config.block_size,
@@ -96,6 +103,8 @@ class LLMEngine:
         # Per step: (tokens computed, tokens sampled) and the step's seconds; benchmarks read them.
         self.step_log: list[tuple[int, int]] = []
         self.step_seconds: list[float] = []
+        # Per step: tokens already in the cache that the step's attention read (the KV it streams).
+        self.step_cached_tokens: list[int] = []
         self._arrivals = 0
         self._failed_steps = 0
         self._last_step_ms = 0.0
@@ -174,6 +183,7 @@ class LLMEngine:
         self._last_batch_tokens = batch.num_batched_tokens
         self._last_num_decodes = batch.num_decodes
         self.step_log.append((batch.num_batched_tokens, batch.num_samples))
+        self.step_cached_tokens.append(sum(entry.start for entry in batch.entries))
         return outputs
 
     def _shed_load(self, exc: BaseException) -> list[StepOutput]:
@@ -208,6 +218,7 @@ class LLMEngine:
     def reset_step_log(self) -> None:
         self.step_log = []
         self.step_seconds = []
+        self.step_cached_tokens = []
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]

@@ -6,8 +6,8 @@ It runs through the real ModelRunner over a one-block scratch cache (every block
 block), so the attention's gathers, the logits and the sampler take their full size while the cache
 itself costs nothing. The peak is read, not assumed: on the CPU the kernel's resident-set high-water
 mark (VmHWM, reset first through /proc/self/clear_refs), on CUDA torch's peak allocation, plus the
-largest CUDA graph's pool where graphs are captured. This module must not decide the cache's size
-(memory_budget.py does) nor keep anything it allocated for the step.
+CUDA graphs' memory where graphs are captured (every bucket the settings reach). This module must not
+decide the cache's size (memory_budget.py does) nor keep anything it allocated for the step.
 """
 
 from __future__ import annotations
@@ -87,10 +87,8 @@ def profile_largest_step(loaded: LoadedModel, config: EngineConfig, max_model_le
     weights = weights_bytes(loaded.model)
     use_graphs = config.cuda_graphs and device.type == "cuda"
     if device.type == "cuda":
-        baseline, peak = _cuda_peak(loaded, config, step, use_graphs)
-        method = "torch.cuda.max_memory_allocated" + (
-            " plus the largest CUDA graph's pool" if use_graphs else ""
-        )
+        baseline, peak = _cuda_peak(loaded, config, step, max_model_len, use_graphs)
+        method = "torch.cuda.max_memory_allocated" + (" plus the CUDA graphs' memory" if use_graphs else "")
     else:
         method, baseline, peak = _cpu_peak(lambda: _run(loaded, config, step, graphs=False))
     return MemoryProfile(weights, baseline, peak, method, description)
@@ -161,10 +159,10 @@ def read_vm_hwm(proc_self: Path = PROC_SELF) -> int:
 
 
 def _cuda_peak(
-    loaded: LoadedModel, config: EngineConfig, step: ScheduledBatch, use_graphs: bool
+    loaded: LoadedModel, config: EngineConfig, step: ScheduledBatch, max_model_len: int, use_graphs: bool
 ) -> tuple[int, int]:
     """(bytes before, peak bytes) on the model's GPU: torch's allocations plus what torch does not
-    see (the CUDA context, library workspaces), plus the largest decode graph's pool."""
+    see (the CUDA context, library workspaces), plus the CUDA graphs' memory."""
     device = torch.device(loaded.device)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -173,26 +171,26 @@ def _cuda_peak(
     _run(loaded, config, step, graphs=False)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
-    graphs = _graph_pool_bytes(loaded, config, step) if use_graphs else 0
+    graphs = _graph_pool_bytes(loaded, config, max_model_len) if use_graphs else 0
     free, total = torch.cuda.mem_get_info(device)
     outside_torch = max(0, total - free - torch.cuda.memory_reserved(device))
     return before + outside_torch, peak + graphs + outside_torch
 
 
-def _graph_pool_bytes(loaded: LoadedModel, config: EngineConfig, step: ScheduledBatch) -> int:
-    """Memory the graph of the largest decode bucket holds, captured on a scratch cache and freed."""
+def _graph_pool_bytes(loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> int:
+    """Memory the CUDA graphs of every bucket the settings reach hold: captured by a runner over a
+    scratch cache, as the engine's own runner captures them at warm-up, then freed."""
     device = torch.device(loaded.device)
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(device)
-    runner = ModelRunner(loaded, 1, config.block_size, use_cuda_graphs=True)
-    decodes = step.entries[: step.num_decodes]
-    if runner.graphs is not None:
-        runner.graphs.run_decode(
-            [1] * len(decodes),
-            [entry.start for entry in decodes],
-            [entry.start + 1 for entry in decodes],
-            [entry.seq.block_table for entry in decodes],
-        )
+    runner = ModelRunner(
+        loaded,
+        1,
+        config.block_size,
+        use_cuda_graphs=True,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+    )
     torch.cuda.synchronize(device)
     held = torch.cuda.memory_reserved(device) - before
     del runner

@@ -2,7 +2,8 @@
 
 It owns the device tensors (weights through the model, the KV cache) and the sampler. It knows
 nothing of queues, priorities or request lifetimes: the scheduler decides what runs, the runner only
-computes it. Decode-only batches on CUDA are replayed from captured graphs (cuda_graphs.py).
+computes it. Decode-only batches on CUDA are replayed from graphs captured here, when the runner is
+built during the worker's warm-up (cuda_graphs.py); `graph_capture` reports that capture.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from services.worker.model.attention import AttentionMetadata
 from services.worker.model.kv_cache import KVCache
 
 if TYPE_CHECKING:
-    from services.worker.engine.cuda_graphs import CudaGraphRunner
+    from services.worker.engine.cuda_graphs import CaptureReport, CudaGraphRunner
     from services.worker.engine.scheduler import ScheduledBatch
     from services.worker.model.loader import LoadedModel
 
@@ -25,23 +26,34 @@ class ModelRunner:
     """Runs scheduled batches of one model; one instance per engine, used from one thread."""
 
     def __init__(
-        self, loaded: LoadedModel, num_blocks: int, block_size: int, use_cuda_graphs: bool = True
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        use_cuda_graphs: bool = True,
+        max_num_seqs: int | None = None,
+        max_model_len: int | None = None,
     ) -> None:
+        """max_num_seqs and max_model_len bound the CUDA graphs captured here, before any request."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = torch.device(loaded.device)
         self.block_size = block_size
         self.sampler = Sampler()
         self.graphs: CudaGraphRunner | None = None
+        self.graph_capture: CaptureReport | None = None
         graphs = use_cuda_graphs and self.device.type == "cuda"
         # Graph padding rows need one scratch block that the block manager never hands out.
         total_blocks = num_blocks + 1 if graphs else num_blocks
         self.cache = KVCache.allocate(loaded.config, total_blocks, block_size, loaded.dtype, self.device)
         if graphs:
-            from services.worker.engine.cuda_graphs import CudaGraphRunner
+            from services.worker.engine.cuda_graphs import BATCH_BUCKETS, CudaGraphRunner
 
             self.graphs = CudaGraphRunner(
                 self.model, self.cache, block_size, self.device, pad_block=num_blocks
+            )
+            self.graph_capture = self.graphs.capture_all(
+                max_num_seqs or BATCH_BUCKETS[-1], max_model_len or loaded.config.max_position_embeddings
             )
 
     def run(self, batch: ScheduledBatch) -> list[int]:

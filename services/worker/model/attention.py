@@ -2,7 +2,9 @@
 
 This module owns the per-step attention metadata (built once per engine step, shared by every
 layer) and the attention backend interface with its portable implementation: `TorchAttention`
-gathers each sequence's blocks and calls torch's scaled_dot_product_attention, on CPU or CUDA. A
+attends decodes in place on the CPU in float32 (the native kernel of csrc/paged_attention.cpp reads
+each sequence's blocks where they lie), and elsewhere gathers each sequence's blocks and calls
+torch's scaled_dot_product_attention, on CPU or CUDA, as it does for prefill chunks. A
 fused paged-attention GPU kernel replaces it by implementing `AttentionBackend` against the same
 metadata. It must not decide which blocks a sequence owns (the engine does) nor touch weights.
 
@@ -18,6 +20,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from services.worker.model import native
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,12 +212,24 @@ class TorchAttention:
     ) -> Tensor:
         key_cache, value_cache = layer_cache
         _, _, kv_heads, head_dim = key_cache.shape
-        key_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        value_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         heads = q.shape[1]
         parts: list[Tensor] = []
         decodes = meta.num_decodes
-        if meta.decode_block_ids is not None:
+        kernels = native.library() if decodes and _reads_in_place(q, key_cache) else None
+        # A decode-only step's kernel writes each decode's k/v itself: no separate cache write.
+        fused_write = (
+            kernels is not None
+            and not meta.prefills
+            and _reads_in_place(k, key_cache)
+            and v.stride() == k.stride()
+        )
+        if not fused_write:
+            key_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+            value_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        if kernels is not None:
+            new_kv = (k, v) if fused_write else None
+            parts.append(_paged_decode(kernels, q[:decodes], key_cache, value_cache, meta, scale, new_kv))
+        elif meta.decode_block_ids is not None:
             # GQA without copying K/V per query head: each kv head's query-head group becomes the
             # query-length axis of one SDPA row, which the [B, 1, 1, L] padding mask broadcasts over.
             key_rows, value_rows = self._buffers(key_cache, meta.decode_block_ids.shape[0])
@@ -245,6 +261,56 @@ class TorchAttention:
             parts.append(attended[0].transpose(0, 1).reshape(-1, heads * head_dim))
         # A decode-only or single-prefill step (the common cases) needs no concatenation copy.
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _reads_in_place(rows: Tensor, cache: Tensor) -> bool:
+    """Whether the native kernel can read these [tokens, heads, dim] rows (q, or the new k and v) and
+    this cache: float32 on the CPU, each token's heads dense."""
+    return (
+        rows.device.type == "cpu"
+        and rows.dtype == cache.dtype == torch.float32
+        and rows.stride(2) == 1
+        and rows.stride(1) == rows.shape[2]
+        and cache.is_contiguous()
+    )
+
+
+def _paged_decode(
+    kernels: native.Library,
+    q: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    new_kv: tuple[Tensor, Tensor] | None,
+) -> Tensor:
+    """The decodes' attention [decodes, heads * head_dim], reading their blocks where they lie; with
+    `new_kv` (the step's k and v, decodes only) the kernel first writes them at their slots."""
+    decodes, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = key_cache.shape
+    out = torch.empty(decodes, heads * head_dim, dtype=q.dtype)
+    new_k, new_v = new_kv if new_kv is not None else (None, None)
+    kernels.paged_decode_attention(
+        q.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        meta.block_tables.data_ptr(),
+        meta.seq_lens.data_ptr(),
+        out.data_ptr(),
+        decodes,
+        q.stride(0),
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        meta.block_tables.shape[1],
+        scale,
+        new_k.data_ptr() if new_k is not None else None,
+        new_v.data_ptr() if new_v is not None else None,
+        new_k.stride(0) if new_k is not None else 0,
+        meta.slot_mapping.data_ptr(),
+    )
+    return out
 
 
 def _gather(cache: Tensor, block_ids: Tensor, sequences: int, length: int, out: Tensor | None) -> Tensor:

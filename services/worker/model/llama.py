@@ -12,12 +12,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from services.worker.model.attention import TorchAttention
 from services.worker.model.layers import LlamaDecoderLayer, RMSNorm
 from services.worker.model.rope import RotaryEmbedding
+from services.worker.model.small_linear import linear, project
 
 if TYPE_CHECKING:
     from services.worker.model.attention import AttentionBackend, AttentionMetadata
@@ -71,16 +71,19 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"{input_ids.shape[0]} input ids for a step of {meta.num_tokens} tokens")
         if cache.num_layers != len(self.layers):
             raise ValueError(f"the cache has {cache.num_layers} layers, the model {len(self.layers)}")
-        hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        residual = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, residual.dtype)
+        delta: Tensor | None = None
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, meta, cache.layer(index))
-        normed: Tensor = self.norm(hidden)
+            delta, residual = layer(delta, residual, cos, sin, meta, cache.layer(index))
+        if delta is None:  # a model without layers
+            only: Tensor = self.norm(residual)
+            return only
+        normed, _ = self.norm.add(delta, residual)
         return normed
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Project selected hidden rows [N, hidden] to float32 logits [N, vocab]."""
         if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        logits: Tensor = self.lm_head(hidden)
-        return logits.float()
+            return linear(hidden, self.embed_tokens.weight).float()
+        return project(self.lm_head, hidden).float()
