@@ -2,7 +2,8 @@
 
 It owns the device tensors (weights through the model, the KV cache) and the sampler. It knows
 nothing of queues, priorities or request lifetimes: the scheduler decides what runs, the runner only
-computes it. Decode-only batches on CUDA are replayed from captured graphs (cuda_graphs.py).
+computes it. Decode-only batches on CUDA are replayed from captured graphs (cuda_graphs.py). Rows
+whose sequences carry a grammar get its mask (grammar_mask.py) between the logits and the sampler.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from services.worker.model.kv_cache import KVCache
 
 if TYPE_CHECKING:
     from services.worker.engine.cuda_graphs import CudaGraphRunner
+    from services.worker.engine.grammar_mask import GrammarMasker
     from services.worker.engine.scheduler import ScheduledBatch
     from services.worker.model.loader import LoadedModel
 
@@ -38,6 +40,8 @@ class ModelRunner:
         self.device = torch.device(loaded.device)
         self.block_size = block_size
         self.sampler = Sampler()
+        self.masker: GrammarMasker | None = None
+        """Built at the first constrained row: a worker that never sees one never loads it."""
         self.graphs: CudaGraphRunner | None = None
         graphs = use_cuda_graphs and self.device.type == "cuda"
         # Graph padding rows need one scratch block that the block manager never hands out.
@@ -58,7 +62,19 @@ class ModelRunner:
                 return []
             index = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, index))
+            self._mask_grammars(logits, batch)
             return self.sampler(logits, self._sample_rows(batch))
+
+    def _mask_grammars(self, logits: torch.Tensor, batch: ScheduledBatch) -> None:
+        sampled = (entry.seq for entry in batch.entries if entry.sample)
+        rows = [(i, seq.grammar) for i, seq in enumerate(sampled) if seq.grammar is not None]
+        if not rows:
+            return
+        if self.masker is None:
+            from services.worker.engine.grammar_mask import GrammarMasker
+
+            self.masker = GrammarMasker()
+        self.masker.apply(logits, rows)
 
     def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         input_ids: list[int] = []
