@@ -103,7 +103,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
 PROMPTS: dict[str, str] = {
     "person": "Describe a fictional person who works as a {topic}, as JSON with name, age and email.",
     "product": "Invent a shop product related to {topic}, as JSON with id, title, price, tags and in_stock.",
-    "address": "Give a postal address of a {topic} shop in Europe, as JSON with street, city, postcode, country.",
+    "address": "Give the address of a {topic} shop in Europe as JSON: street, city, postcode, country.",
     "recipe": "Write a short recipe that a {topic} would like, as JSON with name, ingredients and minutes.",
     "sentiment": "Classify the sentiment of this review: 'The {topic} was late and rude.' Answer as JSON.",
 }

@@ -21,7 +21,12 @@ from typing import TYPE_CHECKING
 import llguidance
 
 from services.worker.engine.grammar_matcher import GrammarMatcher
-from services.worker.engine.grammar_spec import GrammarKind, GrammarSpec
+from services.worker.engine.grammar_spec import (
+    DEFAULT_COMPILE_TIMEOUT_S,
+    DEFAULT_GRAMMAR_CACHE_SIZE,
+    GrammarKind,
+    GrammarSpec,
+)
 from services.worker.engine.params import InvalidRequestError
 from strata.fingerprint import tokenizer_fingerprint
 
@@ -36,8 +41,6 @@ JSON_OPTIONS: llguidance.JsonCompileOptions = {
     "key_separator": ": ",
     "whitespace_flexible": False,
 }
-DEFAULT_TIMEOUT_S = 2.0
-DEFAULT_CACHE_SIZE = 256
 
 
 def _grammar_text(spec: GrammarSpec) -> str:
@@ -63,8 +66,8 @@ class GrammarCompiler:
         logits_vocab_size: int,
         *,
         fingerprint: str = "",
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        cache_size: int = DEFAULT_CACHE_SIZE,
+        timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+        cache_size: int = DEFAULT_GRAMMAR_CACHE_SIZE,
         threads: int = 2,
     ) -> None:
         """`logits_vocab_size`: the width of the model's logits, which may exceed the tokenizer's."""
@@ -86,6 +89,9 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="strata-grammar")
         self.compiles = 0
         """Grammars built (cache misses that finished); tests read it."""
+        # The first grammar of a tokenizer builds the library's token trie (2.5 s for SmolLM2's 49,152
+        # ids on a busy 2-core machine): pay it here, at load, not within a request's time bound.
+        self._compile(GrammarSpec(GrammarKind.JSON_OBJECT))
 
     @classmethod
     def from_model_dir(

@@ -19,6 +19,9 @@ from services.worker.engine.params import InvalidRequestError
 # The largest constraint source accepted, in bytes: a generous schema is a few KiB.
 MAX_CONSTRAINT_BYTES = 64 * 1024
 FIELD_PREFIX = "sampling.constraint."
+# The worker's settings default to these (services/worker/settings.py), the compiler too.
+DEFAULT_COMPILE_TIMEOUT_S = 2.0
+DEFAULT_GRAMMAR_CACHE_SIZE = 256
 
 
 class GrammarKind(enum.StrEnum):
