@@ -82,7 +82,7 @@ def _chat(max_new_tokens: int = 96, **fields: Any) -> gateway_pb2.GenerateReques
     )
 
 
-def _choice(mode: int, name: str = "") -> gateway_pb2.ToolChoice:
+def _choice(mode: gateway_pb2.ToolChoiceMode.ValueType, name: str = "") -> gateway_pb2.ToolChoice:
     return gateway_pb2.ToolChoice(mode=mode, name=name)  # type: ignore[arg-type]
 
 

@@ -241,3 +241,19 @@ def test_a_compile_past_the_time_bound_is_refused_without_waiting_for_it(engine,
     assert caught.value.field == "sampling.constraint.json_schema"
     assert "did not compile within" in str(caught.value)
     assert waited < compile_s / 4, f"waited {waited:.3f} s for a bound of {bound_s:.3f} s"
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_the_real_model_answers_each_benchmark_schema_with_valid_json(real_model_dir: Path) -> None:
+    from bench.grammar_cost import chat_prompts, compiler_for
+    from bench.grammar_schemas import SCHEMAS
+
+    engine = LLMEngine.from_model_dir(real_model_dir, EngineConfig(max_num_seqs=8))
+    compiler = compiler_for(engine, real_model_dir)
+    prompts = chat_prompts(real_model_dir, len(SCHEMAS))
+    grammars = [compiler.matcher(GrammarSpec.of("json_schema", json.dumps(SCHEMAS[n]))) for n, _ in prompts]
+    outputs = engine.generate([ids for _, ids in prompts], SamplingParams(max_new_tokens=256), grammars)
+    for (name, _), tokens in zip(prompts, outputs, strict=True):
+        assert len(tokens) < 256, name
+        jsonschema.validate(json.loads(compiler.tokenizer.decode_str(tokens)), SCHEMAS[name])
