@@ -44,8 +44,10 @@ def chat_prompts(model_dir: Path, count: int) -> list[tuple[str, list[int]]]:
         name = names[i % len(names)]
         question = PROMPTS[name].format(topic=TOPICS[(i // len(names)) % len(TOPICS)])
         text = f"{question}\nAnswer with JSON that follows this schema: {json.dumps(SCHEMAS[name])}"
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        out.append((name, list(ids["input_ids"] if isinstance(ids, dict) else ids)))
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        out.append((name, list(tokenizer(chat, add_special_tokens=False)["input_ids"])))
     return out
 
 
@@ -130,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     machine = describe_machine("cpu")
-    config = EngineConfig(max_num_seqs=args.streams, max_num_batched_tokens=2048)
+    # Room for every stream's whole sequence: no preemption in either contestant.
+    config = EngineConfig(
+        max_num_seqs=args.streams, max_num_batched_tokens=2048, kv_cache_memory_bytes=1024 * 1024 * 1024
+    )
     engine = LLMEngine.from_model_dir(args.model, config)
     compiler = compiler_for(engine, args.model)
     prompts = chat_prompts(args.model, args.streams)

@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     machine = describe_machine("cpu")
-    engine = LLMEngine.from_model_dir(args.model, EngineConfig(max_num_seqs=args.max_num_seqs))
+    config = EngineConfig(max_num_seqs=args.max_num_seqs, kv_cache_memory_bytes=1536 * 1024 * 1024)
+    engine = LLMEngine.from_model_dir(args.model, config)
     compiler = compiler_for(engine, args.model)
     prompts = chat_prompts(args.model, args.prompts)
     tokenizer = compiler.tokenizer

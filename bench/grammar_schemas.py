@@ -26,9 +26,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "product": {
         "type": "object",
         "properties": {
-            "id": {"type": "integer"},
+            "id": {"type": "integer", "minimum": 1, "maximum": 99999},
             "title": {"type": "string", "maxLength": 60},
-            "price": {"type": "number", "minimum": 0},
+            "price": {"type": "number", "minimum": 0, "maximum": 10000},
             "tags": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 4},
             "in_stock": {"type": "boolean"},
         },
