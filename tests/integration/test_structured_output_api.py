@@ -17,8 +17,8 @@ import openai
 import pytest
 
 from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.grammar_cases import SCHEMA
 from tests.integration.http_harness import KEY, MODEL, HttpStack, start_http_stack
-from tests.unit.test_grammar_engine import SCHEMA
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

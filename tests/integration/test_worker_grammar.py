@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import jsonschema
 
 from strata.v1 import common_pb2
+from tests.grammar_cases import SCHEMA, slow_schema
 from tests.integration.worker_harness import (
     INVALID_ARGUMENT,
     connect,
@@ -20,7 +21,6 @@ from tests.integration.worker_harness import (
     submission,
     wait_idle,
 )
-from tests.unit.test_grammar_engine import SCHEMA, _slow_schema
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -87,8 +87,8 @@ def test_a_slow_compile_is_refused_at_the_bound_and_a_cancel_while_compiling_hol
     async def main():
         async with running_worker(tiny_serving_dir, grammar_compile_timeout_s=0.002) as (server, stub):
             side = await connect(stub, tiny_serving_dir)
-            await side.send(_constrained("slow", json_schema=_slow_schema(600)))
-            await side.send(_constrained("cancelled", json_schema=_slow_schema(599)), cancel=("cancelled",))
+            await side.send(_constrained("slow", json_schema=slow_schema(600)))
+            await side.send(_constrained("cancelled", json_schema=slow_schema(599)), cancel=("cancelled",))
             await side.send(submission("plain", PROMPT, 8))
             await side.read_until(
                 lambda s: "slow" in s.rejections and {"plain", "cancelled"} <= set(s.finals)

@@ -25,23 +25,10 @@ from services.worker.engine.grammar_mask import GrammarMasker
 from services.worker.engine.grammar_spec import GrammarSpec
 from services.worker.engine.params import InvalidRequestError, SamplingParams
 from services.worker.engine.sequence import FinishReason
+from tests.grammar_cases import LARK, REGEX, SCHEMA, slow_schema
 
 if TYPE_CHECKING:
     from pathlib import Path
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 8},
-        "age": {"type": "integer", "minimum": 0, "maximum": 99},
-        "ok": {"type": "boolean"},
-    },
-    "required": ["name", "age", "ok"],
-    "additionalProperties": False,
-}
-REGEX = "[0-9]{3}-[a-z]{2,4}"
-LARK = 'start: "yes" | "no" | "maybe " NUMBER\nNUMBER: /[1-9][0-9]?/'
-LARK_LANGUAGE = "yes|no|maybe [1-9][0-9]?"
 
 
 @pytest.fixture(scope="module")
@@ -211,24 +198,11 @@ def test_a_constraint_compiles_once_and_is_cached_by_hash(compiler) -> None:
     assert first.raw is not second.raw, "each request needs its own state"
 
 
-def _slow_schema(properties: int) -> str:
-    return json.dumps(
-        {
-            "type": "object",
-            "properties": {
-                f"field_{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1},{i % 7 + 9}}}[0-9]{{2,5}}$"}
-                for i in range(properties)
-            },
-            "required": [f"field_{i}" for i in range(properties)],
-        }
-    )
-
-
 def test_a_compile_past_the_time_bound_is_refused_without_waiting_for_it(engine, tiny_serving_dir) -> None:
     config = engine.model_config
     unbounded = GrammarCompiler.from_model_dir(tiny_serving_dir, config.eos_token_ids, config.vocab_size)
     started = time.perf_counter()
-    unbounded.matcher(GrammarSpec.of("json_schema", _slow_schema(600)), timeout_s=60)
+    unbounded.matcher(GrammarSpec.of("json_schema", slow_schema(600)), timeout_s=60)
     compile_s = time.perf_counter() - started
     bound_s = compile_s / 20  # the bound is far below what this schema takes
     bounded = GrammarCompiler.from_model_dir(
@@ -236,7 +210,7 @@ def test_a_compile_past_the_time_bound_is_refused_without_waiting_for_it(engine,
     )
     started = time.perf_counter()
     with pytest.raises(InvalidRequestError) as caught:
-        bounded.matcher(GrammarSpec.of("json_schema", _slow_schema(600)))
+        bounded.matcher(GrammarSpec.of("json_schema", slow_schema(600)))
     waited = time.perf_counter() - started
     assert caught.value.field == "sampling.constraint.json_schema"
     assert "did not compile within" in str(caught.value)
