@@ -40,7 +40,7 @@ class GrammarMasker:
 
     def __init__(self, threads: int | None = None) -> None:
         """threads: the library's mask threads; default torch's intra-op count (idle at that moment)."""
-        self._executor = llguidance.LLExecutor(num_threads=threads or torch.get_num_threads())
+        self.executor = llguidance.LLExecutor(num_threads=threads or torch.get_num_threads())
         self._buffer = torch.zeros((0, 0), dtype=torch.int32)
         self.stats = MaskStats()
 
@@ -53,7 +53,7 @@ class GrammarMasker:
         # The library writes exactly its tokenizer's words; every row's grammar shares one tokenizer.
         known = rows[0][1].vocab_size
         bitmask = self._bitmask(len(rows), (known + 31) // 32)
-        fill_next_token_bitmask_par(self._executor, [(g.raw, i) for i, (_, g) in enumerate(rows)], bitmask)
+        fill_next_token_bitmask_par(self.executor, [(g.raw, i) for i, (_, g) in enumerate(rows)], bitmask)
         bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=known, bitorder="little")
         allowed = torch.zeros((len(rows), vocab), dtype=torch.bool)
         # Ids past the tokenizer's (padding rows of the embedding) stay False: never allowed.
