@@ -34,9 +34,11 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
     from pathlib import Path
 
+    from llguidance._lib import JsonCompileOptions
+
 # Compact JSON with one space after ',' and ':' and no other whitespace: what instruct models write
 # anyway, and no room for a run of newlines that would spend max_tokens inside a valid document.
-JSON_OPTIONS: llguidance.JsonCompileOptions = {
+JSON_OPTIONS: JsonCompileOptions = {
     "item_separator": ", ",
     "key_separator": ": ",
     "whitespace_flexible": False,
