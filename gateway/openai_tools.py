@@ -18,7 +18,7 @@ from gateway import tool_calls as calls
 from strata.v1 import gateway_pb2
 
 if TYPE_CHECKING:
-    from gateway.openai_schema import ChatCompletionRequest, ChatMessage, ResponseFormat
+    from gateway.openai_schema import ChatMessage, NamedToolChoice, ResponseFormat, Tool
     from strata.v1 import common_pb2
 
 CHOICES = {
@@ -41,12 +41,15 @@ def set_constraint(sampling: common_pb2.SamplingParams, response_format: Respons
         sampling.constraint.lark_grammar = response_format.grammar
 
 
-def set_tools(request: gateway_pb2.GenerateRequest, body: ChatCompletionRequest) -> None:
-    for tool in body.tools or ():
+def set_tools(
+    request: gateway_pb2.GenerateRequest,
+    tools: list[Tool] | None,
+    choice: str | NamedToolChoice | None,
+) -> None:
+    for tool in tools or ():
         function = tool.function
         parameters = json.dumps(function.parameters) if function.parameters is not None else ""
         request.tools.add(name=function.name, description=function.description, parameters_json=parameters)
-    choice = body.tool_choice
     if choice is None:
         return
     if isinstance(choice, str):
