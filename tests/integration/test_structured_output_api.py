@@ -2,7 +2,8 @@
 and the official openai SDK's `response_format` and `tools` against the OpenAI-compatible HTTP API.
 
 One real stack per module (tokenizer service, worker, gateway with its HTTP API; the tiny random
-model, whose unconstrained text is noise: an answer that parses is the grammar's doing).
+model, whose unconstrained text is noise: an answer that parses is the grammar's doing; its 4096-token
+context holds the tools' description, which the tiny byte-level tokenizer makes long).
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ METADATA = [("authorization", f"Bearer {KEY}")]
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_serving_dir: Path) -> Iterator[HttpStack]:
-    running = start_http_stack(tiny_serving_dir, step_delay_s=0.0)
+def stack(tiny_long_serving_dir: Path) -> Iterator[HttpStack]:
+    running = start_http_stack(tiny_long_serving_dir, step_delay_s=0.0)
     try:
         yield running
     finally:
