@@ -114,7 +114,7 @@ def _overlap_probe(engine: LLMEngine, prompts, compiler, steps: int = 12) -> dic
     masker = engine.runner.masker
     if masker is None:
         raise RuntimeError("run the constrained contestant first")
-    matchers = []
+    matchers: list[tuple[Any, int]] = []
     for name, _ in prompts:
         grammar = compiler.matcher(GrammarSpec.of("json_schema", json.dumps(SCHEMAS[name])))
         doc = compiler.tokenizer.tokenize_str(sample_text(name))

@@ -76,7 +76,7 @@ def to_generate_request(
         for message in body.messages:
             role, content = openai_tools.render_turn(message)
             request.messages.add(role=ROLE_ALIASES.get(role, role), content=content)
-        openai_tools.set_tools(request, body.tools, body.tool_choice)
+        openai_tools.set_tools(request, getattr(body, "tools", None), getattr(body, "tool_choice", None))
     else:
         request.prompt = body.prompt_text()
     return request

@@ -25,7 +25,7 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 Mode = gateway_pb2.ToolChoiceMode
 
 
-def mode_of(request: gateway_pb2.GenerateRequest) -> int:
+def mode_of(request: gateway_pb2.GenerateRequest) -> gateway_pb2.ToolChoiceMode.ValueType:
     """The request's effective tool choice: unset is AUTO with tools, NONE without."""
     mode = request.tool_choice.mode
     if mode == Mode.TOOL_CHOICE_MODE_UNSPECIFIED:

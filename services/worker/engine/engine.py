@@ -26,6 +26,7 @@ from services.worker.model.loader import load_model
 from strata.fingerprint import weights_fingerprint
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence as SequenceOf
     from pathlib import Path
 
     from services.worker.engine.grammar_matcher import GrammarMatcher
@@ -205,7 +206,7 @@ class LLMEngine:
         self,
         prompts: list[list[int]],
         params: SamplingParams | list[SamplingParams],
-        grammars: list[GrammarMatcher | None] | None = None,
+        grammars: SequenceOf[GrammarMatcher | None] | None = None,
     ) -> list[list[int]]:
         """Run these prompts to completion together and return each one's new token ids."""
         per_request = params if isinstance(params, list) else [params] * len(prompts)
