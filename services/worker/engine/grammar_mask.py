@@ -54,13 +54,22 @@ class GrammarMasker:
         known = rows[0][1].vocab_size
         bitmask = self._bitmask(len(rows), (known + 31) // 32)
         fill_next_token_bitmask_par(self.executor, [(g.raw, i) for i, (_, g) in enumerate(rows)], bitmask)
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=known, bitorder="little")
-        allowed = torch.zeros((len(rows), vocab), dtype=torch.bool)
-        # Ids past the tokenizer's (padding rows of the embedding) stay False: never allowed.
-        allowed[:, :known] = torch.from_numpy(bits).to(torch.bool)
-        allowed = allowed.to(logits.device)
-        index = torch.tensor([row for row, _ in rows], device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        # The inverted bits unpack to 0/1 bytes that are already a bool tensor's storage: no compare.
+        inverted = np.invert(bitmask.numpy()).view(np.uint8)
+        refused = torch.from_numpy(np.unpackbits(inverted, axis=1, count=known, bitorder="little")).view(
+            torch.bool
+        )
+        if vocab > known:
+            # Ids past the tokenizer's (padding rows of the embedding) are never allowed.
+            padding = torch.ones((len(rows), vocab - known), dtype=torch.bool)
+            refused = torch.cat([refused, padding], dim=1)
+        refused = refused.to(logits.device)
+        at = [row for row, _ in rows]
+        if at == list(range(logits.shape[0])):
+            logits.masked_fill_(refused, float("-inf"))  # every row constrained: in place, no copy
+        else:
+            index = torch.tensor(at, device=logits.device)
+            logits[index] = logits[index].masked_fill(refused, float("-inf"))
         self.stats.steps += 1
         self.stats.rows += len(rows)
         self.stats.seconds += time.perf_counter() - started
