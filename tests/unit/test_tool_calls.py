@@ -143,3 +143,18 @@ def test_the_client_sets_one_constraint() -> None:
     assert not build_request("x").sampling.HasField("constraint")
     with pytest.raises(ValueError, match="at most one output constraint"):
         build_request("x", regex="a", grammar='start: "a"')
+
+
+def test_the_cli_sends_a_constraint_from_text_or_a_file(tmp_path) -> None:
+    from strata.cli import build_parser
+    from strata.cli.client_commands import _generate_request
+
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+    args = build_parser().parse_args(["generate", "hi", "--chat", "--json-schema", f"@{schema}"])
+    request = _generate_request(args)
+    assert request.sampling.constraint.json_schema == '{"type": "object"}'
+    args = build_parser().parse_args(["generate", "hi", "--regex", "[0-9]+"])
+    assert _generate_request(args).sampling.constraint.regex == "[0-9]+"
+    plain = _generate_request(build_parser().parse_args(["generate", "hi"]))
+    assert not plain.sampling.HasField("constraint")
