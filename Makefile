@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-prefix-routing bench-peer reliability chaos run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-prefix-routing bench-peer bench-grammar-libs bench-grammar reliability chaos run clean
 
 setup: $(STAMP)
 
@@ -95,6 +95,20 @@ bench-prefix-routing: setup model
 # into ~/.cache/strata/peer ($$STRATA_PEER_CACHE); later runs reuse it. Not part of CI.
 bench-peer: setup model
 	$(BIN)/python -m bench.peer --json bench/results/peer-cpu.json
+
+# Which grammar library: llguidance (the dependency) against xgrammar, installed for this run alone into
+# build/xgrammar without its requirements (triton among them): dependencies, sizes, compile and mask times.
+XGRAMMAR_SPEC ?= xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+bench-grammar-libs: setup model
+	$(BIN)/python -m pip install --quiet --no-deps --target build/xgrammar $(XGRAMMAR_SPEC)
+	PYTHONPATH=$(CURDIR):$(CURDIR)/build/xgrammar $(BIN)/python -m bench.grammar_libs \
+		--json bench/results/grammar-libs-cpu.json
+
+# Structured output's cost (64 streams, a JSON schema on every request against none, cold compiles) and
+# its quality on the real model (100 prompts, 5 schemas, greedy, 256 tokens: stop rate, jsonschema).
+bench-grammar: setup model
+	$(BIN)/python -m bench.grammar_cost --json bench/results/grammar-cost-cpu.json
+	$(BIN)/python -m bench.grammar_quality --json bench/results/grammar-quality-cpu.json
 
 # The reliability suite's full versions (tests/reliability and the security tests it names); writes
 # docs/reliability.md: per scenario what was done, what must hold, the figures measured, pass or fail,

@@ -35,6 +35,7 @@ from gateway.metrics import HTTP_RESPONSES, STUCK_STREAMS
 from gateway.openai_errors import HttpError, from_gateway, from_validation, too_large, unauthenticated
 from gateway.openai_mapping import FINISH_REASONS, Reply, extension, headers, to_generate_request
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from gateway.openai_tools import ToolStream
 from gateway.request import Incoming
 from gateway.request_trace import TRACE_KEYS
 from gateway.tenant_settings import DEFAULT_TENANT
@@ -148,7 +149,8 @@ class Completions:
                 return _error_response(from_gateway(error, token_field))
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
             HTTP_RESPONSES.labels(self._endpoint, "200").inc()
-            events = self._events(reply, first, chunks, body.include_usage, token_field)
+            held = ToolStream(incoming.request)
+            events = self._events(reply, first, chunks, body.include_usage, token_field, held)
             idle = self._settings.stream_idle_timeout_s
             async with contextlib.aclosing(events):
                 async for data in events:
@@ -170,6 +172,7 @@ class Completions:
         chunks: AsyncGenerator[Chunk, None],
         include_usage: bool,
         token_field: str,
+        held: ToolStream,
     ) -> AsyncGenerator[bytes, None]:
         chunk: Chunk | None = first
         opening = True
@@ -178,13 +181,18 @@ class Completions:
                 reply.model = chunk.model or reply.model
                 final = chunk.final
                 if final is None:
-                    if chunk.text or (opening and self._chat):
-                        yield event(reply.chunk(chunk.text, first=opening and self._chat))
+                    text = held.take(chunk.text)
+                    if text or (opening and self._chat):
+                        yield event(reply.chunk(text, first=opening and self._chat))
                         opening = False
                     chunk = await anext(chunks, None)
                     continue
                 reply.model = final.model
-                last = reply.chunk(chunk.text, _finish(final), first=opening and self._chat)
+                if final.tool_calls:
+                    yield event(reply.tool_calls_chunk(final))
+                    last = reply.chunk("", "tool_calls", first=opening and self._chat)
+                else:
+                    last = reply.chunk(held.rest(chunk.text), _finish(final), first=opening and self._chat)
                 closing = reply.usage_chunk(final) if include_usage else last
                 closing["strata"] = extension(final)
                 if include_usage:

@@ -2,7 +2,9 @@
 
 `to_generate_request` turns a parsed body into the GenerateRequest the gRPC front door would pass,
 with the OpenAI API's defaults (temperature 1, top_p 1, max_tokens from `http_default_max_tokens`
-capped by max_new_tokens_limit and the model's context) instead of the gRPC ones. `Reply` builds the
+capped by max_new_tokens_limit and the model's context) instead of the gRPC ones; `response_format`
+becomes the sampling's output constraint and `tools`/`tool_choice` the request's (openai_tools.py
+renders a conversation's earlier calls and answers). `Reply` builds the
 response objects of one request: the whole `chat.completion` or `text_completion`, each stream
 chunk, and the final chunk's `strata` extension (who served it and where the time went), plus the
 headers that say the same on a whole response. `http_param` names a pipeline error's field as the
@@ -16,6 +18,7 @@ import re
 import time
 from typing import TYPE_CHECKING, Any
 
+from gateway import openai_tools
 from gateway.stage_clock import STAGES
 from strata.v1 import common_pb2, gateway_pb2
 
@@ -58,6 +61,9 @@ def to_generate_request(
         sampling.repetition_penalty = body.repetition_penalty
     if body.seed is not None:
         sampling.seed = body.seed
+    response_format = getattr(body, "response_format", None)
+    if response_format is not None:
+        openai_tools.set_constraint(sampling, response_format)
     request = gateway_pb2.GenerateRequest(
         model=body.model,
         sampling=sampling,
@@ -68,8 +74,9 @@ def to_generate_request(
     )
     if hasattr(body, "messages"):
         for message in body.messages:
-            role = ROLE_ALIASES.get(message.role, message.role)
-            request.messages.add(role=role, content=message.text())
+            role, content = openai_tools.render_turn(message)
+            request.messages.add(role=ROLE_ALIASES.get(role, role), content=content)
+        openai_tools.set_tools(request, getattr(body, "tools", None), getattr(body, "tool_choice", None))
     else:
         request.prompt = body.prompt_text()
     return request
@@ -86,6 +93,8 @@ def http_param(message: str, token_field: str) -> str | None:
     name = match.group(1)
     if name == "max_new_tokens":
         return token_field
+    if name == "constraint":
+        return "response_format"
     return field.removeprefix("sampling.")
 
 
@@ -115,7 +124,14 @@ class Reply:
         self.started(final.request_id, final.model)
         finish = FINISH_REASONS.get(final.finish_reason, "stop")
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-        if self.chat:
+        if self.chat and final.tool_calls:
+            choice["finish_reason"] = "tool_calls"
+            choice["message"] = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": openai_tools.tool_calls(final, with_index=False),
+            }
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": final.text}
         else:
             choice["text"] = final.text
@@ -131,6 +147,12 @@ class Reply:
             choice["delta"] = delta
         else:
             choice["text"] = text
+        return {**self._head(chunk=True), "choices": [choice]}
+
+    def tool_calls_chunk(self, final: gateway_pb2.GenerateResponse) -> dict[str, Any]:
+        """The stream chunk carrying the answer's tool calls, whole (OpenAI's deltas may split them)."""
+        delta = {"tool_calls": openai_tools.tool_calls(final, with_index=True)}
+        choice = {"index": 0, "finish_reason": None, "logprobs": None, "delta": delta}
         return {**self._head(chunk=True), "choices": [choice]}
 
     def usage_chunk(self, final: gateway_pb2.GenerateResponse) -> dict[str, Any]:

@@ -2,11 +2,13 @@
 
 `ChatCompletionRequest` (POST /v1/chat/completions) and `CompletionRequest` (POST /v1/completions)
 take the OpenAI field names, Strata's own options as extra body fields (`top_k`, `priority`, ...), and
-the fields clients send by habit (`n`, `presence_penalty`, `logprobs`, `tools`, ...) at their default
-values. A habitual field whose value asks for a feature the gateway lacks is refused naming the field
-(`n: 3 ...`), and so is a field this API does not know: nothing is ignored in silence. Parsing is
-strict about types (a string is not a number), so a wrong type is a field-level error, never a crash.
-This module must not know the gRPC request (openai_mapping.py builds it) nor send anything.
+the fields clients send by habit (`n`, `presence_penalty`, `logprobs`, ...) at their default
+values; `response_format` (json_object, json_schema, and Strata's regex and grammar) and `tools` with
+`tool_choice` are parsed here and mapped by openai_mapping.py. A habitual field whose value asks for
+a feature the gateway lacks is refused naming the field (`n: 3 ...`), and so is a field this API
+does not know: nothing is ignored in silence. Parsing is strict about types (a string is not a
+number), so a wrong type is a field-level error, never a crash. This module must not know the gRPC
+request (openai_mapping.py builds it) nor send anything.
 """
 
 from __future__ import annotations
@@ -27,14 +29,33 @@ class TextPart(_Body):
     text: str
 
 
+class CalledFunction(_Body):
+    name: str
+    arguments: str
+
+
+class AssistantToolCall(_Body):
+    """A call an earlier assistant turn made, as the client sends the conversation back."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
     role: str
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
+    """None only on an assistant turn that made tool calls."""
     name: str | None = None
     """Accepted for the clients that send it; the chat template has no place for it."""
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: str | None = None
+    """On a "tool" turn: the call it answers."""
 
     def text(self) -> str:
         """The content as one string: text parts are joined by newlines (as vLLM does)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
@@ -44,8 +65,57 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """response_format.json_schema: OpenAI's named schema."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    """None takes any JSON object."""
+    strict: bool | None = None
+    """Accepted; the output always follows the schema."""
+
+
 class ResponseFormat(_Body):
-    type: Literal["text"]
+    """text, json_object, json_schema (OpenAI's), or Strata's regex and grammar (a Lark grammar)."""
+
+    type: Literal["text", "json_object", "json_schema", "regex", "grammar"]
+    json_schema: JsonSchemaFormat | None = None
+    regex: str | None = None
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ResponseFormat:
+        given = {k for k in ("json_schema", "regex", "grammar") if getattr(self, k) is not None}
+        wanted = {self.type} & {"json_schema", "regex", "grammar"}
+        if given != wanted:
+            need = f"response_format.{self.type} must be set" if wanted else "no other field is allowed"
+            raise ValueError(f"response_format: type {self.type!r} takes exactly its own field ({need})")
+        return self
+
+
+class FunctionDefinition(_Body):
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+    """The arguments' JSON Schema; None takes any object."""
+    strict: bool | None = None
+    """Accepted; the arguments always follow the schema."""
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 def _unsupported(field: str, value: object, why: str) -> ValueError:
@@ -120,9 +190,10 @@ class ChatCompletionRequest(_Common):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    """Accepted; an answer holds at most one call."""
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: ResponseFormat | None = None
@@ -135,19 +206,16 @@ class ChatCompletionRequest(_Common):
         return "max_tokens", self.max_tokens
 
     @model_validator(mode="after")
-    def _no_tools(self) -> ChatCompletionRequest:
+    def _one_token_limit(self) -> ChatCompletionRequest:
         if self.max_tokens is not None and self.max_completion_tokens not in (None, self.max_tokens):
             raise ValueError(
                 f"max_completion_tokens: {self.max_completion_tokens} differs from max_tokens: "
                 f"{self.max_tokens}; send one of them"
             )
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise _unsupported(name, "[...]", "no tool calls; send an empty list")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise _unsupported("tool_choice", self.tool_choice, "no tool calls")
+        if self.functions:
+            raise _unsupported("functions", "[...]", "send tools instead")
         if self.function_call not in (None, "none", "auto"):
-            raise _unsupported("function_call", self.function_call, "no tool calls")
+            raise _unsupported("function_call", self.function_call, "send tool_choice instead")
         return self
 
 

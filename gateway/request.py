@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gateway import tool_calls
 from gateway.admission import Ticket, deadline_from_unix_ms, estimate_prompt_tokens, priority_of
 from gateway.errors import DeadlineExceeded, TokenizerUnavailable, Unavailable
 from gateway.fallback import FallbackPolicy
@@ -277,8 +278,10 @@ class Request:
         self.timing.queue_ms = parts["queue"]
         self.timing.forward_ms = parts["forward"]
         self.timing.decode_ms = parts["decode"]
+        text = "".join(self.text)
+        stopped = finish == common_pb2.FINISH_REASON_STOP
         return gateway_pb2.GenerateResponse(
-            text="".join(self.text),
+            text=text,
             finish_reason=finish,
             usage=common_pb2.Usage(
                 input_tokens=self.input_tokens,
@@ -292,4 +295,5 @@ class Request:
             token_ids=self.token_ids,
             failover_at_token=self.failover_at_token,
             trace_id=self.trace.trace_id,
+            tool_calls=tool_calls.parse(self.valid.request, text) if stopped else [],
         )

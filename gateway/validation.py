@@ -2,17 +2,21 @@
 
 Each rule raises InvalidArgument with a message that starts with the offending field's path
 (`sampling.top_p: ...`) and says the limit, or NotFound for a model no route serves. Limits that only
-the tokenizer or the worker can judge (the prompt's length in tokens) are theirs. This module must not
-do I/O: it is pure and runs on the request's own task.
+the tokenizer or the worker can judge (the prompt's length in tokens) are theirs, and so is whether an
+output constraint compiles (the worker's compiler); its shape is checked here. A request with tools
+comes out as tool_calls.py prepares it. This module must not do I/O: it is pure and runs on the
+request's own task.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gateway import tool_calls
 from gateway.errors import InvalidArgument, NotFound
 from strata.v1 import common_pb2, gateway_pb2
 
@@ -23,6 +27,8 @@ if TYPE_CHECKING:
 
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_SEED = 2**63
+# The worker refuses larger constraints too (services/worker/engine/grammar_spec.py).
+MAX_CONSTRAINT_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +54,9 @@ def validate(
 ) -> ValidRequest:
     """Check every field; `context_limit(model)` is the model's context length when a worker reported it."""
     _check_input(request)
+    request = tool_calls.prepare(request)
     sampling = _check_sampling(request, settings)
+    _check_constraint(sampling)
     request_id = _check_request_id(request.request_id, settings.max_request_id_chars)
     model = request.model or settings.default_route
     known = [route.model for route in settings.routes]
@@ -127,6 +135,35 @@ def _check_sampling(
                 f"sampling.stop[{index}]: {size} bytes, at most {settings.max_stop_string_bytes} allowed"
             )
     return sampling
+
+
+def _check_constraint(sampling: common_pb2.SamplingParams) -> None:
+    if not sampling.HasField("constraint"):
+        return
+    kind = sampling.constraint.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgument(
+            "sampling.constraint: set one of json_object, json_schema, regex and lark_grammar (or unset it)"
+        )
+    if kind == "json_object":
+        if not sampling.constraint.json_object:
+            raise InvalidArgument("sampling.constraint.json_object: must be true when set")
+        return
+    source = getattr(sampling.constraint, kind)
+    size = len(source.encode())
+    if not source.strip():
+        raise InvalidArgument(f"sampling.constraint.{kind}: must not be empty")
+    if size > MAX_CONSTRAINT_BYTES:
+        raise InvalidArgument(
+            f"sampling.constraint.{kind}: {size} bytes, at most {MAX_CONSTRAINT_BYTES} allowed"
+        )
+    if kind == "json_schema":
+        try:
+            schema = json.loads(source)
+        except ValueError as exc:
+            raise InvalidArgument(f"sampling.constraint.json_schema: must be JSON text: {exc}") from None
+        if not isinstance(schema, dict | bool):
+            raise InvalidArgument("sampling.constraint.json_schema: must be a JSON Schema object")
 
 
 def _check_request_id(request_id: str, max_chars: int) -> str:

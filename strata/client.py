@@ -67,6 +67,10 @@ class GenerateOptions(TypedDict, total=False):
     request_id: str
     allow_fallback: bool
     truncation: int | str | None
+    json_schema: str | Mapping[str, Any] | None
+    json_object: bool
+    regex: str | None
+    grammar: str | None
 
 
 def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:

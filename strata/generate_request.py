@@ -9,7 +9,8 @@ the field. A chat message or truncation it cannot express raises ValueError.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
+from typing import TYPE_CHECKING, Any
 
 from strata.v1 import common_pb2, gateway_pb2
 
@@ -57,11 +58,16 @@ def build_request(
     request_id: str = "",
     allow_fallback: bool = False,
     truncation: int | str | None = None,
+    json_schema: str | Mapping[str, Any] | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    grammar: str | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """The GenerateRequest for these arguments; None leaves an optional field unset (the server's default).
 
     `messages` are (role, content) tuples or {"role", "content"} dicts; `truncation` is a
-    gateway_pb2.Truncation value or its name ("left", "refuse").
+    gateway_pb2.Truncation value or its name ("left", "refuse"). At most one output constraint:
+    `json_schema` (a dict, or its JSON text), `json_object`, `regex`, or `grammar` (Lark).
     """
     sampling = common_pb2.SamplingParams(
         max_new_tokens=max_new_tokens,
@@ -77,6 +83,17 @@ def build_request(
         sampling.repetition_penalty = repetition_penalty
     if seed is not None:
         sampling.seed = seed
+    constraints = {
+        "json_schema": json_schema if isinstance(json_schema, str | None) else json.dumps(dict(json_schema)),
+        "json_object": json_object or None,
+        "regex": regex,
+        "lark_grammar": grammar,
+    }
+    given = {kind: value for kind, value in constraints.items() if value is not None}
+    if len(given) > 1:
+        raise ValueError(f"at most one output constraint, not {', '.join(given)}")
+    for kind, value in given.items():
+        setattr(sampling.constraint, kind, value)
     return gateway_pb2.GenerateRequest(
         prompt=prompt or "",
         messages=[_chat_message(message) for message in messages or ()],

@@ -4,7 +4,8 @@ A Connection rejects a submission whose deadline already passed or whose fields 
 hands the rest to its host (a StreamHost: the one check of parameters and ids, then a credit, then the
 engine) under stream-unique engine ids (so two gateways may use the same request id). It ends
 requests whose deadline passes, turns each engine step's outputs into token updates, and writes
-everything through its OutboundQueue so the step loop never waits on a write.
+everything through its OutboundQueue so the step loop never waits on a write. A submission whose
+output constraint is not compiled yet waits in grammar_wait.py first.
 When the stream ends for any reason, every request it still holds is aborted. Timing is measured on
 the event loop: queue_ms runs from arrival to the start of the first step that produced a token for
 the request, so with a prompt prefilled in several chunks the earlier chunks count as queueing;
@@ -17,13 +18,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from services.worker.accepted_request import AcceptedRequest
 from services.worker.convert import (
+    constraint_spec,
     ended_update,
     engine_priority,
     engine_prompt,
+    remaining_s,
     sampling_params,
     token_update,
 )
@@ -31,12 +34,12 @@ from services.worker.engine.params import InvalidRequestError
 from services.worker.engine.sequence import FinishReason
 from services.worker.errors import (
     REFUSALS,
-    DeadlinePassedError,
     ProtocolError,
     TooManySubmissionsError,
     rejection_code,
     status_of,
 )
+from services.worker.grammar_wait import PendingCompiles
 from services.worker.metrics import WORKER_REJECTIONS
 from services.worker.outbound import OutboundQueue
 from strata.v1 import worker_pb2
@@ -45,9 +48,11 @@ if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, AsyncIterable, Iterable
 
     from services.worker.engine.async_engine import StepReport
+    from services.worker.engine.grammar_compiler import GrammarCompiler
+    from services.worker.engine.grammar_matcher import GrammarMatcher
     from services.worker.engine.params import SamplingParams
     from services.worker.engine.sequence import StepOutput
-    from services.worker.request_spans import RequestSpans, WorkerSpans
+    from services.worker.request_spans import WorkerSpans
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +79,12 @@ class StreamHost(Protocol):
         priority: int,
         owner: Connection,
         cache_salt: str = "",
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         """Check the request once, take a credit, queue it on the engine; raise what refuses it."""
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The compiler of this worker's model; raises InvalidRequestError when it has none."""
 
     def abort(self, engine_id: str) -> None:
         """Abort an accepted request in the engine; its credit comes back through `finished`."""
@@ -86,31 +95,6 @@ class StreamHost(Protocol):
     def device_memory_bytes(self) -> int: ...
 
     def disconnect(self, connection: Connection) -> None: ...
-
-
-@dataclass(slots=True)
-class AcceptedRequest:
-    """A request accepted on this stream and not yet finished."""
-
-    request_id: str
-    engine_id: str
-    prompt_tokens: int
-    """The submission's prompt_ids, without any prior output."""
-    prior_tokens: int
-    """prior_output_ids of a failover: prefilled by the engine, counted as output, never sent back."""
-    submitted: float
-    """time.monotonic() at arrival."""
-    first_step: float | None = None
-    """time.monotonic() at the start of the first step that produced one of its tokens."""
-    output_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    """Prompt tokens the prefix cache served, as the engine's updates report them."""
-    deadline: asyncio.TimerHandle | None = None
-    spans: RequestSpans | None = None
-    """Its trace state; None when untraced."""
-
-    def forward_ms(self, now: float) -> float:
-        return 0.0 if self.first_step is None else (now - self.first_step) * 1000.0
 
 
 class Connection:
@@ -129,6 +113,7 @@ class Connection:
         """Why the stream must end with an error status; None when it ends normally."""
         self._prefix = f"s{stream_id}/"
         self._open: dict[str, AcceptedRequest] = {}
+        self._compiling = PendingCompiles(self._compiled)
         self._credits_sent: int | None = None
         self._ended = False
 
@@ -202,6 +187,7 @@ class Connection:
         # may have merged a submission that needs one into this same message.
         early = {rid for rid in message.cancellations if rid in self._open}
         ended = [self._abort(self._open[rid]) for rid in early]
+        ended += [self._drop_compiling(rid) for rid in message.cancellations if rid in self._compiling]
         rejections: list[worker_pb2.Rejection] = []
         for submission in message.submissions:
             try:
@@ -211,27 +197,59 @@ class Connection:
         # Then those submitted and cancelled in this one message.
         late = [rid for rid in dict.fromkeys(message.cancellations) if rid in self._open and rid not in early]
         ended += [self._abort(self._open[rid]) for rid in late]
+        ended += [self._drop_compiling(rid) for rid in message.cancellations if rid in self._compiling]
         self._push(ended, rejections)
 
     def _submit(self, submission: worker_pb2.Submission) -> None:
         request_id = submission.request_id
         if not request_id:
             raise InvalidRequestError("request_id", "", "must not be empty: ids name requests on the stream")
-        remaining_s = 0.0
-        if submission.deadline_unix_ms:
-            remaining_s = submission.deadline_unix_ms / 1000.0 - time.time()
-            if remaining_s <= 0:
-                raise DeadlinePassedError(
-                    f"deadline_unix_ms={submission.deadline_unix_ms} had passed {-remaining_s * 1000:.0f} ms "
-                    "before the worker received the request"
-                )
+        if request_id in self._compiling:
+            raise InvalidRequestError("request_id", request_id, "a request with this id is already running")
+        remaining_s(submission)
+        spec = constraint_spec(submission)
+        grammar = None
+        if spec is not None:
+            compiler = self.host.grammar_compiler()
+            grammar = compiler.lookup(spec)
+            if grammar is None:
+                sampling_params(submission)  # a bad parameter is refused now, not after the compile
+                self._compiling.start(submission, spec, compiler)
+                return
+        self._accept(submission, grammar)
+
+    def _compiled(self, submission: worker_pb2.Submission, outcome: GrammarMatcher | Exception) -> None:
+        try:
+            if isinstance(outcome, Exception):
+                raise outcome
+            self._accept(submission, outcome)
+        except REFUSALS as exc:
+            self._push((), [self._rejection(submission.request_id, exc)])
+            return
+        self._push((), ())  # the credit it took
+
+    def _accept(self, submission: worker_pb2.Submission, grammar: GrammarMatcher | None) -> None:
+        request_id = submission.request_id
+        left_s = remaining_s(submission)
         engine_id = self._prefix + request_id
         prior = len(submission.prior_output_ids)
         # Everything that may raise comes before the credit is taken, so a refusal holds nothing.
-        spans = self.host.spans.start(submission.trace_context)
         params, prompt = sampling_params(submission), engine_prompt(submission)
+        if grammar is not None and not grammar.replay(submission.prior_output_ids):
+            raise InvalidRequestError(
+                "prior_output_ids",
+                f"{prior} tokens",
+                f"are not a prefix of the output that {grammar.spec.field} allows: {grammar.error}",
+            )
+        spans = self.host.spans.start(submission.trace_context)
         self.host.accept(
-            engine_id, prompt, params, engine_priority(submission.priority), self, submission.cache_salt
+            engine_id,
+            prompt,
+            params,
+            engine_priority(submission.priority),
+            self,
+            submission.cache_salt,
+            grammar,
         )
         record = AcceptedRequest(
             request_id,
@@ -243,8 +261,12 @@ class Connection:
             spans=spans,
         )
         if submission.deadline_unix_ms:
-            record.deadline = asyncio.get_running_loop().call_later(remaining_s, self._expire, request_id)
+            record.deadline = asyncio.get_running_loop().call_later(left_s, self._expire, request_id)
         self._open[request_id] = record
+
+    def _drop_compiling(self, request_id: str) -> worker_pb2.TokenUpdate:
+        self._compiling.cancel(request_id)
+        return ended_update(request_id, FinishReason.ABORTED, prompt_tokens=0, output_tokens=0)
 
     def _expire(self, request_id: str) -> None:
         record = self._open.get(request_id)
@@ -350,7 +372,8 @@ class Connection:
         if self._ended:
             return
         self._ended = True
-        aborted = len(self._open)
+        aborted = len(self._open) + len(self._compiling)
+        self._compiling.cancel_all()
         for record in list(self._open.values()):
             self.host.abort(record.engine_id)
             self._forget(record, "aborted", "the Connect stream ended")

@@ -5,15 +5,19 @@ The proto leaves some sampling fields unset to mean "off"; this module fills the
 for them and rejects what the gateway must always fill. A submission with `prior_output_ids` (a
 failover) runs in the engine as prompt + prior ids with max_new_tokens shortened by the prior count;
 token updates then count the prior ids as output, not prompt, and never carry them. It must not
-validate ranges (the engine's SamplingParams.validate does) nor hold any state.
+validate ranges (the engine's SamplingParams.validate does) nor hold any state. An output constraint
+becomes a GrammarSpec here; compiling it is the grammar compiler's job.
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
+from services.worker.engine.grammar_spec import GrammarKind, GrammarSpec
 from services.worker.engine.params import InvalidRequestError, SamplingParams
 from services.worker.engine.sequence import FinishReason
+from services.worker.errors import DeadlinePassedError
 from strata.v1 import common_pb2, worker_pb2
 
 if TYPE_CHECKING:
@@ -54,6 +58,20 @@ def sampling_params(submission: worker_pb2.Submission) -> SamplingParams:
         ignore_eos=wire.ignore_eos,
         seed=wire.seed if wire.HasField("seed") else None,
     )
+
+
+def constraint_spec(submission: worker_pb2.Submission) -> GrammarSpec | None:
+    """The submission's output constraint, checked for shape (the compiler judges the rest); None
+    when it has none."""
+    wire = submission.sampling
+    if not wire.HasField("constraint"):
+        return None
+    kind = wire.constraint.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError(
+            "sampling.constraint", "<empty>", f"must set one of {', '.join(k.value for k in GrammarKind)}"
+        )
+    return GrammarSpec.of(kind, getattr(wire.constraint, kind))
 
 
 def engine_prompt(submission: worker_pb2.Submission) -> list[int]:
@@ -127,3 +145,16 @@ def memory_budget(budget: MemoryBudget) -> common_pb2.MemoryBudget:
         largest_context=budget.largest_context,
         sized_by=budget.sized_by,
     )
+
+
+def remaining_s(submission: worker_pb2.Submission) -> float:
+    """Seconds left before the submission's deadline (0.0 when it has none); raises once it passed."""
+    if not submission.deadline_unix_ms:
+        return 0.0
+    left = submission.deadline_unix_ms / 1000.0 - time.time()
+    if left <= 0:
+        raise DeadlinePassedError(
+            f"deadline_unix_ms={submission.deadline_unix_ms} had passed {-left * 1000:.0f} ms "
+            "before the worker could accept the request"
+        )
+    return left

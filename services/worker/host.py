@@ -5,8 +5,9 @@ KV cache from the memory budget: the host logs the budget and publishes it in me
 GetWorkerInfo), proves it with a one-token generation before declaring itself ready, and owns what
 every stream shares: the credits (a request takes one in `accept`, after the one check of its
 parameters and id, and gives it back in `finished`), the map from engine request ids to the stream
-that owns each, and the drain on shutdown.
-Streams reach it only through the StreamHost protocol (connection.py).
+that owns each, the drain on shutdown, and the grammar compiler of the model's tokenizer (built at
+load from the same folder, its fingerprint checked against the one gateways must match). Streams
+reach it only through the StreamHost protocol (connection.py).
 Each engine step it hands every stream its outputs, then every stream its credits, so no stream
 reads credits that another stream's finished requests are about to free. This module must not
 speak gRPC (server.py does) nor build stream messages (connection.py does).
@@ -29,7 +30,8 @@ from services.worker.credits import CreditPool
 from services.worker.device_memory import device_memory_bytes
 from services.worker.engine.async_engine import AsyncEngine, EngineDeadError
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
+from services.worker.engine.grammar_compiler import GrammarCompiler
+from services.worker.engine.params import InvalidRequestError, SamplingParams
 from services.worker.errors import DrainingError, HelloMismatchError, NotReadyError, ProtocolError
 from services.worker.metrics import EngineMetrics
 from services.worker.request_spans import WorkerSpans
@@ -40,6 +42,7 @@ from strata.v1 import worker_pb2
 if TYPE_CHECKING:
     from services.worker.engine.async_engine import StepReport
     from services.worker.engine.engine import EngineStats
+    from services.worker.engine.grammar_matcher import GrammarMatcher
     from services.worker.engine.sequence import StepOutput
     from services.worker.settings import WorkerSettings
 
@@ -82,6 +85,8 @@ class WorkerHost:
         self.metrics = EngineMetrics(settings.model_name, self.device, self._snapshot)
         self.engine = AsyncEngine(self._build)
         self.fingerprint = ""
+        self.grammars: GrammarCompiler | None = None
+        """None until loaded, or when the model folder has no tokenizer.json (constraints refused)."""
         self.state = State.LOADING
         self.error: BaseException | None = None
         self.ready = asyncio.Event()
@@ -116,6 +121,7 @@ class WorkerHost:
             budget = self.engine.engine.memory
             log.info("%s", budget.describe())
             self.metrics.set_memory(budget)
+            self.grammars = await asyncio.to_thread(self._build_grammars)
             self.engine.add_step_listener(self._on_step, self._on_failure)
             await self._warm_up()
         except asyncio.CancelledError:
@@ -126,6 +132,36 @@ class WorkerHost:
         if self.state is State.LOADING:
             self.state = State.READY
             self.ready.set()
+
+    def _build_grammars(self) -> GrammarCompiler | None:
+        path = self.settings.model_path
+        if not (path / "tokenizer.json").is_file():
+            log.warning("%s has no tokenizer.json: requests with an output constraint are refused", path)
+            return None
+        config = self.engine.engine.model_config
+        compiler = GrammarCompiler.from_model_dir(
+            path,
+            config.eos_token_ids,
+            config.vocab_size,
+            timeout_s=self.settings.grammar_compile_timeout_s,
+            cache_size=self.settings.grammar_cache_size,
+        )
+        if compiler.fingerprint != self.fingerprint:
+            raise RuntimeError(
+                f"the grammar tokenizer read from {path} has fingerprint {compiler.fingerprint}, the "
+                f"worker advertises {self.fingerprint}: the folder changed while loading; restart"
+            )
+        return compiler
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        if self.grammars is None:
+            raise InvalidRequestError(
+                "sampling.constraint",
+                "<set>",
+                f"this worker's model folder {self.settings.model_path} has no tokenizer.json, which "
+                "structured output needs; send the request without a constraint",
+            )
+        return self.grammars
 
     async def _warm_up(self) -> None:
         """One real one-token generation: the first forward pass allocates and compiles what it needs."""
@@ -148,6 +184,8 @@ class WorkerHost:
     async def close(self) -> None:
         """Stop the engine's step loop (after drain)."""
         await self.engine.stop()
+        if self.grammars is not None:
+            self.grammars.close()
 
     def check_accepting(self) -> None:
         """Raise unless new streams and submissions can be served now."""
@@ -198,6 +236,7 @@ class WorkerHost:
         priority: int,
         owner: Connection,
         cache_salt: str = "",
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         """Check the request once, take a credit for `owner`, queue it on the engine.
 
@@ -210,7 +249,7 @@ class WorkerHost:
         self.credits.acquire()
         self._owners[engine_id] = owner
         self._idle.clear()
-        self.engine.add_request(engine_id, prompt, params, priority, cache_salt)
+        self.engine.add_request(engine_id, prompt, params, priority, cache_salt, grammar)
 
     def abort(self, engine_id: str) -> None:
         """Abort an accepted request in the engine (its KV blocks are free before the next step)."""

@@ -13,6 +13,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.worker.engine.config import EngineConfig
+from services.worker.engine.grammar_spec import DEFAULT_COMPILE_TIMEOUT_S, DEFAULT_GRAMMAR_CACHE_SIZE
 from strata.rpc import MIB
 from strata.settings import ServiceSettings
 
@@ -54,6 +55,11 @@ class WorkerSettings(ServiceSettings):
     of spinning, so workers sharing the cores do not burn each other's time; None inherits the variable.
     OpenMP reads it once, when torch loads, so `strata up` puts it in the worker's environment; a worker
     started another way (a container, by hand) needs OMP_WAIT_POLICY set in its own environment."""
+    grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
+    """How long a request's output constraint may take to compile before it is refused with
+    INVALID_ARGUMENT; compiles run off the engine thread, so a slow one never stalls a step."""
+    grammar_cache_size: int = DEFAULT_GRAMMAR_CACHE_SIZE
+    """Compiled constraints kept (by hash, least recently used dropped first)."""
 
     @model_validator(mode="after")
     def _check(self) -> WorkerSettings:
@@ -61,6 +67,12 @@ class WorkerSettings(ServiceSettings):
             raise ValueError(f"max_requests={self.max_requests} must be >= 1 (or unset for 2 x max_num_seqs)")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s} must be >= 0, e.g. 30")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(
+                f"grammar_compile_timeout_s={self.grammar_compile_timeout_s} must be > 0, e.g. 2.0"
+            )
+        if self.grammar_cache_size < 1:
+            raise ValueError(f"grammar_cache_size={self.grammar_cache_size} must be >= 1, e.g. 256")
         return self
 
     @property

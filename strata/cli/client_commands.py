@@ -26,7 +26,20 @@ if TYPE_CHECKING:
 
 DEFAULT_TIMEOUT_S = 300.0
 # Options of the gRPC path that the in-process --local path cannot honour.
-_REMOTE_ONLY = ("address", "system", "model", "top_p", "top_k", "repetition_penalty", "seed", "stop")
+_REMOTE_ONLY = (
+    "address",
+    "system",
+    "model",
+    "top_p",
+    "top_k",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "json_schema",
+    "json_object",
+    "regex",
+    "grammar",
+)
 
 
 def _generate_request(args: argparse.Namespace) -> gateway_pb2.GenerateRequest:
@@ -48,7 +61,18 @@ def _generate_request(args: argparse.Namespace) -> gateway_pb2.GenerateRequest:
         repetition_penalty=args.repetition_penalty,
         seed=args.seed,
         stop=args.stop or (),
+        json_schema=_text_or_file(args.json_schema),
+        json_object=args.json_object,
+        regex=args.regex,
+        grammar=_text_or_file(args.grammar),
     )
+
+
+def _text_or_file(value: str | None) -> str | None:
+    """An option's text, or the contents of the file it names with a leading '@' (curl's convention)."""
+    if value is None or not value.startswith("@"):
+        return value
+    return Path(value[1:]).read_text()
 
 
 def _print_stream(
@@ -125,7 +149,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _generate_local(args: argparse.Namespace) -> int:
-    given = [name for name in _REMOTE_ONLY if getattr(args, name) not in (None, [])]
+    given = [name for name in _REMOTE_ONLY if getattr(args, name) not in (None, [], False)]
     given += [flag for flag in ("json", "timing") if getattr(args, flag)]
     if given:
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
@@ -164,6 +188,11 @@ def add_generate(subparsers: SubParsers) -> None:
     parser.add_argument("--seed", type=int, help="sampling seed, for repeatable sampling")
     parser.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
     parser.add_argument("--json", action="store_true", help="print the whole GenerateResponse as JSON")
+    shape = parser.add_argument_group("structured output (one at most; docs/structured-output.md)")
+    shape.add_argument("--json-schema", metavar="SCHEMA", help="a JSON schema's text, or @FILE")
+    shape.add_argument("--json-object", action="store_true", help="any JSON object")
+    shape.add_argument("--regex", help="a regular expression the whole output matches")
+    shape.add_argument("--grammar", metavar="LARK", help="a Lark grammar's text, or @FILE")
     parser.add_argument("--timing", action="store_true", help="print the per-stage timing to stderr")
     parser.add_argument(
         "--timeout",

@@ -92,6 +92,7 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
+    CONSTRAINT_FIELD_NUMBER: _builtins.int
     max_new_tokens: _builtins.int
     """Tokens to generate at most; 0 takes the gateway's default (64). Must fit the model's context."""
     temperature: _builtins.float
@@ -112,6 +113,12 @@ class SamplingParams(_message.Message):
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Stop strings: the text ends just before the first place one of them begins (at most 8, 64 bytes each)."""
 
+    @_builtins.property
+    def constraint(self) -> Global___OutputConstraint:
+        """Structured output: the text must belong to this language (a JSON schema, a regex, a grammar); unset
+        is free text. Output cut by max_new_tokens ends with FINISH_REASON_LENGTH and may be incomplete.
+        """
+
     def __init__(
         self,
         *,
@@ -124,10 +131,11 @@ class SamplingParams(_message.Message):
         stop: _abc.Iterable[_builtins.str] | None = ...,
         seed: _builtins.int | None = ...,
         ignore_eos: _builtins.bool = ...,
+        constraint: Global___OutputConstraint | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "constraint", b"constraint", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "no_repeat_ngram_size", b"no_repeat_ngram_size", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "constraint", b"constraint", "ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "no_repeat_ngram_size", b"no_repeat_ngram_size", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
     _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
@@ -143,6 +151,50 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
+
+@_typing.final
+class OutputConstraint(_message.Message):
+    """A formal language the output must belong to. The worker compiles it (llguidance) off its engine
+    thread, within a time bound, and masks every token that would leave the language. A constraint that
+    does not parse, uses an unsupported feature or does not compile in time is INVALID_ARGUMENT naming
+    the field. Stop strings still cut the text (the cut text may then not belong to the language).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    LARK_GRAMMAR_FIELD_NUMBER: _builtins.int
+    json_object: _builtins.bool
+    """Any JSON object (OpenAI's response_format json_object). Must be true when set."""
+    json_schema: _builtins.str
+    """A JSON Schema, as JSON text: the output is one JSON value that validates against it. Keywords the
+    compiler does not implement (if/then/else, unevaluatedProperties, ...) are INVALID_ARGUMENT.
+    """
+    regex: _builtins.str
+    """A regular expression (Rust regex syntax, no look-around) that the whole output must match."""
+    lark_grammar: _builtins.str
+    """A context-free grammar in Lark syntax (llguidance's dialect: `start` is the top rule; `%json {...}`
+    embeds a JSON schema) that the whole output must match.
+    """
+    def __init__(
+        self,
+        *,
+        json_object: _builtins.bool = ...,
+        json_schema: _builtins.str = ...,
+        regex: _builtins.str = ...,
+        lark_grammar: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "lark_grammar", b"lark_grammar", "regex", b"regex"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "lark_grammar", b"lark_grammar", "regex", b"regex"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["json_object", "json_schema", "regex", "lark_grammar"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___OutputConstraint: _TypeAlias = OutputConstraint  # noqa: Y015
 
 @_typing.final
 class Usage(_message.Message):

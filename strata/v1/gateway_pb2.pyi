@@ -44,6 +44,42 @@ TRUNCATION_LEFT: Truncation.ValueType  # 2
 """Drop tokens from the start of the prompt until it fits with max_new_tokens."""
 Global___Truncation: _TypeAlias = Truncation  # noqa: Y015
 
+class _ToolChoiceMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ToolChoiceModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ToolChoiceMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TOOL_CHOICE_MODE_UNSPECIFIED: _ToolChoiceMode.ValueType  # 0
+    """TOOL_CHOICE_MODE_AUTO when the request has tools, TOOL_CHOICE_MODE_NONE otherwise."""
+    TOOL_CHOICE_MODE_NONE: _ToolChoiceMode.ValueType  # 1
+    """Answer in text; the tools are not shown to the model."""
+    TOOL_CHOICE_MODE_AUTO: _ToolChoiceMode.ValueType  # 2
+    """Answer in text or with one call written as <tool_call>{"name": ..., "arguments": {...}}</tool_call>,
+    which the grammar then enforces.
+    """
+    TOOL_CHOICE_MODE_REQUIRED: _ToolChoiceMode.ValueType  # 3
+    """Answer with exactly one call to one of the tools."""
+    TOOL_CHOICE_MODE_NAMED: _ToolChoiceMode.ValueType  # 4
+    """Answer with exactly one call to the tool ToolChoice.name."""
+
+class ToolChoiceMode(_ToolChoiceMode, metaclass=_ToolChoiceModeEnumTypeWrapper):
+    """Whether the model must, may or must not call a tool."""
+
+TOOL_CHOICE_MODE_UNSPECIFIED: ToolChoiceMode.ValueType  # 0
+"""TOOL_CHOICE_MODE_AUTO when the request has tools, TOOL_CHOICE_MODE_NONE otherwise."""
+TOOL_CHOICE_MODE_NONE: ToolChoiceMode.ValueType  # 1
+"""Answer in text; the tools are not shown to the model."""
+TOOL_CHOICE_MODE_AUTO: ToolChoiceMode.ValueType  # 2
+"""Answer in text or with one call written as <tool_call>{"name": ..., "arguments": {...}}</tool_call>,
+which the grammar then enforces.
+"""
+TOOL_CHOICE_MODE_REQUIRED: ToolChoiceMode.ValueType  # 3
+"""Answer with exactly one call to one of the tools."""
+TOOL_CHOICE_MODE_NAMED: ToolChoiceMode.ValueType  # 4
+"""Answer with exactly one call to the tool ToolChoice.name."""
+Global___ToolChoiceMode: _TypeAlias = ToolChoiceMode  # noqa: Y015
+
 class _Priority:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -83,6 +119,8 @@ class GenerateRequest(_message.Message):
     TRUNCATION_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     NO_FALLBACK_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    TOOL_CHOICE_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     """Raw text, tokenized as is (no chat template)."""
     model: _builtins.str
@@ -111,6 +149,16 @@ class GenerateRequest(_message.Message):
     def sampling(self) -> _common_pb2.SamplingParams:
         """How to sample; unset takes greedy decoding of up to 64 tokens."""
 
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tool]:
+        """Functions the model may call (chat requests only, at most 32). The gateway describes them to the
+        model in a system message and, as tool_choice says, constrains the output to a call.
+        """
+
+    @_builtins.property
+    def tool_choice(self) -> Global___ToolChoice:
+        """Whether and which tool to call; unset is TOOL_CHOICE_MODE_AUTO when tools are given."""
+
     def __init__(
         self,
         *,
@@ -123,14 +171,102 @@ class GenerateRequest(_message.Message):
         truncation: Global___Truncation.ValueType = ...,
         priority: Global___Priority.ValueType = ...,
         no_fallback: _builtins.bool = ...,
+        tools: _abc.Iterable[Global___Tool] | None = ...,
+        tool_choice: Global___ToolChoice | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_fallback", b"allow_fallback", "messages", b"messages", "model", b"model", "no_fallback", b"no_fallback", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "truncation", b"truncation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_fallback", b"allow_fallback", "messages", b"messages", "model", b"model", "no_fallback", b"no_fallback", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "tool_choice", b"tool_choice", "tools", b"tools", "truncation", b"truncation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class Tool(_message.Message):
+    """A function the model may call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    PARAMETERS_JSON_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The function's name: 1 to 64 of a-z, A-Z, 0-9, '_' and '-'; unique within a request."""
+    description: _builtins.str
+    """What the function does, shown to the model."""
+    parameters_json: _builtins.str
+    """The JSON Schema of its arguments object, as JSON text; empty takes any object."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+        parameters_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "parameters_json", b"parameters_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Tool: _TypeAlias = Tool  # noqa: Y015
+
+@_typing.final
+class ToolChoice(_message.Message):
+    """How the model may use the request's tools."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODE_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    mode: Global___ToolChoiceMode.ValueType
+    """The choice."""
+    name: _builtins.str
+    """With TOOL_CHOICE_MODE_NAMED: the tool it must call, one of the request's tools."""
+    def __init__(
+        self,
+        *,
+        mode: Global___ToolChoiceMode.ValueType = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolChoice: _TypeAlias = ToolChoice  # noqa: Y015
+
+@_typing.final
+class ToolCall(_message.Message):
+    """A call the model made: the function's name and its arguments, which validate against its schema."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_JSON_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The call's id, unique within the response ("call_" and 24 hex digits)."""
+    name: _builtins.str
+    """The function called."""
+    arguments_json: _builtins.str
+    """Its arguments, a JSON object as text."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments_json", b"arguments_json", "id", b"id", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCall: _TypeAlias = ToolCall  # noqa: Y015
 
 @_typing.final
 class GenerateResponse(_message.Message):
@@ -148,6 +284,7 @@ class GenerateResponse(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     FAILOVER_AT_TOKEN_FIELD_NUMBER: _builtins.int
     TRACE_ID_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """The generated text, cut before any stop string."""
     finish_reason: _common_pb2.FinishReason.ValueType
@@ -176,6 +313,12 @@ class GenerateResponse(_message.Message):
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The generated token ids, including any that a stop string cut from the text."""
 
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """The tool calls the model made, parsed from text (which still holds them as generated); empty when
+        it answered in text or the request had no tools.
+        """
+
     def __init__(
         self,
         *,
@@ -189,10 +332,11 @@ class GenerateResponse(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         failover_at_token: _builtins.int = ...,
         trace_id: _builtins.str = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timing", b"timing", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["failover_at_token", b"failover_at_token", "fallback_reason", b"fallback_reason", "finish_reason", b"finish_reason", "model", b"model", "request_id", b"request_id", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "trace_id", b"trace_id", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failover_at_token", b"failover_at_token", "fallback_reason", b"fallback_reason", "finish_reason", b"finish_reason", "model", b"model", "request_id", b"request_id", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "trace_id", b"trace_id", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

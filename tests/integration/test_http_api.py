@@ -125,7 +125,7 @@ def test_models_list_names_the_routes(stack: HttpStack) -> None:
         ({"max_completion_tokens": 5000}, "max_completion_tokens"),
         ({"top_p": 1.5}, "top_p"),
         ({"extra_body": {"top_k": -1}}, "top_k"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ],
 )
 def test_bad_request_names_the_field_in_http_names(

@@ -102,7 +102,11 @@ def test_traceparent_joins_the_callers_trace(stack: HttpStack) -> None:
         ('{"messages": [{"role": "user", "content": "x"}], "frobnicate": 1}', "frobnicate"),
         ('{"messages": [{"role": "user", "content": "x"}], "n": 3}', "n"),
         ('{"messages": [{"role": "user", "content": "x"}], "logprobs": true}', "logprobs"),
-        ('{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', "tools"),
+        (
+            '{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
+            "tools[0].function",
+        ),
+        ('{"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}', "functions"),
         ('{"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}', "presence_penalty"),
     ],
 )

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
     from services.worker.engine.engine import EngineStats, LLMEngine
+    from services.worker.engine.grammar_matcher import GrammarMatcher
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class _Add:
     params: SamplingParams
     priority: int
     cache_salt: str = ""
+    grammar: GrammarMatcher | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,12 +160,17 @@ class AsyncEngine:
         self.engine.validate(prompt_ids, params)
 
     def submit(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        grammar: GrammarMatcher | None = None,
     ) -> RequestStream:
         """Check and queue a request; raises like `check`, at once."""
         self.check(request_id, prompt_ids, params)
         stream = RequestStream(request_id, self)
-        self._enqueue(_Add(request_id, list(prompt_ids), params, priority), stream)
+        self._enqueue(_Add(request_id, list(prompt_ids), params, priority, grammar=grammar), stream)
         return stream
 
     def add_request(
@@ -173,12 +180,13 @@ class AsyncEngine:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str = "",
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         """Queue a request that passed `check` (not checked again), whose outputs reach only the step
         listeners and its failure the failure listeners. For servers that read whole steps, not one
         stream per request, and that take their own resources for a request between the two calls.
-        cache_salt: who may share its cached KV blocks (the tenant)."""
-        self._enqueue(_Add(request_id, list(prompt_ids), params, priority, cache_salt), None)
+        cache_salt: who may share its cached KV blocks (the tenant); grammar: its output constraint."""
+        self._enqueue(_Add(request_id, list(prompt_ids), params, priority, cache_salt, grammar), None)
 
     def add_step_listener(
         self, on_step: StepListener, on_failure: FailureListener | None = None
@@ -256,7 +264,7 @@ class AsyncEngine:
             if isinstance(cmd, _Add):
                 try:
                     self.engine.add_request(
-                        cmd.request_id, cmd.prompt_ids, cmd.params, cmd.priority, cmd.cache_salt
+                        cmd.request_id, cmd.prompt_ids, cmd.params, cmd.priority, cmd.cache_salt, cmd.grammar
                     )
                 except (InvalidRequestError, ValueError) as exc:
                     # `check` ran on the loop, the scheduler's own state lives here: should they ever

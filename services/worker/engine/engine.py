@@ -27,8 +27,10 @@ from services.worker.model.loader import load_model
 from strata.fingerprint import weights_fingerprint
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence as SequenceOf
     from pathlib import Path
 
+    from services.worker.engine.grammar_matcher import GrammarMatcher
     from services.worker.memory_budget import MemoryBudget
     from services.worker.model.config import ModelConfig
     from services.worker.model.loader import LoadedModel
@@ -141,9 +143,11 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str = "",
+        grammar: GrammarMatcher | None = None,
     ) -> Sequence:
         """Queue a request that passed `validate` (this is not checked again); it shares cached KV
-        blocks only with requests of the same cache_salt (the tenant)."""
+        blocks only with requests of the same cache_salt (the tenant). grammar: its compiled output
+        constraint (grammar_compiler.py), already advanced past any prior output it was given."""
         seed = params.seed if params.seed is not None else secrets.randbelow(2**63)
         self._arrivals += 1
         seq = Sequence(
@@ -154,6 +158,7 @@ class LLMEngine:
             arrival=self._arrivals,
             seed=seed,
             cache_salt=cache_salt,
+            grammar=grammar,
         )
         self.scheduler.add(seq)
         return seq
@@ -221,16 +226,20 @@ class LLMEngine:
         self.step_cached_tokens = []
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        grammars: SequenceOf[GrammarMatcher | None] | None = None,
     ) -> list[list[int]]:
         """Run these prompts to completion together and return each one's new token ids."""
         per_request = params if isinstance(params, list) else [params] * len(prompts)
+        per_grammar = grammars if grammars is not None else [None] * len(prompts)
         ids = [f"generate-{self._arrivals + i}" for i in range(len(prompts))]
         outputs: dict[str, list[int]] = {rid: [] for rid in ids}
         for prompt, p in zip(prompts, per_request, strict=True):
             self.validate(prompt, p)
-        for rid, prompt, p in zip(ids, prompts, per_request, strict=True):
-            self.add_request(rid, prompt, p)
+        for rid, prompt, p, g in zip(ids, prompts, per_request, per_grammar, strict=True):
+            self.add_request(rid, prompt, p, grammar=g)
         pending = set(ids)
         while pending:
             for out in self.step():

@@ -3,7 +3,8 @@
 It owns the device tensors (weights through the model, the KV cache) and the sampler. It knows
 nothing of queues, priorities or request lifetimes: the scheduler decides what runs, the runner only
 computes it. Decode-only batches on CUDA are replayed from graphs captured here, when the runner is
-built during the worker's warm-up (cuda_graphs.py); `graph_capture` reports that capture.
+built during the worker's warm-up (cuda_graphs.py); `graph_capture` reports that capture. Rows whose
+sequences carry a grammar get its mask (grammar_mask.py) between the logits and the sampler.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from services.worker.model.kv_cache import KVCache
 
 if TYPE_CHECKING:
     from services.worker.engine.cuda_graphs import CaptureReport, CudaGraphRunner
+    from services.worker.engine.grammar_mask import GrammarMasker
     from services.worker.engine.scheduler import ScheduledBatch
     from services.worker.model.loader import LoadedModel
 
@@ -40,6 +42,8 @@ class ModelRunner:
         self.device = torch.device(loaded.device)
         self.block_size = block_size
         self.sampler = Sampler()
+        self.masker: GrammarMasker | None = None
+        """Built at the first constrained row: a worker that never sees one never loads it."""
         self.graphs: CudaGraphRunner | None = None
         self.graph_capture: CaptureReport | None = None
         graphs = use_cuda_graphs and self.device.type == "cuda"
@@ -64,7 +68,19 @@ class ModelRunner:
                 return []
             index = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, index))
+            self._mask_grammars(logits, batch)
             return self.sampler(logits, self._sample_rows(batch))
+
+    def _mask_grammars(self, logits: torch.Tensor, batch: ScheduledBatch) -> None:
+        sampled = (entry.seq for entry in batch.entries if entry.sample)
+        rows = [(i, seq.grammar) for i, seq in enumerate(sampled) if seq.grammar is not None]
+        if not rows:
+            return
+        if self.masker is None:
+            from services.worker.engine.grammar_mask import GrammarMasker
+
+            self.masker = GrammarMasker()
+        self.masker.apply(logits, rows)
 
     def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         input_ids: list[int] = []

@@ -201,7 +201,9 @@ class Scheduler:
             if token is None:
                 continue
             seq.output_ids.append(token)
-            reason = self._finish_reason(seq, token)
+            # The grammar first: a token that completes it ends the output even at max_new_tokens.
+            reason = seq.grammar.finish_after(token) if seq.grammar is not None else None
+            reason = reason or self._finish_reason(seq, token)
             if reason is not None:
                 self._finish(seq, reason)
             outputs.append(

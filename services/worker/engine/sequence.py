@@ -19,6 +19,7 @@ from services.worker.engine.params import InvalidRequestError
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
+    from services.worker.engine.grammar_matcher import GrammarMatcher
     from services.worker.engine.params import SamplingParams
 
 
@@ -54,6 +55,7 @@ class Sequence:
         "block_table",
         "cache_salt",
         "finish_reason",
+        "grammar",
         "num_cached_tokens",
         "num_committed_blocks",
         "num_computed_tokens",
@@ -77,9 +79,10 @@ class Sequence:
         arrival: int = 0,
         seed: int | None = None,
         cache_salt: str = "",
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         """cache_salt: who may share this sequence's cached blocks (the tenant); "" shares with all
-        sequences of salt "" only."""
+        sequences of salt "" only. grammar: the output constraint's state, advanced by every token."""
         self.request_id = request_id
         self.prompt_ids: list[int] = list(prompt_ids)
         if not self.prompt_ids:
@@ -102,6 +105,7 @@ class Sequence:
         self.num_committed_blocks = 0
         self.num_cached_tokens = 0
         """Prompt tokens the prefix cache served at its first admission (Usage's cached_input_tokens)."""
+        self.grammar = grammar
 
     @property
     def num_prompt_tokens(self) -> int:
