@@ -24,21 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16strata/v1/common.proto\x12\tstrata.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xfe\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x1c\n\x14no_repeat_ngram_size\x18\x06 \x01(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"Q\n\x05Usage\x12\x14\n\x0cinput_tokens\x18\x01 \x01(\r\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\x1b\n\x13\x63\x61\x63hed_input_tokens\x18\x03 \x01(\r\"\x9e\x01\n\x06Timing\x12\x15\n\rpreprocess_ms\x18\x01 \x01(\x01\x12\x10\n\x08queue_ms\x18\x02 \x01(\x01\x12\x12\n\nforward_ms\x18\x03 \x01(\x01\x12\x11\n\tdecode_ms\x18\x04 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x05 \x01(\x01\x12\x10\n\x08total_ms\x18\x06 \x01(\x01\x12\x12\n\nnetwork_ms\x18\x07 \x01(\x01*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16strata/v1/common.proto\x12\tstrata.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb8\x04\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x1c\n\x14no_repeat_ngram_size\x18\x06 \x01(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12<\n\nlogit_bias\x18\r \x03(\x0b\x32(.strata.v1.SamplingParams.LogitBiasEntry\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\r\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\x10\n\x08logprobs\x18\x10 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x11 \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x03\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\"o\n\x10PositionLogprobs\x12\'\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x17.strata.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.strata.v1.TokenLogprob\x12\x0c\n\x04rank\x18\x03 \x01(\r\"Q\n\x05Usage\x12\x14\n\x0cinput_tokens\x18\x01 \x01(\r\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\x1b\n\x13\x63\x61\x63hed_input_tokens\x18\x03 \x01(\r\"\x9e\x01\n\x06Timing\x12\x15\n\rpreprocess_ms\x18\x01 \x01(\x01\x12\x10\n\x08queue_ms\x18\x02 \x01(\x01\x12\x12\n\nforward_ms\x18\x03 \x01(\x01\x12\x11\n\tdecode_ms\x18\x04 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x05 \x01(\x01\x12\x10\n\x08total_ms\x18\x06 \x01(\x01\x12\x12\n\nnetwork_ms\x18\x07 \x01(\x01*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'strata.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=585
-  _globals['_FINISHREASON']._serialized_end=734
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1099
+  _globals['_FINISHREASON']._serialized_end=1248
   _globals['_CHATMESSAGE']._serialized_start=37
   _globals['_CHATMESSAGE']._serialized_end=81
   _globals['_SAMPLINGPARAMS']._serialized_start=84
-  _globals['_SAMPLINGPARAMS']._serialized_end=338
-  _globals['_USAGE']._serialized_start=340
-  _globals['_USAGE']._serialized_end=421
-  _globals['_TIMING']._serialized_start=424
-  _globals['_TIMING']._serialized_end=582
+  _globals['_SAMPLINGPARAMS']._serialized_end=652
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=542
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=590
+  _globals['_TOKENLOGPROB']._serialized_start=654
+  _globals['_TOKENLOGPROB']._serialized_end=739
+  _globals['_POSITIONLOGPROBS']._serialized_start=741
+  _globals['_POSITIONLOGPROBS']._serialized_end=852
+  _globals['_USAGE']._serialized_start=854
+  _globals['_USAGE']._serialized_end=935
+  _globals['_TIMING']._serialized_start=938
+  _globals['_TIMING']._serialized_end=1096
 # @@protoc_insertion_point(module_scope)
