@@ -50,4 +50,5 @@ def test_shared_prompt_blocks_survive_preemption(tiny_llama_dir: Path) -> None:
     assert stats.prefix_hit_blocks - hits_before >= 3 * (len(prompt) - 1) // 8
     assert stats.num_preemptions > 0
     assert [outputs[f"s{i}"] for i in range(4)] == alone
-    assert stats.num_free_blocks + stats.num_evictable_blocks == 20
+    # Evictable blocks count as free: every block is back, the shared prompt still cached.
+    assert stats.num_free_blocks == 20 and stats.num_evictable_blocks > 0
