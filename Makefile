@@ -86,7 +86,8 @@ bench-prefix: setup model
 
 # Log probabilities' cost at 64 streams, and n = 8 samples against 8 separate requests of one prompt.
 bench-outputs: setup model
-	$(BIN)/python -m bench.outputs --json bench/results/outputs-cpu.json
+	$(BIN)/python -m bench.outputs --part logprobs
+	$(BIN)/python -m bench.outputs --part samples
 
 # Prefix-aware routing against least-loaded: two replicas behind one route, 4 system prompts, 256 requests.
 bench-prefix-routing: setup model

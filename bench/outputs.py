@@ -14,7 +14,8 @@ Two parts, each with its contestants alternating after a warm-up of each, a fres
   once, each with the same seed its sample has. Target: n8 takes less wall time than separate8 and
   computes the prompt's full blocks once; both must draw identical tokens.
 
-The record goes to bench/results/outputs-cpu.json. This module must not change the engine's settings
+Each part is its own run (`--part`) and record: bench/results/outputs-logprobs-cpu.json and
+outputs-samples-cpu.json. This module must not change the engine's settings
 between contestants.
 """
 
@@ -32,7 +33,10 @@ from bench.stats import DEFAULT_MODEL, ParityReport, check_parity, describe_mach
 from gateway.samples import sample_seed
 from services.worker.engine.params import SamplingParams
 
-DEFAULT_JSON = Path("bench/results/outputs-cpu.json")
+DEFAULT_JSON = {
+    "logprobs": Path("bench/results/outputs-logprobs-cpu.json"),
+    "samples": Path("bench/results/outputs-samples-cpu.json"),
+}
 LOGPROB_CONTESTANTS = ("plain", "logprobs5", "one_asks")
 SAMPLE_CONTESTANTS = ("n8", "separate8")
 SEED = 1234
@@ -41,7 +45,7 @@ SEED = 1234
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.outputs", description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    parser.add_argument("--part", choices=("logprobs", "samples", "all"), default="all")
+    parser.add_argument("--part", choices=("logprobs", "samples"), required=True)
     parser.add_argument("--runs", type=int, default=3, help="timed rounds of every contestant (>= 3)")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=64)
@@ -52,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--check-requests", type=int, default=4, help="requests checked against transformers")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one run: the record is not valid")
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--json", type=Path, help="default: bench/results/outputs-<part>-cpu.json")
     return parser
 
 

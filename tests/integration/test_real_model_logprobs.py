@@ -1,9 +1,10 @@
 """Logprobs on the real SmolLM2-135M-Instruct agree with log_softmax of transformers' float32 logits.
 
 The tolerance is derived, not guessed: the same test measures our model's logits against
-transformers' on the same tokens (the float32 parity bound of tests/parity.py, 1e-4, pins that
-error), and log_softmax moves by at most twice the largest logit error (the logit's own error plus
-the log-sum-exp's), plus float32 rounding of the log-sum-exp itself.
+transformers' on the same tokens along the engine's own path (a prefill of the prompt, then one decode
+step per token; the float32 parity bound of tests/parity.py, 1e-4, pins that error), and log_softmax
+moves by at most twice the largest logit error (the logit's own error plus the log-sum-exp's), plus
+float32 rounding of the log-sum-exp itself.
 """
 
 from __future__ import annotations
@@ -31,21 +32,29 @@ LOGIT_PARITY = 1e-4
 LSE_ROUNDING = 1e-5
 
 
-def our_logits(model: LlamaForCausalLM, ids: list[int], block_size: int = 16) -> torch.Tensor:
-    """Our model's float32 logits at every position of `ids`, from one prefill forward."""
+def our_logits(
+    model: LlamaForCausalLM, prompt: list[int], tokens: list[int], block_size: int = 16
+) -> torch.Tensor:
+    """Our model's float32 logits at every position of prompt + tokens, along the engine's path: one
+    prefill of the prompt, then one decode step per token."""
+    ids = prompt + tokens
     blocks = -(-len(ids) // block_size)
     cache = KVCache.allocate(model.config, blocks, block_size, model.dtype, model.device)
-    meta = AttentionMetadata.build(
-        query_lens=[len(ids)],
-        context_lens=[len(ids)],
-        block_tables=[list(range(blocks))],
-        block_size=block_size,
-        device=model.device,
-        num_decodes=0,
-    )
+    table = [list(range(blocks))]
+    rows: list[torch.Tensor] = []
     with torch.inference_mode():
-        hidden = model(torch.tensor(ids), torch.arange(len(ids)), meta, cache)
-        return model.compute_logits(hidden).float()
+        for start, end in [(0, len(prompt)), *((n, n + 1) for n in range(len(prompt), len(ids) - 1))]:
+            meta = AttentionMetadata.build(
+                query_lens=[end - start],
+                context_lens=[end],
+                block_tables=table,
+                block_size=block_size,
+                device=model.device,
+                num_decodes=0 if start == 0 else 1,
+            )
+            hidden = model(torch.tensor(ids[start:end]), torch.arange(start, end), meta, cache)
+            rows.append(model.compute_logits(hidden).float())
+    return torch.cat(rows)
 
 
 @pytest.mark.real_model
@@ -71,7 +80,8 @@ def test_logprobs_agree_with_transformers_log_softmax(real_model_dir: Path) -> N
     with torch.inference_mode():
         ref_logits = hf(torch.tensor([ids])).logits[0].float()
     # The measured logit error of our model against transformers on these very tokens.
-    logit_error = float((our_logits(engine.runner.model, ids) - ref_logits).abs().max())
+    ours = our_logits(engine.runner.model, prompt, tokens)
+    logit_error = float((ours - ref_logits[: len(ids) - 1]).abs().max())
     assert logit_error <= LOGIT_PARITY, f"our float32 logits differ from transformers' by {logit_error:.3g}"
     tolerance = 2 * logit_error + LSE_ROUNDING
     ref = torch.log_softmax(ref_logits, dim=-1)

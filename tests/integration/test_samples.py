@@ -28,7 +28,12 @@ if TYPE_CHECKING:
 
     from strata.client import GenerateOptions
 
-SAMPLED: GenerateOptions = {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 10, "ignore_eos": True}
+
+def sampled(seed: int, n: int = 1) -> GenerateOptions:
+    """Sampling options of the tests: temperature 1, top_p 0.95, 10 tokens, EOS ignored."""
+    return {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 10, "ignore_eos": True, "seed": seed, "n": n}
+
+
 LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 8
 
 
@@ -55,13 +60,13 @@ def test_sample_seeds_are_mixed_and_sample_zero_keeps_the_seed() -> None:
 
 
 def test_each_sample_is_the_single_request_with_its_own_seed(client: StrataClient) -> None:
-    reply = client.generate("hello world", n=3, seed=7, **SAMPLED)
+    reply = client.generate("hello world", **sampled(7, 3))
     assert [c.index for c in reply.choices] == [0, 1, 2]
     assert all(len(c.token_ids) == 10 and c.finish_reason == reply.finish_reason for c in reply.choices)
     assert reply.usage.output_tokens == 30
     assert list(reply.token_ids) == list(reply.choices[0].token_ids)
     for choice in reply.choices:
-        alone = client.generate("hello world", seed=sample_seed(7, choice.index), **SAMPLED)
+        alone = client.generate("hello world", **sampled(sample_seed(7, choice.index)))
         assert list(alone.token_ids) == list(choice.token_ids)
     assert len({tuple(c.token_ids) for c in reply.choices}) == 3, "sampled samples should differ"
 
@@ -73,7 +78,7 @@ def test_greedy_samples_are_identical(client: StrataClient) -> None:
 
 def test_the_prompt_is_prefilled_once_and_shared(client: StrataClient, stack: HttpStack) -> None:
     before = stack.worker_stats()
-    reply = client.generate(LONG_PROMPT, n=3, seed=1, **SAMPLED)
+    reply = client.generate(LONG_PROMPT, **sampled(1, 3))
     after = stack.worker_stats()
     full_blocks = (reply.usage.input_tokens - 1) // 16
     assert full_blocks >= 3
@@ -84,7 +89,7 @@ def test_the_prompt_is_prefilled_once_and_shared(client: StrataClient, stack: Ht
 
 
 def test_stream_indexes_every_message_and_ends_with_the_whole_final(client: StrataClient) -> None:
-    messages = list(client.send_stream(build_request("hello world", n=3, seed=5, **SAMPLED)))
+    messages = list(client.send_stream(build_request("hello world", **sampled(5, 3))))
     tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
     finals = {}
     for message in messages[:-1]:

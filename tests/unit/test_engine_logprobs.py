@@ -20,7 +20,7 @@ from services.worker.engine.params import InvalidRequestError, SamplingParams
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from services.worker.engine.sequence import StepOutput
+    from services.worker.engine.sequence import StepOutput, TokenLogprobs
 
 VOCAB = 384
 
@@ -43,7 +43,7 @@ def _run(
     return outputs
 
 
-def _flat(outs: list[StepOutput]) -> tuple[list[int], list]:
+def _flat(outs: list[StepOutput]) -> tuple[list[int], list[TokenLogprobs]]:
     tokens = [t for o in outs for t in o.new_token_ids]
     lps = [lp for o in outs for lp in (o.logprobs or [])]
     return tokens, lps

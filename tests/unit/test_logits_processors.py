@@ -6,6 +6,7 @@ in the documented order, and their parameter validation.
 from __future__ import annotations
 
 import random
+from typing import cast
 
 import pytest
 import torch
@@ -62,7 +63,7 @@ def reference_allowed(
     if p.top_p < 1.0:
         scores = TopPLogitsWarper(p.top_p)(ids, scores)
     if p.min_p:
-        scores = MinPLogitsWarper(p.min_p)(ids, scores)
+        scores = MinPLogitsWarper(p.min_p)(cast("torch.LongTensor", ids), scores)
     allowed: torch.Tensor = (scores > float("-inf"))[0]
     return allowed
 
