@@ -1,5 +1,6 @@
 """Translation between the worker's wire types and the engine's: sampling parameters, finish reasons,
-token updates (with their log probabilities), priorities and the continuation of a request another worker started.
+token updates (with their log probabilities), priorities and the continuation of a request another
+worker started.
 
 The proto leaves some sampling fields unset to mean "off"; this module fills the engine's defaults
 for them and rejects what the gateway must always fill. A submission with `prior_output_ids` (a
