@@ -49,24 +49,28 @@ def prompt_logprobs(logits: Tensor, next_ids: Sequence[int], top: int) -> list[T
 
 
 def _of_rows(block: Tensor, chosen: Tensor, tops: list[int]) -> list[TokenLogprobs]:
-    lp = torch.log_softmax(block.to(torch.float32), dim=-1)
-    chosen_lp = lp.gather(1, chosen[:, None])
-    # Rank as vLLM counts it: 1 + the tokens strictly more likely.
-    ranks = (lp > chosen_lp).sum(dim=-1) + 1
-    k = min(max(tops), lp.shape[1])
-    top_ids: list[list[int]] = [[] for _ in tops]
-    top_lps: list[list[float]] = [[] for _ in tops]
-    if k:
-        vals, ids = lp.topk(k, dim=-1)
-        top_ids, top_lps = ids.tolist(), vals.tolist()
+    x = block.to(torch.float32)
+    # log_softmax without writing it out: logprob = logit - logsumexp, and top-k and rank read the
+    # logits themselves (the same order). One logsumexp and one topk pass over the rows.
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    chosen_x = x.gather(1, chosen[:, None])
+    k = min(max(*tops, 1), x.shape[1])
+    top_x, top_ids = x.topk(k, dim=-1)
+    # Rank as vLLM counts it: 1 + the tokens strictly more likely. A token at the row's maximum (every
+    # greedy one) is rank 1 without another pass; only the others count.
+    ranks = torch.ones(x.shape[0], dtype=torch.int64, device=x.device)
+    below = (chosen_x[:, 0] < top_x[:, 0]).nonzero().squeeze(1)
+    if below.numel():
+        ranks[below] = (x[below] > chosen_x[below]).sum(dim=-1) + 1
+    chosen_lp = (chosen_x - lse).squeeze(1).tolist()
+    top_lps = (top_x - lse).tolist()
+    ids = top_ids.tolist()
     return [
         TokenLogprobs(
             token_id=int(token),
             logprob=float(value),
             rank=int(rank),
-            top=tuple(zip(top_ids[j][: tops[j]], top_lps[j][: tops[j]], strict=True)),
+            top=tuple(zip(ids[j][: tops[j]], top_lps[j][: tops[j]], strict=True)),
         )
-        for j, (token, value, rank) in enumerate(
-            zip(chosen.tolist(), chosen_lp.squeeze(1).tolist(), ranks.tolist(), strict=True)
-        )
+        for j, (token, value, rank) in enumerate(zip(chosen.tolist(), chosen_lp, ranks.tolist(), strict=True))
     ]
