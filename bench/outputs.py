@@ -249,25 +249,13 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.outputs: --runs must be >= 3 (or pass --smoke)", file=sys.stderr)
         return 2
     bench = Bench(args)
-    record: dict[str, Any] = {
-        "benchmark": "outputs",
-        "machine": describe_machine("cpu"),
-        "valid": not args.smoke,
-    }
-    ok = True
-    if args.part in ("logprobs", "all"):
-        record["logprobs"], good = run_logprobs(bench, args.runs)
-        ok &= good
-    if args.part in ("samples", "all"):
-        record["samples"], good = run_samples(bench, args.runs)
-        ok &= good
+    record: dict[str, Any] = {"benchmark": f"outputs-{args.part}", "machine": describe_machine("cpu")}
+    run = run_logprobs if args.part == "logprobs" else run_samples
+    record[args.part], ok = run(bench, args.runs)
     record["machine"]["load_average_at_end"] = list(os.getloadavg())
-    record["valid"] = record["valid"] and ok
-    save_record(record, args.json)
-    for part in ("logprobs", "samples"):
-        if part in record:
-            shown = {k: v for k, v in record[part].items() if k not in ("parity",)}
-            print(part, shown)
+    record["valid"] = not args.smoke and ok
+    save_record(record, args.json or DEFAULT_JSON[args.part])
+    print(args.part, {k: v for k, v in record[args.part].items() if k != "parity"})
     return 0 if ok else 1
 
 
