@@ -56,7 +56,8 @@ def test_token_logprobs_are_log_softmax_of_the_raw_logits_for_asking_rows_only()
     assert found[1] is None
     first, last = found[0], found[2]
     assert first is not None and last is not None
-    assert first.logprob == pytest.approx(float(reference[0, 7]), abs=1e-6)
+    # float32 rounding: logit - logsumexp and log_softmax differ by an ulp (about 2e-6 at 18).
+    assert first.logprob == pytest.approx(float(reference[0, 7]), abs=1e-5)
     assert [t for t, _ in first.top] == reference[0].topk(5).indices.tolist()
     assert first.rank == int((reference[0] > reference[0, 7]).sum()) + 1
     assert last.top == ()
