@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-prefix-routing bench-peer bench-grammar-libs bench-grammar reliability chaos run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-prefix-routing bench-peer bench-grammar-libs bench-grammar bench-outputs reliability chaos run clean
 
 setup: $(STAMP)
 
@@ -85,6 +85,11 @@ bench-tracing: setup model
 # Prefix caching on against off: a shared system prompt, multi-turn chat, and one stream with a long cached prefix.
 bench-prefix: setup model
 	$(BIN)/python -m bench.prefix_cache --json bench/results/prefix-cache-cpu.json
+
+# Log probabilities' cost at 64 streams, and n = 8 samples against 8 separate requests of one prompt.
+bench-outputs: setup model
+	$(BIN)/python -m bench.outputs --part logprobs
+	$(BIN)/python -m bench.outputs --part samples
 
 # Prefix-aware routing against least-loaded: two replicas behind one route, 4 system prompts, 256 requests.
 bench-prefix-routing: setup model

@@ -33,6 +33,7 @@ from gateway.auth import key_matches, tenant_of
 from gateway.errors import GatewayError
 from gateway.metrics import HTTP_RESPONSES, STUCK_STREAMS
 from gateway.openai_errors import HttpError, from_gateway, from_validation, too_large, unauthenticated
+from gateway.openai_logprobs import prompt_logprobs
 from gateway.openai_mapping import FINISH_REASONS, Reply, extension, headers, to_generate_request
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from gateway.openai_tools import ToolStream
@@ -122,7 +123,9 @@ class Completions:
         return self._router.max_model_len(model) if model in self._router.models else None
 
     async def _whole(self, incoming: Incoming, token_field: str) -> JSONResponse:
-        reply = Reply(self._chat, incoming.request.model or self._settings.default_route)
+        reply = Reply(
+            self._chat, incoming.request.model or self._settings.default_route, incoming.request.sampling
+        )
         try:
             async with contextlib.aclosing(self._pipeline.run(incoming)) as chunks:
                 async for chunk in chunks:
@@ -140,7 +143,9 @@ class Completions:
         send: Send,
     ) -> JSONResponse | None:
         """Send the stream itself once its first chunk is there; a JSON error when none came."""
-        reply = Reply(self._chat, incoming.request.model or self._settings.default_route)
+        reply = Reply(
+            self._chat, incoming.request.model or self._settings.default_route, incoming.request.sampling
+        )
         reply.started(incoming.request.request_id, reply.model)
         async with contextlib.aclosing(self._pipeline.run(incoming)) as chunks:
             try:
@@ -175,27 +180,35 @@ class Completions:
         held: ToolStream,
     ) -> AsyncGenerator[bytes, None]:
         chunk: Chunk | None = first
-        opening = True
+        opened: set[int] = set()
         try:
             while chunk is not None:
                 reply.model = chunk.model or reply.model
                 final = chunk.final
+                opening = self._chat and chunk.index not in opened
                 if final is None:
+                    done = chunk.sample_final
+                    # Tools take one sample (validation refuses n > 1 with them), so `held` is sample 0's.
                     text = held.take(chunk.text)
-                    if text or (opening and self._chat):
-                        yield event(reply.chunk(text, first=opening and self._chat))
-                        opening = False
+                    if text or chunk.logprobs or done is not None or opening:
+                        finish = None if done is None else _finish(done)
+                        yield event(reply.chunk(text, finish, opening, chunk.logprobs, chunk.index))
+                        opened.add(chunk.index)
                     chunk = await anext(chunks, None)
                     continue
                 reply.model = final.model
-                if final.tool_calls:
+                if final.choices:  # n > 1: every sample's last chunk has gone with its finish reason
+                    last = reply.empty_chunk()
+                elif final.tool_calls:
                     yield event(reply.tool_calls_chunk(final))
-                    last = reply.chunk("", "tool_calls", first=opening and self._chat)
+                    last = reply.chunk("", "tool_calls", opening)
                 else:
-                    last = reply.chunk(held.rest(chunk.text), _finish(final), first=opening and self._chat)
+                    last = reply.chunk(held.rest(chunk.text), _finish(final), opening, chunk.logprobs)
+                if reply.prompt_logprobs and last["choices"]:
+                    last["choices"][0]["prompt_logprobs"] = prompt_logprobs(final.prompt_logprobs)
                 closing = reply.usage_chunk(final) if include_usage else last
                 closing["strata"] = extension(final)
-                if include_usage:
+                if include_usage and last["choices"]:
                     yield event(last)
                 yield event(closing)
                 yield DONE

@@ -19,11 +19,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from gateway import openai_tools
+from gateway.openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from gateway.stage_clock import STAGES
 from strata.v1 import common_pb2, gateway_pb2
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
     from gateway.settings import GatewaySettings
@@ -56,7 +57,19 @@ def to_generate_request(
         no_repeat_ngram_size=body.no_repeat_ngram_size,
         stop=body.stops(),
         ignore_eos=body.ignore_eos,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        min_p=body.min_p,
+        logit_bias=body.logit_bias_ids(),
+        stop_token_ids=body.stop_token_ids or [],
+        min_tokens=body.min_tokens,
     )
+    top = body.top_alternatives()
+    if top is not None:
+        sampling.logprobs = True
+        sampling.top_logprobs = top
+    if body.prompt_logprobs is not None:
+        sampling.prompt_logprobs = body.prompt_logprobs
     if body.repetition_penalty is not None:
         sampling.repetition_penalty = body.repetition_penalty
     if body.seed is not None:
@@ -71,6 +84,7 @@ def to_generate_request(
         no_fallback=body.no_fallback,
         priority=PRIORITIES[body.priority] if body.priority else gateway_pb2.PRIORITY_UNSPECIFIED,
         truncation=TRUNCATIONS[body.truncation] if body.truncation else gateway_pb2.TRUNCATION_UNSPECIFIED,
+        n=body.n,
     )
     if hasattr(body, "messages"):
         for message in body.messages:
@@ -108,11 +122,18 @@ def http_message(message: str, token_field: str) -> str:
 class Reply:
     """The OpenAI objects of one request's answer, for a chat or a text completion."""
 
-    def __init__(self, chat: bool, request_model: str) -> None:
+    def __init__(
+        self, chat: bool, request_model: str, sampling: common_pb2.SamplingParams | None = None
+    ) -> None:
+        """`sampling` (the request's) says whether choices carry log probabilities."""
         self.chat = chat
         self.created = int(time.time())
         self.model = request_model
         self.id = ""
+        self.logprobs = sampling is not None and sampling.logprobs
+        self.prompt_logprobs = sampling is not None and sampling.HasField("prompt_logprobs")
+        self._text_offsets: dict[int, int] = {}
+        """Per sample: where its next token starts in its text (the completions logprobs' text_offset)."""
 
     def started(self, request_id: str, model: str) -> None:
         """The request's id and serving model, as the first chunk tells them."""
@@ -120,26 +141,50 @@ class Reply:
         self.model = model
 
     def whole(self, final: gateway_pb2.GenerateResponse) -> dict[str, Any]:
-        """The non-streaming response body."""
+        """The non-streaming response body: one choice, or with n > 1 every sample's."""
         self.started(final.request_id, final.model)
-        finish = FINISH_REASONS.get(final.finish_reason, "stop")
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-        if self.chat and final.tool_calls:
-            choice["finish_reason"] = "tool_calls"
-            choice["message"] = {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": openai_tools.tool_calls(final, with_index=False),
+        samples = final.choices or [
+            gateway_pb2.Choice(text=final.text, finish_reason=final.finish_reason, logprobs=final.logprobs)
+        ]
+        choices = []
+        for sample in samples:
+            finish = FINISH_REASONS.get(sample.finish_reason, "stop")
+            choice: dict[str, Any] = {
+                "index": sample.index,
+                "finish_reason": finish,
+                "logprobs": self._logprobs(sample.logprobs, sample.index),
             }
-        elif self.chat:
-            choice["message"] = {"role": "assistant", "content": final.text}
-        else:
-            choice["text"] = final.text
-        return {**self._head(), "choices": [choice], "usage": usage(final)}
+            if self.prompt_logprobs:
+                choice["prompt_logprobs"] = prompt_logprobs(final.prompt_logprobs)
+            if self.chat and final.tool_calls:  # tools take one sample
+                choice["finish_reason"] = "tool_calls"
+                choice["message"] = {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": openai_tools.tool_calls(final, with_index=False),
+                }
+            elif self.chat:
+                choice["message"] = {"role": "assistant", "content": sample.text}
+            else:
+                choice["text"] = sample.text
+            choices.append(choice)
+        return {**self._head(), "choices": choices, "usage": usage(final)}
 
-    def chunk(self, text: str, finish: str | None = None, first: bool = False) -> dict[str, Any]:
-        """One stream chunk with a text delta (and the finish reason on the last one)."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    def chunk(
+        self,
+        text: str,
+        finish: str | None = None,
+        first: bool = False,
+        logprobs: Sequence[common_pb2.PositionLogprobs] = (),
+        index: int = 0,
+    ) -> dict[str, Any]:
+        """One stream chunk of sample `index`: a text delta and its tokens' logprobs (the finish reason
+        on the sample's last)."""
+        choice: dict[str, Any] = {
+            "index": index,
+            "finish_reason": finish,
+            "logprobs": self._logprobs(logprobs, index),
+        }
         if self.chat:
             delta: dict[str, str] = {"role": "assistant"} if first else {}
             if text or first:
@@ -154,6 +199,21 @@ class Reply:
         delta = {"tool_calls": openai_tools.tool_calls(final, with_index=True)}
         choice = {"index": 0, "finish_reason": None, "logprobs": None, "delta": delta}
         return {**self._head(chunk=True), "choices": [choice]}
+
+    def empty_chunk(self) -> dict[str, Any]:
+        """A chunk with no choices: what ends a stream of n > 1 samples (every one has finished)."""
+        return {**self._head(chunk=True), "choices": []}
+
+    def _logprobs(
+        self, positions: Sequence[common_pb2.PositionLogprobs], index: int
+    ) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(positions)
+        offset = self._text_offsets.get(index, 0)
+        self._text_offsets[index] = offset + sum(len(p.chosen.token) for p in positions)
+        return completion_logprobs(positions, offset)
 
     def usage_chunk(self, final: gateway_pb2.GenerateResponse) -> dict[str, Any]:
         """The last chunk of a stream that asked for `include_usage`: no choices, the usage."""

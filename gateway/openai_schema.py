@@ -1,14 +1,17 @@
 """The OpenAI-compatible HTTP API's request bodies, as pydantic models that parse and check them.
 
 `ChatCompletionRequest` (POST /v1/chat/completions) and `CompletionRequest` (POST /v1/completions)
-take the OpenAI field names, Strata's own options as extra body fields (`top_k`, `priority`, ...), and
-the fields clients send by habit (`n`, `presence_penalty`, `logprobs`, ...) at their default
-values; `response_format` (json_object, json_schema, and Strata's regex and grammar) and `tools` with
-`tool_choice` are parsed here and mapped by openai_mapping.py. A habitual field whose value asks for
-a feature the gateway lacks is refused naming the field (`n: 3 ...`), and so is a field this API
-does not know: nothing is ignored in silence. Parsing is strict about types (a string is not a
-number), so a wrong type is a field-level error, never a crash. This module must not know the gRPC
-request (openai_mapping.py builds it) nor send anything.
+take the OpenAI field names (with `presence_penalty`, `frequency_penalty`, `logit_bias`, `logprobs`
+and `top_logprobs`), Strata's and vLLM's own options as extra body fields (`top_k`, `min_p`,
+`min_tokens`, `stop_token_ids`, `prompt_logprobs`, `priority`, ...), and the fields clients send by
+habit (`service_tier`, ...) at their default values. `n` asks for several samples. A chat request's
+`logprobs` is a boolean with `top_logprobs` alternatives; a completion's `logprobs` is the number of
+alternatives (OpenAI's legacy shape). `response_format` (json_object, json_schema, and Strata's regex
+and grammar) and `tools` with `tool_choice` are parsed here and mapped by openai_mapping.py. A
+habitual field whose value asks for a feature the gateway lacks is refused naming the field
+(`best_of: 3 ...`), and so is a field this API does not know: nothing is ignored in silence. Parsing
+is strict about types (a string is not a number), so a wrong type is a field-level error, never a
+crash. This module must not know the gRPC request (openai_mapping.py builds it) nor send anything.
 """
 
 from __future__ import annotations
@@ -138,6 +141,10 @@ class _Common(_Body):
     """An end user's id: accepted, and not used."""
     # Strata's own options (extra body fields, as vLLM takes its own).
     top_k: int = 0
+    min_p: float = 0.0
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0)
     repetition_penalty: float | None = None
     no_repeat_ngram_size: int = 0
     ignore_eos: bool = False
@@ -145,13 +152,12 @@ class _Common(_Body):
     allow_fallback: bool = False
     no_fallback: bool = False
     truncation: Literal["refuse", "left"] | None = None
-    # Fields clients send by habit: their default value only.
-    n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
-    top_logprobs: int | None = None
+    n: int = Field(default=1, ge=1)
+    """Samples of the prompt, in [1, 16] (the pipeline refuses more, naming `n`)."""
+    # Fields clients send by habit: their default value only.
     service_tier: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -165,19 +171,17 @@ class _Common(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def logit_bias_ids(self) -> dict[int, float]:
+        """logit_bias with its keys (token ids sent as strings, as JSON objects need) read as ints."""
+        return {int(key): value for key, value in (self.logit_bias or {}).items()}
+
     @model_validator(mode="after")
     def _defaults_only(self) -> _Common:
-        if self.n != 1:
-            raise _unsupported("n", self.n, "one choice per request")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise _unsupported(name, getattr(self, name), "use repetition_penalty instead")
-        if self.logit_bias:
-            raise _unsupported("logit_bias", self.logit_bias, "no logit bias")
-        if self.logprobs not in (None, False, 0):
-            raise _unsupported("logprobs", self.logprobs, "no log probabilities yet")
-        if self.top_logprobs:
-            raise _unsupported("top_logprobs", self.top_logprobs, "no log probabilities yet")
+        for key in self.logit_bias or {}:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias: key {key!r} is not a token id (a decimal integer string)")
+        if any(token < 0 for token in self.stop_token_ids or []):
+            raise ValueError(f"stop_token_ids: {self.stop_token_ids} must hold token ids >= 0")
         if self.service_tier not in (None, "auto", "default"):
             raise _unsupported("service_tier", self.service_tier, "one tier; use priority instead")
         if self.store:
@@ -190,6 +194,8 @@ class ChatCompletionRequest(_Common):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -199,6 +205,10 @@ class ChatCompletionRequest(_Common):
     response_format: ResponseFormat | None = None
     modalities: list[Literal["text"]] | None = None
 
+    def top_alternatives(self) -> int | None:
+        """How many alternatives per token to return; None returns no log probabilities."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def token_limit(self) -> tuple[str, int | None]:
         """The field that sets the most tokens to generate, and its value (None: neither is set)."""
         if self.max_completion_tokens is not None:
@@ -207,6 +217,8 @@ class ChatCompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _one_token_limit(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError(f"top_logprobs: {self.top_logprobs} needs logprobs: true")
         if self.max_tokens is not None and self.max_completion_tokens not in (None, self.max_tokens):
             raise ValueError(
                 f"max_completion_tokens: {self.max_completion_tokens} differs from max_tokens: "
@@ -223,12 +235,17 @@ class CompletionRequest(_Common):
     """POST /v1/completions: one prompt string (or a list holding exactly one)."""
 
     prompt: str | list[str]
+    logprobs: int | None = Field(default=None, ge=0)
+    """The legacy shape: how many alternatives per token (0 returns the chosen tokens' only)."""
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
     def token_limit(self) -> tuple[str, int | None]:
         return "max_tokens", self.max_tokens
+
+    def top_alternatives(self) -> int | None:
+        return self.logprobs
 
     def prompt_text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
@@ -240,7 +257,7 @@ class CompletionRequest(_Common):
         if self.echo:
             raise _unsupported("echo", self.echo, "the prompt is not echoed")
         if self.best_of not in (None, 1):
-            raise _unsupported("best_of", self.best_of, "one sample per request")
+            raise _unsupported("best_of", self.best_of, "best_of is not supported; n returns every sample")
         if self.suffix:
             raise _unsupported("suffix", self.suffix, "no insertion")
         return self

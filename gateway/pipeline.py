@@ -35,6 +35,7 @@ from gateway.fallback import received
 from gateway.metrics import FALLBACKS, REQUEST_ERRORS, REQUESTS, observe_finished
 from gateway.request import Request
 from gateway.request_trace import TOKENIZE_RPC, RequestTrace
+from gateway.samples import check_samples, run_samples
 from gateway.tenants import TenantBook
 from gateway.validation import validate
 from strata.status import ELAPSED_KEY
@@ -79,7 +80,15 @@ class Pipeline:
         """Each tenant's quotas: a request holds a Reservation from validation to its end."""
 
     async def run(self, incoming: Incoming) -> AsyncGenerator[Chunk, None]:
-        """The request's chunks; its spans, log line and metrics are recorded however it ends."""
+        """The request's chunks; with n > 1, every sample's (samples.py), each run as one request."""
+        n = check_samples(incoming.request)
+        chunks = self._run_one(incoming) if n == 1 else run_samples(self._run_one, incoming, n)
+        async with contextlib.aclosing(chunks) as closing:
+            async for chunk in closing:
+                yield chunk
+
+    async def _run_one(self, incoming: Incoming) -> AsyncGenerator[Chunk, None]:
+        """One sample's chunks; its spans, log line and metrics are recorded however it ends."""
         arrival = time.perf_counter()
         trace = RequestTrace(self._tracing, incoming, arrival, self._settings.telemetry.record_content)
         request_id = incoming.request.request_id

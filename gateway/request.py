@@ -24,6 +24,7 @@ from gateway import tool_calls
 from gateway.admission import Ticket, deadline_from_unix_ms, estimate_prompt_tokens, priority_of
 from gateway.errors import DeadlineExceeded, TokenizerUnavailable, Unavailable
 from gateway.fallback import FallbackPolicy
+from gateway.logprobs import named, piece_ids
 from gateway.metrics import INTER_TOKEN_LATENCY
 from gateway.stage_clock import StageClock
 from gateway.tenant_settings import DEFAULT_TENANT
@@ -79,6 +80,10 @@ class Delta:
     """The worker's device memory; on the last update."""
     cached_prompt_tokens: int = 0
     """Prompt tokens the worker's prefix cache served for this attempt."""
+    logprobs: list[common_pb2.PositionLogprobs] = field(default_factory=list)
+    """With sampling.logprobs: one entry per token of token_ids, tokens named."""
+    prompt_logprobs: list[common_pb2.PositionLogprobs] = field(default_factory=list)
+    """With sampling.prompt_logprobs: on the attempt's first update."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +95,12 @@ class Chunk:
     final: gateway_pb2.GenerateResponse | None = None
     model: str = ""
     """The model serving the request when this chunk was made (a failover changes it mid-stream)."""
+    logprobs: list[common_pb2.PositionLogprobs] = field(default_factory=list)
+    """With sampling.logprobs: one entry per token of token_ids."""
+    index: int = 0
+    """The sample this chunk belongs to (GenerateRequest.n; samples.py)."""
+    sample_final: gateway_pb2.GenerateResponse | None = None
+    """With n > 1: on each sample's last chunk, that sample's own final (`final` ends the request)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +137,10 @@ class Request:
         self.read_offset = 0
         self.pending_text = ""
         self.token_ids: list[int] = []
+        self.detokenized_tokens = 0
+        """Ids sent to the detokenizer so far: min_tokens holds stop strings back until it is reached."""
+        self.logprobs: list[common_pb2.PositionLogprobs] = []
+        self.prompt_logprobs: list[common_pb2.PositionLogprobs] = []
         self.text: list[str] = []
         self.timing = common_pb2.Timing()
         self.model = valid.model
@@ -156,15 +171,17 @@ class Request:
     # The worker link's side: one Detokenize entry per update, and the delta it makes.
 
     def entry(self, update: worker_pb2.TokenUpdate) -> tokenizer_pb2.DetokenizeEntry:
-        """The Detokenize entry for this update's new ids."""
+        """The Detokenize entry for this update's new ids (and the ids its log probabilities name)."""
+        reached = self.detokenized_tokens + len(update.token_ids) >= self.valid.sampling.min_tokens
         return tokenizer_pb2.DetokenizeEntry(
             model=self.model,
             window=self.window,
             read_offset=self.read_offset,
             new_ids=update.token_ids,
             pending_text=self.pending_text,
-            stop=self.valid.stop,
+            stop=self.valid.stop if reached else (),
             final=update.finished,
+            piece_ids=piece_ids([*update.logprobs, *update.prompt_logprobs]),
         )
 
     def deliver(
@@ -182,6 +199,8 @@ class Request:
         self.window = list(result.window)
         self.read_offset = result.read_offset
         self.pending_text = result.pending_text
+        self.detokenized_tokens += len(update.token_ids)
+        pieces = iter(result.pieces)
         finish = update.finish_reason if update.finished else common_pb2.FINISH_REASON_UNSPECIFIED
         if result.stopped:
             finish = common_pb2.FINISH_REASON_STOP
@@ -196,6 +215,8 @@ class Request:
                 detokenize=detokenize,
                 device_memory_bytes=update.device_memory_bytes,
                 cached_prompt_tokens=update.cached_prompt_tokens,
+                logprobs=named(update.logprobs, pieces),
+                prompt_logprobs=named(update.prompt_logprobs, pieces),
             )
         )
 
@@ -218,6 +239,7 @@ class Request:
         assert attempt is not None
         text: list[str] = []
         ids: list[int] = []
+        logprobs: list[common_pb2.PositionLogprobs] = []
         finish = common_pb2.FINISH_REASON_UNSPECIFIED
         failure: Failure | None = None
         for delta in deltas:
@@ -234,6 +256,10 @@ class Request:
                     self.device_memory_bytes = delta.device_memory_bytes
             text.append(delta.text)
             ids.extend(delta.token_ids)
+            logprobs.extend(delta.logprobs)
+            if delta.prompt_logprobs and not self.prompt_logprobs:
+                # A failover's prompt holds the prior output too: only the client's prompt is kept.
+                self.prompt_logprobs = delta.prompt_logprobs[: max(0, self.input_tokens - 1)]
             if delta.finish_reason == common_pb2.FINISH_REASON_ERROR:
                 failure = Failure(ENGINE_ERROR)
                 break
@@ -250,14 +276,15 @@ class Request:
         chunk_text = "".join(text)
         self.text.append(chunk_text)
         self.token_ids.extend(ids)
+        self.logprobs.extend(logprobs)
         if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
             attempt.end()
             final = self._final(finish)
             self.trace.finish(final, self.device_memory_bytes)
-            return Chunk(chunk_text, ids, final, self.model), None
+            return Chunk(chunk_text, ids, final, self.model, logprobs), None
         if not ids and not chunk_text:
             return None, failure
-        return Chunk(chunk_text, ids, model=self.model), failure
+        return Chunk(chunk_text, ids, model=self.model, logprobs=logprobs), failure
 
     def _chunk_sent(self, tokens: int) -> None:
         now = time.perf_counter()
@@ -295,5 +322,7 @@ class Request:
             token_ids=self.token_ids,
             failover_at_token=self.failover_at_token,
             trace_id=self.trace.trace_id,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             tool_calls=tool_calls.parse(self.valid.request, text) if stopped else [],
         )

@@ -112,7 +112,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             ) as chunks:
                 async for chunk in chunks:
                     message = gateway_pb2.GenerateStreamResponse(
-                        text=chunk.text, token_ids=chunk.token_ids, final=chunk.final
+                        text=chunk.text,
+                        token_ids=chunk.token_ids,
+                        final=chunk.final if chunk.final is not None else chunk.sample_final,
+                        logprobs=chunk.logprobs,
+                        index=chunk.index,
                     )
                     try:
                         await asyncio.wait_for(context.write(message), self._idle_timeout_s)

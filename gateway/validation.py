@@ -30,6 +30,13 @@ MAX_SEED = 2**63
 # The worker refuses larger constraints too (services/worker/engine/grammar_spec.py).
 MAX_CONSTRAINT_BYTES = 64 * 1024
 
+# OpenAI's ranges for its penalties and logit bias, its most top alternatives, and vLLM's list sizes.
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_STOP_TOKEN_IDS = 32
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(frozen=True, slots=True)
 class ValidRequest:
@@ -68,6 +75,11 @@ def validate(
         raise InvalidArgument(
             f"sampling.max_new_tokens: {sampling.max_new_tokens} is over this gateway's limit of "
             f"{settings.max_new_tokens_limit} (max_new_tokens_limit); ask for at most that"
+        )
+    if sampling.min_tokens > sampling.max_new_tokens:
+        raise InvalidArgument(
+            f"sampling.min_tokens: {sampling.min_tokens} must be at most max_new_tokens "
+            f"({sampling.max_new_tokens})"
         )
     limit = context_limit(model)
     if limit is not None and sampling.max_new_tokens >= limit:
@@ -126,6 +138,8 @@ def _check_sampling(
         raise InvalidArgument(
             f"sampling.stop: {len(sampling.stop)} stop strings, at most {settings.max_stop_strings} allowed"
         )
+    _check_processors(sampling)
+    _check_logprobs(sampling)
     for index, stop in enumerate(sampling.stop):
         if not stop:
             raise InvalidArgument(f"sampling.stop[{index}]: must not be empty")
@@ -164,6 +178,44 @@ def _check_constraint(sampling: common_pb2.SamplingParams) -> None:
             raise InvalidArgument(f"sampling.constraint.json_schema: must be JSON text: {exc}") from None
         if not isinstance(schema, dict | bool):
             raise InvalidArgument("sampling.constraint.json_schema: must be a JSON Schema object")
+
+
+def _check_processors(sampling: common_pb2.SamplingParams) -> None:
+    """The OpenAI/vLLM processors' ranges; token ids beyond the vocabulary are the worker's to refuse."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(sampling, name)
+        if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+            raise InvalidArgument(f"sampling.{name}: {value} must be in [-2, 2] (0 turns it off)")
+    if not (math.isfinite(sampling.min_p) and 0 <= sampling.min_p <= 1):
+        raise InvalidArgument(f"sampling.min_p: {sampling.min_p} must be in [0, 1] (0 turns it off)")
+    if len(sampling.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidArgument(
+            f"sampling.logit_bias: {len(sampling.logit_bias)} entries, "
+            f"at most {MAX_LOGIT_BIAS_ENTRIES} allowed"
+        )
+    for token, bias in sorted(sampling.logit_bias.items()):
+        if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+            raise InvalidArgument(f"sampling.logit_bias: token {token}'s bias {bias} must be in [-100, 100]")
+    if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgument(
+            f"sampling.stop_token_ids: {len(sampling.stop_token_ids)} ids, "
+            f"at most {MAX_STOP_TOKEN_IDS} allowed"
+        )
+
+
+def _check_logprobs(sampling: common_pb2.SamplingParams) -> None:
+    if sampling.top_logprobs and not sampling.logprobs:
+        raise InvalidArgument(
+            f"sampling.top_logprobs: {sampling.top_logprobs} needs sampling.logprobs set (or send 0)"
+        )
+    if sampling.top_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidArgument(
+            f"sampling.top_logprobs: {sampling.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]"
+        )
+    if sampling.HasField("prompt_logprobs") and sampling.prompt_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidArgument(
+            f"sampling.prompt_logprobs: {sampling.prompt_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]"
+        )
 
 
 def _check_request_id(request_id: str, max_chars: int) -> str:

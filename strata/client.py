@@ -67,6 +67,15 @@ class GenerateOptions(TypedDict, total=False):
     request_id: str
     allow_fallback: bool
     truncation: int | str | None
+    presence_penalty: float
+    frequency_penalty: float
+    min_p: float
+    logit_bias: Mapping[int, float] | None
+    stop_token_ids: Sequence[int]
+    min_tokens: int
+    logprobs: int | None
+    prompt_logprobs: int | None
+    n: int
     json_schema: str | Mapping[str, Any] | None
     json_object: bool
     regex: str | None

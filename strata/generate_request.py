@@ -58,6 +58,15 @@ def build_request(
     request_id: str = "",
     allow_fallback: bool = False,
     truncation: int | str | None = None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    min_p: float = 0.0,
+    logit_bias: Mapping[int, float] | None = None,
+    stop_token_ids: Sequence[int] = (),
+    min_tokens: int = 0,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    n: int = 1,
     json_schema: str | Mapping[str, Any] | None = None,
     json_object: bool = False,
     regex: str | None = None,
@@ -66,8 +75,11 @@ def build_request(
     """The GenerateRequest for these arguments; None leaves an optional field unset (the server's default).
 
     `messages` are (role, content) tuples or {"role", "content"} dicts; `truncation` is a
-    gateway_pb2.Truncation value or its name ("left", "refuse"). At most one output constraint:
-    `json_schema` (a dict, or its JSON text), `json_object`, `regex`, or `grammar` (Lark).
+    gateway_pb2.Truncation value or its name ("left", "refuse"). `logprobs` N returns each generated
+    token's log probability with its N most likely alternatives (0: the token's alone); None: none.
+    `prompt_logprobs` likewise for the prompt's tokens. `n` samples of the prompt come back as the
+    response's choices. At most one output constraint: `json_schema` (a dict, or its JSON text),
+    `json_object`, `regex`, or `grammar` (Lark).
     """
     sampling = common_pb2.SamplingParams(
         max_new_tokens=max_new_tokens,
@@ -76,7 +88,18 @@ def build_request(
         no_repeat_ngram_size=no_repeat_ngram_size,
         stop=list(stop),
         ignore_eos=ignore_eos,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        min_p=min_p,
+        logit_bias=dict(logit_bias or {}),
+        stop_token_ids=list(stop_token_ids),
+        min_tokens=min_tokens,
     )
+    if logprobs is not None:
+        sampling.logprobs = True
+        sampling.top_logprobs = logprobs
+    if prompt_logprobs is not None:
+        sampling.prompt_logprobs = prompt_logprobs
     if top_p is not None:
         sampling.top_p = top_p
     if repetition_penalty is not None:
@@ -102,4 +125,5 @@ def build_request(
         request_id=request_id,
         allow_fallback=allow_fallback,
         truncation=_truncation(truncation),
+        n=n,
     )

@@ -1,7 +1,8 @@
 """Sampling cases shared by the sampler's CPU tests (tests/unit) and its CUDA tests (tests/gpu).
 
 TARGETS are the parameter sets whose seeded draws must not depend on the batch, the position in it,
-or the device: greedy, temperatures, top-k, top-p, penalties and n-gram bans, alone and combined.
+or the device: greedy, temperatures, top-k, top-p, min_p, penalties, logit bias and n-gram bans, alone and
+combined.
 """
 
 from __future__ import annotations
@@ -20,5 +21,8 @@ TARGETS = [
     SamplingParams(temperature=3.0, top_p=0.99),  # wide: needs more than one candidate round
     SamplingParams(temperature=1.0, top_k=50, top_p=0.8, repetition_penalty=1.3),
     SamplingParams(temperature=0.9, no_repeat_ngram_size=2),
+    SamplingParams(temperature=1.2, min_p=0.05),
+    SamplingParams(temperature=0.8, top_k=40, min_p=0.1, logit_bias=((3, 4.0), (9, -100.0))),
+    SamplingParams(logit_bias=((5, 100.0),)),
     SamplingParams(),
 ]

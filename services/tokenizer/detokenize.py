@@ -13,7 +13,7 @@ pending_text) between calls. This module must not know about gRPC status codes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from services.tokenizer.errors import InvalidArgument, TokenizerError
@@ -56,6 +56,8 @@ class Detokenized:
     read_offset: int
     pending_text: str
     stopped: bool
+    pieces: Sequence[bytes] = ()
+    """The bytes of each of the entry's piece_ids alone (for log probabilities)."""
 
 
 def detokenize_many(decode_many: DecodeMany, steps: Sequence[DetokenizeStep]) -> list[Detokenized]:
@@ -140,6 +142,8 @@ def detokenize_entries(
         groups.setdefault(model.name, []).append((index, step))
     for name, items in groups.items():
         results = detokenize_many(registry.get(name).decode_batch, [step for _, step in items])
+        model = registry.get(name)
         for (index, _), result in zip(items, results, strict=True):
-            outcomes[index] = result
+            piece_ids = entries[index].piece_ids
+            outcomes[index] = replace(result, pieces=model.pieces(piece_ids)) if piece_ids else result
     return [outcome for outcome in outcomes if outcome is not None]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ from tokenizers import Tokenizer
 
 from services.tokenizer.chat import ChatTemplate
 from services.tokenizer.errors import UnknownModel
+from services.tokenizer.token_bytes import token_bytes_table
 from strata.fingerprint import tokenizer_fingerprint
 from strata.settings import SettingsError
 
@@ -64,6 +66,16 @@ class ModelTokenizer:
     def decode_batch(self, sequences: Sequence[Sequence[int]]) -> list[str]:
         """Text of each id sequence, special tokens left out, incomplete characters as U+FFFD."""
         return self.tokenizer.decode_batch([list(ids) for ids in sequences], skip_special_tokens=True)
+
+    @cached_property
+    def token_bytes(self) -> list[bytes]:
+        """Every token's bytes alone (token_bytes.py), built on the first request for log probabilities."""
+        return token_bytes_table(self.tokenizer)
+
+    def pieces(self, ids: Sequence[int]) -> list[bytes]:
+        """The bytes of each id alone; b"" for an id past the vocabulary."""
+        table = self.token_bytes
+        return [table[i] if i < len(table) else b"" for i in ids]
 
 
 class TokenizerRegistry:

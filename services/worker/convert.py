@@ -1,5 +1,6 @@
 """Translation between the worker's wire types and the engine's: sampling parameters, finish reasons,
-token updates, priorities, the continuation of a request another worker started, and the memory budget.
+token updates (with their log probabilities), priorities, the continuation of a request another
+worker started, and the memory budget.
 
 The proto leaves some sampling fields unset to mean "off"; this module fills the engine's defaults
 for them and rejects what the gateway must always fill. A submission with `prior_output_ids` (a
@@ -21,7 +22,9 @@ from services.worker.errors import DeadlinePassedError
 from strata.v1 import common_pb2, worker_pb2
 
 if TYPE_CHECKING:
-    from services.worker.engine.sequence import StepOutput
+    from collections.abc import Iterable
+
+    from services.worker.engine.sequence import StepOutput, TokenLogprobs
     from services.worker.memory_budget import MemoryBudget
 
 FINISH_REASONS: dict[FinishReason, common_pb2.FinishReason.ValueType] = {
@@ -47,6 +50,10 @@ def sampling_params(submission: worker_pb2.Submission) -> SamplingParams:
             f"must be fewer than sampling.max_new_tokens={wire.max_new_tokens}: "
             "a request with every token generated has nothing left to continue",
         )
+    if wire.top_logprobs and not wire.logprobs:
+        raise InvalidRequestError(
+            "sampling.top_logprobs", wire.top_logprobs, "needs sampling.logprobs set (or send 0)"
+        )
     return SamplingParams(
         max_new_tokens=wire.max_new_tokens - prior,
         temperature=wire.temperature,
@@ -54,9 +61,18 @@ def sampling_params(submission: worker_pb2.Submission) -> SamplingParams:
         top_p=wire.top_p if wire.HasField("top_p") else 1.0,
         repetition_penalty=wire.repetition_penalty if wire.HasField("repetition_penalty") else 1.0,
         no_repeat_ngram_size=wire.no_repeat_ngram_size,
-        stop_token_ids=tuple(submission.stop_token_ids),
+        stop_token_ids=tuple(dict.fromkeys([*submission.stop_token_ids, *wire.stop_token_ids])),
         ignore_eos=wire.ignore_eos,
         seed=wire.seed if wire.HasField("seed") else None,
+        presence_penalty=wire.presence_penalty,
+        frequency_penalty=wire.frequency_penalty,
+        min_p=wire.min_p,
+        logit_bias=tuple(sorted(wire.logit_bias.items())),
+        # A failover's prior tokens count toward min_tokens as the tokens it already generated.
+        min_tokens=max(0, wire.min_tokens - prior),
+        logprobs=wire.top_logprobs if wire.logprobs else None,
+        prompt_logprobs=wire.prompt_logprobs if wire.HasField("prompt_logprobs") else None,
+        prior_output_tokens=prior,
     )
 
 
@@ -104,7 +120,23 @@ def token_update(
     )
     if output.finished and output.finish_reason is not None:
         update.finish_reason = FINISH_REASONS[output.finish_reason]
+    if output.logprobs:
+        update.logprobs.extend(position_logprobs(output.logprobs))
+    if output.prompt_logprobs:
+        update.prompt_logprobs.extend(position_logprobs(output.prompt_logprobs))
     return update
+
+
+def position_logprobs(found: Iterable[TokenLogprobs]) -> list[common_pb2.PositionLogprobs]:
+    """The engine's logprobs on the wire; the gateway fills each token's text."""
+    return [
+        common_pb2.PositionLogprobs(
+            chosen=common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob),
+            top=[common_pb2.TokenLogprob(token_id=t, logprob=v) for t, v in lp.top],
+            rank=lp.rank,
+        )
+        for lp in found
+    ]
 
 
 def ended_update(

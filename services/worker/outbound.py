@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 def merge_update(into: worker_pb2.TokenUpdate, later: worker_pb2.TokenUpdate) -> None:
     """Fold a later update of the same request into an earlier, not yet sent one."""
     into.token_ids.extend(later.token_ids)
+    into.logprobs.extend(later.logprobs)
+    into.prompt_logprobs.extend(later.prompt_logprobs)
     into.finished = later.finished
     into.finish_reason = later.finish_reason
     into.prompt_tokens = later.prompt_tokens

@@ -35,6 +35,12 @@ _REMOTE_ONLY = (
     "repetition_penalty",
     "seed",
     "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_p",
+    "min_tokens",
+    "logprobs",
+    "n",
     "json_schema",
     "json_object",
     "regex",
@@ -61,6 +67,12 @@ def _generate_request(args: argparse.Namespace) -> gateway_pb2.GenerateRequest:
         repetition_penalty=args.repetition_penalty,
         seed=args.seed,
         stop=args.stop or (),
+        presence_penalty=args.presence_penalty or 0.0,
+        frequency_penalty=args.frequency_penalty or 0.0,
+        min_p=args.min_p or 0.0,
+        min_tokens=args.min_tokens or 0,
+        logprobs=args.logprobs,
+        n=args.n or 1,
         json_schema=_text_or_file(args.json_schema),
         json_object=args.json_object,
         regex=args.regex,
@@ -73,6 +85,14 @@ def _text_or_file(value: str | None) -> str | None:
     if value is None or not value.startswith("@"):
         return value
     return Path(value[1:]).read_text()
+
+
+def _print_logprobs(response: gateway_pb2.GenerateResponse) -> None:
+    """One line per generated token on stderr: its logprob, its text, then the alternatives'."""
+    for position in response.logprobs:
+        chosen = position.chosen
+        tops = "  ".join(f"{top.token!r} {top.logprob:.3f}" for top in position.top)
+        print(f"{chosen.logprob:9.4f}  {chosen.token!r:<16} {tops}".rstrip(), file=sys.stderr)
 
 
 def _print_stream(
@@ -136,6 +156,10 @@ def _generate(args: argparse.Namespace) -> int:
             if args.json:
                 response = client.send(request, timeout=args.timeout)
                 print(MessageToJson(response))
+            elif request.n > 1:
+                response = client.send(request, timeout=args.timeout)
+                for choice in response.choices:
+                    print(f"[{choice.index}] {choice.text}")
             else:
                 response = _print_stream(client.send_stream(request, timeout=args.timeout))
         except grpc.RpcError as error:
@@ -143,6 +167,8 @@ def _generate(args: argparse.Namespace) -> int:
     if response is None:
         print("error: the stream ended without its final message", file=sys.stderr)
         return 1
+    if args.logprobs is not None and not args.json:
+        _print_logprobs(response)
     if args.timing:
         _print_timing(response)
     return 0
@@ -187,6 +213,19 @@ def add_generate(subparsers: SubParsers) -> None:
     parser.add_argument("--repetition-penalty", type=float, help="> 1 discourages repeats (default: off)")
     parser.add_argument("--seed", type=int, help="sampling seed, for repeatable sampling")
     parser.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
+    parser.add_argument("--presence-penalty", type=float, help="in [-2, 2]: OpenAI's (default: 0, off)")
+    parser.add_argument("--frequency-penalty", type=float, help="in [-2, 2]: OpenAI's (default: 0, off)")
+    parser.add_argument("--min-p", type=float, help="drop tokens below min_p x the top one's probability")
+    parser.add_argument("--min-tokens", type=int, help="generate at least this many tokens (default: 0)")
+    parser.add_argument(
+        "--n", type=int, help="generate N samples of PROMPT, printed as [i] TEXT (default: 1)"
+    )
+    parser.add_argument(
+        "--logprobs",
+        type=int,
+        metavar="N",
+        help="print each token's log probability and its N most likely alternatives (N in [0, 20]) to stderr",
+    )
     parser.add_argument("--json", action="store_true", help="print the whole GenerateResponse as JSON")
     shape = parser.add_argument_group("structured output (one at most; docs/structured-output.md)")
     shape.add_argument("--json-schema", metavar="SCHEMA", help="a JSON schema's text, or @FILE")

@@ -83,6 +83,26 @@ class SamplingParams(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LogitBiasEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     MAX_NEW_TOKENS_FIELD_NUMBER: _builtins.int
     TEMPERATURE_FIELD_NUMBER: _builtins.int
     TOP_P_FIELD_NUMBER: _builtins.int
@@ -92,6 +112,15 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    MIN_P_FIELD_NUMBER: _builtins.int
+    LOGIT_BIAS_FIELD_NUMBER: _builtins.int
+    STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    MIN_TOKENS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     CONSTRAINT_FIELD_NUMBER: _builtins.int
     max_new_tokens: _builtins.int
     """Tokens to generate at most; 0 takes the gateway's default (64). Must fit the model's context."""
@@ -109,9 +138,44 @@ class SamplingParams(_message.Message):
     """Seed for sampling; unset draws one. The same seed and request give the same tokens."""
     ignore_eos: _builtins.bool
     """Keep generating past the end-of-sequence token (benchmarks use it for fixed output lengths)."""
+    presence_penalty: _builtins.float
+    """OpenAI's presence penalty in [-2, 2]: subtracted once from the logit of every token already
+    generated (the prompt does not count); 0 (the default) is off.
+    """
+    frequency_penalty: _builtins.float
+    """OpenAI's frequency penalty in [-2, 2]: subtracted from a token's logit once per time it was
+    generated; 0 (the default) is off.
+    """
+    min_p: _builtins.float
+    """Drop tokens whose probability is below min_p times the most likely token's, in [0, 1]; 0 (the
+    default) is off.
+    """
+    min_tokens: _builtins.int
+    """Generate at least this many tokens: EOS, stop_token_ids and stop strings cannot end the request
+    before; at most max_new_tokens. 0 (the default) is off.
+    """
+    logprobs: _builtins.bool
+    """Return the log probability of each generated token (GenerateResponse.logprobs)."""
+    top_logprobs: _builtins.int
+    """With logprobs: also the top_logprobs most likely tokens at each position, in [0, 20]."""
+    prompt_logprobs: _builtins.int
+    """Return the log probability of each prompt token after the first, with this many alternatives in
+    [0, 20] (GenerateResponse.prompt_logprobs); unset is off. Such a prompt is computed in full, never
+    read from the prefix cache.
+    """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Stop strings: the text ends just before the first place one of them begins (at most 8, 64 bytes each)."""
+
+    @_builtins.property
+    def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
+        """Added to the raw logit of each listed token id before any other processor, each in [-100, 100]
+        (-100 in effect bans the token, 100 in effect forces it); at most 300 entries.
+        """
+
+    @_builtins.property
+    def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Token ids that end generation like EOS (the id is kept in token_ids); at most 32."""
 
     @_builtins.property
     def constraint(self) -> Global___OutputConstraint:
@@ -131,18 +195,31 @@ class SamplingParams(_message.Message):
         stop: _abc.Iterable[_builtins.str] | None = ...,
         seed: _builtins.int | None = ...,
         ignore_eos: _builtins.bool = ...,
+        presence_penalty: _builtins.float = ...,
+        frequency_penalty: _builtins.float = ...,
+        min_p: _builtins.float = ...,
+        logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
+        stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        min_tokens: _builtins.int = ...,
+        logprobs: _builtins.bool = ...,
+        top_logprobs: _builtins.int = ...,
+        prompt_logprobs: _builtins.int | None = ...,
         constraint: Global___OutputConstraint | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "constraint", b"constraint", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "constraint", b"constraint", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "constraint", b"constraint", "ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "no_repeat_ngram_size", b"no_repeat_ngram_size", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "constraint", b"constraint", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "no_repeat_ngram_size", b"no_repeat_ngram_size", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__prompt_logprobs: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
     _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_logprobs) -> _WhichOneofReturnType__prompt_logprobs | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
     @_typing.overload
@@ -195,6 +272,78 @@ class OutputConstraint(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
 Global___OutputConstraint: _TypeAlias = OutputConstraint  # noqa: Y015
+
+@_typing.final
+class TokenLogprob(_message.Message):
+    """One token with its log probability and its text."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    TOKEN_BYTES_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    """The token id."""
+    logprob: _builtins.float
+    """Its natural-log probability under the model's distribution before any sampling processor
+    (penalties, bias, temperature, filters), in float32.
+    """
+    token: _builtins.str
+    """The token's text alone (invalid UTF-8 bytes become U+FFFD); set by the gateway."""
+    token_bytes: _builtins.bytes
+    """The token's exact UTF-8 bytes (a multi-byte character may span tokens); set by the gateway."""
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        logprob: _builtins.float = ...,
+        token: _builtins.str = ...,
+        token_bytes: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token", b"token", "token_bytes", b"token_bytes", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015
+
+@_typing.final
+class PositionLogprobs(_message.Message):
+    """Log probabilities at one position: the token there and the most likely alternatives."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHOSEN_FIELD_NUMBER: _builtins.int
+    TOP_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    """The chosen token's rank among all tokens at this position (1 is the most likely)."""
+    @_builtins.property
+    def chosen(self) -> Global___TokenLogprob:
+        """The token at this position (the one generated, or the prompt's)."""
+
+    @_builtins.property
+    def top(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
+        """The most likely tokens at this position, most likely first (top_logprobs of them; may include
+        the chosen one).
+        """
+
+    def __init__(
+        self,
+        *,
+        chosen: Global___TokenLogprob | None = ...,
+        top: _abc.Iterable[Global___TokenLogprob] | None = ...,
+        rank: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chosen", b"chosen"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chosen", b"chosen", "rank", b"rank", "top", b"top"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PositionLogprobs: _TypeAlias = PositionLogprobs  # noqa: Y015
 
 @_typing.final
 class Usage(_message.Message):

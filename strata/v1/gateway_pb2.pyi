@@ -119,6 +119,7 @@ class GenerateRequest(_message.Message):
     TRUNCATION_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     NO_FALLBACK_FIELD_NUMBER: _builtins.int
+    N_FIELD_NUMBER: _builtins.int
     TOOLS_FIELD_NUMBER: _builtins.int
     TOOL_CHOICE_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
@@ -140,6 +141,13 @@ class GenerateRequest(_message.Message):
     """Never serve this request from the fallback model, not even when the primary is down or fails
     (failures then reach the client as UNAVAILABLE). By default a route with a fallback uses it when
     its primary is unreachable, not serving, or fails a request.
+    """
+    n: _builtins.int
+    """How many samples of the prompt to generate, in [0, 16]; 0 and 1 are one. With a seed, sample i
+    draws with a seed derived from (seed, i) and sample 0 with the seed itself, so sample 0 equals the
+    same request with n = 1. Samples after the first start once the first has prefilled the prompt, so
+    they share its cached KV blocks. Each sample is admitted, counted and failed over on its own;
+    cancelling the call cancels all of them.
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]:
@@ -171,12 +179,13 @@ class GenerateRequest(_message.Message):
         truncation: Global___Truncation.ValueType = ...,
         priority: Global___Priority.ValueType = ...,
         no_fallback: _builtins.bool = ...,
+        n: _builtins.int = ...,
         tools: _abc.Iterable[Global___Tool] | None = ...,
         tool_choice: Global___ToolChoice | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_fallback", b"allow_fallback", "messages", b"messages", "model", b"model", "no_fallback", b"no_fallback", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "tool_choice", b"tool_choice", "tools", b"tools", "truncation", b"truncation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_fallback", b"allow_fallback", "messages", b"messages", "model", b"model", "n", b"n", "no_fallback", b"no_fallback", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "tool_choice", b"tool_choice", "tools", b"tools", "truncation", b"truncation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -269,6 +278,54 @@ class ToolCall(_message.Message):
 Global___ToolCall: _TypeAlias = ToolCall  # noqa: Y015
 
 @_typing.final
+class Choice(_message.Message):
+    """One sample of a request with n > 1."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """The sample's index in [0, n)."""
+    text: _builtins.str
+    """Its generated text, cut before any stop string."""
+    finish_reason: _common_pb2.FinishReason.ValueType
+    """Why its generation ended."""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Its generated token ids."""
+
+    @_builtins.property
+    def usage(self) -> _common_pb2.Usage:
+        """Its own token counts (each sample counts the prompt)."""
+
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PositionLogprobs]:
+        """With sampling.logprobs: one entry per token of token_ids."""
+
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        text: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        finish_reason: _common_pb2.FinishReason.ValueType = ...,
+        usage: _common_pb2.Usage | None = ...,
+        logprobs: _abc.Iterable[_common_pb2.PositionLogprobs] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Choice: _TypeAlias = Choice  # noqa: Y015
+
+@_typing.final
 class GenerateResponse(_message.Message):
     """The whole answer to a Generate call, and the summary ending a GenerateStream."""
 
@@ -284,6 +341,9 @@ class GenerateResponse(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     FAILOVER_AT_TOKEN_FIELD_NUMBER: _builtins.int
     TRACE_ID_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    CHOICES_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """The generated text, cut before any stop string."""
@@ -314,6 +374,20 @@ class GenerateResponse(_message.Message):
         """The generated token ids, including any that a stop string cut from the text."""
 
     @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PositionLogprobs]:
+        """With sampling.logprobs: one entry per token of token_ids, in order."""
+
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PositionLogprobs]:
+        """With sampling.prompt_logprobs: one entry per prompt token after the first, in order."""
+
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedCompositeFieldContainer[Global___Choice]:
+        """With n > 1: every sample in index order (the fields above are sample 0's, except usage, whose
+        output_tokens counts every sample's).
+        """
+
+    @_builtins.property
     def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
         """The tool calls the model made, parsed from text (which still holds them as generated); empty when
         it answered in text or the request had no tools.
@@ -332,11 +406,14 @@ class GenerateResponse(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         failover_at_token: _builtins.int = ...,
         trace_id: _builtins.str = ...,
+        logprobs: _abc.Iterable[_common_pb2.PositionLogprobs] | None = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.PositionLogprobs] | None = ...,
+        choices: _abc.Iterable[Global___Choice] | None = ...,
         tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timing", b"timing", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["failover_at_token", b"failover_at_token", "fallback_reason", b"fallback_reason", "finish_reason", b"finish_reason", "model", b"model", "request_id", b"request_id", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "trace_id", b"trace_id", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "failover_at_token", b"failover_at_token", "fallback_reason", b"fallback_reason", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "model", b"model", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "trace_id", b"trace_id", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -351,8 +428,15 @@ class GenerateStreamResponse(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     FINAL_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """New text since the previous message; may be empty when tokens do not yet form whole characters."""
+    index: _builtins.int
+    """Which sample this message belongs to (always 0 with n <= 1). With n > 1 each sample's last
+    message carries that sample's own final, and one more message, index 0 with no text, ends the
+    stream with the whole request's final (its choices).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The token ids generated since the previous message."""
@@ -361,16 +445,22 @@ class GenerateStreamResponse(_message.Message):
     def final(self) -> Global___GenerateResponse:
         """Set on the last message only: what Generate would have answered (text is the whole text)."""
 
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PositionLogprobs]:
+        """With sampling.logprobs: one entry per token of token_ids, in order."""
+
     def __init__(
         self,
         *,
         text: _builtins.str = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         final: Global___GenerateResponse | None = ...,
+        logprobs: _abc.Iterable[_common_pb2.PositionLogprobs] | None = ...,
+        index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["final", b"final"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "index", b"index", "logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -246,6 +246,7 @@ class DetokenizeEntry(_message.Message):
     PENDING_TEXT_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
     FINAL_FIELD_NUMBER: _builtins.int
+    PIECE_IDS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model whose tokenizer to use."""
     read_offset: _builtins.int
@@ -266,6 +267,12 @@ class DetokenizeEntry(_message.Message):
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The request's stop strings."""
 
+    @_builtins.property
+    def piece_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Ids whose bytes alone to return in the result's pieces (the tokens of log probabilities); may
+        repeat ids. Empty for none.
+        """
+
     def __init__(
         self,
         *,
@@ -276,10 +283,11 @@ class DetokenizeEntry(_message.Message):
         pending_text: _builtins.str = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
         final: _builtins.bool = ...,
+        piece_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "model", b"model", "new_ids", b"new_ids", "pending_text", b"pending_text", "read_offset", b"read_offset", "stop", b"stop", "window", b"window"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "model", b"model", "new_ids", b"new_ids", "pending_text", b"pending_text", "piece_ids", b"piece_ids", "read_offset", b"read_offset", "stop", b"stop", "window", b"window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -327,6 +335,7 @@ class DetokenizeResult(_message.Message):
     PENDING_TEXT_FIELD_NUMBER: _builtins.int
     STOPPED_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    PIECES_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text to emit now; never contains any part of a stop string."""
     read_offset: _builtins.int
@@ -343,6 +352,12 @@ class DetokenizeResult(_message.Message):
     def error(self) -> Global___EntryError:
         """The entry's error; absent when it succeeded."""
 
+    @_builtins.property
+    def pieces(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """The UTF-8 bytes of each token of piece_ids alone, in order (a byte-level token may hold part of
+        a character).
+        """
+
     def __init__(
         self,
         *,
@@ -352,10 +367,11 @@ class DetokenizeResult(_message.Message):
         pending_text: _builtins.str = ...,
         stopped: _builtins.bool = ...,
         error: Global___EntryError | None = ...,
+        pieces: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "pending_text", b"pending_text", "read_offset", b"read_offset", "stopped", b"stopped", "text", b"text", "window", b"window"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "pending_text", b"pending_text", "pieces", b"pieces", "read_offset", b"read_offset", "stopped", b"stopped", "text", b"text", "window", b"window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -314,6 +314,8 @@ class TokenUpdate(_message.Message):
     FORWARD_MS_FIELD_NUMBER: _builtins.int
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request."""
     finished: _builtins.bool
@@ -340,6 +342,16 @@ class TokenUpdate(_message.Message):
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens generated since the previous update of this request."""
 
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PositionLogprobs]:
+        """With sampling.logprobs: one entry per token of token_ids, in order (token text left empty)."""
+
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PositionLogprobs]:
+        """With sampling.prompt_logprobs, on the request's first update only: one entry per prompt token after
+        the first (the submission's prompt_ids, then any prior_output_ids).
+        """
+
     def __init__(
         self,
         *,
@@ -353,10 +365,12 @@ class TokenUpdate(_message.Message):
         forward_ms: _builtins.float = ...,
         device_memory_bytes: _builtins.int = ...,
         cached_prompt_tokens: _builtins.int = ...,
+        logprobs: _abc.Iterable[_common_pb2.PositionLogprobs] | None = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.PositionLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "device_memory_bytes", b"device_memory_bytes", "finish_reason", b"finish_reason", "finished", b"finished", "forward_ms", b"forward_ms", "output_tokens", b"output_tokens", "prompt_tokens", b"prompt_tokens", "queue_ms", b"queue_ms", "request_id", b"request_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "device_memory_bytes", b"device_memory_bytes", "finish_reason", b"finish_reason", "finished", b"finished", "forward_ms", b"forward_ms", "logprobs", b"logprobs", "output_tokens", b"output_tokens", "prompt_logprobs", b"prompt_logprobs", "prompt_tokens", b"prompt_tokens", "queue_ms", b"queue_ms", "request_id", b"request_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

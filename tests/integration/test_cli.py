@@ -90,6 +90,27 @@ def test_chat_applies_the_template_and_timing_goes_to_stderr(gateway: str) -> No
     assert "timing" not in done.stdout
 
 
+def test_logprobs_flag_prints_each_token_and_its_alternatives(gateway: str) -> None:
+    reply = generate_json(gateway, "--max-new-tokens", "4", "--logprobs", "3", "--min-tokens", "4")
+    positions, ids = reply["logprobs"], reply["tokenIds"]
+    assert isinstance(positions, list) and isinstance(ids, list) and len(positions) == len(ids) == 4
+    assert all(len(p["top"]) == 3 and p["chosen"]["logprob"] <= 0 for p in positions)
+    done = strata("generate", "hello there", "--address", gateway, "--max-new-tokens", "4", "--logprobs", "2")
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    # One line per token: its logprob first, then its text and two alternatives with theirs.
+    assert len(lines) >= 1 and all(float(line.split()[0]) <= 0 for line in lines[:4])
+
+
+def test_n_flag_prints_every_sample(gateway: str) -> None:
+    done = strata("generate", "hello there", "--address", gateway, "--max-new-tokens", "4", "--n", "3")
+    assert done.returncode == 0, done.stderr
+    texts = re.split(r"^\[\d\] ", done.stdout, flags=re.M)
+    assert re.findall(r"^\[(\d)\] ", done.stdout, flags=re.M) == ["0", "1", "2"]
+    # Greedy samples are identical.
+    assert texts[0] == "" and len(set(texts[1:])) == 1
+
+
 def test_grpc_errors_print_code_and_message(gateway: str) -> None:
     done = strata("generate", "hello", "--address", gateway, "--model", "nope")
     assert done.returncode == 1

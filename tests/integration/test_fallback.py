@@ -226,6 +226,29 @@ def test_a_primary_dying_mid_stream_is_continued_by_the_fallback(stack: Stack) -
     assert _fallbacks("failover") == before + 1
 
 
+def test_a_failover_continues_every_sample_from_its_own_tokens(stack: Stack) -> None:
+    primary = stack.start_primary()
+    primary.host.engine.engine.faults.set_step_delay(0.05)
+    _, stub = stack.start_gateway(primary.address)
+    total = 30
+    call = stub.GenerateStream(_request(total, request_id="failover-n", n=2), timeout=120)
+    messages: list[gateway_pb2.GenerateStreamResponse] = []
+    while min(sum(len(m.token_ids) for m in messages if m.index == i) for i in (0, 1)) < 3:
+        messages.append(next(call))
+    stack.crash(primary)
+    messages.extend(call)
+    prompt = stack.prompt_ids()
+    finals = {m.index: m.final for m in messages[:-1] if m.HasField("final")}
+    assert sorted(finals) == [0, 1] and len(messages[-1].final.choices) == 2
+    for index, final in finals.items():
+        ids = [t for m in messages[:-1] if m.index == index for t in m.token_ids]
+        cut = final.failover_at_token
+        assert cut >= 3 and ids == list(final.token_ids) and len(ids) == total
+        assert ids[:cut] == stack.greedy(PRIMARY, prompt, total)[:cut]
+        assert ids[cut:] == stack.greedy(FALLBACK, prompt + ids[:cut], total - cut)
+        assert final.model == FALLBACK
+
+
 @pytest.mark.parametrize("switch", ["no_fallback", "fallback_enabled_false"])
 def test_without_fallback_a_dying_primary_ends_the_stream_saying_what_was_received(
     stack: Stack, switch: str

@@ -100,14 +100,27 @@ def test_traceparent_joins_the_callers_trace(stack: HttpStack) -> None:
             "messages[0].content[0].type",
         ),
         ('{"messages": [{"role": "user", "content": "x"}], "frobnicate": 1}', "frobnicate"),
-        ('{"messages": [{"role": "user", "content": "x"}], "n": 3}', "n"),
-        ('{"messages": [{"role": "user", "content": "x"}], "logprobs": true}', "logprobs"),
+        ('{"messages": [{"role": "user", "content": "x"}], "n": 17}', "n"),
+        ('{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', "top_logprobs"),
+        (
+            '{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}',
+            "top_logprobs",
+        ),
+        ('{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"a": 1}}', "logit_bias"),
+        ('{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"3": 101}}', "logit_bias"),
+        ('{"messages": [{"role": "user", "content": "x"}], "min_p": 1.5}', "min_p"),
+        ('{"messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5}', "presence_penalty"),
+        ('{"messages": [{"role": "user", "content": "x"}], "frequency_penalty": -3}', "frequency_penalty"),
         (
             '{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
             "tools[0].function",
         ),
         ('{"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}', "functions"),
-        ('{"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}', "presence_penalty"),
+        (
+            '{"messages": [{"role": "user", "content": "x"}], "n": 2, '
+            '"tools": [{"type": "function", "function": {"name": "f"}}]}',
+            "n",
+        ),
     ],
 )
 def test_malformed_or_unsupported_bodies_are_400_naming_the_field(

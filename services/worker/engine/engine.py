@@ -134,6 +134,9 @@ class LLMEngine:
         for token in prompt_ids:
             if not 0 <= token < vocab:
                 raise InvalidRequestError("prompt_ids", token, f"token ids must be in [0, {vocab})")
+        for token, _ in params.logit_bias:
+            if token >= vocab:
+                raise InvalidRequestError("logit_bias", token, f"token ids must be in [0, {vocab})")
         self.scheduler.check_fits(len(prompt_ids), params.max_new_tokens)
 
     def add_request(
@@ -176,11 +179,13 @@ class LLMEngine:
         started = time.perf_counter()
         try:
             self.faults.before_forward()
-            sampled = self.runner.run(batch)
+            result = self.runner.run_step(batch)
         except (SimulatedOutOfMemoryError, torch.OutOfMemoryError) as exc:
             return self._shed_load(exc)
         self._failed_steps = 0
-        outputs = self.scheduler.postprocess(batch, sampled)
+        outputs = self.scheduler.postprocess(
+            batch, result.tokens, logprobs=result.logprobs, prompt_logprobs=result.prompt_logprobs
+        )
         elapsed = time.perf_counter() - started
         self._last_step_ms = elapsed * 1000.0
         self.step_seconds.append(elapsed)

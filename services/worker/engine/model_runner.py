@@ -9,10 +9,13 @@ sequences carry a grammar get its mask (grammar_mask.py) between the logits and 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from services.worker.engine.logits_processors import banned_until_min_tokens
+from services.worker.engine.logprobs import prompt_logprobs, token_logprobs
 from services.worker.engine.sampler import Sampler, SampleRow
 from services.worker.model.attention import AttentionMetadata
 from services.worker.model.kv_cache import KVCache
@@ -21,7 +24,20 @@ if TYPE_CHECKING:
     from services.worker.engine.cuda_graphs import CaptureReport, CudaGraphRunner
     from services.worker.engine.grammar_mask import GrammarMasker
     from services.worker.engine.scheduler import ScheduledBatch
+    from services.worker.engine.sequence import TokenLogprobs
     from services.worker.model.loader import LoadedModel
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one forward pass produced: one token per sampling entry, in entry order, and the log
+    probabilities of the entries that asked for them."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+    """Aligned with tokens; None when no entry asked."""
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    """Entry index -> the logprobs of the prompt tokens after its chunk's positions (start + 1, ...)."""
 
 
 class ModelRunner:
@@ -62,14 +78,49 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch) -> list[int]:
         """Forward the batch and return one sampled token per entry that samples, in entry order."""
+        return self.run_step(batch).tokens
+
+    def run_step(self, batch: ScheduledBatch) -> StepResult:
+        """Forward the batch, sample, and take the log probabilities its entries asked for."""
         with torch.inference_mode():
             hidden, logits_indices = self._forward(batch)
+            result = StepResult([], prompt_logprobs=self._prompt_logprobs(batch, hidden))
             if not logits_indices:
-                return []
+                return result
             index = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, index))
+            rows = self._sample_rows(batch)
+            tops = [row.params.logprobs for row in rows]
+            wants = any(top is not None for top in tops)
+            # Log probabilities are the model's, before any processor: a grammar's mask must not reach
+            # them, so the raw logits are kept when both meet in one step.
+            raw = logits.clone() if wants and self._has_grammar(batch) else logits
             self._mask_grammars(logits, batch)
-            return self.sampler(logits, self._sample_rows(batch))
+            result.tokens = self.sampler(logits, rows)
+            if wants:
+                result.logprobs = token_logprobs(raw, result.tokens, tops)
+            return result
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor) -> dict[int, list[TokenLogprobs]]:
+        """Logits of every prompt position of the entries whose prompts need them (their chunk's rows)."""
+        found: dict[int, list[TokenLogprobs]] = {}
+        offset = 0
+        for i, entry in enumerate(batch.entries):
+            seq = entry.seq
+            if seq.needs_prompt_logits and seq.params.prompt_logprobs is not None:
+                # Position p's logits give the prompt's token p + 1; the last prompt position's give
+                # the first output token, which is not the prompt's.
+                end = min(entry.start + entry.num_tokens, seq.num_prompt_tokens - 1)
+                if end > entry.start:
+                    logits = self.model.compute_logits(hidden[offset : offset + end - entry.start])
+                    nexts = seq.prompt_ids[entry.start + 1 : end + 1]
+                    found[i] = prompt_logprobs(logits, nexts, seq.params.prompt_logprobs)
+            offset += entry.num_tokens
+        return found
+
+    @staticmethod
+    def _has_grammar(batch: ScheduledBatch) -> bool:
+        return any(entry.seq.grammar is not None for entry in batch.entries if entry.sample)
 
     def _mask_grammars(self, logits: torch.Tensor, batch: ScheduledBatch) -> None:
         sampled = (entry.seq for entry in batch.entries if entry.sample)
@@ -113,8 +164,8 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return self.model(ids, pos, meta, self.cache), logits_indices
 
-    @staticmethod
-    def _sample_rows(batch: ScheduledBatch) -> list[SampleRow]:
+    def _sample_rows(self, batch: ScheduledBatch) -> list[SampleRow]:
+        eos = self.loaded.config.eos_token_ids
         rows = []
         for entry in batch.entries:
             if not entry.sample:
@@ -124,7 +175,19 @@ class ModelRunner:
             # Only the penalties read the history; greedy rows skip building it.
             needs_history = params.repetition_penalty != 1.0 or params.no_repeat_ngram_size > 0
             history = seq.prompt_ids + seq.output_ids if needs_history else ()
+            output: list[int] = []
+            if params.presence_penalty or params.frequency_penalty:
+                # A failover's prior output is the tail of the engine's prompt and counts as generated.
+                prior = seq.prompt_ids[len(seq.prompt_ids) - params.prior_output_tokens :]
+                output = prior + seq.output_ids if params.prior_output_tokens else seq.output_ids
             rows.append(
-                SampleRow(params=params, seed=seq.seed, position=len(seq.output_ids), history=history)
+                SampleRow(
+                    params=params,
+                    seed=seq.seed,
+                    position=len(seq.output_ids),
+                    history=history,
+                    output=output,
+                    banned=banned_until_min_tokens(params, len(seq.output_ids), eos),
+                )
             )
         return rows

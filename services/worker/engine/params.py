@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# OpenAI's limits: penalties in [-2, 2], a logit bias in [-100, 100], at most 20 top alternatives.
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+MAX_TOP_LOGPROBS = 20
+
 
 class InvalidRequestError(ValueError):
     """A request parameter is out of range. Names the field, the value and the limit it broke."""
@@ -25,6 +30,12 @@ class SamplingParams:
 
     temperature 0 means greedy; top_k 0 and top_p 1.0 mean no filtering; seed None lets the engine
     pick one at admission, so every request draws from the same counter-based noise.
+
+    The OpenAI/vLLM processors (logits_processors.py) are off at their defaults: presence and
+    frequency penalties 0, min_p 0, no logit_bias, min_tokens 0. logprobs None returns no log
+    probabilities; N >= 0 returns each sampled token's and its N most likely alternatives'.
+    prompt_logprobs likewise for the prompt's tokens. prior_output_tokens counts the trailing prompt
+    ids that are a failed worker's output, which the penalties and min_tokens count as output.
     """
 
     max_new_tokens: int = 64
@@ -36,6 +47,19 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prior_output_tokens: int = 0
+
+    @property
+    def processed(self) -> bool:
+        """Whether any OpenAI/vLLM processor changes this request's logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -75,3 +99,29 @@ class SamplingParams:
         for token in self.stop_token_ids:
             if token < 0:
                 raise InvalidRequestError("stop_token_ids", token, "token ids must be >= 0")
+        self._validate_processors()
+
+    def _validate_processors(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise InvalidRequestError(name, value, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p", self.min_p, "must be in [0, 1] (0 turns it off)")
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise InvalidRequestError("logit_bias", token, "token ids must be >= 0")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidRequestError(
+                    f"logit_bias[{token}]", bias, f"must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+                )
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise InvalidRequestError(
+                "min_tokens", self.min_tokens, f"must be in [0, max_new_tokens={self.max_new_tokens}]"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise InvalidRequestError(name, value, f"must be in [0, {MAX_TOP_LOGPROBS}] alternatives")
+        if self.prior_output_tokens < 0:
+            raise InvalidRequestError("prior_output_tokens", self.prior_output_tokens, "must be >= 0")

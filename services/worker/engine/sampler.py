@@ -1,7 +1,8 @@
 """The engine's batched sampler: one token per row of a logits batch, each row with its own params.
 
-Per row, in transformers' order: repetition penalty and no-repeat-ngram (penalties.py), temperature,
-top-k, top-p, then a draw whose randomness is a pure function of (seed, output position, token id)
+Per row, in the order logits_processors.py states: logit_bias, repetition penalty and
+no-repeat-ngram (penalties.py), presence/frequency penalties and min_tokens, temperature, top-k,
+top-p, min_p, then a draw whose randomness is a pure function of (seed, output position, token id)
 (noise.py): a request gets the tokens transformers' processors allow, and the same tokens alone, in
 any batch, in any row order and after preemption.
 
@@ -23,6 +24,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from services.worker.engine.logits_processors import (
+    apply_logit_bias,
+    apply_output_penalties,
+    min_p_threshold,
+)
 from services.worker.engine.noise import coins, gumbel_pick, head_tail_pick, inverse_cdf_pick, row_keys
 from services.worker.engine.penalties import apply_penalties
 
@@ -42,6 +48,8 @@ class SampleRow:
     seed: int
     position: int  # output position of the token being drawn: 0 for the first new token
     history: Sequence[int] = field(default_factory=tuple)  # prompt + output so far
+    output: Sequence[int] = field(default_factory=tuple)  # generated ids: presence/frequency read them
+    banned: tuple[int, ...] = ()  # ids min_tokens bans at this position
 
 
 @dataclass(slots=True)
@@ -83,6 +91,12 @@ def _is_penalised(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.no_repeat_ngram_size > 0
 
 
+def _is_processed(row: SampleRow) -> bool:
+    """Whether any processor before temperature changes this row's logits."""
+    p = row.params
+    return _is_penalised(p) or bool(p.logit_bias or p.presence_penalty or p.frequency_penalty or row.banned)
+
+
 def _top_k(p: SamplingParams, vocab: int) -> int:
     # top_k >= V keeps everything, as transformers' min(top_k, V) does: treat it as off.
     return p.top_k if 0 < p.top_k < vocab else 0
@@ -93,8 +107,8 @@ def _plan(rows: Sequence[SampleRow], vocab: int) -> _Plan:
     for i, row in enumerate(rows):
         p = row.params
         if p.greedy:
-            (plan.greedy_penalised if _is_penalised(p) else plan.plain).append(i)
-        elif _top_k(p, vocab) or p.top_p < 1.0:
+            (plan.greedy_penalised if _is_processed(row) else plan.plain).append(i)
+        elif _top_k(p, vocab) or p.top_p < 1.0 or p.min_p > 0.0:
             plan.filtered.append(i)
         else:
             plan.free.append(i)
@@ -177,6 +191,10 @@ class Sampler:
             # measured 1.4-3x slower single-threaded, and 10x+ with two busy threads.
             source = logits[torch.tensor(union, device=logits.device)].to(torch.float32)
         params = [rows[i].params for i in union]
+        if any(p.logit_bias for p in params):
+            # The bias comes first and the penalties read its result: never write the caller's logits.
+            source = source.clone() if source is logits else source
+            apply_logit_bias(source, params)
         sampled = len(plan.filtered) + len(plan.free)
         temps = [p.temperature for p in params[:sampled]] + [1.0] * (len(union) - sampled)
         divisor = torch.tensor(temps, dtype=torch.float32, device=logits.device)
@@ -190,6 +208,11 @@ class Sampler:
                 [p.no_repeat_ngram_size for p in params],
                 source=source,
                 divisor=divisor,
+            )
+        picked = [rows[i] for i in union]
+        if any(r.banned or r.params.presence_penalty or r.params.frequency_penalty for r in picked):
+            apply_output_penalties(
+                x, params, [r.output for r in picked], [r.banned for r in picked], divisor=divisor
             )
         # +inf becomes the largest float so softmax and Gumbel sums stay finite.
         return torch.nan_to_num_(x, nan=_NEG_INF, posinf=torch.finfo(torch.float32).max, neginf=_NEG_INF)
@@ -212,7 +235,8 @@ class Sampler:
         top_p = torch.tensor([row.params.top_p for row in rows], device=device)
         has_p = top_p < 1.0
         lse_full = torch.zeros(r, device=device)
-        needs_full = [i for i, row in enumerate(rows) if ks[i] == 0]
+        min_p = torch.tensor([row.params.min_p for row in rows], device=device)
+        needs_full = [i for i, row in enumerate(rows) if ks[i] == 0 and row.params.top_p < 1.0]
         if needs_full:
             # Top-p without top-k normalises over the whole row: one pass, no sort.
             index = torch.tensor(needs_full, device=device)
@@ -240,7 +264,8 @@ class Sampler:
             keep[:, 0] = True
             cut = keep.sum(dim=-1)
             thr_p = torch.where(has_p[pending], vals.gather(1, (cut - 1)[:, None]).squeeze(1), _NEG_INF)
-            thr = torch.maximum(thr_k, thr_p)
+            # min_p comes last and only drops tokens: its threshold intersects the others'.
+            thr = torch.maximum(torch.maximum(thr_k, thr_p), min_p_threshold(vals[:, 0], min_p[pending]))
             last = vals[:, -1]
             # Complete when nothing outside the list can reach the threshold (ties included) and,
             # for top-k rows, the softmax above was taken over every top-k survivor; or when all

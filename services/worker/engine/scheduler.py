@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from services.worker.engine.block_manager import NO_HIT
 from services.worker.engine.params import InvalidRequestError
 from services.worker.engine.sequence import (
     FinishReason,
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
     from services.worker.engine.block_manager import BlockManager
     from services.worker.engine.config import EngineConfig
+    from services.worker.engine.sequence import TokenLogprobs
 
 __all__ = ["ScheduledBatch", "ScheduledEntry", "Scheduler", "SchedulerStats", "StepOutput"]
 
@@ -182,15 +184,25 @@ class Scheduler:
                 break
         return plan.batch
 
-    def postprocess(self, batch: ScheduledBatch, sampled: SequenceOf[int]) -> list[StepOutput]:
-        """Apply a finished step: sampled holds one token id per entry with sample=True, in order."""
+    def postprocess(
+        self,
+        batch: ScheduledBatch,
+        sampled: SequenceOf[int],
+        *,
+        logprobs: SequenceOf[TokenLogprobs | None] | None = None,
+        prompt_logprobs: dict[int, list[TokenLogprobs]] | None = None,
+    ) -> list[StepOutput]:
+        """Apply a finished step: sampled holds one token id per entry with sample=True, in order;
+        logprobs (aligned with it) and prompt_logprobs (by entry index) what the runner computed."""
         if len(sampled) != batch.num_samples:
             raise ValueError(f"step {batch.step_id}: {len(sampled)} sampled tokens for {batch.num_samples}")
         outputs: list[StepOutput] = []
         tokens = iter(sampled)
-        for entry in batch.entries:
+        token_lps = iter(logprobs if logprobs is not None else [None] * len(sampled))
+        for index, entry in enumerate(batch.entries):
             seq = entry.seq
             token = next(tokens) if entry.sample else None
+            token_lp = next(token_lps) if entry.sample else None
             if seq.is_finished:
                 continue  # aborted while the step ran: its result is dropped
             if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != entry.start:
@@ -198,8 +210,11 @@ class Scheduler:
             seq.num_computed_tokens += entry.num_tokens
             # Before the sequence can finish and free them: its full blocks are shareable from now.
             self.block_manager.commit(seq)
+            if prompt_logprobs and index in prompt_logprobs:
+                seq.keep_prompt_logprobs(entry.start, prompt_logprobs[index])
             if token is None:
                 continue
+            first = not seq.output_ids
             seq.output_ids.append(token)
             # The grammar first: a token that completes it ends the output even at max_new_tokens.
             reason = seq.grammar.finish_after(token) if seq.grammar is not None else None
@@ -215,6 +230,10 @@ class Scheduler:
                     num_prompt_tokens=seq.num_prompt_tokens,
                     num_output_tokens=seq.num_output_tokens,
                     num_cached_tokens=seq.num_cached_tokens,
+                    logprobs=None if token_lp is None else [token_lp],
+                    prompt_logprobs=seq.prompt_logprobs
+                    if first and seq.params.prompt_logprobs is not None
+                    else None,
                 )
             )
         self._recover_after_shed()
@@ -290,7 +309,8 @@ class Scheduler:
             return
         while self._waiting and plan.budget > 0 and len(self._running) < self.effective_max_num_seqs:
             seq = self._waiting.peek()
-            hit = bm.cached_prefix(seq)
+            # Prompt positions whose logprobs are still wanted must be computed, not read from cache.
+            hit = NO_HIT if seq.needs_prompt_logits else bm.cached_prefix(seq)
             cached = len(hit.blocks) * bm.block_size
             n = seq.num_new_tokens_to_compute - cached
             if n <= plan.budget:

@@ -38,6 +38,17 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One position's log probabilities: its token's, its rank, and the `top` most likely (id, logprob)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    """1 for the most likely token."""
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class Sequence:
     """A prompt, the tokens generated so far, and how much of it is in the KV cache.
 
@@ -64,6 +75,7 @@ class Sequence:
         "params",
         "priority",
         "prompt_ids",
+        "prompt_logprobs",
         "request_id",
         "seed",
         "status",
@@ -106,6 +118,21 @@ class Sequence:
         self.num_cached_tokens = 0
         """Prompt tokens the prefix cache served at its first admission (Usage's cached_input_tokens)."""
         self.grammar = grammar
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        """With params.prompt_logprobs: entry j is prompt token j + 1's, filled as prefill runs."""
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether prompt positions still need their logits: such a prefill never reads the cache."""
+        wanted = self.params.prompt_logprobs is not None
+        return wanted and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
+
+    def keep_prompt_logprobs(self, start: int, found: list[TokenLogprobs]) -> None:
+        """Keep a chunk's prompt logprobs (positions start, ...) not kept yet: a prefix recomputed after
+        preemption is not kept twice."""
+        skip = len(self.prompt_logprobs) - start
+        if 0 <= skip < len(found):
+            self.prompt_logprobs.extend(found[skip:])
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -162,6 +189,10 @@ class StepOutput:
     num_output_tokens: int
     num_cached_tokens: int = 0
     """Prompt tokens the prefix cache served instead of computing them."""
+    logprobs: list[TokenLogprobs] | None = None
+    """With params.logprobs: one entry per new token."""
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """With params.prompt_logprobs: on the first output only, one entry per prompt token after the first."""
 
 
 @dataclass(frozen=True, slots=True)
