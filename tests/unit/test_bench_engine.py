@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from bench.ceiling import nominal_step_log
-from bench.engine import main, parse_args
+from bench.engine import main
+from bench.engine_options import parse_args
 from bench.stats import PARITY_TOP2_GAP, Reference, check_parity, make_prompts, summarize
 from tests.parity import TIE_GAP
 
