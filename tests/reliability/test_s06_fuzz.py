@@ -274,8 +274,8 @@ def describe(payload: bytes) -> str:
 def check_ok(payload: bytes, replies: list[bytes], streamed: bool) -> None:
     """An OK answer is a whole completion within the request's token budget, for the caller's id."""
     request = gateway_pb2.GenerateRequest.FromString(payload)
-    messages = [gateway_pb2.GenerateStreamResponse.FromString(reply) for reply in replies]
     if streamed:
+        messages = [gateway_pb2.GenerateStreamResponse.FromString(reply) for reply in replies]
         assert messages and messages[-1].HasField("final"), "the stream ended without a final message"
         assert not any(message.HasField("final") for message in messages[:-1])
         final = messages[-1].final
