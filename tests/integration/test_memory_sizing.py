@@ -74,7 +74,9 @@ def test_the_profiling_peak_is_measured_not_assumed(tiny_llama_dir: Path) -> Non
     finally:
         handle.remove()
     assert plain.method == "VmHWM (reset by clear_refs)"
-    assert plain.peak_bytes > plain.baseline_bytes > plain.weights_bytes > 0
+    # A tiny step may fit in memory the process already holds (a long test session leaves freed
+    # arenas resident), so its own peak can equal the baseline; the ballast shows the mark is measured.
+    assert plain.peak_bytes >= plain.baseline_bytes > plain.weights_bytes > 0
     assert heavy.activation_bytes - plain.activation_bytes > BALLAST * 0.9
     assert plain.step == "64 prefill tokens + 8 decodes at 256 tokens of context"
 
