@@ -59,8 +59,8 @@ def _limit_at(
 
 
 def test_the_profiling_peak_is_measured_not_assumed(tiny_llama_dir: Path) -> None:
-    """A forward pass that touches 96 MiB more on purpose raises the measured activation peak by about
-    that much: the figure comes from the process's memory, not from a formula of the settings."""
+    """A forward pass that touches 96 MiB more on purpose raises the measured activation peak to at
+    least that much: the figure comes from the process's memory, not from a formula of the settings."""
     loaded = load_model(tiny_llama_dir)
     config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64)
     plain = memory_profile.profile_largest_step(loaded, config, 256)
@@ -77,7 +77,11 @@ def test_the_profiling_peak_is_measured_not_assumed(tiny_llama_dir: Path) -> Non
     # A tiny step may fit in memory the process already holds (a long test session leaves freed
     # arenas resident), so its own peak can equal the baseline; the ballast shows the mark is measured.
     assert plain.peak_bytes >= plain.baseline_bytes > plain.weights_bytes > 0
-    assert heavy.activation_bytes - plain.activation_bytes > BALLAST * 0.9
+    # The ballast is live at once with only part of the step's own buffers (it is freed before the
+    # next layer), so the heavy peak holds all of it but need not add the plain step's on top; a
+    # formula of the settings would give both profiles one figure.
+    assert heavy.activation_bytes > BALLAST * 0.9
+    assert heavy.activation_bytes > plain.activation_bytes
     assert plain.step == "64 prefill tokens + 8 decodes at 256 tokens of context"
 
 
