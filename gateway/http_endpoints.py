@@ -188,7 +188,7 @@ class Completions:
                 opening = self._chat and chunk.index not in opened
                 if final is None:
                     done = chunk.sample_final
-                    # Tools take one sample (validation refuses n > 1 with them), so `held` is sample 0's.
+                    # Tools take one sample (check_samples refuses n > 1 with them): `held` is sample 0's.
                     text = held.take(chunk.text)
                     if text or chunk.logprobs or done is not None or opening:
                         finish = None if done is None else _finish(done)
