@@ -1,9 +1,11 @@
 """The quality gate of the default fallback: dynamic-int8 SmolLM2 from its own folder, through our loader.
 
 The fallback must still answer the Paris question (chat template, greedy) and its perplexity on a
-fixed English paragraph (about 240 tokens, below) must stay within 1.5x the float32 primary's. Both
-perplexities come from our model's own forward pass over the whole paragraph in one prefill step,
-so they measure the same code the engine serves with. A model with layers cut off fails this by far.
+fixed English paragraph (about 240 tokens, below) must stay within 1.5x the float32 primary's, on
+both of its paths: the dynamic int8 path of large batches (the whole paragraph in one prefill step)
+and the weight-only int8 copies of small ones (the paragraph prefilled small_linear.MAX_ROWS tokens
+a step, as decodes run). The perplexities come from our model's own forward pass, so they measure the
+same code the engine serves with. A model with layers cut off fails this by far.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from services.worker.engine.engine import LLMEngine
 from services.worker.engine.params import SamplingParams
 from services.worker.model.attention import AttentionMetadata
 from services.worker.model.kv_cache import KVCache
-from services.worker.model.loader import load_model
+from services.worker.model.loader import LoadedModel, load_model
+from services.worker.model.small_linear import MAX_ROWS
 from strata.cli.model_fetch import FALLBACK_QUANTIZATION, fallback_model_dir
 
 if TYPE_CHECKING:
@@ -59,29 +62,62 @@ def _tokenizer(model_dir: Path) -> object:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def perplexity(model_dir: Path, quantization: str | None, ids: list[int]) -> float:
-    """exp(mean next-token cross-entropy) of `ids`, from one prefill step of our model."""
-    loaded = load_model(model_dir, quantization=quantization)
+def perplexity(loaded: LoadedModel, ids: list[int], chunk: int | None = None) -> float:
+    """exp(mean next-token cross-entropy) of `ids` from our model, prefilled `chunk` tokens a step
+    (all of them in one step by default)."""
     blocks = math.ceil(len(ids) / BLOCK_SIZE)
     cache = KVCache.allocate(loaded.config, blocks, BLOCK_SIZE, loaded.dtype, torch.device("cpu"))
-    meta = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(blocks))], BLOCK_SIZE, "cpu", 0)
+    step = chunk or len(ids)
+    rows = []
     with torch.inference_mode():
-        hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), meta, cache)
-        logits = loaded.model.compute_logits(hidden)
-    loss = F.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
+        for start in range(0, len(ids), step):
+            end = min(len(ids), start + step)
+            meta = AttentionMetadata.build([end - start], [end], [list(range(blocks))], BLOCK_SIZE, "cpu", 0)
+            hidden = loaded.model(torch.tensor(ids[start:end]), torch.arange(start, end), meta, cache)
+            rows.append(loaded.model.compute_logits(hidden))
+    loss = F.cross_entropy(torch.cat(rows)[:-1], torch.tensor(ids[1:]))
     return math.exp(loss.item())
 
 
-def test_fallback_perplexity_within_1_5x_of_the_primary(real_model_dir: Path, fallback_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def paragraph(fallback_dir: Path) -> list[int]:
     tokenizer = _tokenizer(fallback_dir)
     ids: list[int] = tokenizer.encode(TEXT)  # type: ignore[attr-defined]
     assert 200 <= len(ids) <= 400
-    primary = perplexity(real_model_dir, None, ids)
-    fallback = perplexity(fallback_dir, FALLBACK_QUANTIZATION, ids)
-    print(f"perplexity on {len(ids)} tokens: primary float32 {primary:.2f}, fallback {fallback:.2f}")
+    return ids
+
+
+@pytest.fixture(scope="module")
+def primary_perplexity(real_model_dir: Path, paragraph: list[int]) -> float:
+    primary = perplexity(load_model(real_model_dir), paragraph)
     assert 1.0 < primary < 100.0, "the primary itself does not model English"
-    assert fallback != primary, "the fallback was not quantized"
-    assert fallback <= MAX_PERPLEXITY_RATIO * primary
+    return primary
+
+
+@pytest.fixture(scope="module")
+def fallback(fallback_dir: Path) -> LoadedModel:
+    return load_model(fallback_dir, quantization=FALLBACK_QUANTIZATION)
+
+
+def test_fallback_perplexity_within_1_5x_of_the_primary(
+    fallback: LoadedModel, paragraph: list[int], primary_perplexity: float
+) -> None:
+    large = perplexity(fallback, paragraph)
+    shown = f"primary float32 {primary_perplexity:.2f}, fallback {large:.2f}"
+    print(f"perplexity on {len(paragraph)} tokens: {shown}")
+    assert large != primary_perplexity, "the fallback was not quantized"
+    assert large <= MAX_PERPLEXITY_RATIO * primary_perplexity
+
+
+def test_fallback_small_batch_perplexity_within_1_5x_of_the_primary(
+    fallback: LoadedModel, paragraph: list[int], primary_perplexity: float
+) -> None:
+    small = perplexity(fallback, paragraph, MAX_ROWS)
+    large = perplexity(fallback, paragraph)
+    print(f"perplexity in steps of {MAX_ROWS} tokens: primary {primary_perplexity:.2f}, fallback {small:.2f}")
+    assert small != primary_perplexity, "the small batches were not quantized"
+    assert small != large, "the small batches took the large batches' path"
+    assert small <= MAX_PERPLEXITY_RATIO * primary_perplexity
 
 
 def test_fallback_answers_paris(fallback_dir: Path) -> None:

@@ -20,6 +20,7 @@ from services.worker.model import native, small_linear
 from services.worker.model.attention import AttentionMetadata, TorchAttention
 from services.worker.model.layers import RMSNorm
 from services.worker.model.rope import apply_rotary
+from services.worker.model.small_int8 import SmallBatchInt8, quantize_rows
 
 
 @pytest.fixture(autouse=True)
@@ -46,6 +47,50 @@ def test_small_linear_matches_a_float64_reference(rows: int, n: int, k: int) -> 
         assert float((got.double() - expected).abs().max()) < 1e-4 * max(1.0, k**0.5)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 8])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (13, 70), (7, 16), (5, 3)])
+def test_small_linear_int8_matches_a_float64_reference_of_its_int8_weight(rows: int, n: int, k: int) -> None:
+    """The int8 kernel computes x . (int8 * scale)^T + bias exactly up to float32 rounding."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    linear = torch.nn.Linear(k, n)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n, k, generator=gen))
+    x = torch.randn(rows, k, generator=gen)
+    module = SmallBatchInt8(linear)
+    dequantized = module.weight_int8.double() * module.scale.double()[:, None]
+    expected = F.linear(x.double(), dequantized, linear.bias.detach().double())
+    with torch.inference_mode():
+        got = module(x)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    assert float((got.double() - expected).abs().max()) < 1e-4 * max(1.0, k**0.5)
+    # And it is the int8 copy, not the float32 weight, that was read.
+    exact = F.linear(x.double(), linear.weight.detach().double(), linear.bias.detach().double())
+    assert float((got.double() - exact).abs().max()) > 1e-3
+
+
+def test_quantize_rows_keeps_each_rows_peak_and_zero_rows() -> None:
+    weight = torch.tensor([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0], [3.0, 1.5, -0.75]])
+    quantized, scale = quantize_rows(weight)
+    assert quantized.dtype == torch.int8
+    assert quantized.abs().amax(dim=1).tolist() == [127, 0, 127]
+    assert torch.allclose(quantized.float() * scale[:, None], weight, atol=float(scale.max()) / 2)
+
+
+def test_small_batch_int8_runs_its_large_module_above_max_rows() -> None:
+    calls: list[int] = []
+
+    class Large(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append(x.shape[0])
+            return super().forward(x)
+
+    module = SmallBatchInt8(Large(16, 32))
+    with torch.inference_mode():
+        module(torch.randn(small_linear.MAX_ROWS, 16))
+        module(torch.randn(small_linear.MAX_ROWS + 1, 16))
+    assert calls == [small_linear.MAX_ROWS + 1]
+
+
 def test_small_linear_calls_the_kernel_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
     library = native.library()
     assert library is not None
@@ -69,6 +114,27 @@ def test_small_linear_calls_the_kernel_only_where_it_applies(monkeypatch: pytest
     small_linear.linear(torch.randn(1, 16, requires_grad=True), w)
     small_linear.linear(torch.randn(1, 32), w.t())  # not contiguous
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("cap", ["avx2", "portable"])
+def test_every_kernel_matches_torch_on_each_lower_instruction_set(cap: str) -> None:
+    """STRATA_NATIVE_ISA caps the instruction set: this file's kernel tests rerun on each lower one, so
+    the AVX2 and portable code paths are checked even on an AVX-512 machine."""
+    if cap == "avx2" and native.isa() == "portable":
+        pytest.skip("this CPU has no AVX2")
+    env = {**os.environ, "STRATA_NATIVE_ISA": cap, "STRATA_NATIVE_ISA_CHECKED": cap}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    command += ["-k", "not lower_instruction"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert " passed" in done.stdout
+
+
+def test_the_instruction_set_cap_is_the_one_chosen() -> None:
+    cap = os.environ.get("STRATA_NATIVE_ISA_CHECKED")
+    if cap is None:
+        pytest.skip("runs inside the capped reruns above")
+    assert native.isa() == cap
 
 
 def test_the_environment_switch_turns_the_kernels_off() -> None:

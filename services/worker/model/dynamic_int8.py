@@ -8,13 +8,18 @@ here, behind one function, so that replacing it (torchao's int8 dynamic-activati
 layout, say) touches this module only; its deprecation warnings are silenced around the call, on
 purpose and nowhere else, and its absence in a future torch is a clear ModelLoadError.
 
-What is quantized: the fused q/k/v, o and fused gate/up projections of every decoder layer, weights
-int8 (one scale per tensor), activations quantized on the fly (one scale per call, so per step). down_proj
-stays float32: its input is the SwiGLU product, whose few outlier channels an 8-bit per-tensor
-activation scale flattens (on SmolLM2-135M, quantizing down_proj as well tripled perplexity on the
-quality gate's text, 21.4 to 65; without it 25.9). Embeddings, norms and the vocabulary projection
-stay float32 too. No layer is ever removed. This is CPU only (the loader refuses CUDA; bitsandbytes
-nf4 is the GPU fallback). It must not read checkpoints nor move the model between devices.
+What is quantized, for batches of more than small_linear.MAX_ROWS rows (prefill, many decodes): the
+fused q/k/v, o and fused gate/up projections of every decoder layer, weights int8 (one scale per
+tensor), activations quantized on the fly (one scale per call, so per step). down_proj stays float32
+there: its input is the SwiGLU product, whose few outlier channels an 8-bit per-tensor activation
+scale flattens (on SmolLM2-135M, quantizing down_proj as well tripled perplexity on the quality gate's
+text, 21.4 to 65; without it 25.9). The embeddings, norms and the vocabulary projection stay float32.
+Small batches (a few decodes) are bound by the bytes of the weights, not by arithmetic: every
+projection, down_proj and the vocabulary projection included, is wrapped in small_int8's
+`SmallBatchInt8`, which reads a weight-only int8 copy (one scale per row, float32 activations, so the
+outliers are kept) at up to small_linear.MAX_ROWS rows. No layer is ever removed. This is CPU only
+(the loader refuses CUDA; bitsandbytes nf4 is the GPU fallback). It must not read checkpoints nor
+move the model between devices.
 """
 
 from __future__ import annotations
@@ -25,23 +30,24 @@ import torch
 from torch import nn
 
 from services.worker.model.config import ModelLoadError
+from services.worker.model.small_int8 import SmallBatchInt8
 
 DYNAMIC_INT8 = "dynamic-int8"
 # down_proj is left out on purpose: see the module docstring.
 DYNAMIC_INT8_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj")
+SMALL_BATCH_INT8_LAYERS = (*DYNAMIC_INT8_LAYERS, "down_proj")
 
 
 def quantize_dynamic_int8(model: nn.Module) -> int:
-    """Swap each decoder projection named in DYNAMIC_INT8_LAYERS for its int8 twin, in place.
+    """Quantize the model's projections in place, as the module docstring says.
 
-    The model must be float32 on the CPU. Returns how many layers were replaced; raises
+    Each projection named in SMALL_BATCH_INT8_LAYERS, and the vocabulary projection, gets its
+    small-batch int8 copy; then each named in DYNAMIC_INT8_LAYERS gets its dynamic int8 twin for larger
+    batches. The model must be float32 on the CPU. Returns how many dynamic twins were made; raises
     ModelLoadError when this torch has no dynamic quantization or nothing was replaced.
     """
-    targets = {
-        name
-        for name, module in model.named_modules()
-        if name.rpartition(".")[2] in DYNAMIC_INT8_LAYERS and isinstance(module, nn.Linear)
-    }
+    wrapped = _wrap_small_batch(model)
+    targets = {f"{name}.large" for name in wrapped if name.rpartition(".")[2] in DYNAMIC_INT8_LAYERS}
     if not targets:
         raise ModelLoadError(
             f"quantization={DYNAMIC_INT8!r} found none of the projections {', '.join(DYNAMIC_INT8_LAYERS)} "
@@ -69,3 +75,30 @@ def quantize_dynamic_int8(model: nn.Module) -> int:
             "dynamic quantization does not support them; load without quantization"
         )
     return replaced
+
+
+def _wrap_small_batch(model: nn.Module) -> list[str]:
+    """Wrap each SMALL_BATCH_INT8_LAYERS projection and the vocabulary projection; return their names."""
+    targets = [
+        (parent, name, f"{prefix}.{name}" if prefix else name, child)
+        for prefix, parent in model.named_modules()
+        for name, child in parent.named_children()
+        if name in SMALL_BATCH_INT8_LAYERS and isinstance(child, nn.Linear)
+    ]
+    for parent, name, _, linear in targets:
+        setattr(parent, name, SmallBatchInt8(linear))
+    _wrap_vocabulary_projection(model)
+    return [qualified for _, _, qualified, _ in targets]
+
+
+def _wrap_vocabulary_projection(model: nn.Module) -> None:
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, nn.Linear):
+        model.lm_head = SmallBatchInt8(head)
+        return
+    embedding = getattr(model, "embed_tokens", None)
+    if head is None and isinstance(embedding, nn.Embedding):
+        # Tied: larger batches keep projecting on the embedding matrix itself, shared, not copied.
+        tied = nn.Linear(embedding.embedding_dim, embedding.num_embeddings, bias=False, device="meta")
+        tied.weight = embedding.weight
+        model.lm_head = SmallBatchInt8(tied)

@@ -38,7 +38,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend) for _ in layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Tied checkpoints reuse the embedding matrix; no separate parameter exists to load.
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: nn.Module | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 

@@ -7,8 +7,9 @@ for each call); and the entry points' signatures. No -march: each kernel carries
 instruction sets and picks one at run time from the CPU it runs on, not the build machine's.
 `python -m services.worker.model.native` builds it (make setup runs that); a missing build is
 compiled on first use; a machine without a compiler serves through torch's own operators after one
-warning; STRATA_NATIVE_KERNELS=off in the environment (or set_enabled) turns them off. It must not
-decide when a kernel applies: small_linear.py and attention.py do.
+warning; STRATA_NATIVE_KERNELS=off in the environment (or set_enabled) turns them off;
+STRATA_NATIVE_ISA=avx2 or portable caps the instruction set (csrc/isa.h), so tests run every code path
+on one machine. It must not decide when a kernel applies: small_linear.py and attention.py do.
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ from torch.utils import cpp_extension
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(sorted((Path(__file__).with_name("csrc")).glob("*.cpp")))
+_CSRC = Path(__file__).with_name("csrc")
+SOURCES = tuple(sorted(_CSRC.glob("*.cpp")))
+# Headers are part of a build's identity too: a changed header must not reuse an old library.
+HEADERS = tuple(sorted(_CSRC.glob("*.h")))
 _CACHE_ENV = "STRATA_KERNEL_CACHE"
 _SWITCH_ENV = "STRATA_NATIVE_KERNELS"
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -50,7 +54,7 @@ def _compiler() -> list[str]:
 def library_path() -> Path:
     """The built library's path: one per source text, torch version and compiler."""
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         key.update(source.name.encode())
         key.update(source.read_bytes())
     key.update(torch.__version__.encode())
@@ -109,6 +113,9 @@ class Library:
         self.small_linear = library.strata_small_linear
         self.small_linear.restype = None
         self.small_linear.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64]
+        self.small_linear_int8 = library.strata_small_linear_int8
+        self.small_linear_int8.restype = None
+        self.small_linear_int8.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64]
         self.paged_decode_attention = library.strata_paged_decode_attention
         self.paged_decode_attention.restype = None
         self.paged_decode_attention.argtypes = [_P, _P, _P, _P, _P, _P, *([_I64] * 7), _F32, _P, _P, _I64, _P]

@@ -10,6 +10,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "isa.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -71,8 +73,7 @@ struct Ops {
 
 const Ops& ops() {
   static const Ops chosen = [] {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return Ops{dot_avx512, axpy_avx512};
+    if (strata::chosen_isa() == strata::Isa::kAvx512) return Ops{dot_avx512, axpy_avx512};
     return Ops{dot_portable, axpy_portable};
   }();
   return chosen;

@@ -8,6 +8,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "isa.h"
+
 #include <cmath>
 #include <cstdint>
 
@@ -54,8 +56,7 @@ using SquareSum = float (*)(const float*, const float*, float*, int64_t);
 
 SquareSum square_sum() {
   static const SquareSum chosen = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") ? add_square_sum_avx512 : add_square_sum_portable;
+    return strata::chosen_isa() == strata::Isa::kAvx512 ? add_square_sum_avx512 : add_square_sum_portable;
   }();
   return chosen;
 }

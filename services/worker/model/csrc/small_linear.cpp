@@ -1,15 +1,19 @@
-// y[M, N] = x[M, K] . w[N, K]^T (+ bias[N]) for small M, in float32, reading w once.
+// y[M, N] = x[M, K] . w[N, K]^T (* scale[N]) (+ bias[N]) for small M, reading w once.
 //
 // At a decode step's batch sizes a linear layer is a matrix-vector product: it must stream its
 // weight from memory at the machine's bandwidth and do nothing else. Each thread takes a range of
 // weight rows; R rows at a time stay in registers' reach while every row of x (a few KiB, in L1)
-// meets them, so w is read from memory exactly once whatever M is. The instruction set (AVX-512,
-// AVX2 + FMA, or plain C++) is chosen at run time from the CPU this runs on, never from the build
-// machine's. Threads come from ATen's pool, the one torch's own kernels use, so no second OpenMP
-// team competes for the cores. Called through ctypes (extern "C"): no Python types here.
+// meets them, so w is read from memory exactly once whatever M is. The weight is float32, or int8
+// with one float32 scale per output row (weight-only quantization: x stays float32, each int8 is
+// widened to float32 in registers, so a quarter of the bytes cross the memory bus). The instruction
+// set (AVX-512, AVX2 + FMA, or plain C++) is chosen at run time from the CPU this runs on, never from
+// the build machine's (isa.h). Threads come from ATen's pool, the one torch's own kernels use, so no second
+// OpenMP team competes for the cores. Called through ctypes (extern "C"): no Python types here.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include "isa.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -20,30 +24,55 @@ constexpr int64_t kRows = 4;        // weight rows per tile
 constexpr int64_t kXRows = 4;       // rows of x per pass over a tile
 constexpr int64_t kGrainBytes = 1 << 16;  // weight bytes per parallel chunk, at least
 
+template <typename W>
 struct Problem {
   const float* x;
-  const float* w;
-  const float* bias;  // nullptr when the layer has none
+  const W* w;
+  const float* scale;  // nullptr for float32 weights
+  const float* bias;   // nullptr when the layer has none
   float* y;
   int64_t m, n, k;
+
+  float finish(float dot, int64_t row) const {
+    const float scaled = scale != nullptr ? dot * scale[row] : dot;
+    return bias != nullptr ? scaled + bias[row] : scaled;
+  }
 };
 
-template <int R, int MB>
-__attribute__((target("avx512f"))) void tile_avx512(const Problem& p, int64_t row, int64_t m0) {
+// Sixteen (AVX-512) or eight (AVX2) weights widened to float32, whole or the first `count` of them.
+__attribute__((target("avx512f"))) inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
+__attribute__((target("avx512f"))) inline __m512 load16(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+__attribute__((target("avx512f"))) inline __m512 load16(const float* w, __mmask16 mask) {
+  return _mm512_maskz_loadu_ps(mask, w);
+}
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const int8_t* w, __mmask16 mask) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w)));
+}
+__attribute__((target("avx2,fma"))) inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+__attribute__((target("avx2,fma"))) inline __m256 load8(const int8_t* w) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+
+template <int R, int MB, typename W>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void tile_avx512(const Problem<W>& p, int64_t row,
+                                                                     int64_t m0) {
   __m512 acc[R][MB];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_setzero_ps();
-  const float* w = p.w + row * p.k;
+  const W* w = p.w + row * p.k;
   const float* x = p.x + m0 * p.k;
+  // One cache line of the next tile's rows per prefetch: streaming prefetch alone left ~15% of the
+  // bandwidth unused at M=4 (bench/small_linear.py).
+  constexpr int64_t kLine = 64 / sizeof(W);
   int64_t k = 0;
   for (; k + 16 <= p.k; k += 16) {
     __m512 xv[MB];
     for (int i = 0; i < MB; ++i) xv[i] = _mm512_loadu_ps(x + i * p.k + k);
     for (int r = 0; r < R; ++r) {
-      // The next tile's rows, one cache line per load: streaming prefetch alone left ~15% of the
-      // bandwidth unused at M=4 (bench/small_linear.py).
-      _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * p.k + k), _MM_HINT_T0);
-      const __m512 wv = _mm512_loadu_ps(w + r * p.k + k);
+      if (k % kLine == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * p.k + k), _MM_HINT_T0);
+      const __m512 wv = load16(w + r * p.k + k);
       for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_fmadd_ps(wv, xv[i], acc[r][i]);
     }
   }
@@ -52,14 +81,12 @@ __attribute__((target("avx512f"))) void tile_avx512(const Problem& p, int64_t ro
     __m512 xv[MB];
     for (int i = 0; i < MB; ++i) xv[i] = _mm512_maskz_loadu_ps(mask, x + i * p.k + k);
     for (int r = 0; r < R; ++r) {
-      const __m512 wv = _mm512_maskz_loadu_ps(mask, w + r * p.k + k);
+      const __m512 wv = load16(w + r * p.k + k, mask);
       for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_fmadd_ps(wv, xv[i], acc[r][i]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const float b = p.bias != nullptr ? p.bias[row + r] : 0.0f;
-    for (int i = 0; i < MB; ++i) p.y[(m0 + i) * p.n + row + r] = _mm512_reduce_add_ps(acc[r][i]) + b;
-  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MB; ++i) p.y[(m0 + i) * p.n + row + r] = p.finish(_mm512_reduce_add_ps(acc[r][i]), row + r);
 }
 
 __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
@@ -69,79 +96,96 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-template <int R, int MB>
-__attribute__((target("avx2,fma"))) void tile_avx2(const Problem& p, int64_t row, int64_t m0) {
+template <int R, int MB, typename W>
+__attribute__((target("avx2,fma"))) void tile_avx2(const Problem<W>& p, int64_t row, int64_t m0) {
   __m256 acc[R][MB];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < MB; ++i) acc[r][i] = _mm256_setzero_ps();
-  const float* w = p.w + row * p.k;
+  const W* w = p.w + row * p.k;
   const float* x = p.x + m0 * p.k;
+  constexpr int64_t kLine = 64 / sizeof(W);
   int64_t k = 0;
   for (; k + 8 <= p.k; k += 8) {
     __m256 xv[MB];
     for (int i = 0; i < MB; ++i) xv[i] = _mm256_loadu_ps(x + i * p.k + k);
     for (int r = 0; r < R; ++r) {
-      if ((k & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * p.k + k), _MM_HINT_T0);
-      const __m256 wv = _mm256_loadu_ps(w + r * p.k + k);
+      if (k % kLine == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * p.k + k), _MM_HINT_T0);
+      const __m256 wv = load8(w + r * p.k + k);
       for (int i = 0; i < MB; ++i) acc[r][i] = _mm256_fmadd_ps(wv, xv[i], acc[r][i]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    const float b = p.bias != nullptr ? p.bias[row + r] : 0.0f;
     for (int i = 0; i < MB; ++i) {
       float tail = 0.0f;
-      for (int64_t j = k; j < p.k; ++j) tail += w[r * p.k + j] * x[i * p.k + j];
-      p.y[(m0 + i) * p.n + row + r] = hsum256(acc[r][i]) + tail + b;
+      for (int64_t j = k; j < p.k; ++j) tail += static_cast<float>(w[r * p.k + j]) * x[i * p.k + j];
+      p.y[(m0 + i) * p.n + row + r] = p.finish(hsum256(acc[r][i]) + tail, row + r);
     }
   }
 }
 
-template <int R, int MB>
-void tile_portable(const Problem& p, int64_t row, int64_t m0) {
+template <int R, int MB, typename W>
+void tile_portable(const Problem<W>& p, int64_t row, int64_t m0) {
   for (int r = 0; r < R; ++r) {
-    const float* w = p.w + (row + r) * p.k;
+    const W* w = p.w + (row + r) * p.k;
     for (int i = 0; i < MB; ++i) {
       const float* x = p.x + (m0 + i) * p.k;
       float sum = 0.0f;
-      for (int64_t j = 0; j < p.k; ++j) sum += w[j] * x[j];
-      p.y[(m0 + i) * p.n + row + r] = sum + (p.bias != nullptr ? p.bias[row + r] : 0.0f);
+      for (int64_t j = 0; j < p.k; ++j) sum += static_cast<float>(w[j]) * x[j];
+      p.y[(m0 + i) * p.n + row + r] = p.finish(sum, row + r);
     }
   }
 }
 
-// One ISA's tiles, indexed by [rows in the tile == kRows][rows of x in the pass - 1].
-using Tile = void (*)(const Problem&, int64_t, int64_t);
-struct Isa {
-  const char* name;
+// One ISA's tiles for one weight type, indexed by [rows in the tile == kRows][rows of x in the pass - 1].
+template <typename W>
+struct Tiles {
+  using Tile = void (*)(const Problem<W>&, int64_t, int64_t);
   Tile tiles[2][kXRows];
 };
 
-#define STRATA_TILES(fn) \
-  {{fn<1, 1>, fn<1, 2>, fn<1, 3>, fn<1, 4>}, {fn<kRows, 1>, fn<kRows, 2>, fn<kRows, 3>, fn<kRows, 4>}}
+#define STRATA_TILES(fn, W)                                                                       \
+  Tiles<W> {                                                                                      \
+    {{fn<1, 1, W>, fn<1, 2, W>, fn<1, 3, W>, fn<1, 4, W>},                                        \
+     {fn<kRows, 1, W>, fn<kRows, 2, W>, fn<kRows, 3, W>, fn<kRows, 4, W>}}                        \
+  }
 
-const Isa kAvx512 = {"avx512", STRATA_TILES(tile_avx512)};
-const Isa kAvx2 = {"avx2", STRATA_TILES(tile_avx2)};
-const Isa kPortable = {"portable", STRATA_TILES(tile_portable)};
+struct Isa {
+  const char* name;
+  Tiles<float> f32;
+  Tiles<int8_t> i8;
+};
+
+const Isa kAvx512 = {"avx512", STRATA_TILES(tile_avx512, float), STRATA_TILES(tile_avx512, int8_t)};
+const Isa kAvx2 = {"avx2", STRATA_TILES(tile_avx2, float), STRATA_TILES(tile_avx2, int8_t)};
+const Isa kPortable = {"portable", STRATA_TILES(tile_portable, float), STRATA_TILES(tile_portable, int8_t)};
 
 const Isa& chosen_isa() {
-  static const Isa& isa = [] () -> const Isa& {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return kAvx512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
-    return kPortable;
-  }();
-  return isa;
+  switch (strata::chosen_isa()) {
+    case strata::Isa::kAvx512:
+      return kAvx512;
+    case strata::Isa::kAvx2:
+      return kAvx2;
+    case strata::Isa::kPortable:
+      break;
+  }
+  return kPortable;
 }
 
-void rows(const Isa& isa, const Problem& p, int64_t begin, int64_t end) {
-  for (int64_t row = begin; row < end;) {
-    const int full = row + kRows <= end ? 1 : 0;
-    for (int64_t m0 = 0; m0 < p.m; m0 += kXRows) {
-      const int64_t mb = std::min(kXRows, p.m - m0);
-      isa.tiles[full][mb - 1](p, row, m0);
+template <typename W>
+void run(const Tiles<W>& tiles, const Problem<W>& p) {
+  const int64_t tile_count = (p.n + kRows - 1) / kRows;
+  const int64_t grain = std::max<int64_t>(1, kGrainBytes / (kRows * p.k * static_cast<int64_t>(sizeof(W))));
+  at::parallel_for(0, tile_count, grain, [&](int64_t first, int64_t last) {
+    const int64_t end = std::min(p.n, last * kRows);
+    for (int64_t row = first * kRows; row < end;) {
+      const int full = row + kRows <= end ? 1 : 0;
+      for (int64_t m0 = 0; m0 < p.m; m0 += kXRows) {
+        const int64_t mb = std::min(kXRows, p.m - m0);
+        tiles.tiles[full][mb - 1](p, row, m0);
+      }
+      row += full ? kRows : 1;
     }
-    row += full ? kRows : 1;
-  }
+  });
 }
 
 }  // namespace
@@ -154,12 +198,12 @@ const char* strata_small_linear_isa() { return chosen_isa().name; }
 // x [m, k], w [n, k], bias [n] or null, y [m, n]: all contiguous float32, y not aliasing the others.
 void strata_small_linear(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t n,
                          int64_t k) {
-  const Problem p{x, w, bias, y, m, n, k};
-  const Isa& isa = chosen_isa();
-  const int64_t tiles = (n + kRows - 1) / kRows;
-  const int64_t grain = std::max<int64_t>(1, kGrainBytes / (kRows * k * static_cast<int64_t>(sizeof(float))));
-  at::parallel_for(0, tiles, grain, [&](int64_t first, int64_t last) {
-    rows(isa, p, first * kRows, std::min(n, last * kRows));
-  });
+  run(chosen_isa().f32, Problem<float>{x, w, nullptr, bias, y, m, n, k});
+}
+
+// As strata_small_linear with w [n, k] int8 and y = (x . w^T) * scale[n] + bias: scale float32 [n].
+void strata_small_linear_int8(const float* x, const int8_t* w, const float* scale, const float* bias, float* y,
+                              int64_t m, int64_t n, int64_t k) {
+  run(chosen_isa().i8, Problem<int8_t>{x, w, scale, bias, y, m, n, k});
 }
 }
