@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from services.worker.model import decode_stack, native
 from services.worker.model.attention import TorchAttention
 from services.worker.model.layers import LlamaDecoderLayer, RMSNorm
 from services.worker.model.rope import RotaryEmbedding
@@ -41,6 +42,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Module | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # (cache key, views of the layers for decode_stack or None where it cannot run), built at the
+        # first step that could use them and rebuilt when the cache changes.
+        self._native_stack: tuple[int, decode_stack.NativeDecodeStack | None] | None = None
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         """Swap the attention implementation of every layer (e.g. for a GPU paged kernel)."""
@@ -73,6 +77,10 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"the cache has {cache.num_layers} layers, the model {len(self.layers)}")
         residual = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, residual.dtype)
+        kernels = native.library() if decode_stack.applies(meta, residual, cos, sin) else None
+        stack = self._stack(cache) if kernels is not None else None
+        if kernels is not None and stack is not None:
+            return stack.run(kernels, residual, cos, sin, meta)
         delta: Tensor | None = None
         for index, layer in enumerate(self.layers):
             delta, residual = layer(delta, residual, cos, sin, meta, cache.layer(index))
@@ -81,6 +89,13 @@ class LlamaForCausalLM(nn.Module):
             return only
         normed, _ = self.norm.add(delta, residual)
         return normed
+
+    def _stack(self, cache: KVCache) -> decode_stack.NativeDecodeStack | None:
+        """The native stack's views over `cache`, rebuilt when the cache changes; None if it cannot run."""
+        key = cache.keys[0].data_ptr()
+        if self._native_stack is None or self._native_stack[0] != key:
+            self._native_stack = (key, decode_stack.NativeDecodeStack.build(self, self.config, cache))
+        return self._native_stack[1]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Project selected hidden rows [N, hidden] to float32 logits [N, vocab]."""

@@ -122,6 +122,9 @@ class Library:
         self.rms_norm = library.strata_rms_norm
         self.rms_norm.restype = None
         self.rms_norm.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _F32]
+        self.decode_stack = library.strata_decode_stack
+        self.decode_stack.restype = None
+        self.decode_stack.argtypes = [_P, _I64, _P, _P, _P, _P, _P]
         self.rotary = library.strata_rotary
         self.rotary.restype = None
         self.rotary.argtypes = [_P, _P, _P, _I64, _I64, _I64, _I64]

@@ -1,0 +1,185 @@
+"""A decode-only step at a few rows through every decoder layer in one native call (csrc/decode_stack.cpp).
+
+At one to small_linear.MAX_ROWS decodes on the CPU in float32, a step's kernels read the weights at
+the memory's bandwidth, and what is left is Python: about ten calls, allocations and ctypes crossings
+per layer. This module owns the choice to skip them (a decode-only step of at most MAX_ROWS rows, on
+a model whose every layer the native path can run) and the ctypes views of the layers' weights and
+cache it passes, built once per model and cache and reused every step. The native stack calls the
+same kernels in the same order as the per-operator path in layers.py, so both give the same bits;
+it must not change any arithmetic, and it must not hold tensors beyond the views of the model's own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from services.worker.model.attention import TorchAttention
+from services.worker.model.layers import LlamaDecoderLayer, RMSNorm
+from services.worker.model.small_int8 import SmallBatchInt8
+from services.worker.model.small_linear import MAX_ROWS
+
+if TYPE_CHECKING:
+    from services.worker.model import native
+    from services.worker.model.attention import AttentionMetadata
+    from services.worker.model.config import ModelConfig
+    from services.worker.model.kv_cache import KVCache
+    from services.worker.model.llama import LlamaForCausalLM
+
+_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = (("weight", _P), ("scale", _P), ("bias", _P), ("out_features", _I64), ("in_features", _I64))
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = (
+        ("input_norm", _P),
+        ("post_attention_norm", _P),
+        ("qkv", _Projection),
+        ("o", _Projection),
+        ("gate_up", _Projection),
+        ("down", _Projection),
+        ("keys", _P),
+        ("values", _P),
+    )
+
+
+class _Step(ctypes.Structure):
+    _fields_ = (
+        *((name, _I64) for name in ("rows", "hidden", "heads", "kv_heads", "head_dim", "intermediate")),
+        ("eps", _F32),
+        ("attention_scale", _F32),
+        *((name, _P) for name in ("cos", "sin", "block_tables", "seq_lens", "slots")),
+        ("table_width", _I64),
+        ("block_size", _I64),
+    )
+
+
+def _projection(module: nn.Module) -> _Projection | None:
+    """The native view of one projection, or None when the native stack cannot run it."""
+    weight: Tensor
+    scale: Tensor | None
+    bias: Tensor | None
+    if type(module) is nn.Linear:
+        weight, scale, bias = module.weight, None, module.bias
+    elif isinstance(module, SmallBatchInt8):
+        weight, scale, bias = module.weight_int8, module.scale, module.bias
+    else:
+        return None
+    tensors = [t for t in (weight, scale, bias) if t is not None]
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        return None
+    if (weight.dtype, bias.dtype if bias is not None else torch.float32) not in (
+        (torch.float32, torch.float32),
+        (torch.int8, torch.float32),
+    ):
+        return None
+    return _Projection(
+        weight.data_ptr(),
+        scale.data_ptr() if scale is not None else None,
+        bias.data_ptr() if bias is not None else None,
+        weight.shape[0],
+        weight.shape[1],
+    )
+
+
+def _norm(module: nn.Module) -> int | None:
+    if not isinstance(module, RMSNorm) or module.weight.dtype != torch.float32:
+        return None
+    return module.weight.data_ptr() if module.weight.is_contiguous() else None
+
+
+class NativeDecodeStack:
+    """The native views of one model's layers over one KV cache."""
+
+    def __init__(self, config: ModelConfig, layers: list[_Layer], final_norm: int) -> None:
+        self.config = config
+        self.layers = (_Layer * len(layers))(*layers)
+        self.final_norm = final_norm
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM, config: ModelConfig, cache: KVCache) -> NativeDecodeStack | None:
+        """The views of `model` over `cache`, or None when some layer is not one the native stack runs."""
+        if cache.dtype != torch.float32 or cache.device.type != "cpu" or not len(model.layers):
+            return None
+        if not all(t.is_contiguous() for t in (*cache.keys, *cache.values)):
+            return None
+        final_norm = _norm(model.norm)
+        layers: list[_Layer] = []
+        for index, layer in enumerate(model.layers):
+            if (
+                not isinstance(layer, LlamaDecoderLayer)
+                or type(layer.self_attn.backend) is not TorchAttention
+            ):
+                return None
+            attention, mlp = layer.self_attn, layer.mlp
+            modules = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            projections = [_projection(module) for module in modules]
+            norms = (_norm(layer.input_layernorm), _norm(layer.post_attention_layernorm))
+            if any(p is None for p in projections) or None in norms:
+                return None
+            keys, values = cache.layer(index)
+            layers.append(_Layer(*norms, *projections, keys.data_ptr(), values.data_ptr()))
+        if final_norm is None:
+            return None
+        return cls(config, layers, final_norm)
+
+    def run(
+        self, kernels: native.Library, residual: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata
+    ) -> Tensor:
+        """The final-normed hidden states [rows, hidden] of a decode-only step; `residual` is consumed."""
+        c = self.config
+        rows = residual.shape[0]
+        step = _Step(
+            rows,
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.intermediate_size,
+            c.rms_norm_eps,
+            c.head_dim**-0.5,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            meta.block_tables.data_ptr(),
+            meta.seq_lens.data_ptr(),
+            meta.slot_mapping.data_ptr(),
+            meta.block_tables.shape[1],
+            meta.block_size,
+        )
+        widths = c.q_size + 2 * c.kv_size + c.q_size + 3 * c.intermediate_size + 2 * c.hidden_size
+        scratch = torch.empty(rows * widths, dtype=torch.float32)
+        hidden = torch.empty_like(residual)
+        kernels.decode_stack(
+            ctypes.addressof(self.layers),
+            len(self.layers),
+            ctypes.addressof(step),
+            self.final_norm,
+            residual.data_ptr(),
+            hidden.data_ptr(),
+            scratch.data_ptr(),
+        )
+        return hidden
+
+
+def applies(meta: AttentionMetadata, residual: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    """Whether this step is one the native stack runs: decodes only, at most MAX_ROWS, float32 CPU."""
+    return (
+        not meta.prefills
+        and 0 < meta.num_decodes == meta.num_tokens <= MAX_ROWS
+        and residual.device.type == "cpu"
+        and residual.dtype == cos.dtype == sin.dtype == torch.float32
+        and residual.is_contiguous()
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and meta.block_tables.is_contiguous()
+        and meta.block_tables.dtype == torch.int64
+        and meta.seq_lens.dtype == torch.int32
+        and meta.slot_mapping.dtype == torch.int64
+        and not torch.is_grad_enabled()
+    )
