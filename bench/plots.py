@@ -72,7 +72,7 @@ def write_plots(record: dict[str, Any], path: Path) -> None:
     if engine is not None:
         tps.plot(
             [engine["concurrency"]], [engine["tok_s"]], marker="*", markersize=12, linestyle="none",
-            color="tab:red", label=f"in-process engine, {engine['requests']} at once",
+            color="tab:red", label=f"in-process engine, {engine['concurrency']} at a time",
         )  # fmt: skip
     tps.set_title("output throughput")
     tps.set_ylabel("tokens / s")

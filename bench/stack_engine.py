@@ -3,8 +3,9 @@
 The engine is built exactly as the worker builds it (the config file's first worker: model folder,
 device, dtype, quantization, engine settings, threads) in the benchmark's own process and fed the
 very token ids the stack's requests tokenized to. It measures the two figures the stack is judged
-against: output tokens/s with every request submitted at once (bench/engine.py's "engine"
-contestant, `engine.generate`), and time to first token of a request alone (add_request until the
+against: output tokens/s with the stack level's own number of requests in flight (`engine.generate`
+on each wave of them; every request of a level has the same prompt and output length, so waves are
+the stack's closed loop), and time to first token of a request alone (add_request until the
 first step output carrying a token). It must run only while the stack is idle: on a small machine
 the two would share the cores. This module must not talk to the stack.
 """
@@ -82,13 +83,15 @@ class EngineBaseline:
             "max_model_len": self.engine.max_model_len,
         }
 
-    def throughput(self, prompts: list[list[int]], new_tokens: int) -> ThroughputRun:
-        """Every prompt submitted at once, run to completion: generated tokens over wall time."""
+    def throughput(self, prompts: list[list[int]], new_tokens: int, concurrency: int) -> ThroughputRun:
+        """`concurrency` prompts at a time, each wave run to completion: generated tokens over wall time."""
         from services.worker.engine.params import SamplingParams
 
         params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        outputs: list[list[int]] = []
         started = time.perf_counter()
-        outputs = self.engine.generate(prompts, params)
+        for first in range(0, len(prompts), concurrency):
+            outputs += self.engine.generate(prompts[first : first + concurrency], params)
         seconds = time.perf_counter() - started
         return ThroughputRun(sum(map(len, outputs)) / seconds, seconds, outputs)
 

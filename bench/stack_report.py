@@ -218,7 +218,8 @@ def format_report(record: dict[str, Any]) -> str:
         t_low, t_high = engine["ttft_p50_ms_spread"]
         same, compared = engine["outputs_identical_to_stack"], engine["outputs_compared"]
         lines.append(
-            f"in-process engine: {engine['requests']} requests at once {engine['tok_s']:.1f} tok/s "
+            f"in-process engine: {engine['requests']} requests, {engine['concurrency']} at a time, "
+            f"{engine['tok_s']:.1f} tok/s "
             f"({low:.1f}-{high:.1f}); TTFT p50 alone {engine['ttft_p50_ms']:.1f} ms "
             f"({t_low:.1f}-{t_high:.1f}); outputs identical to the stack's: {same}/{compared}"
         )

@@ -139,7 +139,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
         address = endpoints.gateway
         if engine is not None and warmup:
             # The stack is idle until the first sweep: the engine's warm-up runs now.
-            engine.throughput([list(p.token_ids) for p in warmup], args.new_tokens)
+            engine.throughput([list(p.token_ids) for p in warmup], args.new_tokens, top)
             engine.time_to_first_token([list(warmup[0].token_ids)], args.new_tokens)
         for plan in rounds:
             runs, warm, models = asyncio.run(_sweep(address, args, plan, warmup if plan.index == 0 else []))
@@ -157,7 +157,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
                 continue
             # The stack is idle now: its sweep has finished, so the two never share the cores.
             prompts = [list(p.token_ids) for p in plan.levels[top]]
-            result = engine.throughput(prompts, args.new_tokens)
+            result = engine.throughput(prompts, args.new_tokens, top)
             engine_tok_s.append(result.tok_s)
             stack_tokens = {r.index: r.token_ids for r in runs[-1].results if r.status == "OK"}
             compared += len(stack_tokens)
