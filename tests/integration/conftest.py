@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests.integration.gateway_harness import Env, Stack
+from tests.integration.http_harness import HttpStack, start_http_stack
 from tests.integration.loop_thread import LoopThread
 
 if TYPE_CHECKING:
@@ -32,3 +33,9 @@ def gateway_env(tiny_serving_dir: Path) -> Iterator[Env]:
     finally:
         stack.close()
         loop.close()
+
+
+@pytest.fixture(scope="module")
+def http_stack(tiny_serving_dir: Path) -> Iterator[HttpStack]:
+    with start_http_stack(tiny_serving_dir) as stack:
+        yield stack

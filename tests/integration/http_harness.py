@@ -82,6 +82,12 @@ class HttpStack:
             self.loop.run(server.stop(0))
         self.loop.close()
 
+    def __enter__(self) -> HttpStack:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
 
 def start_http_stack(
     model_dir: Path,

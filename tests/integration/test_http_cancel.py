@@ -45,11 +45,8 @@ SLOW_STEP_S = 0.02
 
 @pytest.fixture(scope="module")
 def stack(tiny_serving_dir: Path) -> Iterator[HttpStack]:
-    running = start_http_stack(tiny_serving_dir, step_delay_s=SLOW_STEP_S)
-    try:
+    with start_http_stack(tiny_serving_dir, step_delay_s=SLOW_STEP_S) as running:
         yield running
-    finally:
-        running.close()
 
 
 def sdk(stack: HttpStack) -> openai.OpenAI:

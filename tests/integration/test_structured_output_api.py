@@ -56,11 +56,8 @@ METADATA = [("authorization", f"Bearer {KEY}")]
 
 @pytest.fixture(scope="module")
 def stack(tiny_long_serving_dir: Path) -> Iterator[HttpStack]:
-    running = start_http_stack(tiny_long_serving_dir, step_delay_s=0.0)
-    try:
+    with start_http_stack(tiny_long_serving_dir, step_delay_s=0.0) as running:
         yield running
-    finally:
-        running.close()
 
 
 def client(stack: HttpStack) -> openai.OpenAI:
