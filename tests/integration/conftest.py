@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests.integration.gateway_harness import Env, Stack
-from tests.integration.http_harness import HttpStack, start_http_stack
-from tests.integration.loop_thread import LoopThread
+from tests.integration.http_harness import HttpStack
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -23,19 +22,14 @@ if TYPE_CHECKING:
 
 @pytest.fixture(scope="module")
 def gateway_env(tiny_serving_dir: Path) -> Iterator[Env]:
-    loop = LoopThread()
-    stack = Stack(loop, tiny_serving_dir)
-    try:
+    with Stack(tiny_serving_dir) as stack:
         tokenizer = stack.start_tokenizer()
         worker = stack.start_worker(tiny_serving_dir)
         gateway = stack.start_gateway(tokenizer, worker)
         yield Env(stack, gateway, tokenizer, worker)
-    finally:
-        stack.close()
-        loop.close()
 
 
 @pytest.fixture(scope="module")
 def http_stack(tiny_serving_dir: Path) -> Iterator[HttpStack]:
-    with start_http_stack(tiny_serving_dir) as stack:
+    with HttpStack(tiny_serving_dir) as stack:
         yield stack

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import openai
 import pytest
 
-from tests.integration.http_harness import KEY, MODEL, TIGHT_KEY, HttpStack, start_http_stack
+from tests.integration.http_harness import KEY, MODEL, TIGHT_KEY, HttpStack
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -196,7 +196,7 @@ def test_litellm_openai_compatible_provider_stream_and_not(http_stack: HttpStack
 def test_sdk_gets_paris_from_the_real_model(real_model_dir: Path) -> None:
     """Greedy chat through the SDK, whole and streamed: both say Paris, and the stream's text is the
     whole answer's (the chat template, tokenization and detokenization are the real ones)."""
-    with start_http_stack(real_model_dir, model=REAL_MODEL, step_delay_s=0.0) as stack:
+    with HttpStack(real_model_dir, model=REAL_MODEL, step_delay_s=0.0) as stack:
         client = openai.OpenAI(base_url=stack.base_url, api_key=KEY, max_retries=0, timeout=120)
         whole = client.chat.completions.create(
             model=REAL_MODEL, messages=QUESTION, max_tokens=32, temperature=0
