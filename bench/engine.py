@@ -4,21 +4,17 @@ Contestants, on the same seeded prompts: naive transformers `generate` one reque
 transformers continuous batching, and our in-process engine; then the linear-layer ceiling of the
 engine's own schedule. Every contestant's outputs pass the parity rule before its times count, runs
 alternate within one process, and the result is a table plus a JSON record (bench/README.md has the
-rules). This module orchestrates and reports; the contestants live in bench/baselines.py, the
-ceiling in bench/ceiling.py.
+rules). This module orchestrates and reports; the transformers contestants live in
+bench/baselines.py, our engine's in bench/engine_contestant.py, the ceiling in bench/ceiling.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import math
 import os
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,40 +29,20 @@ from bench.baselines import (
     special_token_ids,
 )
 from bench.ceiling import CeilingResult, linear_ceiling, nominal_step_log
+from bench.engine_contestant import Run, engine_config_for, engine_run, measure_async, without_native
 from bench.engine_options import parse_args
 from bench.physical_limit import ModelBytes, measure_machine, physical_limit
 from bench.stats import (
     check_parity,
     describe_machine,
     format_table,
-    lag_summary,
     make_prompts,
-    probe_event_loop,
     rates_record,
     save_record,
 )
 
 if TYPE_CHECKING:
     import argparse
-
-Run = Callable[[], tuple[list[list[int]], float]]
-
-
-def _engine_config(args: argparse.Namespace) -> Any:
-    from services.worker.engine.config import EngineConfig
-
-    defaults = EngineConfig()
-    block = defaults.block_size
-    per_request = math.ceil((args.prompt_tokens + args.new_tokens) / block)
-    return EngineConfig(
-        max_num_seqs=args.requests,
-        # Room for every request at once, so the KV budget never queues or preempts anyone.
-        num_blocks=math.ceil(args.requests * per_request * 1.25) + 1,
-        max_num_batched_tokens=args.max_num_batched_tokens or defaults.max_num_batched_tokens,
-        mixed_batches=not args.no_mixed,
-        # Every run repeats the same prompts: a prefix cache would skip the timed runs' prefill.
-        enable_prefix_caching=False,
-    )
 
 
 def _resolve_model(args: argparse.Namespace, scratch: Path) -> Path:
@@ -75,45 +51,6 @@ def _resolve_model(args: argparse.Namespace, scratch: Path) -> Path:
     if not (args.model / "config.json").exists():
         sys.exit(f"bench.engine: no model at {args.model}: run `make model` (or pass --random-weights)")
     return Path(args.model)
-
-
-async def _async_run(engine: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
-    from services.worker.engine.async_engine import AsyncEngine
-
-    async def consume(stream: Any) -> list[int]:
-        return [token async for out in stream for token in out.new_token_ids]
-
-    idle_stop, idle_lags = asyncio.Event(), list[float]()
-    idle = asyncio.create_task(probe_event_loop(idle_stop, idle_lags))
-    await asyncio.sleep(0.2)
-    idle_stop.set()
-    await idle
-    # The engine was built on the main thread, which ran the other contestants: stepping it from the
-    # facade's thread adds a second OpenMP team (see async_engine.py), so this rate is a lower bound.
-    facade = AsyncEngine(lambda: engine)
-    await facade.start()
-    stop, lags = asyncio.Event(), list[float]()
-    ticker = asyncio.create_task(probe_event_loop(stop, lags))
-    started = time.perf_counter()
-    streams = [facade.submit(f"bench-{i}", p, params) for i, p in enumerate(prompts)]
-    outputs = await asyncio.gather(*(consume(s) for s in streams))
-    elapsed = time.perf_counter() - started
-    stop.set()
-    await ticker
-    await facade.stop()
-    return {
-        "outputs": list(outputs),
-        "tok_s": sum(len(o) for o in outputs) / elapsed,
-        **lag_summary(lags),
-        "loop_lag_ms_idle_p50": lag_summary(idle_lags)["loop_lag_ms_p50"],
-        "probe_ticks": len(lags),
-    }
-
-
-def measure_async(engine: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
-    """One untimed-for-the-table run through the asyncio facade, probing the event loop's lag."""
-    print("bench.engine: one run through the asyncio facade (event-loop lag)", file=sys.stderr, flush=True)
-    return asyncio.run(_async_run(engine, prompts, params))
 
 
 def _rounds(contestants: dict[str, Run], runs: int) -> dict[str, list[tuple[list[list[int]], float]]]:
@@ -125,49 +62,6 @@ def _rounds(contestants: dict[str, Run], runs: int) -> dict[str, list[tuple[list
             results[name].append((outputs, seconds))
             print(f"  run {round_index + 1}/{runs} {name}: {seconds:.2f} s", file=sys.stderr, flush=True)
     return results
-
-
-def _without_native(run: Run) -> Run:
-    """The same run with the native CPU kernels switched off for its duration."""
-    from services.worker.model import native
-
-    def wrapped() -> tuple[list[list[int]], float]:
-        previous = native.set_enabled(False)
-        try:
-            return run()
-        finally:
-            native.set_enabled(previous)
-
-    return wrapped
-
-
-def _engine_run(
-    engine: Any,
-    prompts: list[list[int]],
-    params: Any,
-    logs: list[list[tuple[int, int]]],
-    full_decode_rates: list[float],
-    cached_logs: list[list[int]] | None = None,
-) -> Run:
-    def run() -> tuple[list[list[int]], float]:
-        engine.reset_step_log()
-        started = time.perf_counter()
-        outputs: list[list[int]] = engine.generate(prompts, params)
-        elapsed = time.perf_counter() - started
-        logs.append(list(engine.step_log))
-        if cached_logs is not None:
-            cached_logs.append(list(engine.step_cached_tokens))
-        # Steady state: the steps where every request decodes (the GPU floor's workload).
-        full = [
-            seconds
-            for (tokens, logits), seconds in zip(engine.step_log, engine.step_seconds, strict=True)
-            if tokens == logits == len(prompts)
-        ]
-        if full:
-            full_decode_rates.append(len(prompts) * len(full) / sum(full))
-        return outputs, elapsed
-
-    return run
 
 
 def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
@@ -190,7 +84,7 @@ def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         args.seed,
     )
     naive_prompts, checked = prompts[: args.naive_requests], prompts[: args.check_requests]
-    engine_config = _engine_config(args)
+    engine_config = engine_config_for(args)
     # hf_cb gets the engine's per-step token budget: same prefill chunking for both batchers.
     budget = engine_config.max_num_batched_tokens
 
@@ -210,19 +104,19 @@ def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
 
         engine = LLMEngine.from_model_dir(model_dir, config=engine_config, device=args.device, dtype=dtype)
         params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-        contestants["engine"] = _engine_run(
+        contestants["engine"] = engine_run(
             engine, prompts, params, engine_logs, full_decode_rates, engine_cached_logs
         )
         if args.compare_native:
-            contestants["engine_torch_ops"] = _without_native(
-                _engine_run(engine, prompts, params, [], torch_ops_decode_rates)
+            contestants["engine_torch_ops"] = without_native(
+                engine_run(engine, prompts, params, [], torch_ops_decode_rates)
             )
     quantized_decode_rates: list[float] = []
     if args.quantization and not args.skip_engine:
         quantized = LLMEngine.from_model_dir(
             model_dir, config=engine_config, device=args.device, dtype=dtype, quantization=args.quantization
         )
-        contestants["quantized"] = _engine_run(quantized, prompts, params, [], quantized_decode_rates)
+        contestants["quantized"] = engine_run(quantized, prompts, params, [], quantized_decode_rates)
 
     print(f"bench.engine: greedy reference on {len(checked)} requests", file=sys.stderr, flush=True)
     reference = naive.reference(checked, args.reference_batch)

@@ -2,15 +2,13 @@
 
 A Connection rejects a submission whose deadline already passed or whose fields do not convert, and
 hands the rest to its host (a StreamHost: the one check of parameters and ids, then a credit, then the
-engine) under stream-unique engine ids (so two gateways may use the same request id). It ends
-requests whose deadline passes, turns each engine step's outputs into token updates, and writes
-everything through its OutboundQueue so the step loop never waits on a write. A submission whose
-output constraint is not compiled yet waits in grammar_wait.py first.
-When the stream ends for any reason, every request it still holds is aborted. Timing is measured on
-the event loop: queue_ms runs from arrival to the start of the first step that produced a token for
-the request, so with a prompt prefilled in several chunks the earlier chunks count as queueing;
-forward_ms runs from that step's start to the end of the step that produced the update. This module
-must not choose status codes (errors.py does) nor touch the gRPC context (server.py does).
+engine) under stream-unique engine ids (so two gateways may use the same request id). The requests it
+accepted are held in open_requests.py, which ends them (finished, cancelled, expired or failed) and
+describes each engine step's outputs as token updates; a submission whose output constraint is not
+compiled yet waits in grammar_wait.py first. The Connection writes everything through its
+OutboundQueue so the step loop never waits on a write. When the stream ends for any reason, every
+request it still holds is aborted. This module must not choose status codes (errors.py does) nor
+touch the gRPC context (server.py does).
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import logging
 import time
 from typing import TYPE_CHECKING, Protocol
 
-from services.worker.accepted_request import AcceptedRequest
 from services.worker.convert import (
     constraint_spec,
     ended_update,
@@ -28,7 +25,6 @@ from services.worker.convert import (
     engine_prompt,
     remaining_s,
     sampling_params,
-    token_update,
 )
 from services.worker.engine.params import InvalidRequestError
 from services.worker.engine.sequence import FinishReason
@@ -41,6 +37,7 @@ from services.worker.errors import (
 )
 from services.worker.grammar_wait import PendingCompiles
 from services.worker.metrics import WORKER_REJECTIONS
+from services.worker.open_requests import AcceptedRequest, OpenRequests, RequestHost
 from services.worker.outbound import OutboundQueue
 from strata.v1 import worker_pb2
 
@@ -52,16 +49,13 @@ if TYPE_CHECKING:
     from services.worker.engine.grammar_matcher import GrammarMatcher
     from services.worker.engine.params import SamplingParams
     from services.worker.engine.sequence import StepOutput
-    from services.worker.request_spans import WorkerSpans
 
 log = logging.getLogger(__name__)
 
 
-class StreamHost(Protocol):
-    """What a Connection needs of the worker that runs its requests (host.py's WorkerHost)."""
-
-    @property
-    def spans(self) -> WorkerSpans: ...
+class StreamHost(RequestHost, Protocol):
+    """What a Connection needs of the worker that runs its requests (host.py's WorkerHost), besides
+    what its open requests need."""
 
     def info(self) -> worker_pb2.GetWorkerInfoResponse: ...
 
@@ -86,14 +80,6 @@ class StreamHost(Protocol):
     def grammar_compiler(self) -> GrammarCompiler:
         """The compiler of this worker's model; raises InvalidRequestError when it has none."""
 
-    def abort(self, engine_id: str) -> None:
-        """Abort an accepted request in the engine; its credit comes back through `finished`."""
-
-    def finished(self, engine_id: str) -> None:
-        """An accepted request ended in the engine: give its credit back."""
-
-    def device_memory_bytes(self) -> int: ...
-
     def disconnect(self, connection: Connection) -> None: ...
 
 
@@ -112,7 +98,7 @@ class Connection:
         self.failure: BaseException | None = None
         """Why the stream must end with an error status; None when it ends normally."""
         self._prefix = f"s{stream_id}/"
-        self._open: dict[str, AcceptedRequest] = {}
+        self._open = OpenRequests(host, self._prefix, lambda update: self._push([update], ()))
         self._compiling = PendingCompiles(self._compiled)
         self._credits_sent: int | None = None
         self._ended = False
@@ -186,7 +172,7 @@ class Connection:
         # Requests already open are cancelled first: the gateway counts their credits free at once and
         # may have merged a submission that needs one into this same message.
         early = {rid for rid in message.cancellations if rid in self._open}
-        ended = [self._abort(self._open[rid]) for rid in early]
+        ended = [self._open.abort(rid) for rid in early]
         ended += [self._drop_compiling(rid) for rid in message.cancellations if rid in self._compiling]
         rejections: list[worker_pb2.Rejection] = []
         for submission in message.submissions:
@@ -196,7 +182,7 @@ class Connection:
                 rejections.append(self._rejection(submission.request_id, exc))
         # Then those submitted and cancelled in this one message.
         late = [rid for rid in dict.fromkeys(message.cancellations) if rid in self._open and rid not in early]
-        ended += [self._abort(self._open[rid]) for rid in late]
+        ended += [self._open.abort(rid) for rid in late]
         ended += [self._drop_compiling(rid) for rid in message.cancellations if rid in self._compiling]
         self._push(ended, rejections)
 
@@ -260,84 +246,15 @@ class Connection:
             output_tokens=prior,
             spans=spans,
         )
-        if submission.deadline_unix_ms:
-            record.deadline = asyncio.get_running_loop().call_later(left_s, self._expire, request_id)
-        self._open[request_id] = record
+        self._open.add(record, left_s if submission.deadline_unix_ms else None)
 
     def _drop_compiling(self, request_id: str) -> worker_pb2.TokenUpdate:
         self._compiling.cancel(request_id)
         return ended_update(request_id, FinishReason.ABORTED, prompt_tokens=0, output_tokens=0)
 
-    def _expire(self, request_id: str) -> None:
-        record = self._open.get(request_id)
-        if record is not None:
-            log.info("request %s passed its deadline while running: cancelled", request_id)
-            self._push([self._abort(record)], ())
-
-    def _abort(
-        self, record: AcceptedRequest, reason: FinishReason = FinishReason.ABORTED
-    ) -> worker_pb2.TokenUpdate:
-        """Abort a running request (its KV blocks are free before the next step) and say so."""
-        self.host.abort(record.engine_id)
-        self._forget(record, reason.value, f"the worker ended the request: {reason.value}")
-        return ended_update(
-            record.request_id,
-            reason,
-            prompt_tokens=record.prompt_tokens,
-            output_tokens=record.output_tokens,
-            forward_ms=record.forward_ms(time.monotonic()),
-        )
-
-    def _forget(
-        self, record: AcceptedRequest, finish_reason: str, error: str = "", ended: float | None = None
-    ) -> None:
-        if record.deadline is not None:
-            record.deadline.cancel()
-        del self._open[record.request_id]
-        self.host.finished(record.engine_id)
-        self.host.spans.finish(
-            record.spans,
-            submitted=record.submitted,
-            first_step=record.first_step,
-            ended=time.monotonic() if ended is None else ended,
-            output_tokens=record.output_tokens,
-            finish_reason=finish_reason,
-            error=error,
-            cached_prompt_tokens=record.cached_prompt_tokens,
-        )
-
-    def _record(self, engine_id: str) -> AcceptedRequest | None:
-        record = self._open.get(engine_id.removeprefix(self._prefix))
-        return record if record is not None and record.engine_id == engine_id else None
-
     def collect(self, outputs: list[StepOutput], report: StepReport) -> list[worker_pb2.TokenUpdate]:
         """This stream's updates from one step; finished requests give their credits back here."""
-        updates = []
-        for out in outputs:
-            record = self._record(out.request_id)
-            if record is None:
-                continue
-            queue_ms = 0.0
-            if record.first_step is None:
-                record.first_step = report.started
-                queue_ms = max(0.0, report.started - record.submitted) * 1000.0
-            record.output_tokens = out.num_output_tokens + record.prior_tokens
-            self.host.spans.join(record.spans)
-            forward_ms = record.forward_ms(report.ended)
-            update = token_update(
-                record.request_id,
-                out,
-                queue_ms=queue_ms,
-                forward_ms=forward_ms,
-                prior_tokens=record.prior_tokens,
-            )
-            record.cached_prompt_tokens = update.cached_prompt_tokens
-            updates.append(update)
-            if out.finished:
-                update.device_memory_bytes = self.host.device_memory_bytes()
-                reason = out.finish_reason.value if out.finish_reason is not None else "stop"
-                self._forget(record, reason, ended=report.ended)
-        return updates
+        return self._open.collect(outputs, report)
 
     def send(self, updates: list[worker_pb2.TokenUpdate], step: worker_pb2.StepInfo) -> None:
         """Queue one step's updates with the credits and the step: gateways forecast from every step,
@@ -346,26 +263,16 @@ class Connection:
 
     def fail(self, engine_id: str, error: BaseException) -> None:
         """The engine could not add the request, or died with it in."""
-        record = self._record(engine_id)
-        if record is None:
-            return
-        self._forget(record, "error", f"the engine could not run the request: {error}")
-        log.error("request %s failed in the engine: %r", record.request_id, error)
-        update = ended_update(
-            record.request_id,
-            FinishReason.ERROR,
-            prompt_tokens=record.prompt_tokens,
-            output_tokens=record.output_tokens,
-            forward_ms=record.forward_ms(time.monotonic()),
-        )
-        self._push([update], ())
+        update = self._open.fail(engine_id, error)
+        if update is not None:
+            self._push([update], ())
 
     def abort_all(self) -> None:
         """End every open request and tell the gateway (a drain that ran out of time).
 
         The client did not cancel: the worker gave up on it, so it ends with ERROR, not CANCELLED.
         """
-        self._push([self._abort(record, FinishReason.ERROR) for record in list(self._open.values())], ())
+        self._push(self._open.abort_all(FinishReason.ERROR), ())
 
     def end(self) -> None:
         """The stream is over: abort what it still holds, flush what is queued, then stop writing."""
@@ -374,9 +281,7 @@ class Connection:
         self._ended = True
         aborted = len(self._open) + len(self._compiling)
         self._compiling.cancel_all()
-        for record in list(self._open.values()):
-            self.host.abort(record.engine_id)
-            self._forget(record, "aborted", "the Connect stream ended")
+        self._open.discard_all("the Connect stream ended")
         self.outbound.close()
         self.host.disconnect(self)
         log.info("stream %s of %s ended, %d requests aborted", self.name, self.client_name, aborted)

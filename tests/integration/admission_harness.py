@@ -1,5 +1,6 @@
 """In-process stacks for the admission tests: a tokenizer service, workers and gateways on one event
-loop in a background thread, blocking and asyncio clients, and readings of the gateway's metrics.
+loop in a background thread (a ServerStack), blocking and asyncio clients, and readings of the
+gateway's metrics.
 
 Each test gives its route its own model name (the tokenizer serves the tiny model under every name),
 so the process-wide Prometheus counters it reads are its own.
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import grpc
 from prometheus_client import REGISTRY
 
 from gateway.server import start as start_gateway
@@ -22,7 +22,7 @@ from services.worker.engine.params import SamplingParams
 from services.worker.server import start as start_worker
 from services.worker.settings import WorkerSettings
 from strata.v1 import common_pb2, gateway_pb2, tokenizer_pb2, tokenizer_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.integration.loop_thread import LoopThread
+from tests.integration.loop_thread import ServerStack
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -58,14 +58,12 @@ def engine_config(max_num_seqs: int) -> dict[str, Any]:
     }
 
 
-class Stack:
+class Stack(ServerStack):
     """A tokenizer service for every test model name, plus the workers and gateways tests start."""
 
     def __init__(self, model_dir: Path) -> None:
-        self.loop = LoopThread()
+        super().__init__()
         self.model_dir = model_dir
-        self.servers: list[Any] = []
-        self.channels: list[grpc.Channel] = []
         settings = TokenizerSettings.build(
             {"listen": "127.0.0.1:0", "models": dict.fromkeys(MODELS, model_dir)}
         )
@@ -100,11 +98,6 @@ class Stack:
         assert self.loop.run(gateway.wait_ready(WAIT_S)), f"the gateway did not become ready in {WAIT_S} s"
         return gateway
 
-    def channel(self, address: str) -> grpc.Channel:
-        channel = grpc.insecure_channel(address)
-        self.channels.append(channel)
-        return channel
-
     def worker_stats(self, worker: WorkerServer) -> worker_pb2.GetWorkerStatsResponse:
         stub = worker_pb2_grpc.WorkerServiceStub(self.channel(worker.address))
         stats: worker_pb2.GetWorkerStatsResponse = stub.GetWorkerStats(
@@ -128,13 +121,6 @@ class Stack:
         params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
         (tokens,) = engine.generate([self.prompt_ids(model, prompt)], params)
         return list(tokens)
-
-    def close(self) -> None:
-        for channel in self.channels:
-            channel.close()
-        for server in reversed(self.servers):
-            self.loop.run(server.stop(0))
-        self.loop.close()
 
 
 def worker_settings(

@@ -1,5 +1,5 @@
 """The fallback tests' stack: the real tokenizer service, a primary worker, a fallback worker and the
-gateway, in-process on ephemeral ports, on one event loop in a background thread.
+gateway, in-process on ephemeral ports, on one event loop in a background thread (a ServerStack).
 
 It starts, breaks and stops servers and answers what the engines alone would generate; it holds no
 tests and asserts nothing about fallback itself (that is tests/integration/test_fallback.py's job).
@@ -8,8 +8,6 @@ tests and asserts nothing about fallback itself (that is tests/integration/test_
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
-
-import grpc
 
 from gateway.server import GatewayServer
 from gateway.server import start as start_gateway
@@ -23,7 +21,7 @@ from services.worker.server import WorkerServer
 from services.worker.server import start as start_worker
 from services.worker.settings import WorkerSettings
 from strata.v1 import gateway_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
-from tests.integration.loop_thread import LoopThread
+from tests.integration.loop_thread import ServerStack
 from tests.polling import wait_for
 
 if TYPE_CHECKING:
@@ -42,15 +40,13 @@ PROMPT = "The capital of France"
 WAIT_S = 60.0
 
 
-class Stack:
+class Stack(ServerStack):
     """The module's tokenizer and fallback worker; primaries and gateways come and go per test."""
 
     def __init__(self, primary_dir: Path, fallback_dir: Path, other_dir: Path) -> None:
-        self.loop = LoopThread()
+        super().__init__()
         self.primary_dir = primary_dir
         self.fallback_dir = fallback_dir
-        self.servers: list[Any] = []
-        self.channels: list[grpc.Channel] = []
         models = {PRIMARY: primary_dir, FALLBACK: fallback_dir, OTHER: other_dir}
         tokenizer = self.loop.run(
             start_tokenizer(TokenizerSettings.build({"listen": "127.0.0.1:0", "models": models}))
@@ -118,11 +114,6 @@ class Stack:
         """Tear the worker's gRPC server down with no grace: its streams break as in a crash."""
         self.loop.run(worker.running.server.stop(0))
 
-    def channel(self, address: str) -> grpc.Channel:
-        channel = grpc.insecure_channel(address)
-        self.channels.append(channel)
-        return channel
-
     def prompt_ids(self, prompt: str = PROMPT) -> list[int]:
         entry = tokenizer_pb2.TokenizeEntry(model=PRIMARY, prompt=prompt, max_input_tokens=10_000)
         request = tokenizer_pb2.TokenizeRequest(entries=[entry])
@@ -139,10 +130,3 @@ class Stack:
     def greedy(self, model: str, prompt: list[int], max_new_tokens: int) -> list[int]:
         """What the model's engine alone generates for this prompt."""
         return self.engines[model].generate([prompt], SamplingParams(max_new_tokens=max_new_tokens))[0]
-
-    def close(self) -> None:
-        for channel in self.channels:
-            channel.close()
-        for server in reversed(self.servers):
-            self.loop.run(server.stop(0))
-        self.loop.close()

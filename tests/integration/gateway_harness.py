@@ -1,12 +1,11 @@
 """The gateway tests' in-process stack: a real tokenizer service, workers and gateways on one event
-loop in a background thread, with blocking clients, plus the small request helpers the tests share.
+loop in a background thread (a ServerStack), with blocking clients, plus the small request helpers
+the tests share.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
-
-import grpc
 
 from gateway.server import start as start_gateway
 from gateway.settings import GatewaySettings
@@ -22,11 +21,10 @@ from strata.v1 import (
     tokenizer_pb2_grpc,
     worker_pb2_grpc,
 )
+from tests.integration.loop_thread import ServerStack
 
 if TYPE_CHECKING:
     from pathlib import Path
-
-    from tests.integration.loop_thread import LoopThread
 
 ENGINE = {"num_blocks": 128, "max_num_seqs": 32, "max_num_batched_tokens": 256}
 MAX_MESSAGE_BYTES = 64 * 1024
@@ -34,12 +32,12 @@ CONTEXT = 256  # the tiny model's max_position_embeddings
 RETRY_AFTER_S = 0.75
 
 
-class Stack:
-    def __init__(self, loop: LoopThread, model_dir: Path) -> None:
-        self.loop = loop
+class Stack(ServerStack):
+    """Tokenizer services, workers and gateways of the tiny model, started as a test asks."""
+
+    def __init__(self, model_dir: Path) -> None:
+        super().__init__()
         self.model_dir = model_dir
-        self.servers: list[Any] = []
-        self.channels: list[grpc.Channel] = []
 
     def start_tokenizer(self) -> str:
         settings = TokenizerSettings.build({"listen": "127.0.0.1:0", "models": {"tiny": self.model_dir}})
@@ -82,17 +80,6 @@ class Stack:
         if wait:
             assert self.loop.run(gateway.wait_ready(60)), "the gateway did not become ready in 60 s"
         return gateway
-
-    def channel(self, address: str) -> grpc.Channel:
-        channel = grpc.insecure_channel(address)
-        self.channels.append(channel)
-        return channel
-
-    def close(self) -> None:
-        for channel in self.channels:
-            channel.close()
-        for server in reversed(self.servers):
-            self.loop.run(server.stop(0))
 
 
 class Env:

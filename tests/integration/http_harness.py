@@ -1,5 +1,6 @@
 """The HTTP API tests' stack: the real tokenizer service, a real worker and the gateway with its HTTP API
-on ephemeral ports, on one event loop in a background thread, plus what the tests read of them.
+on ephemeral ports, on one event loop in a background thread (a ServerStack), plus what the tests read
+of them.
 
 The worker's engine sleeps a little before each step (fault injection, test mode only) so that a
 long generation lasts long enough for a client to walk away from it; it holds few credits so that
@@ -9,10 +10,7 @@ limited to one request at a time (for 429s whose retry hint is known: 1 s).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import grpc
 
 from gateway.server import start as start_gateway
 from gateway.settings import GatewaySettings
@@ -21,7 +19,7 @@ from services.tokenizer.settings import TokenizerSettings
 from services.worker.server import start as start_worker
 from services.worker.settings import WorkerSettings
 from strata.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.integration.loop_thread import LoopThread
+from tests.integration.loop_thread import ServerStack
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -37,68 +35,41 @@ CREDITS = 3
 MODEL = "tiny"
 
 
-@dataclass
-class HttpStack:
-    loop: LoopThread
-    servers: list[Any]
-    gateway: Any
-    base_url: str
-    """http://host:port/v1, as the openai SDK takes it."""
-    worker_address: str
-    gateway_address: str
-    channels: list[grpc.Channel]
-
-    @property
-    def origin(self) -> str:
-        return self.base_url.removesuffix("/v1")
-
-    def worker_stats(self) -> worker_pb2.GetWorkerStatsResponse:
-        stub = worker_pb2_grpc.WorkerServiceStub(self._channel(self.worker_address))
-        stats: worker_pb2.GetWorkerStatsResponse = stub.GetWorkerStats(
-            worker_pb2.GetWorkerStatsRequest(), timeout=10
-        )
-        return stats
-
-    def queued(self) -> int:
-        stub = gateway_pb2_grpc.GatewayStub(self._channel(self.gateway_address))
-        reply = stub.ListModels(
-            gateway_pb2.ListModelsRequest(), metadata=[("authorization", f"Bearer {KEY}")], timeout=10
-        )
-        return sum(model.queued_requests for model in reply.models)
-
-    def idle(self) -> bool:
-        stats = self.worker_stats()
-        return stats.used_kv_blocks == 0 and stats.open_requests == 0
-
-    def _channel(self, address: str) -> grpc.Channel:
-        channel = grpc.insecure_channel(address)
-        self.channels.append(channel)
-        return channel
-
-    def close(self) -> None:
-        for channel in self.channels:
-            channel.close()
-        for server in reversed(self.servers):
-            self.loop.run(server.stop(0))
-        self.loop.close()
-
-
-def start_http_stack(
-    model_dir: Path,
-    model: str = MODEL,
-    tracing: Tracing | None = None,
-    step_delay_s: float = STEP_DELAY_S,
-    **gateway: Any,
-) -> HttpStack:
+class HttpStack(ServerStack):
     """The three services serving `model_dir` as `model`, the gateway's HTTP API on a free port; the
-    worker sleeps `step_delay_s` before each engine step."""
-    loop = LoopThread()
-    servers: list[Any] = []
-    try:
-        tokenizer = loop.run(
+    worker sleeps `step_delay_s` before each engine step. `gateway` adds to the gateway's settings."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        model: str = MODEL,
+        tracing: Tracing | None = None,
+        step_delay_s: float = STEP_DELAY_S,
+        **gateway: Any,
+    ) -> None:
+        super().__init__()
+        try:
+            self.gateway, self.worker_address = self._start(model_dir, model, tracing, step_delay_s, gateway)
+        except BaseException:
+            self.close()
+            raise
+        self.base_url = f"http://{self.gateway.http.address}/v1"
+        """http://host:port/v1, as the openai SDK takes it."""
+        self.gateway_address: str = self.gateway.address
+
+    def _start(
+        self,
+        model_dir: Path,
+        model: str,
+        tracing: Tracing | None,
+        step_delay_s: float,
+        gateway: dict[str, Any],
+    ) -> tuple[Any, str]:
+        """The running gateway and the worker's address."""
+        tokenizer = self.loop.run(
             start_tokenizer(TokenizerSettings.build({"listen": "127.0.0.1:0", "models": {model: model_dir}}))
         )
-        servers.append(tokenizer)
+        self.servers.append(tokenizer)
         worker_settings = {
             "listen": "127.0.0.1:0",
             "model_name": model,
@@ -113,9 +84,9 @@ def start_http_stack(
                 "fault_step_delay_s": step_delay_s,
             },
         }
-        worker = loop.run(start_worker(WorkerSettings.build(worker_settings)))
-        servers.append(worker)
-        loop.run(worker.wait_ready())
+        worker = self.loop.run(start_worker(WorkerSettings.build(worker_settings)))
+        self.servers.append(worker)
+        self.loop.run(worker.wait_ready())
         settings = {
             "listen": "127.0.0.1:0",
             "http_listen": "127.0.0.1:0",
@@ -126,15 +97,30 @@ def start_http_stack(
             "tenants": [{"name": "tight", "api_keys": [TIGHT_KEY], "max_concurrent_requests": 1}],
             **gateway,
         }
-        running = loop.run(start_gateway(GatewaySettings.build(settings), tracing=tracing))
-        servers.append(running)
-        assert loop.run(running.wait_ready(60)), "the gateway did not become ready in 60 s"
+        running = self.loop.run(start_gateway(GatewaySettings.build(settings), tracing=tracing))
+        self.servers.append(running)
+        assert self.loop.run(running.wait_ready(60)), "the gateway did not become ready in 60 s"
         assert running.http is not None
-        return HttpStack(
-            loop, servers, running, f"http://{running.http.address}/v1", worker.address, running.address, []
+        return running, str(worker.address)
+
+    @property
+    def origin(self) -> str:
+        return self.base_url.removesuffix("/v1")
+
+    def worker_stats(self) -> worker_pb2.GetWorkerStatsResponse:
+        stub = worker_pb2_grpc.WorkerServiceStub(self.channel(self.worker_address))
+        stats: worker_pb2.GetWorkerStatsResponse = stub.GetWorkerStats(
+            worker_pb2.GetWorkerStatsRequest(), timeout=10
         )
-    except BaseException:
-        for server in reversed(servers):
-            loop.run(server.stop(0))
-        loop.close()
-        raise
+        return stats
+
+    def queued(self) -> int:
+        stub = gateway_pb2_grpc.GatewayStub(self.channel(self.gateway_address))
+        reply = stub.ListModels(
+            gateway_pb2.ListModelsRequest(), metadata=[("authorization", f"Bearer {KEY}")], timeout=10
+        )
+        return sum(model.queued_requests for model in reply.models)
+
+    def idle(self) -> bool:
+        stats = self.worker_stats()
+        return stats.used_kv_blocks == 0 and stats.open_requests == 0

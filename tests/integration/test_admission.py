@@ -33,11 +33,8 @@ INTERACTIVE = gateway_pb2.PRIORITY_INTERACTIVE
 
 @pytest.fixture(scope="module")
 def stack(tiny_serving_dir: Path) -> Iterator[Stack]:
-    built = Stack(tiny_serving_dir)
-    try:
+    with Stack(tiny_serving_dir) as built:
         yield built
-    finally:
-        built.close()
 
 
 @pytest.mark.slow

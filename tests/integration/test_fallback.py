@@ -50,11 +50,8 @@ def other_tokenizer_dir(tiny_fallback_dir: Path, tmp_path_factory: pytest.TempPa
 
 @pytest.fixture(scope="module")
 def stack(tiny_serving_dir: Path, tiny_fallback_dir: Path, other_tokenizer_dir: Path) -> Iterator[Stack]:
-    stack = Stack(tiny_serving_dir, tiny_fallback_dir, other_tokenizer_dir)
-    try:
+    with Stack(tiny_serving_dir, tiny_fallback_dir, other_tokenizer_dir) as stack:
         yield stack
-    finally:
-        stack.close()
 
 
 def _request(

@@ -22,7 +22,7 @@ from prometheus_client import REGISTRY
 
 from gateway.server import start as start_gateway
 from gateway.settings import GatewaySettings
-from tests.integration.http_harness import CREDITS, KEY, MODEL, HttpStack, start_http_stack
+from tests.integration.http_harness import CREDITS, KEY, MODEL, HttpStack
 from tests.polling import wait_for
 
 if TYPE_CHECKING:
@@ -45,11 +45,8 @@ SLOW_STEP_S = 0.02
 
 @pytest.fixture(scope="module")
 def stack(tiny_serving_dir: Path) -> Iterator[HttpStack]:
-    running = start_http_stack(tiny_serving_dir, step_delay_s=SLOW_STEP_S)
-    try:
+    with HttpStack(tiny_serving_dir, step_delay_s=SLOW_STEP_S) as running:
         yield running
-    finally:
-        running.close()
 
 
 def sdk(stack: HttpStack) -> openai.OpenAI:

@@ -20,7 +20,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from strata.tracing import Tracing
-from tests.integration.http_harness import KEY, MAX_BODY, MODEL, HttpStack, start_http_stack
+from tests.integration.http_harness import KEY, MAX_BODY, MODEL, HttpStack
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -33,11 +33,8 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 @pytest.fixture(scope="module")
 def stack(tiny_serving_dir: Path) -> Iterator[HttpStack]:
     tracing = Tracing.with_exporter("g", InMemorySpanExporter(), 1.0, batch=False)
-    running = start_http_stack(tiny_serving_dir, tracing=tracing)
-    try:
+    with HttpStack(tiny_serving_dir, tracing=tracing) as running:
         yield running
-    finally:
-        running.close()
 
 
 def curl(*args: str) -> subprocess.CompletedProcess[str]:

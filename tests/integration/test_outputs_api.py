@@ -2,8 +2,9 @@
 openai SDK reading `choices[i].logprobs.content[j].top_logprobs` (chat, streamed and not) and the
 legacy completions shape, and the gRPC API's token ids showing each processor acted.
 
-One real stack per module (tokenizer service, worker, gateway with its HTTP API, the tiny random-weight
-model). Greedy requests make the chosen token the most likely one, so its logprob is the top one's.
+One real stack per module (conftest.py's http_stack: tokenizer service, worker, gateway with its HTTP
+API, the tiny random-weight model). Greedy requests make the chosen token the most likely one, so its
+logprob is the top one's.
 """
 
 from __future__ import annotations
@@ -16,12 +17,11 @@ import openai
 import pytest
 
 from strata.client import StrataClient
-from tests.integration.http_harness import KEY, MODEL, HttpStack, start_http_stack
+from tests.integration.http_harness import KEY, MODEL, HttpStack
 from tests.polling import wait_for
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
-    from pathlib import Path
 
     from openai.types.chat import ChatCompletionMessageParam
 
@@ -29,26 +29,17 @@ CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello the
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_serving_dir: Path) -> Iterator[HttpStack]:
-    running = start_http_stack(tiny_serving_dir)
-    try:
-        yield running
-    finally:
-        running.close()
-
-
-@pytest.fixture(scope="module")
-def grpc_client(stack: HttpStack) -> Iterator[StrataClient]:
-    with StrataClient(stack.gateway_address, api_key=KEY) as client:
+def grpc_client(http_stack: HttpStack) -> Iterator[StrataClient]:
+    with StrataClient(http_stack.gateway_address, api_key=KEY) as client:
         yield client
 
 
-def sdk(stack: HttpStack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.base_url, api_key=KEY, max_retries=0, timeout=60)
+def sdk(http_stack: HttpStack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=http_stack.base_url, api_key=KEY, max_retries=0, timeout=60)
 
 
-def test_sdk_reads_chat_top_logprobs(stack: HttpStack) -> None:
-    reply = sdk(stack).chat.completions.create(
+def test_sdk_reads_chat_top_logprobs(http_stack: HttpStack) -> None:
+    reply = sdk(http_stack).chat.completions.create(
         model=MODEL,
         messages=CHAT,
         max_tokens=6,
@@ -71,12 +62,12 @@ def test_sdk_reads_chat_top_logprobs(stack: HttpStack) -> None:
         assert position.bytes is not None and position.token == bytes(position.bytes).decode(errors="replace")
     assert sum(math.exp(v.logprob) for v in content[0].top_logprobs) <= 1.0 + 1e-5
     # Without asking, none.
-    plain = sdk(stack).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0)
+    plain = sdk(http_stack).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0)
     assert plain.choices[0].logprobs is None
 
 
-def test_streamed_chat_logprobs_cover_every_token(stack: HttpStack) -> None:
-    whole = sdk(stack).chat.completions.create(
+def test_streamed_chat_logprobs_cover_every_token(http_stack: HttpStack) -> None:
+    whole = sdk(http_stack).chat.completions.create(
         model=MODEL,
         messages=CHAT,
         max_tokens=8,
@@ -85,7 +76,7 @@ def test_streamed_chat_logprobs_cover_every_token(stack: HttpStack) -> None:
         top_logprobs=2,
         extra_body={"ignore_eos": True},
     )
-    stream = sdk(stack).chat.completions.create(
+    stream = sdk(http_stack).chat.completions.create(
         model=MODEL,
         messages=CHAT,
         max_tokens=8,
@@ -107,8 +98,8 @@ def test_streamed_chat_logprobs_cover_every_token(stack: HttpStack) -> None:
     assert [(p.token, round(p.logprob, 5)) for p in streamed] == expected
 
 
-def test_completions_return_the_legacy_logprobs_shape_and_prompt_logprobs(stack: HttpStack) -> None:
-    reply = sdk(stack).completions.create(
+def test_completions_return_the_legacy_logprobs_shape_and_prompt_logprobs(http_stack: HttpStack) -> None:
+    reply = sdk(http_stack).completions.create(
         model=MODEL,
         prompt="once upon a time",
         max_tokens=5,
@@ -164,10 +155,10 @@ def test_processors_act_end_to_end(grpc_client: StrataClient) -> None:
     ],
 )
 def test_bad_processor_values_are_invalid_argument_naming_the_field(
-    grpc_client: StrataClient, stack: HttpStack, options: dict[str, object], field: str
+    grpc_client: StrataClient, http_stack: HttpStack, options: dict[str, object], field: str
 ) -> None:
     with pytest.raises(grpc.RpcError) as raised:
         grpc_client.generate("hello", **options)  # type: ignore[arg-type]
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in raised.value.details()
-    wait_for(stack.idle, 10, "no KV blocks held after the refusal")
+    wait_for(http_stack.idle, 10, "no KV blocks held after the refusal")

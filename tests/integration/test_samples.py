@@ -3,7 +3,8 @@ sample i the n = 1 request with seed mix(seed, i)), the prompt prefilled once an
 prefix cache, per-sample streams and finals, cancellation of every sample, validation, and the openai
 SDK reading `choices[i]`.
 
-One real stack per module (tokenizer service, worker, gateway with its HTTP API, the tiny model).
+One real stack per module (conftest.py's http_stack: tokenizer service, worker, gateway with its HTTP
+API, the tiny model).
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ import pytest
 from gateway.samples import sample_seed
 from strata.client import StrataClient, build_request
 from strata.v1 import gateway_pb2_grpc
-from tests.integration.http_harness import KEY, MODEL, HttpStack, start_http_stack
+from tests.integration.http_harness import KEY, MODEL, HttpStack
 from tests.polling import wait_for
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
-    from pathlib import Path
 
     from openai.types.chat import ChatCompletionMessageParam
 
@@ -38,17 +38,8 @@ LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 8
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_serving_dir: Path) -> Iterator[HttpStack]:
-    running = start_http_stack(tiny_serving_dir)
-    try:
-        yield running
-    finally:
-        running.close()
-
-
-@pytest.fixture(scope="module")
-def client(stack: HttpStack) -> Iterator[StrataClient]:
-    with StrataClient(stack.gateway_address, api_key=KEY) as strata:
+def client(http_stack: HttpStack) -> Iterator[StrataClient]:
+    with StrataClient(http_stack.gateway_address, api_key=KEY) as strata:
         yield strata
 
 
@@ -76,10 +67,10 @@ def test_greedy_samples_are_identical(client: StrataClient) -> None:
     assert len(reply.choices) == 4 and len({tuple(c.token_ids) for c in reply.choices}) == 1
 
 
-def test_the_prompt_is_prefilled_once_and_shared(client: StrataClient, stack: HttpStack) -> None:
-    before = stack.worker_stats()
+def test_the_prompt_is_prefilled_once_and_shared(client: StrataClient, http_stack: HttpStack) -> None:
+    before = http_stack.worker_stats()
     reply = client.generate(LONG_PROMPT, **sampled(1, 3))
-    after = stack.worker_stats()
+    after = http_stack.worker_stats()
     full_blocks = (reply.usage.input_tokens - 1) // 16
     assert full_blocks >= 3
     # Samples 1 and 2 found every full block of the prompt that sample 0 computed.
@@ -102,9 +93,9 @@ def test_stream_indexes_every_message_and_ends_with_the_whole_final(client: Stra
     assert all(list(finals[i].token_ids) == tokens[i] for i in range(3))
 
 
-def test_cancelling_cancels_every_sample(stack: HttpStack) -> None:
-    wait_for(stack.idle, 30, "the worker went idle")
-    channel = grpc.insecure_channel(stack.gateway_address)
+def test_cancelling_cancels_every_sample(http_stack: HttpStack) -> None:
+    wait_for(http_stack.idle, 30, "the worker went idle")
+    channel = grpc.insecure_channel(http_stack.gateway_address)
     try:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         request = build_request("cancel us", n=3, max_new_tokens=200, ignore_eos=True, temperature=1.0)
@@ -114,9 +105,9 @@ def test_cancelling_cancels_every_sample(stack: HttpStack) -> None:
             seen.add(message.index)
             if len(seen) == 3:
                 break
-        assert stack.worker_stats().open_requests >= 2
+        assert http_stack.worker_stats().open_requests >= 2
         call.cancel()
-        wait_for(stack.idle, 10, "every sample's KV blocks freed after the cancel")
+        wait_for(http_stack.idle, 10, "every sample's KV blocks freed after the cancel")
     finally:
         channel.close()
 
@@ -128,8 +119,8 @@ def test_too_many_samples_is_invalid_argument(client: StrataClient) -> None:
     assert raised.value.details().startswith("n: 17")
 
 
-def test_sdk_reads_every_choice_streamed_and_not(stack: HttpStack) -> None:
-    sdk = openai.OpenAI(base_url=stack.base_url, api_key=KEY, max_retries=0, timeout=60)
+def test_sdk_reads_every_choice_streamed_and_not(http_stack: HttpStack) -> None:
+    sdk = openai.OpenAI(base_url=http_stack.base_url, api_key=KEY, max_retries=0, timeout=60)
     chat: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello there"}]
     whole = sdk.chat.completions.create(
         model=MODEL,

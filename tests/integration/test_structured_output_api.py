@@ -19,7 +19,7 @@ import pytest
 
 from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.grammar_cases import SCHEMA
-from tests.integration.http_harness import KEY, MODEL, HttpStack, start_http_stack
+from tests.integration.http_harness import KEY, MODEL, HttpStack
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -56,11 +56,8 @@ METADATA = [("authorization", f"Bearer {KEY}")]
 
 @pytest.fixture(scope="module")
 def stack(tiny_long_serving_dir: Path) -> Iterator[HttpStack]:
-    running = start_http_stack(tiny_long_serving_dir, step_delay_s=0.0)
-    try:
+    with HttpStack(tiny_long_serving_dir, step_delay_s=0.0) as running:
         yield running
-    finally:
-        running.close()
 
 
 def client(stack: HttpStack) -> openai.OpenAI:

@@ -44,11 +44,8 @@ def key(name: str) -> tuple[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def stack(tiny_serving_dir: Path) -> Iterator[Stack]:
-    built = Stack(tiny_serving_dir)
-    try:
+    with Stack(tiny_serving_dir) as built:
         yield built
-    finally:
-        built.close()
 
 
 def finish_order(stack: Stack, model: str, fair: bool, *, inside_worker: bool = False) -> list[str]:

@@ -28,7 +28,6 @@ from gateway.server import start as start_gateway
 from gateway.settings import GatewaySettings
 from strata.v1 import common_pb2, gateway_pb2
 from tests.integration.gateway_harness import Stack
-from tests.integration.loop_thread import LoopThread
 from tests.polling import seconds_until
 from tests.reliability.harness import SERVING, health, worker_stats
 
@@ -224,9 +223,7 @@ class FuzzStack:
 
 @pytest.fixture(scope="module")
 def stack(tiny_serving_dir: Path) -> Iterator[FuzzStack]:
-    loop = LoopThread()
-    servers = Stack(loop, tiny_serving_dir)
-    try:
+    with Stack(tiny_serving_dir) as servers:
         tokenizer = servers.start_tokenizer()
         worker = servers.start_worker(tiny_serving_dir, engine=ENGINE)
         settings_ = GatewaySettings.build(
@@ -238,9 +235,9 @@ def stack(tiny_serving_dir: Path) -> Iterator[FuzzStack]:
                 "max_message_bytes": MIB,
             }
         )
-        gateway = loop.run(start_gateway(settings_))
+        gateway = servers.loop.run(start_gateway(settings_))
         servers.servers.append(gateway)
-        assert loop.run(gateway.wait_ready(60)), "the gateway did not become ready in 60 s"
+        assert servers.loop.run(gateway.wait_ready(60)), "the gateway did not become ready in 60 s"
         channel = servers.channel(gateway.address)
         # No serializers: the test sends bytes and reads bytes, as a hostile client would.
         fuzz = FuzzStack(
@@ -252,9 +249,6 @@ def stack(tiny_serving_dir: Path) -> Iterator[FuzzStack]:
         fuzz.good = generate(fuzz, GOOD)
         assert fuzz.good.usage.output_tokens == 6, fuzz.good
         yield fuzz
-    finally:
-        servers.close()
-        loop.close()
 
 
 def generate(stack: FuzzStack, request: gateway_pb2.GenerateRequest) -> gateway_pb2.GenerateResponse:

@@ -5,10 +5,10 @@ less, at decode_cost_tokens each, so that a step's length stays bounded), chunke
 (FCFS within one), preemption by recompute when KV blocks run out, and load shedding after a step that
 ran out of memory. A waiting sequence whose prefix the block manager has cached starts from those
 blocks: its KV need and its share of the prefill budget count only the tokens it computes.
-postprocess offers each step's newly full blocks to the prefix cache before anything frees them,
-and turns the sampled token ids back into per-request outputs and finish decisions. It must not
-import torch nor do I/O: the runner executes batches, the engine loop owns the thread that calls
-schedule, postprocess, abort and shed_load, one at a time.
+postprocess applies each step's sampled tokens through step_results.py (outputs and finish
+decisions) and takes back the sequences that end. It must not import torch nor do I/O: the runner
+executes batches, the engine loop owns the thread that calls schedule, postprocess, abort and
+shed_load, one at a time.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from services.worker.engine.sequence import (
     StepOutput,
 )
 from services.worker.engine.step_plan import SchedulerStats, StepPlan
+from services.worker.engine.step_results import StopRule, apply_step
 from services.worker.engine.waiting_queue import WaitingQueue
 
 if TYPE_CHECKING:
@@ -61,9 +62,8 @@ class Scheduler:
                 f"{config.block_size}: build it with BlockManager(num_blocks, config.block_size)"
             )
         self.config = config
-        self.max_model_len = max_model_len
         self.block_manager = block_manager
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stop = StopRule(frozenset(eos_token_ids), max_model_len)
         self.effective_max_num_seqs = config.max_num_seqs
         self._waiting = WaitingQueue()
         self._running: list[Sequence] = []  # in admission order: shed_load drops the newest
@@ -194,48 +194,15 @@ class Scheduler:
     ) -> list[StepOutput]:
         """Apply a finished step: sampled holds one token id per entry with sample=True, in order;
         logprobs (aligned with it) and prompt_logprobs (by entry index) what the runner computed."""
-        if len(sampled) != batch.num_samples:
-            raise ValueError(f"step {batch.step_id}: {len(sampled)} sampled tokens for {batch.num_samples}")
-        outputs: list[StepOutput] = []
-        tokens = iter(sampled)
-        token_lps = iter(logprobs if logprobs is not None else [None] * len(sampled))
-        for index, entry in enumerate(batch.entries):
-            seq = entry.seq
-            token = next(tokens) if entry.sample else None
-            token_lp = next(token_lps) if entry.sample else None
-            if seq.is_finished:
-                continue  # aborted while the step ran: its result is dropped
-            if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != entry.start:
-                raise RuntimeError(f"step {batch.step_id} is stale for {seq!r} (postprocessed twice?)")
-            seq.num_computed_tokens += entry.num_tokens
-            # Before the sequence can finish and free them: its full blocks are shareable from now.
-            self.block_manager.commit(seq)
-            if prompt_logprobs and index in prompt_logprobs:
-                seq.keep_prompt_logprobs(entry.start, prompt_logprobs[index])
-            if token is None:
-                continue
-            first = not seq.output_ids
-            seq.output_ids.append(token)
-            # The grammar first: a token that completes it ends the output even at max_new_tokens.
-            reason = seq.grammar.finish_after(token) if seq.grammar is not None else None
-            reason = reason or self._finish_reason(seq, token)
-            if reason is not None:
-                self._finish(seq, reason)
-            outputs.append(
-                StepOutput(
-                    request_id=seq.request_id,
-                    new_token_ids=[token],
-                    finished=reason is not None,
-                    finish_reason=reason,
-                    num_prompt_tokens=seq.num_prompt_tokens,
-                    num_output_tokens=seq.num_output_tokens,
-                    num_cached_tokens=seq.num_cached_tokens,
-                    logprobs=None if token_lp is None else [token_lp],
-                    prompt_logprobs=seq.prompt_logprobs
-                    if first and seq.params.prompt_logprobs is not None
-                    else None,
-                )
-            )
+        outputs = apply_step(
+            batch,
+            sampled,
+            block_manager=self.block_manager,
+            stop=self.stop,
+            finish=self._finish,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
         self._recover_after_shed()
         return outputs
 
@@ -365,14 +332,6 @@ class Scheduler:
         seq.num_preemptions += 1
         self._num_preemptions += 1
         self._waiting.push_preempted(seq, self._num_preemptions)
-
-    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        params = seq.params
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_new_tokens or seq.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SequenceStatus.RUNNING:
