@@ -133,6 +133,20 @@ def test_the_stack_is_rebuilt_for_a_new_cache(tiny_llama_dir: Path, monkeypatch:
     assert torch.equal(second.keys[0], expected.keys[0])
 
 
+def test_set_enabled_turns_the_stack_off(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded = load_model(tiny_llama_dir)
+    cache, tables = _prefilled(loaded, [4])
+    calls = _counting(monkeypatch)
+    previous = decode_stack.set_enabled(False)
+    try:
+        _decode(loaded, cache, tables, [4])
+    finally:
+        decode_stack.set_enabled(previous)
+    assert calls == []
+    _decode(loaded, cache, tables, [5])
+    assert calls == [1]
+
+
 def test_without_the_kernels_the_per_operator_path_runs(tiny_llama_dir: Path) -> None:
     loaded = load_model(tiny_llama_dir)
     cache, tables = _prefilled(loaded, [4])

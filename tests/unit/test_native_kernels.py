@@ -11,6 +11,7 @@ import os
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,12 +119,14 @@ def test_small_linear_calls_the_kernel_only_where_it_applies(monkeypatch: pytest
 
 @pytest.mark.parametrize("cap", ["avx2", "portable"])
 def test_every_kernel_matches_torch_on_each_lower_instruction_set(cap: str) -> None:
-    """STRATA_NATIVE_ISA caps the instruction set: this file's kernel tests rerun on each lower one, so
-    the AVX2 and portable code paths are checked even on an AVX-512 machine."""
+    """STRATA_NATIVE_ISA caps the instruction set: this file's kernel tests, and the decode stack's
+    bit-equality tests, rerun on each lower one, so the AVX2 and portable code paths are checked even
+    on an AVX-512 machine."""
     if cap == "avx2" and native.isa() == "portable":
         pytest.skip("this CPU has no AVX2")
     env = {**os.environ, "STRATA_NATIVE_ISA": cap, "STRATA_NATIVE_ISA_CHECKED": cap}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    stack_tests = str(Path(__file__).with_name("test_decode_stack.py"))
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, stack_tests]
     command += ["-k", "not lower_instruction"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout[-3000:]

@@ -30,6 +30,17 @@ if TYPE_CHECKING:
     from services.worker.model.llama import LlamaForCausalLM
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_enabled = True
+
+
+def set_enabled(enabled: bool) -> bool:
+    """Turn the native stack on or off for this process (benchmarks compare both); returns the old state.
+
+    Off, every step takes the per-operator path, whose kernels stay on (native.set_enabled owns those).
+    """
+    global _enabled
+    previous, _enabled = _enabled, enabled
+    return previous
 
 
 class _Projection(ctypes.Structure):
@@ -170,7 +181,8 @@ class NativeDecodeStack:
 def applies(meta: AttentionMetadata, residual: Tensor, cos: Tensor, sin: Tensor) -> bool:
     """Whether this step is one the native stack runs: decodes only, at most MAX_ROWS, float32 CPU."""
     return (
-        not meta.prefills
+        _enabled
+        and not meta.prefills
         and 0 < meta.num_decodes == meta.num_tokens <= MAX_ROWS
         and residual.device.type == "cpu"
         and residual.dtype == cos.dtype == sin.dtype == torch.float32

@@ -1,31 +1,34 @@
-// Every decoder layer of a decode-only step at a few rows, in one call: the same kernels, no Python.
+// Every decoder layer of a decode-only step at a few rows, in one call and one parallel region.
 //
 // A decode step at one to eight rows spends a few milliseconds between its kernels: about ten Python
 // calls, allocations and ctypes crossings per layer, thirty layers a step. This runs the whole stack
 // of layers with the very kernels the per-operator path calls, in the same order on the same
 // buffers (rms_norm.cpp, small_linear.cpp, rotary.cpp, paged_attention.cpp, and torch's own silu and
-// multiply for SwiGLU, through ATen), so its results equal that path's to the bit. Each projection's
-// weight is float32, or int8 with one scale per row (small_int8.py's copies). It must not choose
-// when it applies (decode_stack.py does) nor own any tensor: the caller passes every buffer.
+// multiply for SwiGLU, through ATen), each kernel's work split among the threads exactly as its own
+// parallel loop would split it, so the results equal that path's to the bit. It opens one OpenMP
+// region per step instead of one per kernel: with OMP_WAIT_POLICY=PASSIVE (the workers' default, so
+// that idle threads leave the cores to a co-located worker) every region's end puts the threads to
+// sleep and the next region must wake them, a few hundred times a step. Between its kernels the team
+// waits on its own barrier, which spins and then yields the core. Each projection's weight is
+// float32, or int8 with one scale per row (small_int8.py's copies). It must not choose when it
+// applies (decode_stack.py does) nor own any tensor: the caller passes every buffer.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <omp.h>
 
+#include <atomic>
 #include <cstdint>
+#include <thread>
+
+#include "kernels.h"
 
 extern "C" {
 void strata_rms_norm(const float* x, const float* residual, const float* weight, float* sum, float* out,
                      int64_t rows, int64_t n, float eps);
-void strata_small_linear(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t n,
-                         int64_t k);
-void strata_small_linear_int8(const float* x, const int8_t* w, const float* scale, const float* bias, float* y,
-                              int64_t m, int64_t n, int64_t k);
 void strata_rotary(float* qkv, const float* cos, const float* sin, int64_t tokens, int64_t heads_total,
                    int64_t rotated, int64_t dim);
-void strata_paged_decode_attention(const float* q, float* keys, float* values, const int64_t* tables,
-                                   const int32_t* lens, float* out, int64_t batch, int64_t q_stride, int64_t heads,
-                                   int64_t kv_heads, int64_t dim, int64_t block_size, int64_t table_width,
-                                   float scale, const float* new_k, const float* new_v, int64_t new_stride,
-                                   const int64_t* slots);
 }
 
 namespace {
@@ -60,12 +63,44 @@ struct Step {
   int64_t table_width, block_size;
 };
 
-void project(const Projection& p, const float* x, float* y, int64_t rows) {
+// The team's barrier between two kernels: spin (the wait is microseconds, less than a futex wake
+// costs), then yield the core, so a thread whose partner was preempted hands its core to whatever is
+// runnable (the gateway, the tokenizer, another worker) instead of burning it.
+class SpinBarrier {
+ public:
+  void set_parties(int parties) { parties_ = parties; }
+
+  void wait() {
+    const int generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == parties_ - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.store(generation + 1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
+      if (spins < kSpins) {
+        _mm_pause();
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+ private:
+  static constexpr int kSpins = 2048;  // about 0.1 ms of pause instructions
+  int parties_ = 1;
+  std::atomic<int> arrived_{0};
+  std::atomic<int> generation_{0};
+};
+
+// One thread's share of a projection.
+void project(const Projection& p, const float* x, float* y, int64_t rows, int64_t part, int64_t parts) {
   if (p.scale != nullptr) {
-    strata_small_linear_int8(x, static_cast<const int8_t*>(p.weight), p.scale, p.bias, y, rows, p.out_features,
-                             p.in_features);
+    strata::small_linear_int8_part(x, static_cast<const int8_t*>(p.weight), p.scale, p.bias, y, rows,
+                                   p.out_features, p.in_features, part, parts);
   } else {
-    strata_small_linear(x, static_cast<const float*>(p.weight), p.bias, y, rows, p.out_features, p.in_features);
+    strata::small_linear_part(x, static_cast<const float*>(p.weight), p.bias, y, rows, p.out_features,
+                              p.in_features, part, parts);
   }
 }
 
@@ -89,31 +124,52 @@ void strata_decode_stack(const Layer* layers, int64_t num_layers, const Step* st
   const Step& s = *step;
   const int64_t rows = s.rows;
   const int64_t q_width = s.heads * s.head_dim;
-  const int64_t qkv_width = q_width + 2 * s.kv_heads * s.head_dim;
+  const int64_t kv_width = s.kv_heads * s.head_dim;
+  const int64_t qkv_width = q_width + 2 * kv_width;
   float* qkv = scratch;
   float* attended = qkv + rows * qkv_width;
   float* gate_up = attended + rows * q_width;
   float* activated = gate_up + rows * 2 * s.intermediate;
   float* normed = activated + rows * s.intermediate;
   float* delta = normed + rows * s.hidden;
-  for (int64_t index = 0; index < num_layers; ++index) {
-    const Layer& layer = layers[index];
-    if (index == 0) {
-      strata_rms_norm(residual, nullptr, layer.input_norm, residual, normed, rows, s.hidden, s.eps);
-    } else {
-      strata_rms_norm(delta, residual, layer.input_norm, residual, normed, rows, s.hidden, s.eps);
+  SpinBarrier barrier;
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+#pragma omp single
+    barrier.set_parties(omp_get_num_threads());
+    // The single's implied barrier: every thread sees the team size before the first wait.
+    const int64_t part = omp_get_thread_num();
+    const int64_t parts = omp_get_num_threads();
+    const bool lead = part == 0;
+    for (int64_t index = 0; index < num_layers; ++index) {
+      const Layer& layer = layers[index];
+      // Norms, rotary and SwiGLU are a few rows of a few thousand floats: one thread does each.
+      if (lead) {
+        const float* x = index == 0 ? residual : delta;
+        const float* add = index == 0 ? nullptr : residual;
+        strata_rms_norm(x, add, layer.input_norm, residual, normed, rows, s.hidden, s.eps);
+      }
+      barrier.wait();
+      project(layer.qkv, normed, qkv, rows, part, parts);
+      barrier.wait();
+      if (lead) strata_rotary(qkv, s.cos, s.sin, rows, s.heads + 2 * s.kv_heads, s.heads + s.kv_heads, s.head_dim);
+      barrier.wait();
+      strata::paged_decode_attention_part(qkv, layer.keys, layer.values, s.block_tables, s.seq_lens, attended, rows,
+                                          qkv_width, s.heads, s.kv_heads, s.head_dim, s.block_size, s.table_width,
+                                          s.attention_scale, qkv + q_width, qkv + q_width + kv_width, qkv_width,
+                                          s.slots, part, parts);
+      barrier.wait();
+      project(layer.o, attended, delta, rows, part, parts);
+      barrier.wait();
+      if (lead) strata_rms_norm(delta, residual, layer.post_attention_norm, residual, normed, rows, s.hidden, s.eps);
+      barrier.wait();
+      project(layer.gate_up, normed, gate_up, rows, part, parts);
+      barrier.wait();
+      if (lead) swiglu(gate_up, activated, rows, s.intermediate);
+      barrier.wait();
+      project(layer.down, activated, delta, rows, part, parts);
+      barrier.wait();
     }
-    project(layer.qkv, normed, qkv, rows);
-    strata_rotary(qkv, s.cos, s.sin, rows, s.heads + 2 * s.kv_heads, s.heads + s.kv_heads, s.head_dim);
-    strata_paged_decode_attention(qkv, layer.keys, layer.values, s.block_tables, s.seq_lens, attended, rows,
-                                  qkv_width, s.heads, s.kv_heads, s.head_dim, s.block_size, s.table_width,
-                                  s.attention_scale, qkv + q_width, qkv + q_width + s.kv_heads * s.head_dim,
-                                  qkv_width, s.slots);
-    project(layer.o, attended, delta, rows);
-    strata_rms_norm(delta, residual, layer.post_attention_norm, residual, normed, rows, s.hidden, s.eps);
-    project(layer.gate_up, normed, gate_up, rows);
-    swiglu(gate_up, activated, rows, s.intermediate);
-    project(layer.down, activated, delta, rows);
   }
   strata_rms_norm(delta, residual, final_norm, residual, hidden_out, rows, s.hidden, s.eps);
 }

@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include "isa.h"
+#include "kernels.h"
 
 #include <algorithm>
 #include <cmath>
@@ -121,7 +122,26 @@ void one_group(const Decode& d, const Ops& f, int64_t seq, int64_t kv_head, std:
   }
 }
 
+void task_range(const Decode& d, int64_t first, int64_t last) {
+  const Ops& f = ops();
+  std::vector<float> scores;
+  for (int64_t task = first; task < last; ++task) one_group(d, f, task / d.kv_heads, task % d.kv_heads, scores);
+}
+
 }  // namespace
+
+void strata::paged_decode_attention_part(const float* q, float* keys, float* values, const int64_t* tables,
+                                         const int32_t* lens, float* out, int64_t batch, int64_t q_stride,
+                                         int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+                                         int64_t table_width, float scale, const float* new_k, const float* new_v,
+                                         int64_t new_stride, const int64_t* slots, int64_t part, int64_t parts) {
+  const Decode d{q,     keys,        values, tables, lens,  out,   q_stride, heads,     kv_heads,
+                 dim,   block_size,  table_width,    scale, new_k, new_v,    new_stride, slots};
+  int64_t first = 0;
+  int64_t last = 0;
+  strata::share(batch * kv_heads, part, parts, &first, &last);
+  task_range(d, first, last);
+}
 
 extern "C" {
 
@@ -136,12 +156,8 @@ void strata_paged_decode_attention(const float* q, float* keys, float* values, c
                                    const int64_t* slots) {
   const Decode d{q,     keys,        values, tables, lens,  out,   q_stride, heads,     kv_heads,
                  dim,   block_size,  table_width,    scale, new_k, new_v,    new_stride, slots};
-  const Ops& f = ops();
   // A task is a few microseconds at short contexts: one decode's few kv heads run inline, since
   // waking the pool would cost as much as the work.
-  at::parallel_for(0, batch * kv_heads, 8, [&](int64_t first, int64_t last) {
-    std::vector<float> scores;
-    for (int64_t task = first; task < last; ++task) one_group(d, f, task / kv_heads, task % kv_heads, scores);
-  });
+  at::parallel_for(0, batch * kv_heads, 8, [&](int64_t first, int64_t last) { task_range(d, first, last); });
 }
 }

@@ -14,6 +14,7 @@
 #include <immintrin.h>
 
 #include "isa.h"
+#include "kernels.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -159,7 +160,7 @@ const Isa kAvx512 = {"avx512", STRATA_TILES(tile_avx512, float), STRATA_TILES(ti
 const Isa kAvx2 = {"avx2", STRATA_TILES(tile_avx2, float), STRATA_TILES(tile_avx2, int8_t)};
 const Isa kPortable = {"portable", STRATA_TILES(tile_portable, float), STRATA_TILES(tile_portable, int8_t)};
 
-const Isa& chosen_isa() {
+const Isa& kernel_isa() {
   switch (strata::chosen_isa()) {
     case strata::Isa::kAvx512:
       return kAvx512;
@@ -171,39 +172,65 @@ const Isa& chosen_isa() {
   return kPortable;
 }
 
+// Output rows of tiles [first, last): each output element is one tile's sum, whoever computes it.
+template <typename W>
+void tile_range(const Tiles<W>& tiles, const Problem<W>& p, int64_t first, int64_t last) {
+  const int64_t end = std::min(p.n, last * kRows);
+  for (int64_t row = first * kRows; row < end;) {
+    const int full = row + kRows <= end ? 1 : 0;
+    for (int64_t m0 = 0; m0 < p.m; m0 += kXRows) {
+      const int64_t mb = std::min(kXRows, p.m - m0);
+      tiles.tiles[full][mb - 1](p, row, m0);
+    }
+    row += full ? kRows : 1;
+  }
+}
+
+template <typename W>
+int64_t tile_count(const Problem<W>& p) {
+  return (p.n + kRows - 1) / kRows;
+}
+
 template <typename W>
 void run(const Tiles<W>& tiles, const Problem<W>& p) {
-  const int64_t tile_count = (p.n + kRows - 1) / kRows;
   const int64_t grain = std::max<int64_t>(1, kGrainBytes / (kRows * p.k * static_cast<int64_t>(sizeof(W))));
-  at::parallel_for(0, tile_count, grain, [&](int64_t first, int64_t last) {
-    const int64_t end = std::min(p.n, last * kRows);
-    for (int64_t row = first * kRows; row < end;) {
-      const int full = row + kRows <= end ? 1 : 0;
-      for (int64_t m0 = 0; m0 < p.m; m0 += kXRows) {
-        const int64_t mb = std::min(kXRows, p.m - m0);
-        tiles.tiles[full][mb - 1](p, row, m0);
-      }
-      row += full ? kRows : 1;
-    }
-  });
+  at::parallel_for(0, tile_count(p), grain, [&](int64_t first, int64_t last) { tile_range(tiles, p, first, last); });
+}
+
+template <typename W>
+void run_part(const Tiles<W>& tiles, const Problem<W>& p, int64_t part, int64_t parts) {
+  int64_t first = 0;
+  int64_t last = 0;
+  strata::share(tile_count(p), part, parts, &first, &last);
+  tile_range(tiles, p, first, last);
 }
 
 }  // namespace
 
+void strata::small_linear_part(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t n,
+                               int64_t k, int64_t part, int64_t parts) {
+  run_part(kernel_isa().f32, Problem<float>{x, w, nullptr, bias, y, m, n, k}, part, parts);
+}
+
+void strata::small_linear_int8_part(const float* x, const int8_t* w, const float* scale, const float* bias,
+                                    float* y, int64_t m, int64_t n, int64_t k, int64_t part, int64_t parts) {
+  run_part(kernel_isa().i8, Problem<int8_t>{x, w, scale, bias, y, m, n, k}, part, parts);
+}
+
 extern "C" {
 
 // The instruction set the kernels run with on this CPU: "avx512", "avx2" or "portable".
-const char* strata_small_linear_isa() { return chosen_isa().name; }
+const char* strata_small_linear_isa() { return kernel_isa().name; }
 
 // x [m, k], w [n, k], bias [n] or null, y [m, n]: all contiguous float32, y not aliasing the others.
 void strata_small_linear(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t n,
                          int64_t k) {
-  run(chosen_isa().f32, Problem<float>{x, w, nullptr, bias, y, m, n, k});
+  run(kernel_isa().f32, Problem<float>{x, w, nullptr, bias, y, m, n, k});
 }
 
 // As strata_small_linear with w [n, k] int8 and y = (x . w^T) * scale[n] + bias: scale float32 [n].
 void strata_small_linear_int8(const float* x, const int8_t* w, const float* scale, const float* bias, float* y,
                               int64_t m, int64_t n, int64_t k) {
-  run(chosen_isa().i8, Problem<int8_t>{x, w, scale, bias, y, m, n, k});
+  run(kernel_isa().i8, Problem<int8_t>{x, w, scale, bias, y, m, n, k});
 }
 }

@@ -1,0 +1,31 @@
+// The kernels' entry points that decode_stack.cpp calls from inside its own parallel region: each
+// does the share `part` of `parts` of its work on the calling thread, with no parallel region of its
+// own, and splits the work exactly as its extern "C" twin does, so both give the same bits.
+
+#pragma once
+
+#include <cstdint>
+
+namespace strata {
+
+// strata_small_linear / strata_small_linear_int8 for output rows of tile share `part` of `parts`.
+void small_linear_part(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t n,
+                       int64_t k, int64_t part, int64_t parts);
+void small_linear_int8_part(const float* x, const int8_t* w, const float* scale, const float* bias, float* y,
+                            int64_t m, int64_t n, int64_t k, int64_t part, int64_t parts);
+
+// strata_paged_decode_attention for the (sequence, kv head) tasks of share `part` of `parts`.
+void paged_decode_attention_part(const float* q, float* keys, float* values, const int64_t* tables,
+                                 const int32_t* lens, float* out, int64_t batch, int64_t q_stride, int64_t heads,
+                                 int64_t kv_heads, int64_t dim, int64_t block_size, int64_t table_width, float scale,
+                                 const float* new_k, const float* new_v, int64_t new_stride, const int64_t* slots,
+                                 int64_t part, int64_t parts);
+
+// The [begin, end) of share `part` when `count` items are cut into `parts` near-equal shares.
+inline void share(int64_t count, int64_t part, int64_t parts, int64_t* begin, int64_t* end) {
+  const int64_t each = (count + parts - 1) / parts;
+  *begin = part * each < count ? part * each : count;
+  *end = *begin + each < count ? *begin + each : count;
+}
+
+}  // namespace strata
