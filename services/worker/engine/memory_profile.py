@@ -121,15 +121,20 @@ def _run(loaded: LoadedModel, config: EngineConfig, step: ScheduledBatch, *, gra
 
 
 def weights_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every tensor in the model's state (quantized modules keep theirs packed in tuples)."""
-    return sum(_tensor_bytes(value) for value in model.state_dict().values())
+    """Bytes of every tensor in the model's state, each once: quantized modules keep theirs packed in
+    tuples, and a tied vocabulary projection's state names the embedding's own tensor again."""
+    seen: set[int] = set()
+    return sum(_tensor_bytes(value, seen) for value in model.state_dict().values())
 
 
-def _tensor_bytes(value: object) -> int:
+def _tensor_bytes(value: object, seen: set[int]) -> int:
     if isinstance(value, torch.Tensor):
+        if value.data_ptr() in seen:
+            return 0
+        seen.add(value.data_ptr())
         return value.numel() * value.element_size()
     if isinstance(value, tuple | list):
-        return sum(_tensor_bytes(item) for item in value)
+        return sum(_tensor_bytes(item, seen) for item in value)
     return 0
 
 
