@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-prefix-routing bench-peer bench-grammar-libs bench-grammar bench-outputs reliability chaos run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-prefix-routing bench-peer bench-neighbour bench-grammar-libs bench-grammar bench-outputs reliability chaos run clean
 
 setup: $(STAMP)
 
@@ -100,6 +100,10 @@ bench-prefix-routing: setup model
 # into ~/.cache/strata/peer ($$STRATA_PEER_CACHE); later runs reuse it. Not part of CI.
 bench-peer: setup model
 	$(BIN)/python -m bench.peer --json bench/results/peer-cpu.json
+
+# One stream of the primary next to a busy int8 fallback, the native decode stack on and off, alternated.
+bench-neighbour: setup model
+	$(BIN)/python -m bench.busy_neighbour --json bench/results/busy-neighbour-cpu.json
 
 # Which grammar library: llguidance (the dependency) against xgrammar, installed for this run alone into
 # build/xgrammar without its requirements (triton among them): dependencies, sizes, compile and mask times.

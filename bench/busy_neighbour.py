@@ -1,4 +1,4 @@
-"""`python -m bench.busy_neighbour`: one stream of the primary next to a busy fallback, decode stack on and off.
+"""`python -m bench.busy_neighbour`: one stream of the primary, alone or next to a busy fallback.
 
 The native decode stack (services/worker/model/decode_stack.py) keeps torch's threads spinning on its
 own barrier between a step's kernels, then yields the core. Spinning is what collapsed the primary
@@ -6,7 +6,7 @@ next to a busy fallback when the whole process ran OMP_WAIT_POLICY=ACTIVE (bench
 fallback-cpu.json), so this measures that case: the float32 primary at 2 threads under PASSIVE, as
 configs/local.yaml runs it, generating one stream of `--requests` requests back to back, with the
 dynamic-int8 fallback at 1 thread in a process of its own looping 16-request generates the whole
-time (or absent, for reference). Conditions alternate within each of `--runs` rounds; a fresh
+time, or absent. Conditions alternate within each of `--runs` rounds; a fresh
 neighbour starts for each busy condition. It only measures; it decides nothing.
 """
 
@@ -26,7 +26,7 @@ from bench.stats import describe_machine, save_record
 # The primary's process runs with the workers' default policy; OpenMP reads it once, at torch's load.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-CONDITIONS = ("alone, stack on", "busy neighbour, stack on", "busy neighbour, stack off")
+CONDITIONS = ("alone, stack on", "alone, stack off", "busy neighbour, stack on", "busy neighbour, stack off")
 NEIGHBOUR = """
 import sys, torch
 torch.set_num_threads(1)
@@ -106,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         "workload": f"{args.requests} requests of 64 prompt + 64 new tokens, one at a time, greedy",
         "runs_tok_s": runs,
         "median_tok_s": medians,
-        "stack_on_vs_off_next_to_busy": medians[CONDITIONS[1]] / medians[CONDITIONS[2]],
-        "busy_vs_alone_stack_on": medians[CONDITIONS[1]] / medians[CONDITIONS[0]],
+        "stack_on_vs_off_alone": medians[CONDITIONS[0]] / medians[CONDITIONS[1]],
+        "stack_on_vs_off_next_to_busy": medians[CONDITIONS[2]] / medians[CONDITIONS[3]],
+        "busy_vs_alone_stack_on": medians[CONDITIONS[2]] / medians[CONDITIONS[0]],
     }
     for name in CONDITIONS:
         print(f"{name:28} {medians[name]:6.1f} tok/s  runs {', '.join(f'{v:.1f}' for v in runs[name])}")

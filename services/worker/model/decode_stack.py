@@ -4,9 +4,11 @@ At one to small_linear.MAX_ROWS decodes on the CPU in float32, a step's kernels 
 the memory's bandwidth, and what is left is Python: about ten calls, allocations and ctypes crossings
 per layer. This module owns the choice to skip them (a decode-only step of at most MAX_ROWS rows, on
 a model whose every layer the native path can run) and the ctypes views of the layers' weights and
-cache it passes, built once per model and cache and reused every step. The native stack calls the
-same kernels in the same order as the per-operator path in layers.py, so both give the same bits;
-it must not change any arithmetic, and it must not hold tensors beyond the views of the model's own.
+cache it passes, built once per model and cache and reused every step. The views hold a reference to
+every tensor they point to, so none can be freed (and its address reused) under them; a model's
+weights must not be replaced after its first step. The native stack calls the same kernels in the
+same order as the per-operator path in layers.py, so both give the same bits; it must not change any
+arithmetic.
 """
 
 from __future__ import annotations
@@ -71,8 +73,9 @@ class _Step(ctypes.Structure):
     )
 
 
-def _projection(module: nn.Module) -> _Projection | None:
-    """The native view of one projection, or None when the native stack cannot run it."""
+def _projection(module: nn.Module, held: list[Tensor]) -> _Projection | None:
+    """The native view of one projection (its tensors added to `held`), or None when the native stack
+    cannot run it."""
     weight: Tensor
     scale: Tensor | None
     bias: Tensor | None
@@ -90,6 +93,7 @@ def _projection(module: nn.Module) -> _Projection | None:
         (torch.int8, torch.float32),
     ):
         return None
+    held.extend(tensors)
     return _Projection(
         weight.data_ptr(),
         scale.data_ptr() if scale is not None else None,
@@ -99,19 +103,25 @@ def _projection(module: nn.Module) -> _Projection | None:
     )
 
 
-def _norm(module: nn.Module) -> int | None:
+def _norm(module: nn.Module, held: list[Tensor]) -> int | None:
     if not isinstance(module, RMSNorm) or module.weight.dtype != torch.float32:
         return None
-    return module.weight.data_ptr() if module.weight.is_contiguous() else None
+    if not module.weight.is_contiguous():
+        return None
+    held.append(module.weight)
+    return module.weight.data_ptr()
 
 
 class NativeDecodeStack:
-    """The native views of one model's layers over one KV cache."""
+    """The native views of one model's layers over one KV cache, and the tensors they point to."""
 
-    def __init__(self, config: ModelConfig, layers: list[_Layer], final_norm: int) -> None:
+    def __init__(
+        self, config: ModelConfig, layers: list[_Layer], final_norm: int, held: list[Tensor]
+    ) -> None:
         self.config = config
         self.layers = (_Layer * len(layers))(*layers)
         self.final_norm = final_norm
+        self.held = held
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, config: ModelConfig, cache: KVCache) -> NativeDecodeStack | None:
@@ -120,7 +130,8 @@ class NativeDecodeStack:
             return None
         if not all(t.is_contiguous() for t in (*cache.keys, *cache.values)):
             return None
-        final_norm = _norm(model.norm)
+        held: list[Tensor] = [*cache.keys, *cache.values]
+        final_norm = _norm(model.norm, held)
         layers: list[_Layer] = []
         for index, layer in enumerate(model.layers):
             if (
@@ -130,15 +141,15 @@ class NativeDecodeStack:
                 return None
             attention, mlp = layer.self_attn, layer.mlp
             modules = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            projections = [_projection(module) for module in modules]
-            norms = (_norm(layer.input_layernorm), _norm(layer.post_attention_layernorm))
+            projections = [_projection(module, held) for module in modules]
+            norms = (_norm(layer.input_layernorm, held), _norm(layer.post_attention_layernorm, held))
             if any(p is None for p in projections) or None in norms:
                 return None
             keys, values = cache.layer(index)
             layers.append(_Layer(*norms, *projections, keys.data_ptr(), values.data_ptr()))
         if final_norm is None:
             return None
-        return cls(config, layers, final_norm)
+        return cls(config, layers, final_norm, held)
 
     def run(
         self, kernels: native.Library, residual: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata

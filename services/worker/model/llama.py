@@ -4,7 +4,9 @@ This module owns the model's forward pass for one engine step: a flat list of to
 sequences (decode tokens and prefill chunks together), their positions, and the attention metadata
 that says where each reads and writes the KV cache. `forward` returns final-normed hidden states;
 `compute_logits` projects only the rows the caller selects, since the vocabulary projection is the
-largest single matmul of a decode step. It must not read files (the loader does) nor sample.
+largest single matmul of a decode step. A decode-only step of a few rows on the CPU runs all its
+layers in one native call (decode_stack.py), with the same results as the layer-by-layer loop.
+It must not read files (the loader does) nor sample.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # (cache key, views of the layers for decode_stack or None where it cannot run), built at the
-        # first step that could use them and rebuilt when the cache changes.
+        # first step that could use them and rebuilt when the cache changes. The views hold the old
+        # cache's tensors, so a new cache never reuses their addresses and the key cannot collide.
         self._native_stack: tuple[int, decode_stack.NativeDecodeStack | None] | None = None
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
