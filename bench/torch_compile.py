@@ -37,6 +37,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    from torch._dynamo.utils import counters
+
     from services.worker.model import native
     from services.worker.model.attention import AttentionMetadata
     from services.worker.model.kv_cache import KVCache
@@ -105,12 +107,16 @@ def main(argv: list[str] | None = None) -> int:
             name: tokens == outputs["native decode stack"] for name, tokens in outputs.items()
         },
         "compiled_tokens_match_first_run": compiled_tokens == outputs["torch.compile, torch's operators"],
+        # How much of the step Dynamo captured: graphs compiled, and the breaks between them by reason.
+        "dynamo_unique_graphs": counters["stats"]["unique_graphs"],
+        "dynamo_graph_breaks": dict(counters["graph_break"]),
     }
     for name in contestants:
         print(
             f"{name:34} {medians[name]:6.2f} ms a step  runs {', '.join(f'{v:.2f}' for v in per_step[name])}"
         )
-    print(f"compile and first run: {compile_seconds:.1f} s")
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    print(f"compile and first run: {compile_seconds:.1f} s; {graphs} graphs, {breaks} breaks")
     save_record(record, args.json)
     return 0
 
