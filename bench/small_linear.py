@@ -36,7 +36,7 @@ LAYERS = 30
 LM_HEAD = (49152, 576)
 
 
-def _weights(seed: int) -> list[torch.Tensor]:
+def decode_weights(seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     shapes = [shape for _ in range(LAYERS) for shape in LAYER_SHAPES] + [LM_HEAD]
     return [torch.randn(shape, generator=gen) * 0.02 for shape in shapes]
@@ -63,7 +63,7 @@ def _contestants(weights: list[torch.Tensor], m: int) -> dict[str, Callable[[], 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
-    weights = _weights(args.seed)
+    weights = decode_weights(args.seed)
     total_bytes = sum(w.numel() * w.element_size() for w in weights)
     results: dict[str, Any] = {}
     with torch.inference_mode():
