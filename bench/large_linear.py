@@ -11,21 +11,20 @@ bytes each packed copy would add next to the stored weights. It only measures; t
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from bench.small_linear import decode_weights
+from bench.small_linear import decode_weights, parse_args, time_alternated
 from bench.stats import describe_machine, save_record
 
 if TYPE_CHECKING:
+    import argparse
     from collections.abc import Callable
 
 
@@ -62,14 +61,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with torch.inference_mode():
         for m in args.rows:
             calls, extra = _contestants(weights, m)
-            samples: dict[str, list[float]] = {name: [] for name in calls}
-            for call in calls.values():
-                call()  # warm: page faults, allocator, kernel choice
-            for _ in range(args.runs):
-                for name, call in calls.items():
-                    started = time.perf_counter()
-                    call()
-                    samples[name].append(time.perf_counter() - started)
+            samples = time_alternated(calls, args.runs)
             flop = sum(2 * m * w.numel() for w in weights)
             row: dict[str, Any] = {
                 name: {
@@ -95,13 +87,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.large_linear", description=__doc__.split("\n")[0])
-    p.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=[16, 64])
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path)
-    args = p.parse_args(argv)
+    args = parse_args("bench.large_linear", __doc__, [16, 64], argv)
     record = run(args)
     save_record(record, args.json)
     weights_mib = record["weight_bytes"] / 2**20

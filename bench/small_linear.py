@@ -61,6 +61,31 @@ def _contestants(weights: list[torch.Tensor], m: int) -> dict[str, Callable[[], 
     return {"f_linear": stored, "transposed_copy": transposed_copy, "native": kernel}
 
 
+def parse_args(module: str, doc: str | None, rows: list[int], argv: list[str] | None) -> argparse.Namespace:
+    """The options this benchmark and bench.large_linear share: rows, rounds, threads, seed, record."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=(doc or "").split("\n")[0])
+    p.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=rows)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path)
+    return p.parse_args(argv)
+
+
+def time_alternated(calls: dict[str, Callable[[], None]], runs: int) -> dict[str, list[float]]:
+    """Each call once untimed (page faults, allocator, kernel choice), then `runs` rounds of all of them
+    in turn: every call's seconds per round."""
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for call in calls.values():
+        call()
+    for _ in range(runs):
+        for name, call in calls.items():
+            started = time.perf_counter()
+            call()
+            samples[name].append(time.perf_counter() - started)
+    return samples
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     weights = decode_weights(args.seed)
@@ -68,15 +93,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
     with torch.inference_mode():
         for m in args.rows:
-            runs = _contestants(weights, m)
-            samples: dict[str, list[float]] = {name: [] for name in runs}
-            for call in runs.values():
-                call()  # warm: page faults, allocator, kernel choice
-            for _ in range(args.runs):
-                for name, call in runs.items():
-                    started = time.perf_counter()
-                    call()
-                    samples[name].append(time.perf_counter() - started)
+            samples = time_alternated(_contestants(weights, m), args.runs)
             results[str(m)] = {
                 name: {
                     "ms": statistics.median(values) * 1e3,
@@ -103,13 +120,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.small_linear", description=__doc__.split("\n")[0])
-    p.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 4, 8, 16, 64])
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path)
-    args = p.parse_args(argv)
+    args = parse_args("bench.small_linear", __doc__, [1, 2, 4, 8, 16, 64], argv)
     record = run(args)
     save_record(record, args.json)
     header = f"{'M':>4} {'F.linear ms':>12} {'x @ w_t ms':>11} {'native ms':>10} {'native GB/s':>12}"
