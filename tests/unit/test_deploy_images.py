@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "deploy" / "docker"
 DOCKERFILES = sorted(DOCKER.glob("Dockerfile*"))
 HADOLINT = Path(sys.executable).parent / "hadolint"
-BUILD_TOOLS = re.compile(r"\b(gcc|g\+\+|clang|build-essential|cmake|make|python3-dev)\b")
+# Lookarounds, not \b: "g++=4:12.2.0-3" (a pinned install) has no word boundary after "++".
+BUILD_TOOLS = re.compile(r"(?<![\w.-])(gcc|g\+\+|clang|build-essential|cmake|make|python3-dev)(?![\w+-])")
 EXACT_VERSION = re.compile(r"\d+\.\d+\.\d+")
 PIP_VALUE_OPTIONS = {"-c", "--constraint", "-r", "--requirement", "--index-url", "--extra-index-url"}
 
@@ -178,6 +179,21 @@ def test_worker_variants_pin_the_projects_torch_and_set_omp_passive() -> None:
         env = " ".join(chain_instructions(chain, "ENV"))
         assert "OMP_WAIT_POLICY=PASSIVE" in env, f"{name}: two CPU workers would spin on each other's cores"
         assert copied_from(chain[-1]) == {f"builder-{name}"}, f"{name} must take its own variant's venv"
+
+
+def test_the_cpu_worker_carries_native_kernels_built_in_its_builder_stage() -> None:
+    """The final CPU image has no compiler, so the kernels are built where one is and copied over, to
+    the directory the worker looks in; without them it would serve through torch's operators."""
+    parsed = stages(DOCKER / "Dockerfile.worker")
+    builder_runs = chain_instructions([parsed["builder-cpu"]], "RUN")
+    build = next(run for run in builder_runs if "services.worker.model.native" in run)
+    cache = re.search(r"STRATA_KERNEL_CACHE=(\S+)", build)
+    assert cache is not None, f"the kernel build names no cache directory: {build}"
+    assert any(BUILD_TOOLS.search(run) for run in builder_runs), "the builder stage installs no compiler"
+    copies = [args for kw, args in parsed["cpu"].instructions if kw == "COPY"]
+    assert f"--from=builder-cpu {cache.group(1)} {cache.group(1)}" in copies
+    env = " ".join(args for kw, args in parsed["cpu"].instructions if kw == "ENV")
+    assert f"STRATA_KERNEL_CACHE={cache.group(1)}" in env
 
 
 def dockerignore_excludes(patterns: list[str], path: str) -> bool:
