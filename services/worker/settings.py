@@ -37,7 +37,8 @@ class WorkerSettings(ServiceSettings):
     """auto: float32 on cpu, bfloat16 on cuda."""
     quantization: Literal["none", "int8", "nf4", "dynamic-int8"] = "none"
     """Weights of the decoder's projections: int8 or nf4 (bitsandbytes; the GPU path, nf4 being the GPU
-    fallback), or dynamic-int8 (torch's dynamic quantization, CPU and float32 only: the CPU fallback)."""
+    fallback), or dynamic-int8 (torch's dynamic quantization, with weight-only int8 copies for small
+    batches; CPU and float32 only: the CPU fallback)."""
     engine: EngineConfig = Field(default_factory=EngineConfig)
     """The continuous-batching engine's settings."""
     max_requests: int | None = None
