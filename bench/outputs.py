@@ -27,11 +27,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.stats import DEFAULT_MODEL, ParityReport, check_parity, describe_machine, make_prompts, save_record
 from gateway.samples import sample_seed
 from services.worker.engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 DEFAULT_JSON = {
     "logprobs": Path("bench/results/outputs-logprobs-cpu.json"),
@@ -164,16 +167,32 @@ def _spread(values: list[float]) -> dict[str, Any]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
 
 
+def _alternate(
+    contestants: tuple[str, ...],
+    runs: int,
+    play: Callable[[str], dict[str, Any]],
+    show: Callable[[str, dict[str, Any]], str],
+) -> dict[str, list[dict[str, Any]]]:
+    """Round 0 (the warm-up, not kept) then `runs` rounds, each playing every contestant in turn."""
+    results: dict[str, list[dict[str, Any]]] = {c: [] for c in contestants}
+    for round_ in range(runs + 1):
+        for contestant in contestants:
+            found = play(contestant)
+            if round_:
+                results[contestant].append(found)
+            print(f"{show(contestant, found)} (round {round_})", file=sys.stderr)
+    return results
+
+
 def run_logprobs(bench: Bench, runs: int) -> tuple[dict[str, Any], bool]:
     args = bench.args
     prompts = make_prompts(args.requests, args.prompt_tokens, bench.vocab, bench.excluded, seed=0)
-    results: dict[str, list[dict[str, Any]]] = {c: [] for c in LOGPROB_CONTESTANTS}
-    for round_ in range(runs + 1):  # round 0 is the warm-up
-        for contestant in LOGPROB_CONTESTANTS:
-            found = logprobs_round(bench, contestant, prompts)
-            if round_:
-                results[contestant].append(found)
-            print(f"logprobs {contestant} round {round_}: {found['tokens_per_s']:.1f} tok/s", file=sys.stderr)
+    results = _alternate(
+        LOGPROB_CONTESTANTS,
+        runs,
+        lambda contestant: logprobs_round(bench, contestant, prompts),
+        lambda contestant, found: f"logprobs {contestant}: {found['tokens_per_s']:.1f} tok/s",
+    )
     reference = results["plain"][0]["outputs"]
     same = all(r["outputs"] == reference for rs in results.values() for r in rs)
     parity = _parity(bench, prompts, reference)
@@ -202,13 +221,12 @@ def run_logprobs(bench: Bench, runs: int) -> tuple[dict[str, Any], bool]:
 def run_samples(bench: Bench, runs: int) -> tuple[dict[str, Any], bool]:
     args = bench.args
     (prompt,) = make_prompts(1, args.sample_prompt_tokens, bench.vocab, bench.excluded, seed=1)
-    results: dict[str, list[dict[str, Any]]] = {c: [] for c in SAMPLE_CONTESTANTS}
-    for round_ in range(runs + 1):
-        for contestant in SAMPLE_CONTESTANTS:
-            found = samples_round(bench, contestant, prompt)
-            if round_:
-                results[contestant].append(found)
-            print(f"samples {contestant} round {round_}: {found['wall_s']:.2f} s", file=sys.stderr)
+    results = _alternate(
+        SAMPLE_CONTESTANTS,
+        runs,
+        lambda contestant: samples_round(bench, contestant, prompt),
+        lambda contestant, found: f"samples {contestant}: {found['wall_s']:.2f} s",
+    )
     reference = results["separate8"][0]["outputs"]
     same = all(r["outputs"] == reference for rs in results.values() for r in rs)
     walls = {c: [r["wall_s"] for r in results[c]] for c in SAMPLE_CONTESTANTS}
