@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from services.worker.model import native
-from services.worker.model.small_linear import MAX_ROWS
+from services.worker.model.small_linear import small_batch
 
 # Symmetric int8: the largest magnitude of each row maps to 127, zero stays zero.
 _INT8_MAX = 127.0
@@ -72,11 +72,4 @@ class SmallBatchInt8(nn.Module):
         return out
 
     def _applies(self, x: Tensor) -> bool:
-        return (
-            x.device.type == "cpu"
-            and x.dim() == 2
-            and 0 < x.shape[0] <= MAX_ROWS
-            and x.dtype == torch.float32
-            and self.weight_int8.device.type == "cpu"
-            and not (torch.is_grad_enabled() and x.requires_grad)
-        )
+        return small_batch(x) and self.weight_int8.device.type == "cpu"

@@ -20,15 +20,24 @@ from services.worker.model import native
 MAX_ROWS = 8
 
 
-def _applies(x: Tensor, weight: Tensor) -> bool:
+def small_batch(x: Tensor) -> bool:
+    """Whether x is what the native small-batch kernels take: [M, K] float32 on the CPU, 0 < M <=
+    MAX_ROWS, outside autograd (small_int8.py asks the same of its input)."""
     return (
         x.device.type == "cpu"
         and 0 < x.shape[0] <= MAX_ROWS
         and x.dim() == 2
         and x.dtype == torch.float32
+        and not (torch.is_grad_enabled() and x.requires_grad)
+    )
+
+
+def _applies(x: Tensor, weight: Tensor) -> bool:
+    return (
+        small_batch(x)
         and weight.dtype == torch.float32
         and weight.is_contiguous()
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and not (torch.is_grad_enabled() and weight.requires_grad)
     )
 
 
