@@ -3,6 +3,9 @@ gateway, in-process on ephemeral ports, on one event loop in a background thread
 
 It starts, breaks and stops servers and answers what the engines alone would generate; it holds no
 tests and asserts nothing about fallback itself (that is tests/integration/test_fallback.py's job).
+Both routes start from tests/route_defaults.py's NO_SLO_ROUTE (no TTFT SLO, queue bounds no burst
+fills), so no request moves to the fallback, or is refused, for the machine's speed; a test of
+fallback under load passes the limits it saturates.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from services.worker.settings import WorkerSettings
 from strata.v1 import gateway_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 from tests.integration.loop_thread import ServerStack
 from tests.polling import wait_for
+from tests.route_defaults import harness_route
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -98,8 +102,8 @@ class Stack(ServerStack):
                 "listen": "127.0.0.1:0",
                 "tokenizer_address": self.tokenizer_address,
                 "routes": [
-                    {"model": PRIMARY, "workers": [primary_address], "fallback": name, **route},
-                    {"model": name, "workers": [fallback.address]},
+                    harness_route(PRIMARY, workers=[primary_address], fallback=name, **route),
+                    harness_route(name, workers=[fallback.address]),
                 ],
             }
         )

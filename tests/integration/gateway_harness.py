@@ -1,6 +1,10 @@
 """The gateway tests' in-process stack: a real tokenizer service, workers and gateways on one event
 loop in a background thread (a ServerStack), with blocking clients, plus the small request helpers
 the tests share.
+
+Its gateways' routes carry tests/route_defaults.py's NO_SLO_ROUTE: no TTFT SLO and queue bounds no
+test's burst fills, so a correctness test is never refused for the machine's speed; a test about
+admission passes its own `ttft_slo_ms` and queue bounds in `route`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from strata.v1 import (
     worker_pb2_grpc,
 )
 from tests.integration.loop_thread import ServerStack
+from tests.route_defaults import harness_route
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -69,7 +74,7 @@ class Stack(ServerStack):
             {
                 "listen": "127.0.0.1:0",
                 "tokenizer_address": tokenizer,
-                "routes": [{"model": "tiny", "workers": [worker], **(route or {})}],
+                "routes": [harness_route("tiny", workers=[worker], **(route or {}))],
                 "max_message_bytes": MAX_MESSAGE_BYTES,
                 "reconnect_backoff_max_s": 0.5,
                 "overload_retry_after_s": RETRY_AFTER_S,

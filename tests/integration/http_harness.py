@@ -5,7 +5,9 @@ of them.
 The worker's engine sleeps a little before each step (fault injection, test mode only) so that a
 long generation lasts long enough for a client to walk away from it; it holds few credits so that
 further requests wait in the gateway's queue. Two API keys: the default tenant's, and a tenant
-limited to one request at a time (for 429s whose retry hint is known: 1 s).
+limited to one request at a time (for 429s whose retry hint is known: 1 s). The route carries
+tests/route_defaults.py's NO_SLO_ROUTE (no TTFT SLO, queue bounds no burst fills): a request that
+waits for a credit queues, however slow the machine, instead of being refused on its forecast.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from services.worker.server import start as start_worker
 from services.worker.settings import WorkerSettings
 from strata.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.integration.loop_thread import ServerStack
+from tests.route_defaults import harness_route
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -91,7 +94,7 @@ class HttpStack(ServerStack):
             "listen": "127.0.0.1:0",
             "http_listen": "127.0.0.1:0",
             "tokenizer_address": tokenizer.address,
-            "routes": [{"model": model, "workers": [worker.address], "ttft_slo_ms": 0}],
+            "routes": [harness_route(model, workers=[worker.address])],
             "max_message_bytes": MAX_BODY,
             "api_keys": [KEY],
             "tenants": [{"name": "tight", "api_keys": [TIGHT_KEY], "max_concurrent_requests": 1}],

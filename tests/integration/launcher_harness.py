@@ -1,5 +1,9 @@
 """What the tests of the launcher and of `strata up` share: a one-model stack config on the tiny
-model, and whether processes have ended."""
+model, and whether processes have ended.
+
+The config's route carries tests/route_defaults.py's NO_SLO_ROUTE (no TTFT SLO, queue bounds no
+burst fills): a stack started for a correctness test refuses nothing for the machine's speed.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import psutil
 import yaml
 
 from tests.polling import poll
+from tests.route_defaults import harness_route
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -28,7 +33,12 @@ def write_tiny_config(path: Path, model_dir: Path, **worker_overrides: object) -
     config = {
         "tokenizer": {"listen": "127.0.0.1:0", "models": {"tiny": str(model_dir)}},
         "workers": [worker],
-        "gateway": {"listen": "127.0.0.1:0", "http_listen": "127.0.0.1:0", "default_model": "tiny"},
+        "gateway": {
+            "listen": "127.0.0.1:0",
+            "http_listen": "127.0.0.1:0",
+            "default_model": "tiny",
+            "routes": [harness_route("tiny")],
+        },
     }
     path.write_text(yaml.safe_dump(config))
     return path

@@ -1,6 +1,7 @@
 """The TLS tests' stack and certificates: made at test time with the openssl command, a CA, a server
 certificate, a gateway client certificate and a rogue one, and the three services in-process with TLS
-on every hop. It holds no test and no assertion about security (test_security.py does).
+on every hop. It holds no test and no assertion about security (test_security.py does). The route
+carries tests/route_defaults.py's NO_SLO_ROUTE: no refusal for the machine's speed.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from services.worker.server import start as start_worker
 from services.worker.settings import WorkerSettings
 from strata.tracing import Tracing
 from tests.integration.loop_thread import LoopThread
+from tests.route_defaults import harness_route
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -87,7 +89,7 @@ class SecureStack:
                         "http_listen": "127.0.0.1:0",
                         "tls": server_tls,
                         "tokenizer_address": self.tokenizer.address,
-                        "routes": [{"model": "tiny", "workers": [self.worker.address]}],
+                        "routes": [harness_route("tiny", workers=[self.worker.address])],
                         "internal_tls": {
                             "ca_file": certs["ca"],
                             "cert_file": certs["client"],

@@ -37,6 +37,7 @@ from strata.tracing import Tracing
 from strata.v1 import common_pb2, gateway_pb2, worker_pb2
 from tests.integration.admission_harness import MODELS, WAIT_S, engine_config, set_step_delay, worker_settings
 from tests.polling import seconds_until_async, wait_for_async
+from tests.route_defaults import NO_SLO_ROUTE
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -48,7 +49,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class Scene:
-    """A tokenizer service, workers, and one Router over them, on the running loop."""
+    """A tokenizer service, workers, and one Router over them, on the running loop; the route starts from
+    NO_SLO_ROUTE (tests/route_defaults.py: nothing refused for the machine's speed)."""
 
     def __init__(self, model_dir: Path) -> None:
         self.model_dir = model_dir
@@ -73,7 +75,11 @@ class Scene:
 
     async def router(self, route: dict[str, Any], resolver: Callable[..., Any] = resolve) -> Router:
         settings = GatewaySettings.build(
-            {"tokenizer_address": self.tokenizer_address, "routes": [route], "reconnect_backoff_max_s": 0.5}
+            {
+                "tokenizer_address": self.tokenizer_address,
+                "routes": [{**NO_SLO_ROUTE, **route}],
+                "reconnect_backoff_max_s": 0.5,
+            }
         )
         client = TokenizerClient(settings, lambda: None)
         client.start()

@@ -155,9 +155,7 @@ def test_hundreds_of_concurrent_streams_all_complete(gateway_env: Env, tiny_serv
     with its deltas, a stream's tokens equal a unary call's for the same prompt, and no KV block leaks."""
     engine = {"num_blocks": 512, "max_num_seqs": 64, "max_num_batched_tokens": 512}
     worker = gateway_env.stack.start_worker(tiny_serving_dir, max_requests=256, engine=engine)
-    # No TTFT SLO: the forecast would rightly refuse part of a 256-stream burst on a slow machine, and
-    # this test is about every admitted stream completing, not about admission.
-    gateway = gateway_env.stack.start_gateway(gateway_env.tokenizer_address, worker, route={"ttft_slo_ms": 0})
+    gateway = gateway_env.stack.start_gateway(gateway_env.tokenizer_address, worker)
     count, new_tokens = 256, 8
 
     async def run_all() -> list[tuple[list[int], str, gateway_pb2.GenerateResponse]]:

@@ -24,6 +24,7 @@ from gateway.server import start as start_gateway
 from gateway.settings import GatewaySettings
 from tests.integration.http_harness import CREDITS, KEY, MODEL, HttpStack
 from tests.polling import wait_for
+from tests.route_defaults import harness_route
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -170,7 +171,7 @@ def _settings(stack: HttpStack, worker: str) -> GatewaySettings:
             "listen": "127.0.0.1:0",
             "http_listen": "127.0.0.1:0",
             "tokenizer_address": stack.servers[0].address,
-            "routes": [{"model": MODEL, "workers": [worker], "ttft_slo_ms": 0}],
+            "routes": [harness_route(MODEL, workers=[worker])],
             "reconnect_backoff_max_s": 0.5,
         }
     )

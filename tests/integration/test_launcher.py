@@ -23,6 +23,7 @@ from strata.cli.stack_config import route_options, routes_json, worker_env
 from strata.client import StrataClient
 from strata.settings import SettingsError
 from tests.integration.launcher_harness import gone, write_tiny_config
+from tests.route_defaults import harness_route
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -103,7 +104,7 @@ def test_primary_and_int8_fallback_run_side_by_side(tmp_path: Path, tiny_serving
     }
     config["workers"].append(fallback)
     config["tokenizer"]["models"]["tiny-int8"] = str(tiny_serving_dir)
-    config["gateway"]["routes"] = [{"model": "tiny", "fallback": "tiny-int8"}]
+    config["gateway"]["routes"] = [harness_route("tiny", fallback="tiny-int8"), harness_route("tiny-int8")]
     path.write_text(yaml.safe_dump(config))
     with start_stack(path, log_dir=tmp_path / "logs", ready_timeout_s=300) as stack:
         assert stack.worker_models == ("tiny", "tiny-int8")

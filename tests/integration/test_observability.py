@@ -21,6 +21,7 @@ from strata.cli.launcher import start_stack
 from strata.otlp_receiver import OtlpReceiver, ReceivedSpan
 from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.polling import wait_for
+from tests.route_defaults import harness_route
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -76,8 +77,12 @@ def stack(
         "gateway": {
             "listen": "127.0.0.1:0",
             "default_model": PRIMARY,
-            # No TTFT SLO: a request behind the 200-token holder must queue, not be refused on its forecast.
-            "routes": [{"model": PRIMARY, "fallback": FALLBACK, "max_queued_requests": 1, "ttft_slo_ms": 0}],
+            # No TTFT SLO: a request behind the 200-token holder must queue, not be refused on its forecast;
+            # one queued request at most, so the next is refused (queue_full) or sent to the fallback.
+            "routes": [
+                harness_route(PRIMARY, fallback=FALLBACK, max_queued_requests=1),
+                harness_route(FALLBACK),
+            ],
         },
     }
     path = directory / "stack.yaml"

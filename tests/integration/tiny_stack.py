@@ -1,6 +1,8 @@
 """One tiny stack in-process for a test's own event loop: the real tokenizer service, one worker (or
 several replicas on one route) and the gateway on 127.0.0.1:0, started in order and stopped gateway
-first however the test ends.
+first however the test ends. The route starts from tests/route_defaults.py's NO_SLO_ROUTE (no TTFT
+SLO, queue bounds no burst fills), so no request is refused for the machine's speed; `route` adds
+a test's own admission settings.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from services.tokenizer.server import start as start_tokenizer
 from services.tokenizer.settings import TokenizerSettings
 from services.worker.server import start as start_worker
 from services.worker.settings import WorkerSettings
+from tests.route_defaults import harness_route
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -71,7 +74,7 @@ async def tiny_stack(
         gateway_settings = {
             "listen": "127.0.0.1:0",
             "tokenizer_address": tokenizer.address,
-            "routes": [{"model": "tiny", "workers": [w.address for w in workers], **(route or {})}],
+            "routes": [harness_route("tiny", workers=[w.address for w in workers], **(route or {}))],
             **(gateway or {}),
         }
         running_gateway = await start_gateway(

@@ -6,6 +6,8 @@ alone with `python -m ... --config --announce-file`), serving the tiny model of 
 Every port is one the OS chose when the service bound port 0, read back from its announce file: a
 port picked here and bound later by a child could be taken in between.
 Every wait is bounded in time. This module must not assert a scenario's outcome; the tests do.
+A config's route starts from tests/route_defaults.py's NO_SLO_ROUTE (no TTFT SLO, queue bounds no
+burst fills): a scenario about admission or overload passes the limits it exercises in `route`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from strata.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from tests.route_defaults import harness_route
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -67,7 +70,7 @@ def write_config(
             "listen": "127.0.0.1:0",
             "default_model": MODEL,
             "reconnect_backoff_max_s": 0.5,
-            "routes": [{"model": MODEL, **(route or {})}],
+            "routes": [harness_route(MODEL, **(route or {}))],
             **(gateway or {}),
         },
     }

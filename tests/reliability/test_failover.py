@@ -30,6 +30,7 @@ from strata.cli.launcher import start_stack
 from strata.client import StrataClient
 from strata.retry import NO_RETRY
 from tests.polling import seconds_until
+from tests.route_defaults import harness_route
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -62,7 +63,7 @@ def write_config(path: Path, primary: Path, fallback: Path) -> Path:
         "gateway": {
             "listen": "127.0.0.1:0",
             "default_model": "tiny",
-            "routes": [{"model": "tiny", "fallback": "tiny-fb"}],
+            "routes": [harness_route("tiny", fallback="tiny-fb"), harness_route("tiny-fb")],
         },
     }
     path.write_text(yaml.safe_dump(config))

@@ -107,7 +107,6 @@ def test_sigterm_drains_under_load(
         worker={"drain_timeout_s": GRACE_S, "health_listen": "127.0.0.1:0"},
         gateway={"shutdown_grace_s": GRACE_S, "health_listen": "127.0.0.1:0"},
         tokenizer={"health_listen": "127.0.0.1:0"},
-        route={"ttft_slo_ms": 0},
     )
     grace = TOKENIZER_GRACE_S if victim == "tokenizer" else GRACE_S
     with start_stack(config, log_dir=tmp_path / "logs", ready_timeout_s=300) as stack:

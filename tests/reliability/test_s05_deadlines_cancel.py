@@ -54,7 +54,7 @@ def stack(tiny_serving_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         "enable_fault_injection": True,
         "fault_step_delay_s": STEP_DELAY_S,
     }
-    config = write_config(directory / "stack.yaml", tiny_serving_dir, engine=engine, route={"ttft_slo_ms": 0})
+    config = write_config(directory / "stack.yaml", tiny_serving_dir, engine=engine)
     with start_stack(config, log_dir=directory / "logs", ready_timeout_s=300) as running:
         yield running
 

@@ -30,6 +30,7 @@ from strata.v1 import common_pb2, gateway_pb2
 from tests.integration.gateway_harness import Stack
 from tests.polling import seconds_until
 from tests.reliability.harness import SERVING, health, worker_stats
+from tests.route_defaults import harness_route
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -230,7 +231,7 @@ def stack(tiny_serving_dir: Path) -> Iterator[FuzzStack]:
             {
                 "listen": "127.0.0.1:0",
                 "tokenizer_address": tokenizer,
-                "routes": [{"model": "tiny", "workers": [worker]}],
+                "routes": [harness_route("tiny", workers=[worker])],
                 "default_max_new_tokens": NEW_TOKENS,
                 "max_message_bytes": MIB,
             }

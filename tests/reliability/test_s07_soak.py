@@ -106,7 +106,7 @@ def test_soak_returns_to_the_initial_state(
 ) -> None:
     count = 5000 if full else 300
     engine = {"num_blocks": 256, "max_num_seqs": 16, "max_num_batched_tokens": 256}
-    config = write_config(tmp_path / "stack.yaml", tiny_serving_dir, engine=engine, route={"ttft_slo_ms": 0})
+    config = write_config(tmp_path / "stack.yaml", tiny_serving_dir, engine=engine)
     plan = _plan(count)
     warm_up = max(30, count // 10)
     with start_stack(config, log_dir=tmp_path / "logs", ready_timeout_s=300) as stack:

@@ -70,6 +70,7 @@ from tests.reliability.chaos_plan import (
 )
 from tests.reliability.chaos_soak import rss_growth, run_soak
 from tests.reliability.chaos_tokens import Answer, Reference, Rule, check_answers
+from tests.route_defaults import harness_route
 
 if TYPE_CHECKING:
     from tests.figures import Figure
@@ -147,7 +148,7 @@ def tiny_config(path: Path, primary: Path, fallback: Path) -> Path:
             "listen": "127.0.0.1:0",
             "default_model": "tiny",
             "reconnect_backoff_max_s": 0.5,
-            "routes": [{"model": "tiny", "fallback": "tiny-fb", "ttft_slo_ms": 0}],
+            "routes": [harness_route("tiny", fallback="tiny-fb"), harness_route("tiny-fb")],
         },
     }
     path.write_text(yaml.safe_dump(config))

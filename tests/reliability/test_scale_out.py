@@ -40,6 +40,7 @@ from strata.cli.launcher import start_stack
 from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.polling import announced_address, seconds_until
 from tests.reliability.harness import SERVING, health, prompt_ids, spawn_service, stop_process, worker_stats
+from tests.route_defaults import harness_route
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -113,7 +114,7 @@ def replicas(tiny_serving_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
             "workers": [_worker(tiny_serving_dir, f"{REPLICAS[1]}:{port}")],
             "gateway": {
                 "listen": "127.0.0.1:0",
-                "routes": [{"model": "tiny", "dns": f"{NAME}:{port}", "dns_refresh_s": 0.5}],
+                "routes": [harness_route("tiny", dns=f"{NAME}:{port}", dns_refresh_s=0.5)],
             },
         }
         path = directory / "stack.yaml"
