@@ -4,12 +4,12 @@
 with the OpenAI API's defaults (temperature 1, top_p 1, max_tokens from `http_default_max_tokens`
 capped by max_new_tokens_limit and the model's context) instead of the gRPC ones; `response_format`
 becomes the sampling's output constraint and `tools`/`tool_choice` the request's (openai_tools.py
-renders a conversation's earlier calls and answers). `Reply` builds the
-response objects of one request: the whole `chat.completion` or `text_completion`, each stream
-chunk, and the final chunk's `strata` extension (who served it and where the time went), plus the
-headers that say the same on a whole response. `http_param` names a pipeline error's field as the
-client sent it (`max_tokens`, not `sampling.max_new_tokens`). This module must not do I/O nor decide
-anything about admission: the pipeline validates and decides.
+renders a conversation's earlier calls and answers). `Reply` builds the response objects of one
+request: the whole `chat.completion` or `text_completion`, each stream chunk, the usage (with the
+prompt tokens the prefix cache served) and the final chunk's `strata` extension (who served it and
+where the time went), plus the headers that say the same on a whole response. `http_param` names a
+pipeline error's field as the client sent it (`max_tokens`, not `sampling.max_new_tokens`). This
+module must not do I/O nor decide anything about admission: the pipeline validates and decides.
 """
 
 from __future__ import annotations
@@ -224,9 +224,16 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
 
-def usage(final: gateway_pb2.GenerateResponse) -> dict[str, int]:
+def usage(final: gateway_pb2.GenerateResponse) -> dict[str, Any]:
+    """OpenAI's usage object. With n > 1 the final's usage is the whole request's (samples.py): the
+    prompt once, with the cached tokens of the sample that prefilled it, and every sample's output."""
     prompt, completion = final.usage.input_tokens, final.usage.output_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": final.usage.cached_input_tokens},
+    }
 
 
 def server_timing(timing: common_pb2.Timing) -> str:
