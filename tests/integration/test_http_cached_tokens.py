@@ -1,7 +1,8 @@
 """The HTTP API's `usage.prompt_tokens_details.cached_tokens`, read by the official openai SDK from a
 real stack (conftest.py's http_stack: tokenizer service, worker with its prefix cache, gateway with its
 HTTP API, the tiny model): the prompt tokens the worker's prefix cache served, on Chat Completions and
-Completions, whole and in the streamed usage chunk, with n > 1 counting the prompt once.
+Completions, whole and in the streamed usage chunk, with n > 1 counting the prompt once; per tenant;
+none for a request that asks for prompt logprobs.
 
 Each prompt opens with a fresh random id, inside its first KV block, so that no other prompt's blocks
 match it: a prompt's first request finds nothing cached, its second the full blocks before its
@@ -126,3 +127,21 @@ def test_another_tenant_finds_nothing_cached(http_stack: HttpStack) -> None:
     other = ask(tight, True, prompt, stream=False)
     assert cached(other) == 0
     assert cached(ask(tight, True, prompt, stream=False)) == warm(other.prompt_tokens) > 0
+
+
+def test_a_request_for_prompt_logprobs_computes_its_prompt_and_reports_none_cached(
+    http_stack: HttpStack,
+) -> None:
+    """Prompt logprobs need every prompt position's logits, so such a request never reads the cache."""
+    client = sdk(http_stack)
+    prompt = fresh_prompt()
+    ask(client, False, prompt, stream=False)
+    reply = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True, "prompt_logprobs": 0},
+    )
+    assert reply.usage is not None and cached(reply.usage) == 0
+    assert cached(ask(client, False, prompt, stream=False)) == warm(reply.usage.prompt_tokens) > 0
