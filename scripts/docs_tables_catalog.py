@@ -1,0 +1,229 @@
+"""What each quoted record measures: the paths its figures depend on, how long a run takes, how to rerun it.
+
+The records the docs quote are the generator's (docs_tables.TABLES) plus those prose names; this
+catalog adds what neither the record nor the docs say: the source paths a record's figures depend
+on (for the staleness check), an estimated run time (for `make records --list`), the command to
+use when a record's provenance names none, and whether it can be rerun at HEAD at all (a record
+that compares against code no longer at HEAD is history). scripts/records.py and the generator's
+own tables of runs read it. This module must not run anything or read records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ENGINE = ("services/worker/",)
+KERNELS = ("services/worker/model/",)
+STACK = ("gateway/", "services/", "strata/", "configs/local.yaml")
+GATEWAY = ("gateway/", "strata/")
+
+
+@dataclass(frozen=True)
+class Entry:
+    paths: tuple[str, ...]
+    """What its figures depend on, besides its own benchmark module."""
+    bench: str
+    """Its benchmark's module (bench/X.py) or script."""
+    estimate_s: int
+    command: tuple[str, ...]
+    """Used only when the record's provenance names no command."""
+    target: str = "make records"
+    history: bool = False
+    """It measures code that is no longer at HEAD (a before/after comparison): never rerun."""
+
+    @property
+    def depends_on(self) -> tuple[str, ...]:
+        return (*self.paths, self.bench)
+
+
+def _py(module: str, *args: str) -> tuple[str, ...]:
+    return ("python", "-m", module, *args)
+
+
+def _strata(*args: str) -> tuple[str, ...]:
+    return ("strata", "bench", "--spawn", *args)
+
+
+def _json(name: str) -> tuple[str, ...]:
+    return ("--json", f"bench/results/{name}")
+
+
+CATALOG: dict[str, Entry] = {
+    "engine-cpu.json": Entry(
+        ENGINE,
+        "bench/engine.py",
+        1200,
+        _py(
+            "bench.engine",
+            "--requests",
+            "64",
+            "--prompt-tokens",
+            "64",
+            "--new-tokens",
+            "64",
+            *_json("engine-cpu.json"),
+        ),
+    ),
+    "engine-cpu-native.json": Entry(
+        ENGINE,
+        "bench/engine.py",
+        600,
+        _py(
+            "bench.engine",
+            "--requests",
+            "64",
+            "--no-hf-cb",
+            "--compare-native",
+            *_json("engine-cpu-native.json"),
+        ),
+    ),
+    "engine-cpu-1-stream.json": Entry(
+        ENGINE,
+        "bench/engine.py",
+        240,
+        _py(
+            "bench.engine",
+            "--requests",
+            "1",
+            "--runs",
+            "9",
+            "--no-hf-cb",
+            "--no-asyncio",
+            "--compare-native",
+            *_json("engine-cpu-1-stream.json"),
+        ),
+    ),
+    "engine-cpu-one-team.json": Entry(
+        ENGINE,
+        "bench/engine.py",
+        900,
+        _py("bench.engine", "--requests", "64", "--no-hf-cb", *_json("engine-cpu-one-team.json")),
+    ),
+    "facade-cpu.json": Entry(
+        ENGINE,
+        "bench/facade.py",
+        300,
+        _py(
+            "bench.facade",
+            "--requests",
+            "64",
+            "--prompt-tokens",
+            "64",
+            "--new-tokens",
+            "64",
+            *_json("facade-cpu.json"),
+        ),
+    ),
+    "mixing-cpu.json": Entry(
+        ENGINE,
+        "bench/mixing.py",
+        600,
+        _py(
+            "bench.mixing",
+            "--requests",
+            "64",
+            "--prompt-tokens",
+            "64",
+            "--new-tokens",
+            "64",
+            *_json("mixing-cpu.json"),
+        ),
+    ),
+    "step-cost-cpu.json": Entry(
+        ENGINE, "bench/step_cost.py", 180, _py("bench.step_cost", *_json("step-cost-cpu.json"))
+    ),
+    "peer-cpu.json": Entry(ENGINE, "bench/peer.py", 600, _py("bench.peer", *_json("peer-cpu.json"))),
+    "fallback-cpu.json": Entry(
+        ENGINE, "bench/engine.py", 900, _py("bench.engine", "--requests", "64", *_json("fallback-cpu.json"))
+    ),
+    "small-linear-cpu.json": Entry(
+        KERNELS, "bench/small_linear.py", 120, _py("bench.small_linear", *_json("small-linear-cpu.json"))
+    ),
+    "large-linear-cpu.json": Entry(
+        KERNELS, "bench/large_linear.py", 180, _py("bench.large_linear", *_json("large-linear-cpu.json"))
+    ),
+    "torch-compile-cpu.json": Entry(
+        KERNELS, "bench/torch_compile.py", 180, _py("bench.torch_compile", *_json("torch-compile-cpu.json"))
+    ),
+    "busy-neighbour-cpu.json": Entry(
+        ENGINE, "bench/busy_neighbour.py", 420, _py("bench.busy_neighbour", *_json("busy-neighbour-cpu.json"))
+    ),
+    "memory-profile-cpu.json": Entry(
+        ENGINE, "bench/memory_profile.py", 300, _py("bench.memory_profile", *_json("memory-profile-cpu.json"))
+    ),
+    "memory-soak-cpu.json": Entry(
+        ENGINE,
+        "bench/memory_soak.py",
+        240,
+        _py("bench.memory_soak", "--seconds", "120", *_json("memory-soak-cpu.json")),
+    ),
+    "stack-cpu.json": Entry(
+        STACK, "bench/stack.py", 360, _strata("--engine-baseline", *_json("stack-cpu.json"))
+    ),
+    "stack-1-stream-cpu.json": Entry(
+        STACK,
+        "bench/stack.py",
+        240,
+        _strata("--concurrency", "1", "--runs", "3", "--engine-baseline", *_json("stack-1-stream-cpu.json")),
+    ),
+    "stack-rate-cpu.json": Entry(
+        STACK, "bench/rate.py", 720, _strata("--rate", "14,28", *_json("stack-rate-cpu.json"))
+    ),
+    "tenants-cpu.json": Entry(
+        STACK, "bench/tenants.py", 600, _py("bench.tenants", *_json("tenants-cpu.json"))
+    ),
+    "http-vs-grpc-cpu.json": Entry(
+        STACK, "bench/http_vs_grpc.py", 300, _py("bench.http_vs_grpc", *_json("http-vs-grpc-cpu.json"))
+    ),
+    "trace-overhead-cpu.json": Entry(
+        STACK, "bench/trace_overhead.py", 420, _py("bench.trace_overhead", *_json("trace-overhead-cpu.json"))
+    ),
+    "prefix-cache-cpu.json": Entry(
+        ENGINE, "bench/prefix_cache.py", 900, _py("bench.prefix_cache", *_json("prefix-cache-cpu.json"))
+    ),
+    "prefix-routing-cpu.json": Entry(
+        STACK, "bench/prefix_routing.py", 1600, _py("bench.prefix_routing", *_json("prefix-routing-cpu.json"))
+    ),
+    "outputs-logprobs-cpu.json": Entry(
+        ENGINE, "bench/outputs.py", 240, _py("bench.outputs", "--part", "logprobs")
+    ),
+    "outputs-samples-cpu.json": Entry(
+        ENGINE, "bench/outputs.py", 180, _py("bench.outputs", "--part", "samples")
+    ),
+    "grammar-cost-cpu.json": Entry(
+        ENGINE, "bench/grammar_cost.py", 240, _py("bench.grammar_cost", *_json("grammar-cost-cpu.json"))
+    ),
+    "grammar-cost-cpu-5runs.json": Entry(
+        ENGINE,
+        "bench/grammar_cost.py",
+        400,
+        _py("bench.grammar_cost", "--runs", "5", *_json("grammar-cost-cpu-5runs.json")),
+    ),
+    "grammar-quality-cpu.json": Entry(
+        ENGINE,
+        "bench/grammar_quality.py",
+        600,
+        _py("bench.grammar_quality", *_json("grammar-quality-cpu.json")),
+    ),
+    "grammar-libs-cpu.json": Entry(
+        ENGINE,
+        "bench/grammar_libs.py",
+        150,
+        _py("bench.grammar_libs", *_json("grammar-libs-cpu.json")),
+        target="make bench-grammar-libs",
+    ),
+    "request-path.json": Entry(GATEWAY, "scripts/request_path.py", 30, ("python", "scripts/request_path.py")),
+    "stack-before-after-cpu.json": Entry(STACK, "bench/before_after.py", 900, (), history=True),
+    "stack-rate-compare-cpu.json": Entry(STACK, "bench/rate_compare.py", 5, (), history=True),
+    "stack-rate-cpu-before.json": Entry(STACK, "bench/rate.py", 720, (), history=True),
+    "stack-rate-cpu-50bd0ec.json": Entry(STACK, "bench/rate.py", 720, (), history=True),
+    "stack-rate-cpu-credits128.json": Entry(STACK, "bench/rate.py", 720, (), history=True),
+    "tenants-cpu-first.json": Entry(STACK, "bench/tenants.py", 600, (), history=True),
+    "request-path-before.json": Entry(GATEWAY, "scripts/request_path.py", 30, (), history=True),
+}
+
+LONG_RUNS = (
+    ("the reliability report (docs/reliability.md)", "make reliability", 1200),
+    ("the chaos soak's full version (its row of docs/reliability.md)", "make chaos", 600),
+)
+"""Runs with a target of their own, left out of `make records` for their length."""

@@ -1,0 +1,152 @@
+"""The engine's tables: bench.engine records, llama.cpp on the same weights, the facade, the memory profile.
+
+Each function turns quotable records (docs_tables_common.Record, by file name) into markdown lines;
+`TABLES` declares which record each table of docs/benchmarks.md, docs/cpu-speed.md and
+docs/deployment.md reads. This module must not read files or judge a figure against a target the
+record does not state: it only shows what the records hold.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from docs_tables_common import Record, Table, num, ratio, runs, spread, stats, table
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+ENGINE_CONTESTANTS = (
+    ("naive", "transformers `generate`, one request at a time"),
+    ("hf_cb", "transformers continuous batching (`generate_batch`, warm)"),
+    ("engine_torch_ops", "Strata engine, native kernels off"),
+    ("engine", "**Strata engine**"),
+    ("ceiling", "ceiling: the linear layers' matmuls alone, at the engine's step shapes"),
+)
+
+
+def engine_rows(data: Mapping[str, Any]) -> list[str]:
+    """Every contestant the record holds, the engine against each, and each against the ceiling."""
+    engine, ceiling = data["engine_tok_s"], data["ceiling_tok_s"]
+    rows = []
+    for key, label in ENGINE_CONTESTANTS:
+        if f"{key}_tok_s" not in data:
+            continue
+        value = data[f"{key}_tok_s"]
+        against = "-" if key == "engine" else ratio(engine / value)
+        rows.append([label, spread(value, data[f"{key}_spread"]), against, f"{value / ceiling:.1%}"])
+    if "physical_limit_tok_s" in data:
+        limit = data["physical_limit_tok_s"]
+        machine = data["physical_limit"]["machine"]
+        label = (
+            f"physical limit: bytes and FLOPs a step needs at {machine['read_bandwidth_gb_s']:.1f} GB/s "
+            f"and {machine['matmul_gflop_s']:.0f} GFLOP/s"
+        )
+        rows.append([label, num(limit), ratio(engine / limit), f"{limit / ceiling:.1%}"])
+    lines = table(["contestant", "tok/s, median (min-max)", "the engine against it", "of the ceiling"], rows)
+    decode = [("engine", "the engine"), ("engine_torch_ops", "with the native kernels off")]
+    full = [
+        f"{num(data[f'{key}_full_batch_decode_tok_s'])} tok/s {label}"
+        for key, label in decode
+        if f"{key}_full_batch_decode_tok_s" in data
+    ]
+    if full:
+        lines += ["", "While every request decodes: " + ", ".join(full) + "."]
+    return lines
+
+
+def engine_table(name: str, record: str) -> Table:
+    return Table(name, (record,), lambda records: engine_rows(records[record].data))
+
+
+def peer(records: Mapping[str, Record]) -> list[str]:
+    summary = records["peer-cpu.json"].data["summary"]
+    labels = {
+        "1": "1 stream, float32 vs F32",
+        "64": "64 streams, float32 vs F32",
+        "int8@1": "1 stream, dynamic int8 vs Q8_0",
+        "int8@64": "64 streams, dynamic int8 vs Q8_0",
+    }
+    rows = []
+    for key, label in labels.items():
+        if key not in summary:
+            continue
+        entry = summary[key]
+        goal = entry.get("goal")
+        target = "-" if entry.get("target") is None else f">= {entry['target']}"
+        if goal is not None:
+            target += f", goal {goal}: " + ("met" if entry["ratio_median"] >= goal else "**missed**")
+        rows.append(
+            [
+                label,
+                f"{num(entry['engine_tok_s']['median'])} ({num(entry['engine_tok_s']['best'])})",
+                f"{num(entry['llama_cpp_tok_s']['median'])} ({num(entry['llama_cpp_tok_s']['best'])})",
+                f"**{ratio(entry['ratio_median'])}** ({runs(entry['ratio_per_round'])})",
+                f"{num(entry['engine_decode_tok_s']['median'])} / "
+                f"{num(entry['llama_cpp_decode_tok_s']['median'])}",
+                target,
+            ]
+        )
+    header = [
+        "workload",
+        "engine tok/s, median (best)",
+        "llama.cpp tok/s, median (best)",
+        "ratio of medians (per round)",
+        "decode alone, engine / llama.cpp tok/s",
+        "target",
+    ]
+    return table(header, rows)
+
+
+def facade(records: Mapping[str, Record]) -> list[str]:
+    data = records["facade-cpu.json"].data
+    lag = data["facade"]
+    rows = [
+        ["stepped synchronously", stats(data["sync"]["tok_s"]), "-"],
+        [
+            "stepped through the asyncio facade",
+            stats(lag["tok_s"]),
+            f"**{ratio(data['facade_vs_sync'])}**; a 1 ms timer late by "
+            f"{lag['loop_lag_ms_p50']['median']:.2f} ms p50, {lag['loop_lag_ms_p99']['median']:.1f} ms p99, "
+            f"{lag['loop_lag_ms_max']['median']:.1f} ms at worst",
+        ],
+    ]
+    return table(["engine", "tok/s, median (min-max)", "facade against sync"], rows)
+
+
+def memory_profile(records: Mapping[str, Record]) -> list[str]:
+    mib = 2**20
+    rows = []
+    for row in records["memory-profile-cpu.json"].data["rows"]:
+        model = row["model"].removeprefix("models/").replace(":dynamic-int8", " (dynamic int8)")
+        rows.append(
+            [
+                model,
+                str(row["context"]),
+                str(row["seqs"]),
+                f"{row['weights'] / mib:.0f} MiB",
+                f"{row['peak'] / mib:.0f} MiB",
+                f"{row['limit_to_start_mib'] / 1024:.1f} GiB",
+                f"{row['limit_every_slot_mib'] / 1024:.1f} GiB",
+            ]
+        )
+    header = [
+        "model",
+        "`max_model_len`",
+        "`max_num_seqs`",
+        "weights",
+        "peak of the largest step",
+        "limit to start (one full-length request)",
+        "limit with every slot at 1024 tokens",
+    ]
+    return table(header, rows)
+
+
+TABLES = (
+    engine_table("engine", "engine-cpu.json"),
+    engine_table("engine-native", "engine-cpu-native.json"),
+    engine_table("engine-one-stream", "engine-cpu-1-stream.json"),
+    engine_table("engine-one-team", "engine-cpu-one-team.json"),
+    Table("peer", ("peer-cpu.json",), peer),
+    Table("facade", ("facade-cpu.json",), facade),
+    Table("memory-profile", ("memory-profile-cpu.json",), memory_profile),
+)

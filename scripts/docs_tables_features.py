@@ -1,0 +1,204 @@
+"""The features' tables: prefix caching and routing, log probabilities and n samples, structured output.
+
+Each function turns quotable records (by file name) into markdown lines for docs/benchmarks.md and
+docs/structured-output.md; `TABLES` declares which record each reads. This module must not read
+files or judge a figure against anything but the targets the record itself states.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from docs_tables_common import Record, Table, met, ratio, runs, stats, table
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+
+def _target(entry: Mapping[str, Any]) -> str:
+    return f"{entry['target']}: {met(entry['met'])}" if "target" in entry else ""
+
+
+def prefix_cache(records: Mapping[str, Record]) -> list[str]:
+    data = records["prefix-cache-cpu.json"].data
+    shared, chat, targets = data["shared"]["summary"], data["chat"]["summary"], data["targets"]
+    one = data["shared"]["one_stream"]
+    p50, p99 = targets["shared_ttft_p50_off_over_on"], targets["shared_ttft_p99_off_over_on"]
+    tps, total = targets["shared_tokens_per_s_on_over_off"], targets["chat_total_time_off_over_on"]
+    on_turns = ", ".join(f"{v / 1000:.2f}" for v in chat["on"]["ttft_ms_p50_per_turn"])
+    off_turns = ", ".join(f"{v / 1000:.2f}" for v in chat["off"]["ttft_ms_p50_per_turn"])
+    rows = [
+        [
+            "512-token system prompt, 64 users at once",
+            "TTFT p50 s",
+            stats(shared["off"]["ttft_ms_p50"], 2, 1e-3),
+            stats(shared["on"]["ttft_ms_p50"], 2, 1e-3),
+            f"**{ratio(p50['median'], 1)}** lower (rounds {runs(p50['ratios'], 1)})",
+            _target(p50),
+        ],
+        [
+            "",
+            "TTFT p99 s",
+            stats(shared["off"]["ttft_ms_p99"], 2, 1e-3),
+            stats(shared["on"]["ttft_ms_p99"], 2, 1e-3),
+            f"rounds {runs(p99['ratios'], 1)} lower",
+            "",
+        ],
+        [
+            "",
+            "generated tokens/s",
+            stats(shared["off"]["tokens_per_s"]),
+            stats(shared["on"]["tokens_per_s"]),
+            f"**{ratio(tps['median'])}** (rounds {runs(tps['ratios'])})",
+            _target(tps),
+        ],
+        [
+            f"one stream, cached {one['prefix_tokens']:,}-token prefix "
+            f"vs a {one['short_prompt_tokens']}-token prompt",
+            "first token",
+            f"{one['cold_ttft_ms'] / 1000:.2f} s cold",
+            f"{min(one['cached_ttft_ms']):.0f}-{max(one['cached_ttft_ms']):.0f} ms vs "
+            f"{min(one['short_ttft_ms']):.0f}-{max(one['short_ttft_ms']):.0f} ms",
+            f"**{ratio(one['ratio_cached_to_short'])}** the short prompt's",
+            f"{one['target']}: {met(one['met'])}",
+        ],
+        [
+            "16 conversations x 6 turns resending history",
+            "total time s",
+            stats(chat["off"]["total_s"]),
+            stats(chat["on"]["total_s"]),
+            f"**{ratio(total['median'])}** less (rounds {runs(total['ratios'])})",
+            _target(total),
+        ],
+        ["", "TTFT p50 per turn, s", off_turns, on_turns, "", ""],
+    ]
+    return table(["workload", "figure", "cache off", "cache on", "ratio", "target"], rows)
+
+
+def prefix_routing(records: Mapping[str, Record]) -> list[str]:
+    data = records["prefix-routing-cpu.json"].data
+    summary, targets = data["summary"], data["targets"]
+    prefix, least = summary["prefix"], summary["least_loaded"]
+    hit, load = targets["hit_rate_prefix"], targets["max_load_share_prefix"]
+    rows = [
+        ["cache hit rate", stats(prefix["hit_rate"], 3), stats(least["hit_rate"], 3), _target(hit)],
+        [
+            "TTFT p50 ms",
+            stats(prefix["ttft_ms_p50"], 0),
+            stats(least["ttft_ms_p50"], 0),
+            "least loaded against prefix-aware per round: "
+            + runs(targets["ttft_p50_least_loaded_over_prefix"]),
+        ],
+        [
+            "largest replica load over the average (max per round)",
+            stats(prefix["max_over_average_load"], 2),
+            stats(least["max_over_average_load"], 2),
+            f"max {load['max_over_runs']:.2f}, {load['target']}: {met(load['met'])}",
+        ],
+    ]
+    return table(["figure, median (min-max)", "prefix-aware", "least loaded", "target"], rows)
+
+
+def logprobs(records: Mapping[str, Record]) -> list[str]:
+    data = records["outputs-logprobs-cpu.json"].data["logprobs"]
+    tps = data["tokens_per_s"]
+    rows = [["plain", stats(tps["plain"]), ""]]
+    for key, ratio_key in (
+        ("logprobs5", "ratio_logprobs5_to_plain"),
+        ("one_asks", "ratio_one_asks_to_plain"),
+    ):
+        rows.append([key, stats(tps[key]), f"**{data[ratio_key]:.2f}**"])
+    return [
+        *table(["contestant", "generated tokens/s, median (min-max)", "ratio to plain"], rows),
+        "",
+        f"Target: {data['target']}: {met(data['met'])}.",
+    ]
+
+
+def samples(records: Mapping[str, Record]) -> list[str]:
+    data = records["outputs-samples-cpu.json"].data["samples"]
+    rows = [
+        [
+            key,
+            stats(data["wall_s"][key], 2) + " s",
+            f"{data['tokens_per_s'][key]['median']:.1f}",
+            f"{data['ttft_ms_p50'][key]['median']:.0f} ms",
+            str(data["prefill_tokens"][key]),
+        ]
+        for key in ("n8", "separate8")
+    ]
+    header = ["contestant", "wall time, median (min-max)", "tokens/s", "TTFT p50", "prompt tokens computed"]
+    return [
+        *table(header, rows),
+        "",
+        f"n8 against separate8 in wall time: **{ratio(data['ratio_wall_n8_to_separate8'])}**; "
+        f"target {data['target']}: {met(data['met'])}.",
+    ]
+
+
+def grammar_cost(records: Mapping[str, Record]) -> list[str]:
+    data = records["grammar-cost-cpu.json"].data
+    tps, share = data["tokens_per_s"], data["mask_share_of_step_time"]
+    rows = [
+        [
+            f"tokens/s, median (min-max) of {len(data['runs']['free'])} alternated runs",
+            stats(tps["free"]),
+            stats(tps["json_schema"]),
+        ],
+        [
+            "ratio of medians",
+            "",
+            f"**{data['json_over_free']:.3f}** (per run: {runs(data['json_over_free_per_run'], 3)})",
+        ],
+        [
+            "the mask's share of step time",
+            "",
+            f"{share['median']:.1%} ({data['mask_ms_per_step']['median']:.1f} ms per step; "
+            f"{share['low']:.1%}-{share['high']:.1%} in every run)",
+        ],
+        ["cost to an unconstrained request", f"{data['unconstrained_hook_us_per_step']:.1f} us per step", ""],
+    ]
+    head = f"{data['streams']} streams x {data['new_tokens']} greedy tokens"
+    return table([head, "free", "JSON schema on every request"], rows)
+
+
+def grammar_libs(records: Mapping[str, Record]) -> list[str]:
+    data = records["grammar-libs-cpu.json"].data
+    libs = ("llguidance", "xgrammar")
+
+    def compile_range(lib: str) -> str:
+        medians = [entry["median"] for entry in data[lib]["cold_compile_ms"].values()]
+        return f"{min(medians):.2f} to {max(medians):.2f} ms"
+
+    def cell(lib: str, key: str) -> str:
+        return f"{data[lib]['mask_us_per_token'][key]['median']:.1f} us"
+
+    rows = [
+        ["declared requirements", *(", ".join(data[lib]["package"]["requires"]) or "none" for lib in libs)],
+        ["installed size", *(f"{data[lib]['package']['installed_bytes'] / 1e6:.1f} MB" for lib in libs)],
+        [
+            "tokenizer setup, then the first grammar",
+            *(
+                f"{data[lib]['tokenizer_setup_s']:.2f} s, {data[lib]['first_compile_s']:.2f} s"
+                for lib in libs
+            ),
+        ],
+        ["cold compile per schema (medians)", *(compile_range(lib) for lib in libs)],
+        [
+            f"mask fill per token at {data['streams']} streams, one matcher at a time",
+            *(cell(lib, "serial") for lib in libs),
+        ],
+        ["the same through the library's batch call", *(cell(lib, "parallel") for lib in libs)],
+    ]
+    header = ["", *(f"{lib} {data[lib]['package']['version']}" for lib in libs)]
+    return table(header, rows)
+
+
+TABLES = (
+    Table("prefix-cache", ("prefix-cache-cpu.json",), prefix_cache),
+    Table("prefix-routing", ("prefix-routing-cpu.json",), prefix_routing),
+    Table("outputs-logprobs", ("outputs-logprobs-cpu.json",), logprobs),
+    Table("outputs-samples", ("outputs-samples-cpu.json",), samples),
+    Table("grammar-cost", ("grammar-cost-cpu.json",), grammar_cost),
+    Table("grammar-libs", ("grammar-libs-cpu.json",), grammar_libs),
+)

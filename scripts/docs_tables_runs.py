@@ -1,0 +1,150 @@
+"""The tables about the records themselves: when each was last run, at which commit, and how stale it is.
+
+A record is stale when more than `STALE_AFTER` commits touched the paths its figures depend on
+(docs_tables_catalog) since the commit its provenance names. The quoted records are those a
+generated table reads plus those README.md and docs/*.md name in prose (`quoted_records`).
+scripts/records.py uses the same functions for `--list` and `--stale`. This module must not run a
+benchmark; it reads records, pages and git only.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from typing import TYPE_CHECKING
+
+from docs_tables_catalog import CATALOG, LONG_RUNS
+from docs_tables_common import RESULTS, ROOT, Record, Table, load, table
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
+    from pathlib import Path
+
+STALE_AFTER = 50
+RELIABILITY = ROOT / "docs" / "reliability.md"
+NAMED = re.compile(r"\b([a-z0-9][a-z0-9.-]*\.json)\b")
+
+
+def pages(root: Path = ROOT) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def quoted_records(tables: Iterable[Table], root: Path = ROOT) -> list[str]:
+    """Every record a generated table reads or a page names in prose, in catalog order, then the rest."""
+    names = {name for spec in tables for name in spec.records}
+    for page in pages(root):
+        for name in NAMED.findall(page.read_text()):
+            if name in CATALOG or (RESULTS / name).exists():
+                names.add(name)
+    ordered = [name for name in CATALOG if name in names]
+    return ordered + sorted(names - set(ordered))
+
+
+def current(names: Iterable[str]) -> list[str]:
+    """Those that measure HEAD's code (not history): the staleness check's."""
+    return [name for name in names if not (name in CATALOG and CATALOG[name].history)]
+
+
+def rerunnable(names: Iterable[str]) -> list[str]:
+    """Those `make records` reruns: not history, and not those with a target of their own."""
+    return [
+        name
+        for name in names
+        if name not in CATALOG or (not CATALOG[name].history and CATALOG[name].target == "make records")
+    ]
+
+
+def behind(commit: str, paths: Iterable[str]) -> int | None:
+    """Commits since `commit` that touched `paths`; None when the commit is not in this repository."""
+    known = subprocess.run(
+        ["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=ROOT, capture_output=True, check=False
+    )
+    if known.returncode != 0:
+        return None
+    out = subprocess.run(
+        ["git", "rev-list", "--count", f"{commit}..HEAD", "--", *paths],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(out.stdout.strip())
+
+
+def minutes(seconds: int) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 60 else f"{seconds} s"
+
+
+def _quotable(names: Iterable[str]) -> dict[str, Record | str]:
+    out: dict[str, Record | str] = {}
+    for name in names:
+        record, why = load(name)
+        out[name] = record if record is not None else why
+    return out
+
+
+def last_runs(names: list[str]) -> list[str]:
+    rows = []
+    total = 0
+    for name, record in _quotable(names).items():
+        entry = CATALOG.get(name)
+        estimate = minutes(entry.estimate_s) if entry else "unknown"
+        how = entry.target if entry else "make records"
+        if entry and entry.history:
+            how = "history: not rerun (it measured code no longer at HEAD)"
+        elif entry and how == "make records":
+            total += entry.estimate_s
+        if isinstance(record, Record):
+            rows.append([f"`{name}`", record.date, record.commit[:7], estimate, how])
+        else:
+            rows.append([f"`{name}`", f"awaits a rerun ({record})", "-", estimate, how])
+    return [
+        *table(["record", "last run", "commit", "estimated run time", "rerun by"], rows),
+        "",
+        f"`make records` reruns those marked so, one at a time: about {total / 60:.0f} minutes in all. "
+        "That is the total of the estimates above: `make records` has not yet been run whole.",
+    ]
+
+
+def stale(names: list[str]) -> list[str]:
+    rows = []
+    for name, record in _quotable(names).items():
+        entry = CATALOG.get(name)
+        paths = entry.depends_on if entry else ("services/", "gateway/", "strata/")
+        where = ", ".join(f"`{path}`" for path in paths)
+        if not isinstance(record, Record):
+            rows.append([f"`{name}`", where, "-", f"awaits a rerun ({record})"])
+            continue
+        count = behind(record.commit, paths)
+        if count is None:
+            rows.append(
+                [f"`{name}`", where, "-", f"its commit {record.commit[:7]} is not in this repository"]
+            )
+        else:
+            rows.append([f"`{name}`", where, str(count), "**stale**" if count > STALE_AFTER else "current"])
+    return table(["record", "its figures depend on", "commits since its run", f"over {STALE_AFTER}?"], rows)
+
+
+def long_runs() -> list[str]:
+    text = RELIABILITY.read_text() if RELIABILITY.exists() else ""
+    report = re.search(r"^- Date: (.+)$", text, re.M)
+    chaos = re.search(r"^\| 11 \|.*run alone on ([^)]+)\)", text, re.M)
+    dates = [
+        report.group(1) if report else "not run",
+        chaos.group(1) if chaos else (report.group(1) if report else "not run"),
+    ]
+    rows = [
+        [what, date, "not recorded", minutes(estimate), target]
+        for (what, target, estimate), date in zip(LONG_RUNS, dates, strict=False)
+    ]
+    return table(["run", "last run", "commit", "estimated run time", "rerun by"], rows)
+
+
+def runs_tables(names: Mapping[str, None] | list[str]) -> tuple[Table, ...]:
+    listed = list(names)
+    measured = current(listed)
+    return (
+        Table("records-runs", (), lambda _: last_runs(listed), partial=True, sources=False),
+        Table("records-stale", (), lambda _: stale(measured), partial=True, volatile=True, sources=False),
+        Table("long-runs", (), lambda _: long_runs(), partial=True, volatile=True, sources=False),
+    )

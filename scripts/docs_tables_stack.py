@@ -1,0 +1,257 @@
+"""The whole stack's tables: `strata bench` levels, the fallback under overload, tenants, HTTP, tracing.
+
+Each function turns quotable records (by file name) into markdown lines for docs/benchmarks.md,
+docs/cpu-speed.md and docs/observability.md; `TABLES` declares which record each reads. This module
+must not read files or judge a figure against anything but the targets the record itself states.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from docs_tables_common import Record, Table, met, ratio, runs, spread, table
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+
+def stack_rows(data: Mapping[str, Any]) -> list[str]:
+    rows = []
+    for level in data["levels"]:
+        ttft, itl = level["ttft_ms"], level["itl_ms"]
+        rows.append(
+            [
+                str(level["concurrency"]),
+                spread(level["output_tok_s"], level["output_tok_s_spread"]),
+                f"{ttft['p50']:.0f} / {ttft['p99']:.0f} ms",
+                f"{itl['p50']:.0f} / {itl['p99']:.0f} ms",
+                f"{level['e2e_ms']['p50'] / 1000:.2f} s",
+            ]
+        )
+    lines = table(
+        ["streams", "tok/s, median (min-max)", "TTFT p50 / p99", "inter-token p50 / p99", "end-to-end p50"],
+        rows,
+    )
+    base, target = data.get("engine_baseline"), data.get("target")
+    if base and target:
+        lines += [
+            "",
+            f"The in-process engine on the same requests ({base['concurrency']} in flight): "
+            f"{spread(base['tok_s'], base['tok_s_spread'])} tok/s, TTFT p50 {base['ttft_p50_ms']:.1f} ms. "
+            f"The stack against it: **{ratio(target['throughput_ratio'], 3)}** the tok/s (rounds "
+            f"{runs(target['throughput_ratio_runs'], 3)}; target >= {target['throughput_ratio_min']}: "
+            f"{met(target['throughput_pass'])})"
+            + (
+                f", **{ratio(target['ttft_ratio'])}** its TTFT p50 (target <= {target['ttft_ratio_max']}: "
+                f"{met(target['ttft_pass'])})"
+                if "ttft_ratio" in target
+                else ""
+            )
+            + f"; outputs identical on {base['outputs_identical_to_stack']} of "
+            f"{base['outputs_compared']} requests.",
+        ]
+    return lines
+
+
+def stack_table(name: str, record: str) -> Table:
+    return Table(name, (record,), lambda records: stack_rows(records[record].data))
+
+
+def before_after(records: Mapping[str, Record]) -> list[str]:
+    data = records["stack-before-after-cpu.json"].data
+    before, after, ratios = data["before"], data["after"], data["ratios"]
+    rows = [
+        [
+            f"{after['concurrency']} streams: output tok/s",
+            spread(before["output_tok_s"]["median"], before["output_tok_s"]["spread"]),
+            spread(after["output_tok_s"]["median"], after["output_tok_s"]["spread"]),
+            f"**{ratio(ratios['output_tok_s_after_over_before'])}**",
+        ],
+        [
+            "1 stream: TTFT p50 ms",
+            spread(before["ttft_p50_ms_one_stream"]["median"], before["ttft_p50_ms_one_stream"]["spread"]),
+            spread(after["ttft_p50_ms_one_stream"]["median"], after["ttft_p50_ms_one_stream"]["spread"]),
+            f"**{ratio(ratios['ttft_p50_one_stream_after_over_before'])}**",
+        ],
+    ]
+    return table(["figure", "before, median (min-max)", "after", "after against before"], rows)
+
+
+def fallback(records: Mapping[str, Record], record: str) -> list[str]:
+    rows = []
+    for rate in records[record].data["rates"]:
+        target = rate["target"]
+        for phase_name in ("off", "on"):
+            phase = rate["phases"][phase_name]
+            p99 = target["ttft_p99"][phase_name]
+            worst = " / ".join(
+                f"{p99[route]['value_ms'] / 1000:.2f} s" for route in ("primary", "fallback") if route in p99
+            )
+            refusal = target["gateway_refusal_p99"][phase_name]
+            rows.append(
+                [
+                    f"{rate['rate_rps']:g}/s",
+                    f"fallback {phase_name}",
+                    worst,
+                    spread(phase["goodput_tok_s"], phase["goodput_tok_s_spread"]),
+                    f"{phase['itl_ms']['p99']:.0f}",
+                    f"{refusal['p99_ms']:g} ms" if refusal.get("known") else "unknown",
+                    f"{phase['admitted']} / {phase['refused']}",
+                ]
+            )
+        rows.append(
+            [
+                f"{rate['rate_rps']:g}/s",
+                "on against off",
+                met(target["ttft_pass"]) + f" (limit {target['ttft_p99_slo_factor']}x the SLO)",
+                f"**{ratio(target['goodput_ratio'])}** (rounds {runs(target['goodput_ratio_runs'])}; "
+                f">= {target['goodput_ratio_min']}: {met(target['goodput_pass'])})",
+                "",
+                met(target["gateway_refusal_pass"]),
+                "",
+            ]
+        )
+    header = [
+        "rate",
+        "phase",
+        "admitted TTFT p99, primary / fallback (worst round)",
+        "goodput tok/s, median (min-max)",
+        "ITL p99 ms",
+        "gateway refusal decision p99",
+        "admitted / refused",
+    ]
+    return table(header, rows)
+
+
+def rate_compare(records: Mapping[str, Record]) -> list[str]:
+    rows = []
+    for rate in records["stack-rate-compare-cpu.json"].data["rates"]:
+        off, itl = rate["off_goodput"], rate["itl_p99"]
+        rows.append(
+            [
+                f"{rate['rate']}/s",
+                f"{off['before_tok_s']:.1f} / {off['after_tok_s']:.1f}",
+                f"**{ratio(off['ratio'])}** (>= {off['min']}: {met(off['pass'])})",
+                ", ".join(f"{phase} {ratio(itl[phase]['ratio'])}" for phase in ("off", "on") if phase in itl),
+            ]
+        )
+    header = [
+        "rate",
+        "fallback-off goodput before / after tok/s",
+        "after against before",
+        "ITL p99 after against before",
+    ]
+    return table(header, rows)
+
+
+def tenants(records: Mapping[str, Record]) -> list[str]:
+    contestants = records["tenants-cpu.json"].data["contestants"]
+    rows = []
+    for key, label in (("on", "fair queuing"), ("off", "FIFO")):
+        entry = contestants[key]
+        quiet, noisy = entry["tenants"]["quiet"], entry["tenants"]["noisy"]
+        rows.append(
+            [
+                label,
+                spread(
+                    entry["quiet_admitted_ttft_p99_ms"] / 1000,
+                    [v / 1000 for v in entry["quiet_admitted_ttft_p99_ms_spread"]],
+                    2,
+                )
+                + " s",
+                spread(entry["quiet_served_share"], entry["quiet_served_share_spread"], 3),
+                f"{noisy['goodput_tok_s']:.1f} / {quiet['goodput_tok_s']:.1f}",
+                spread(entry["jain_index"], entry["jain_index_spread"], 3),
+                f"{quiet['refused']} of {quiet['offered']}",
+            ]
+        )
+    header = [
+        "contestant",
+        "quiet TTFT p99, median (rounds)",
+        "quiet served share, median (rounds)",
+        "goodput noisy / quiet tok/s",
+        "Jain's index, median (rounds)",
+        "quiet requests refused",
+    ]
+    return table(header, rows)
+
+
+def http_vs_grpc(records: Mapping[str, Record]) -> list[str]:
+    data = records["http-vs-grpc-cpu.json"].data
+    result, targets = data["result"], data["targets"]
+    grpc, http = result["throughput_grpc"], result["throughput_http"]
+    tgrpc, thttp = result["ttft_grpc"], result["ttft_http"]
+    rows = [
+        [
+            "64 streams: output tok/s",
+            spread(grpc["output_tok_s"], grpc["spread"]),
+            spread(http["output_tok_s"], http["spread"]),
+            f"**{ratio(result['http_vs_grpc_tok_s'])}** "
+            f"(rounds {runs(result['http_vs_grpc_tok_s_per_round'])})",
+            f">= {targets['http_vs_grpc_tok_s_min']}x: {met(result['throughput_target_met'])}",
+        ],
+        [
+            "1 stream: TTFT p50",
+            spread(tgrpc["ttft_ms_p50"], tgrpc["spread"]) + " ms",
+            spread(thttp["ttft_ms_p50"], thttp["spread"]) + " ms",
+            f"**{result['http_minus_grpc_ttft_ms']:+.1f} ms**",
+            f"<= +{targets['ttft_delta_ms_max']:g} ms: {met(result['ttft_target_met'])}",
+        ],
+        [
+            "client CPU per 1000 tokens, 64 streams",
+            f"{grpc['client_cpu_ms_per_1k_tokens']:.0f} ms",
+            f"{http['client_cpu_ms_per_1k_tokens']:.0f} ms",
+            ratio(http["client_cpu_ms_per_1k_tokens"] / grpc["client_cpu_ms_per_1k_tokens"], 1),
+            "(recorded)",
+        ],
+    ]
+    return table(
+        ["workload", "gRPC, median (min-max)", "HTTP, median (min-max)", "HTTP against gRPC", "target"], rows
+    )
+
+
+def trace_overhead(records: Mapping[str, Record]) -> list[str]:
+    data = records["trace-overhead-cpu.json"].data
+    rows = []
+    for key, label in (("off", "off"), ("on", "on, sampling 1.0")):
+        mode = data["modes"][key]
+        per = mode["per_process_cpu_s_per_request"]
+        rows.append(
+            [
+                label,
+                spread(
+                    mode["cpu_s_per_request"] * 1000, [v * 1000 for v in mode["cpu_s_per_request_spread"]]
+                ),
+                f"{mode['spans_per_request']:.1f}",
+                *(f"{per[p] * 1000:.1f}" for p in ("gateway", "tokenizer", "worker 0", "worker 1")),
+            ]
+        )
+    target = data["target"]
+    header = [
+        "tracing",
+        "CPU ms per request, median (min-max)",
+        "spans per request",
+        "gateway",
+        "tokenizer",
+        "worker",
+        "fallback worker (idle)",
+    ]
+    return [
+        *table(header, rows),
+        "",
+        f"Tracing on against off: **{ratio(target['cpu_ratio_on_off'], 3)}** the CPU per request (pairs "
+        f"{runs(target['cpu_ratio_on_off_pairs'])}; target <= {target['cpu_ratio_max']}: "
+        f"{met(target['pass'])}).",
+    ]
+
+
+TABLES = (
+    stack_table("stack", "stack-cpu.json"),
+    stack_table("stack-one-stream", "stack-1-stream-cpu.json"),
+    Table("stack-before-after", ("stack-before-after-cpu.json",), before_after),
+    Table("fallback", ("stack-rate-cpu.json",), lambda records: fallback(records, "stack-rate-cpu.json")),
+    Table("rate-compare", ("stack-rate-compare-cpu.json",), rate_compare),
+    Table("tenants", ("tenants-cpu.json",), tenants),
+    Table("http-vs-grpc", ("http-vs-grpc-cpu.json",), http_vs_grpc),
+    Table("trace-overhead", ("trace-overhead-cpu.json",), trace_overhead),
+)
