@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-prefix-routing bench-peer bench-neighbour bench-grammar-libs bench-grammar bench-outputs reliability chaos run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-prefix-routing bench-peer bench-neighbour bench-grammar-libs bench-grammar bench-outputs records reliability chaos run clean
 
 setup: $(STAMP)
 
@@ -118,6 +118,12 @@ bench-grammar-libs: setup model
 bench-grammar: setup model
 	$(BIN)/python -m bench.grammar_cost --json bench/results/grammar-cost-cpu.json
 	$(BIN)/python -m bench.grammar_quality --json bench/results/grammar-quality-cpu.json
+
+# Rerun, at HEAD, every record README.md and docs/ quote, one at a time, then regenerate the docs' tables
+# (refuses a dirty tree or a busy machine; RECORDS_ARGS="--list", "--only NAME" or "--stale" pass through).
+RECORDS_ARGS ?=
+records: setup model
+	$(BIN)/python scripts/records.py $(RECORDS_ARGS)
 
 # The reliability suite's full versions (tests/reliability and the security tests it names); writes
 # docs/reliability.md: per scenario what was done, what must hold, the figures measured, pass or fail,

@@ -145,7 +145,8 @@ def rate_compare(records: Mapping[str, Record]) -> list[str]:
 
 
 def tenants(records: Mapping[str, Record]) -> list[str]:
-    contestants = records["tenants-cpu.json"].data["contestants"]
+    data = records["tenants-cpu.json"].data
+    contestants = data["contestants"]
     rows = []
     for key, label in (("on", "fair queuing"), ("off", "FIFO")):
         entry = contestants[key]
@@ -173,7 +174,20 @@ def tenants(records: Mapping[str, Record]) -> list[str]:
         "Jain's index, median (rounds)",
         "quiet requests refused",
     ]
-    return table(header, rows)
+    rates = data["rates"]
+    judged = data["target"][data["target"]["judged"]]
+    worst = judged["quiet_ttft_p99"], judged["quiet_served_share"], judged["jain_index"]
+    return [
+        *table(header, rows),
+        "",
+        f"Capacity measured in the same run: {rates['noisy']['capacity_rps']:.2f} requests/s for the noisy "
+        f"shape, {rates['quiet']['capacity_rps']:.2f} for the quiet one, so {rates['noisy']['rate_rps']:.2f} "
+        f"and {rates['quiet']['rate_rps']:.2f} requests/s offered. Fair queuing's worst round: quiet p99 "
+        f"{worst[0]['value_ms'] / 1000:.2f} s (within {worst[0]['limit_ms'] / 1000:g} s: "
+        f"{met(worst[0]['pass'])}), "
+        f"served share {worst[1]['value']:.3f} (>= {worst[1]['min']}: {met(worst[1]['pass'])}), Jain's index "
+        f"{worst[2]['value']:.3f} (>= {worst[2]['min']}: {met(worst[2]['pass'])}).",
+    ]
 
 
 def http_vs_grpc(records: Mapping[str, Record]) -> list[str]:
