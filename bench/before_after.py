@@ -22,7 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.stats import describe_machine, git_checkout, summarize
+from bench.provenance import finish_provenance, git_checkout, start_provenance
+from bench.stats import save_record, summarize
 
 DEFAULT_BENCH_ARGS = ("--concurrency", "1,64", "--no-progress")
 MAIN = "import sys; from strata.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds {args.rounds}: at least 3 rounds, for a median and a spread")
     bench_args = list(args.bench_args) or list(DEFAULT_BENCH_ARGS)
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
-    start_machine = describe_machine("cpu")
+    provenance = start_provenance()
     measured: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory(prefix="strata-before-after-") as scratch:
         for round_index in range(args.rounds):
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                 measured[name].append(figures(run_bench(trees[name], bench_args, path)))
     result: dict[str, Any] = {
         "benchmark": "bench.before_after",
+        "provenance": finish_provenance(provenance),
         "bench_args": bench_args,
         "trees": {name: str(path) for name, path in trees.items()},
         "commits": {name: commit_of(path) for name, path in trees.items()},
@@ -106,11 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         "ttft_p50_one_stream_after_over_before": after["ttft_p50_ms_one_stream"]["median"]
         / before["ttft_p50_ms_one_stream"]["median"],
     }
-    result["machine"] = {"start": start_machine, "end": describe_machine("cpu")}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json is not None:
-        args.json.write_text(text + "\n")
+    print(json.dumps(result, indent=2))
+    save_record(result, args.json)
     return 0
 
 

@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.stats import describe_machine, save_record
+from bench.provenance import finish_provenance, start_provenance
+from bench.stats import save_record
 
 # The primary's process runs with the workers' default policy; OpenMP reads it once, at torch's load.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.worker.model import decode_stack
 
     torch.set_num_threads(2)
+    provenance = start_provenance()
     engine = LLMEngine.from_model_dir(args.model, EngineConfig(num_blocks=64, enable_prefix_caching=False))
     prompts = [[100 + (i * 37 + j) % 40000 for j in range(64)] for i in range(args.requests)]
     _one_stream(engine, prompts[:2])
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "busy_neighbour",
         "what": __doc__.split("\n")[0],
         "valid": args.runs >= 3,
-        "machine": describe_machine("cpu"),
+        "provenance": finish_provenance(provenance),
         "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
         "workload": f"{args.requests} requests of 64 prompt + 64 new tokens, one at a time, greedy",
         "runs_tok_s": runs,

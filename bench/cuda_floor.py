@@ -21,7 +21,8 @@ import torch
 from transformers import AutoModelForCausalLM, StaticCache
 
 from bench.baselines import build_random_model
-from bench.stats import describe_machine, save_record
+from bench.provenance import finish_provenance, start_provenance
+from bench.stats import save_record
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -100,10 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
+    provenance = start_provenance(device=args.device)
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = build_random_model(args.random_weights, Path(scratch), dtype)
         record = measure_floor(model_dir, args.batch, args.context, args.device, dtype, args.reps)
-    record.update(arch=args.random_weights, dtype=args.dtype, machine=describe_machine(args.device))
+    record.update(arch=args.random_weights, dtype=args.dtype, provenance=finish_provenance(provenance))
     print(json.dumps(record, indent=2))
     save_record(record, args.json)
     return 0

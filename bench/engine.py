@@ -11,7 +11,6 @@ bench/baselines.py, our engine's in bench/engine_contestant.py, the ceiling in b
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import sys
 import tempfile
@@ -32,9 +31,9 @@ from bench.ceiling import CeilingResult, linear_ceiling, nominal_step_log
 from bench.engine_contestant import Run, engine_config_for, engine_run, measure_async, without_native
 from bench.engine_options import parse_args
 from bench.physical_limit import ModelBytes, measure_machine, physical_limit
+from bench.provenance import finish_provenance, start_provenance
 from bench.stats import (
     check_parity,
-    describe_machine,
     format_table,
     make_prompts,
     rates_record,
@@ -71,7 +70,7 @@ def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     transformers.logging.set_verbosity_error()
     # generate_batch warns on every persistent-manager call, through its own logger.
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
-    machine = describe_machine(args.device)
+    provenance = start_provenance(device=args.device)
     dtype = DTYPES[args.dtype]
     model_dir = _resolve_model(args, scratch)
     hf_model = load_hf_model(model_dir, args.device, dtype)
@@ -194,7 +193,7 @@ def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
                 "exempt": ["quantized"] if args.quantization else [],
                 **{name: report.as_dict() for name, report in parity.items()},
             },
-            "machine": {**machine, "load_average_at_end": list(os.getloadavg())},
+            "provenance": finish_provenance(provenance),
             "config": {
                 **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                 "model_dir": str(model_dir) if not args.random_weights else f"random {args.random_weights}",

@@ -20,9 +20,9 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from bench.provenance import finish_provenance, start_provenance
 from bench.stats import (
     add_workload_arguments,
-    describe_machine,
     lag_summary,
     make_prompts,
     probe_event_loop,
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         *("--model", str(args.model), "--requests", str(args.requests), "--threads", str(args.threads)),
         *("--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)),
     ]
+    provenance = start_provenance(threads=args.threads)
     runs: dict[str, list[dict[str, float]]] = {"sync": [], "facade": []}
     for _ in range(args.runs):
         for mode, results in runs.items():
@@ -106,7 +107,11 @@ def main(argv: list[str] | None = None) -> int:
             result = subprocess.run(command, check=True, capture_output=True, text=True)
             results.append(json.loads(result.stdout.strip().splitlines()[-1]))
             print(f"  {mode}: {results[-1]}", file=sys.stderr, flush=True)
-    record: dict[str, Any] = {"machine": describe_machine("cpu"), "runs": args.runs, "threads": args.threads}
+    record: dict[str, Any] = {
+        "provenance": finish_provenance(provenance),
+        "runs": args.runs,
+        "threads": args.threads,
+    }
     for mode, results in runs.items():
         record[mode] = {key: asdict(summarize([r[key] for r in results])) for key in results[0]}
     record["facade_vs_sync"] = record["facade"]["tok_s"]["median"] / record["sync"]["tok_s"]["median"]

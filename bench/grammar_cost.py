@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from bench.grammar_schemas import PROMPTS, SCHEMAS, TOPICS
-from bench.stats import DEFAULT_MODEL, describe_machine, git_checkout, save_record, summarize
+from bench.provenance import finish_provenance, start_provenance
+from bench.stats import DEFAULT_MODEL, save_record, summarize
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.grammar_compiler import GrammarCompiler
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    machine = describe_machine("cpu")
+    provenance = start_provenance()
     # Room for every stream's whole sequence: no preemption in either contestant.
     config = EngineConfig(
         max_num_seqs=args.streams, max_num_batched_tokens=2048, kv_cache_memory_bytes=1024 * 1024 * 1024
@@ -215,10 +216,8 @@ def main(argv: list[str] | None = None) -> int:
             "tokenizer_setup_s": summarize([setup for setup, _ in cold]).median,
             "per_schema_ms": {n: spread([t[n] for _, t in cold]) for n in SCHEMAS},
         },
-        "machine": machine,
+        "provenance": finish_provenance(provenance),
     }
-    record["machine"]["load_average_at_end"] = list(os.getloadavg())
-    record["commit"], record["dirty"] = git_checkout(Path.cwd())
     record["valid"] = args.runs >= 3
     print(
         f"json/free {record['json_over_free']:.3f}  mask {record['mask_ms_per_step']['median']:.2f} ms/step "

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from bench.grammar_schemas import SCHEMAS, sample_text
-from bench.stats import DEFAULT_MODEL, describe_machine, git_checkout, save_record, summarize
+from bench.provenance import finish_provenance, start_provenance
+from bench.stats import DEFAULT_MODEL, save_record, summarize
 
 SEPARATORS = (", ", ": ")
 
@@ -188,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    provenance = start_provenance()
     config = json.loads((args.model / "config.json").read_text())
     eos = config["eos_token_id"] if isinstance(config["eos_token_id"], int) else config["eos_token_id"][0]
     libs: list[Any] = [Llguidance((args.model / "tokenizer.json").read_text(), eos, args.threads)]
@@ -217,9 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             "cold_compile_ms": {n: _ms(v) for n, v in compile_s[lib.name].items()},
             "mask_us_per_token": {m: _us(v) for m, v in mask_s[lib.name].items()},
         }
-    record["machine"] = describe_machine("cpu")
-    record["machine"]["load_average_at_end"] = list(os.getloadavg())
-    record["commit"], record["dirty"] = git_checkout(Path.cwd())
+    record["provenance"] = finish_provenance(provenance)
     record["valid"] = args.runs >= 3
     for lib in libs:
         r = record[lib.name]

@@ -22,7 +22,8 @@ import torch
 
 from bench.grammar_cost import chat_prompts, compiler_for
 from bench.grammar_schemas import SCHEMAS
-from bench.stats import DEFAULT_MODEL, describe_machine, git_checkout, save_record
+from bench.provenance import finish_provenance, start_provenance
+from bench.stats import DEFAULT_MODEL, save_record
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.grammar_spec import GrammarSpec
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    machine = describe_machine("cpu")
+    provenance = start_provenance()
     config = EngineConfig(max_num_seqs=args.max_num_seqs, kv_cache_memory_bytes=1536 * 1024 * 1024)
     engine = LLMEngine.from_model_dir(args.model, config)
     compiler = compiler_for(engine, args.model)
@@ -94,10 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": wall,
         "failures": failures,
         "samples": {name: tokenizer.decode_str(tokens[ids[i]]) for i, name in enumerate(SCHEMAS)},
-        "machine": machine,
+        "provenance": finish_provenance(provenance),
     }
-    record["machine"]["load_average_at_end"] = list(os.getloadavg())
-    record["commit"], record["dirty"] = git_checkout(Path.cwd())
     record["valid"] = record["stop_rate"] >= TARGET_STOP_RATE and valid == stopped
     print(
         f"stop {stopped}/{args.prompts} ({record['stop_rate']:.0%}), finished and valid {valid}/{stopped}, "

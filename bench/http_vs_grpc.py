@@ -31,10 +31,10 @@ import httpx2
 from bench.config_copy import write_config
 from bench.driver import make_request, send
 from bench.http_driver import body, send_http
+from bench.provenance import finish_provenance, start_provenance
 from bench.session import BenchError, gateway, spawned
 from bench.stack_prompts import build_prompts, load_tokenizer
-from bench.stats import describe_machine, percentile, save_record, summarize
-from bench.summary import machine_at_end
+from bench.stats import percentile, save_record, summarize
 from strata.settings import DEFAULT_CONFIG, read_config
 
 if TYPE_CHECKING:
@@ -207,9 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from services.worker.settings import WorkerSettings
 
-    model_dir = Path(WorkerSettings.load(args.config, index=0).model_path)
+    worker = WorkerSettings.load(args.config, index=0)
+    model_dir = Path(worker.model_path)
     tokenizer = load_tokenizer(model_dir)
-    machine = describe_machine("cpu")
+    provenance = start_provenance(threads=worker.threads)
     log_dir = args.log_dir or Path(f"/tmp/strata-bench-http-{int(time.time())}")
     log_dir.mkdir(parents=True, exist_ok=True)
     # Admission's TTFT SLO off: 64 arrivals at once would otherwise be refused in part, and which ones
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "benchmark": "http_vs_grpc",
         "valid": not errors and not mismatches and not args.smoke,
-        "machine": machine_at_end(machine),
+        "provenance": finish_provenance(provenance),
         "model": ran["default_model"],
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "targets": {

@@ -11,7 +11,6 @@ bytes each packed copy would add next to the stored weights. It only measures; t
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -20,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from bench.provenance import finish_provenance, start_provenance
 from bench.small_linear import decode_weights, parse_args, time_alternated
-from bench.stats import describe_machine, save_record
+from bench.stats import save_record
 
 if TYPE_CHECKING:
     import argparse
@@ -54,6 +54,7 @@ def _contestants(weights: list[torch.Tensor], m: int) -> tuple[dict[str, Callabl
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
+    provenance = start_provenance()
     # The decoder layers only: the vocabulary projection's logits rows are a separate, smaller M.
     weights = decode_weights(args.seed)[:-1]
     total_bytes = sum(w.numel() * w.element_size() for w in weights)
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "what": "one decode step's decoder projections of SmolLM2-135M (30 layers), each on its own weight",
         "weight_bytes": total_bytes,
         "by_rows": results,
-        "machine": {**describe_machine("cpu"), "load_average_at_end": list(os.getloadavg())},
+        "provenance": finish_provenance(provenance),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
     }
 

@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.stats import describe_machine, save_record
+from bench.provenance import finish_provenance, start_provenance
+from bench.stats import save_record
 
 MIB = 2**20
 DEFAULT_MODELS = ("models/SmolLM2-135M-Instruct", "models/SmolLM2-135M-Instruct-int8:dynamic-int8")
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--typical-tokens", type=int, default=1024, help="tokens a slot holds, larger limit")
     parser.add_argument("--json", type=Path, help="write the record here")
     args = parser.parse_args(argv)
+    provenance = start_provenance()
     rows = []
     for model in args.model or DEFAULT_MODELS:
         for shape in args.shape or DEFAULT_SHAPES:
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     record = {
         "benchmark": "memory_profile",
-        "machine": describe_machine("cpu"),
+        "provenance": finish_provenance(provenance),
         "memory_utilization": args.memory_utilization,
         "typical_tokens": args.typical_tokens,
         "rows": rows,

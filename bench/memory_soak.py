@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from bench.stats import describe_machine, save_record
+from bench.provenance import finish_provenance, start_provenance
+from bench.stats import save_record
 from services.worker.device_memory import device_memory_bytes
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    provenance = start_provenance(device=args.device)
     config = EngineConfig(max_num_seqs=args.max_num_seqs, memory_utilization=args.memory_utilization)
     started = time.monotonic()
     engine = LLMEngine.from_model_dir(args.model, config, device=args.device)
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     growth = max((r["bytes"] - warm) / warm for r in readings) if readings else 0.0
     record = {
         "benchmark": "memory_soak",
-        "machine": describe_machine(args.device),
+        "provenance": finish_provenance(provenance),
         "model": str(args.model),
         "engine": config.model_dump(),
         "budget": engine.memory.parts() | {"kv_tokens": engine.memory.kv_tokens},

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from bench.baselines import special_token_ids
-from bench.stats import add_workload_arguments, describe_machine, make_prompts, save_record, summarize
+from bench.provenance import finish_provenance, start_provenance
+from bench.stats import add_workload_arguments, make_prompts, save_record, summarize
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.params import SamplingParams
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    provenance = start_provenance()
     loaded = load_model(args.model)
     vocab = loaded.config.vocab_size
     excluded = special_token_ids(args.model, vocab, None)
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode, engine in engines.items():
             runs[mode].append(_run(engine, prompts, params))
     record: dict[str, Any] = {
-        "machine": describe_machine("cpu"),
+        "provenance": finish_provenance(provenance),
         "runs": args.runs,
         "workload": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
     }

@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.stats import DEFAULT_MODEL, ParityReport, check_parity, describe_machine, make_prompts, save_record
+from bench.provenance import finish_provenance, start_provenance
+from bench.stats import DEFAULT_MODEL, ParityReport, check_parity, make_prompts, save_record
 from gateway.samples import sample_seed
 from services.worker.engine.params import SamplingParams
 
@@ -267,10 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.outputs: --runs must be >= 3 (or pass --smoke)", file=sys.stderr)
         return 2
     bench = Bench(args)
-    record: dict[str, Any] = {"benchmark": f"outputs-{args.part}", "machine": describe_machine("cpu")}
+    provenance = start_provenance()
     run = run_logprobs if args.part == "logprobs" else run_samples
+    record: dict[str, Any] = {"benchmark": f"outputs-{args.part}"}
     record[args.part], ok = run(bench, args.runs)
-    record["machine"]["load_average_at_end"] = list(os.getloadavg())
+    record["provenance"] = finish_provenance(provenance)
     record["valid"] = not args.smoke and ok
     save_record(record, args.json or DEFAULT_JSON[args.part])
     print(args.part, {k: v for k, v in record[args.part].items() if k != "parity"})

@@ -101,7 +101,7 @@ def write_plots(record: dict[str, Any], path: Path) -> None:
         axis.legend(fontsize="small")
     title = (
         f"strata bench: {workload['model']}, {workload['prompt_tokens']} prompt + "
-        f"{workload['new_tokens']} new tokens per request, {record['machine']['cpu_model']}"
+        f"{workload['new_tokens']} new tokens per request, {record['provenance']['machine']['cpu_model']}"
     )
     _save(figure, title, path)
 
@@ -197,7 +197,7 @@ def write_rate_plot(record: dict[str, Any], path: Path) -> None:
     title = (
         f"strata bench --rate ({workload['arrival']}): {workload['model']} -> "
         f"{workload['fallback_model'] or 'no fallback'}, {workload['prompt_tokens']} + "
-        f"{workload['new_tokens']} tokens, {record['machine']['cpu_model']}"
+        f"{workload['new_tokens']} tokens, {record['provenance']['machine']['cpu_model']}"
     )
     _save(figure, title, path)
 
@@ -275,5 +275,6 @@ def write_tenant_plot(record: dict[str, Any], path: Path) -> None:
         for t, r in rates.items()
     )
     verdict = "PASS" if record["pass"] else "FAIL"
-    title = f"bench.tenants ({verdict}): {workload['model']}, {shapes}, {record['machine']['cpu_model']}"
+    cpu = record["provenance"]["machine"]["cpu_model"]
+    title = f"bench.tenants ({verdict}): {workload['model']}, {shapes}, {cpu}"
     _save(figure, title, path)

@@ -29,7 +29,8 @@ from typing import Any
 
 from bench.prefix_driver import Timed, run_burst, run_conversations
 from bench.prefix_workload import ChatTokens, questions
-from bench.stats import DEFAULT_MODEL, ParityReport, check_parity, describe_machine, percentile, save_record
+from bench.provenance import start_provenance
+from bench.stats import DEFAULT_MODEL, ParityReport, check_parity, percentile, save_record
 
 DEFAULT_JSON = Path("bench/results/prefix-cache-cpu.json")
 CONTESTANTS = ("on", "off")
@@ -166,8 +167,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from bench.prefix_report import finish_record
 
     bench = Bench(args)
-    machine = describe_machine("cpu")
-    record: dict[str, Any] = {"benchmark": "prefix_cache", "machine": machine, "options": vars(args).copy()}
+    provenance = start_provenance()
+    record: dict[str, Any] = {
+        "benchmark": "prefix_cache",
+        "provenance": provenance,
+        "options": vars(args).copy(),
+    }
     record["options"] = {k: str(v) if isinstance(v, Path) else v for k, v in record["options"].items()}
     chat = bench.chat
     if args.workload in ("shared", "all"):

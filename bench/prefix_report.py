@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING, Any
 
+from bench.provenance import finish_provenance
 from bench.stats import summarize
 
 if TYPE_CHECKING:
@@ -100,7 +101,7 @@ def finish_record(record: dict[str, Any], smoke: bool) -> dict[str, Any]:
         )
         _strip(chat["rounds"])
     record["targets"] = targets
-    record["machine"]["loadavg_end"] = list(__import__("os").getloadavg())
+    finish_provenance(record["provenance"])
     parity_ok = all(report["ok"] for report in record["parity"].values())
     record["valid"] = parity_ok and not smoke
     record["pass"] = record["valid"] and all(t.get("met", True) for t in targets.values())
@@ -165,7 +166,7 @@ def write_plot(record: dict[str, Any], path: Path) -> None:
         for axis in (left, right):
             axis.grid(True, axis="y", alpha=0.3)
     verdict = "PASS" if record["pass"] else "targets missed or invalid"
-    figure.suptitle(f"bench.prefix_cache ({verdict}): {record['machine']['cpu_model']}")
+    figure.suptitle(f"bench.prefix_cache ({verdict}): {record['provenance']['machine']['cpu_model']}")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)

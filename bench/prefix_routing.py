@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import statistics
 import sys
@@ -31,7 +30,8 @@ import grpc
 import yaml
 
 from bench.prefix_workload import ChatTokens, questions
-from bench.stats import DEFAULT_MODEL, describe_machine, percentile, save_record
+from bench.provenance import finish_provenance, start_provenance
+from bench.stats import DEFAULT_MODEL, percentile, save_record
 from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 DEFAULT_JSON = Path("bench/results/prefix-routing-cpu.json")
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = [(rng.choice(systems), q) for q in questions(args.requests)]
     record: dict[str, Any] = {
         "benchmark": "prefix_routing",
-        "machine": describe_machine("cpu"),
+        "provenance": start_provenance(),
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "rounds": [],
     }
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.prefix_routing_report import finish, table_text, write_plot
 
     finish(record, args.smoke, TARGET_HIT_RATE, TARGET_BALANCE)
-    record["machine"]["loadavg_end"] = list(os.getloadavg())
+    finish_provenance(record["provenance"])
     save_record(record, args.json)
     write_plot(record, args.json.with_suffix(".png"))
     print(table_text(record))

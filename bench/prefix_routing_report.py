@@ -86,7 +86,8 @@ def write_plot(record: dict[str, Any], path: Path) -> None:
     axes[0].legend()
     axes[2].legend()
     verdict = "PASS" if record["pass"] else "targets missed or invalid"
-    figure.suptitle(f"bench.prefix_routing ({verdict}): 2 replicas, {record['machine']['cpu_model']}")
+    cpu = record["provenance"]["machine"]["cpu_model"]
+    figure.suptitle(f"bench.prefix_routing ({verdict}): 2 replicas, {cpu}")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)

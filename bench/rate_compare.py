@@ -19,6 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench.provenance import start_provenance
+from bench.stats import save_record
+
 OFF_GOODPUT_RATIO_MIN = 0.9
 ITL_P99_RATIO_MAX = 1.2
 PHASES = ("off", "on")
@@ -153,7 +156,7 @@ def _side(path: Path, record: dict[str, Any]) -> dict[str, Any]:
         "dirty": checkout.get("dirty"),
         "valid": record["valid"],
         "invalid_reasons": record["invalid_reasons"],
-        "date": record["machine"].get("date"),
+        "date": record["provenance"]["date"],
     }
 
 
@@ -170,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     before, after = read_record(args.before), read_record(args.after)
     result = {
         "benchmark": "bench.rate_compare",
+        "provenance": start_provenance(),
         "before": _side(args.before, before),
         "after": _side(args.after, after),
         "targets": {
@@ -180,9 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         **compare(before, after),
     }
     print(format_comparison(result))
+    save_record(result, args.json)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")
     if not result["rates"]:
         print("rate_compare: no rate is in both records", file=sys.stderr)

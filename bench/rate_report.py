@@ -1,6 +1,6 @@
 """`strata bench --rate`: each rate's verdict, the record of the whole invocation, and its table.
 
-The record holds what every rate shares at the top (machine, checkout, stack, config, the workload
+The record holds what every rate shares at the top (provenance, checkout, stack, config, the workload
 without the rate, the capacity run) and one entry per offered rate under `rates`: its schedule, its
 two phases reduced over the rounds (bench/rate_phase.py) and its verdict. A rate passes when, in each
 phase and for each route that admitted requests, the admitted requests' TTFT p99 (misses infinite)
@@ -15,10 +15,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from bench.admission import ADMISSION_WINDOW_S
+from bench.provenance import finish_provenance
 from bench.rate_phase import PHASES
 from bench.summary import (
     counts_text,
-    machine_at_end,
     ms_text,
     options_record,
     pass_text,
@@ -160,7 +160,7 @@ def build_rate_record(
     *,
     checkout: dict[str, Any],
     stack: dict[str, Any],
-    machine: dict[str, Any],
+    provenance: dict[str, Any],
     workload: dict[str, Any],
     capacity: dict[str, Any] | None,
     rates: list[dict[str, Any]],
@@ -181,7 +181,7 @@ def build_rate_record(
         "rates": rates,
         "pass": all(entry["target"]["pass"] for entry in rates),
         "notes": dict(NOTES),
-        "machine": machine_at_end(machine),
+        "provenance": finish_provenance(provenance),
         "config": options_record(args),
     }
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from bench.gateway_metrics import bucket_delta, scrape_decisions
+from bench.provenance import git_checkout
 from bench.rate import (
     arrival_offsets,
     arrivals_per_phase,
@@ -38,7 +39,6 @@ from bench.rate_report import build_rate_record, format_rate_report, rate_entry
 from bench.rate_target import prepare
 from bench.session import BenchError, gateway, publish, stack_endpoints
 from bench.stack_prompts import build_prompts
-from bench.stats import git_checkout
 
 if TYPE_CHECKING:
     import argparse
@@ -150,7 +150,7 @@ def _workload(args: argparse.Namespace, target: Target) -> dict[str, Any]:
 async def _session(endpoints: Endpoints, args: argparse.Namespace) -> dict[str, Any]:
     """Everything against the stack: routes, warm-up, capacity, then each rate's alternating phases."""
     async with gateway(endpoints.gateway) as (stub, models):
-        target, tokenizer, machine = prepare(args, models)
+        target, tokenizer, provenance = prepare(args, models)
         # A metrics address that does not answer fails here, before any load.
         await _scrape(endpoints.gateway_metrics)
         warm = build_prompts(
@@ -191,7 +191,7 @@ async def _session(endpoints: Endpoints, args: argparse.Namespace) -> dict[str, 
         return {
             "rates": rates,
             "capacity": capacity,
-            "machine": machine,
+            "provenance": provenance,
             "workload": _workload(args, target),
             "stack": stack,
         }
@@ -219,7 +219,7 @@ def run_rate_benchmark(args: argparse.Namespace) -> int:
         except TimeoutError as exc:
             raise BenchError(str(exc)) from exc
     record = build_rate_record(
-        args, checkout=checkout, stack=measured["stack"], machine=measured["machine"],
+        args, checkout=checkout, stack=measured["stack"], provenance=measured["provenance"],
         workload=measured["workload"], capacity=measured["capacity"], rates=measured["rates"],
     )  # fmt: skip
     return publish(record, args, format_rate_report(record), write_rate_plot)

@@ -100,16 +100,18 @@ def worker_threads(args: argparse.Namespace, target: Target) -> dict[str, int | 
 def prepare(
     args: argparse.Namespace, models: gateway_pb2.ListModelsResponse
 ) -> tuple[Target, Tokenizer, dict[str, Any]]:
-    """The run's target, its tokenizer, and the machine record with each route's torch threads."""
+    """The run's target, its tokenizer, and the provenance, the machine with each route's torch threads."""
+    from bench.provenance import start_provenance
     from bench.stack_engine import resolve_device
     from bench.stack_prompts import load_tokenizer
-    from bench.stats import describe_machine
 
     target = resolve_target(args, models)
     try:
         tokenizer = load_tokenizer(target.model_dir)
     except FileNotFoundError as exc:
         raise BenchError(str(exc)) from exc
-    machine = describe_machine(resolve_device(target.worker)[0] if target.worker else "unknown")
-    machine["worker_threads"] = worker_threads(args, target)
-    return target, tokenizer, machine
+    threads = worker_threads(args, target)
+    device = resolve_device(target.worker)[0] if target.worker else "unknown"
+    provenance = start_provenance(threads=threads[target.primary], device=device)
+    provenance["machine"]["worker_threads"] = threads
+    return target, tokenizer, provenance

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from bench.stats import describe_machine, save_record
+from bench.provenance import finish_provenance, start_provenance
+from bench.stats import save_record
 from services.worker.model import native, small_linear
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ def time_alternated(calls: dict[str, Callable[[], None]], runs: int) -> dict[str
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
+    provenance = start_provenance()
     weights = decode_weights(args.seed)
     total_bytes = sum(w.numel() * w.element_size() for w in weights)
     results: dict[str, Any] = {}
@@ -114,7 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "native_isa": native.isa(),
         "native_max_rows": small_linear.MAX_ROWS,
         "by_rows": results,
-        "machine": {**describe_machine("cpu"), "load_average_at_end": list(os.getloadavg())},
+        "provenance": finish_provenance(provenance),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
     }
 

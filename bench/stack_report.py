@@ -7,7 +7,7 @@ with `_spread` and `_runs`, `requests_per_s`, `ttft_ms`/`itl_ms`/`e2e_ms` {p50, 
 over the runs, `refusals` and `errors` by status code, `token_mismatches`, and `runs`, each run's own
 summary), `warmup`, `engine_baseline` and `target` (null without --engine-baseline), `valid` with
 `invalid_reasons`, `voided` (requests failed or miscounted tokens: no figure counts), `smoke`,
-`machine` and `config`. This module only reduces and shapes what was measured; it must not measure,
+`provenance` and `config`. This module only reduces and shapes what was measured; it must not measure,
 nor talk to the stack.
 """
 
@@ -16,10 +16,10 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING, Any
 
+from bench.provenance import finish_provenance
 from bench.stats import summarize
 from bench.summary import (
     counts_text,
-    machine_at_end,
     median_latencies,
     options_record,
     pair_text,
@@ -140,7 +140,7 @@ def build_record(
     args: argparse.Namespace,
     *,
     address: str,
-    machine: dict[str, Any],
+    provenance: dict[str, Any],
     models: gateway_pb2.ListModelsResponse,
     model_dir: Path,
     levels: list[dict[str, Any]],
@@ -186,7 +186,7 @@ def build_record(
         "warmup": warmup,
         "engine_baseline": None,
         "target": None,
-        "machine": machine_at_end(machine),
+        "provenance": finish_provenance(provenance),
         "config": options_record(args),
     }
 

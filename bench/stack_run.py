@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 from bench.driver import make_request
 from bench.load import LevelRun, run_level, summarize_level
 from bench.options import requests_per_level
+from bench.provenance import start_provenance
 from bench.session import BenchError, gateway, publish, stack_endpoints
 from bench.stack_prompts import Prompt, build_prompts, load_tokenizer
 from bench.stack_report import aggregate_levels, build_record, engine_record, format_report, judge
-from bench.stats import describe_machine
 from strata.settings import DEFAULT_CONFIG, SettingsError
 from strata.v1 import gateway_pb2
 
@@ -127,7 +127,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
     device, _ = resolve_device(settings)
     threads = args.threads or settings.threads
     engine = EngineBaseline(settings, threads) if args.engine_baseline else None
-    machine = describe_machine(device)  # after the engine set its threads: the record shows them
+    # After the engine set its threads: the record shows them (the worker's, or the engine's when set).
+    provenance = start_provenance(threads=threads, device=device)
 
     summaries: list[list[dict[str, Any]]] = []
     warm_summary: dict[str, Any] | None = None
@@ -169,7 +170,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
     record = build_record(
         args,
         address=address,
-        machine=machine,
+        provenance=provenance,
         models=models,
         model_dir=model_dir,
         levels=levels,

@@ -1,26 +1,23 @@
-"""Benchmark bookkeeping: seeded prompts, run statistics and the table, the machine and checkout, parity.
+"""Benchmark bookkeeping: seeded prompts, run statistics and the table, parity, saving a record.
 
 These are the pieces every benchmark shares so that all of them follow the rules in bench/README.md
-the same way. This module must not load models or time anything itself; it only describes,
-summarizes and compares what the contestants produced.
+the same way (a record's provenance is bench/provenance.py's). This module must not load models or
+time anything itself; it only summarizes and compares what the contestants produced.
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime
 import json
-import os
-import platform
 import random
 import statistics
-import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
+from bench.provenance import check_provenance, finish_provenance, start_provenance
 
 if TYPE_CHECKING:
     import argparse
@@ -116,62 +113,22 @@ def make_prompts(count: int, length: int, vocab_size: int, excluded: set[int], s
     return [[rng.choice(allowed) for _ in range(length)] for _ in range(count)]
 
 
-def _cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")  # Linux only; elsewhere platform's answer is the best there is
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
-def _physical_cores() -> int | None:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    cores: set[tuple[str, str]] = set()
-    physical = core = ""
-    for line in text.splitlines():
-        if line.startswith("physical id"):
-            physical = line.split(":", 1)[1].strip()
-        elif line.startswith("core id"):
-            core = line.split(":", 1)[1].strip()
-            cores.add((physical, core))
-    return len(cores) or None
-
-
 def describe_machine(device: str) -> dict[str, Any]:
-    """What an absolute time needs next to it: CPU, cores, threads, versions, date, load, GPU."""
-    import transformers
+    """The machine block of records made before provenance, for bench/peer.py until it writes one.
 
-    info: dict[str, Any] = {
-        "cpu_model": _cpu_model(),
-        "logical_cpus": os.cpu_count(),
-        "usable_cpus": len(os.sched_getaffinity(0)),
-        "physical_cores": _physical_cores(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        # Other tenants of a shared machine show up here; a high load explains a wide spread.
-        "load_average_at_start": list(os.getloadavg()),
-        "device": device,
+    Built from `start_provenance`, so both describe the machine the same way.
+    """
+    provenance = start_provenance(device=device)
+    machine = provenance["machine"]
+    return {
+        **machine,
+        "torch_threads": machine["threads"],
+        "torch": provenance["versions"]["torch"],
+        "transformers": provenance["versions"]["transformers"],
+        "python": provenance["versions"]["python"],
+        "date": provenance["date"],
+        "load_average_at_start": provenance["load_average"]["start"],
     }
-    if device == "cuda" and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-        info["cuda"] = torch.version.cuda
-    return info
-
-
-def git_checkout(tree: Path) -> tuple[str, bool]:
-    """The checkout's HEAD commit ("" outside git) and whether its tracked files differ from it."""
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True, text=True, check=False)
-    if head.returncode != 0:
-        return "", False
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=tree, check=False).returncode != 0
-    return head.stdout.strip(), dirty
 
 
 # Reference logits kept per position: enough to see an n-way tie, small enough for long runs.
@@ -258,7 +215,18 @@ def check_parity(
 
 
 def save_record(record: dict[str, Any], path: Path | None) -> None:
-    """Write a benchmark's JSON record (bench/results/ by convention); nothing when path is None."""
+    """Write a benchmark's JSON record (bench/results/ by convention); nothing when path is None.
+
+    The record's provenance gets its end load average here if the run did not fill it. A record
+    without a valid provenance is still written (a long run is not thrown away) but named on stderr:
+    tests/unit/test_record_provenance.py keeps it out of bench/results/.
+    """
+    provenance = record.get("provenance")
+    if isinstance(provenance, dict) and provenance.get("load_average", {}).get("end") is None:
+        finish_provenance(provenance)
+    problems = check_provenance(record)
+    if problems:
+        print(f"save_record: {path} has no valid provenance: {'; '.join(problems)}", file=sys.stderr)
     if path is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)

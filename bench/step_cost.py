@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from bench.stats import describe_machine, save_record
+from bench.provenance import finish_provenance, start_provenance
+from bench.stats import save_record
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.params import SamplingParams
@@ -102,6 +103,7 @@ def _det(m: list[list[float]]) -> float:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads or torch.get_num_threads())
+    provenance = start_provenance()
     loaded = load_model(args.model_dir)
     # One running slot more than the largest batch: the prompt added to a step must be admitted.
     config = EngineConfig(max_num_seqs=max(args.decodes) + 1, max_num_batched_tokens=4096)
@@ -125,7 +127,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             {"decodes": d, "prefill_tokens": p, "median_ms": m, "runs_ms": times[(d, p)]}
             for d, p, m in medians
         ],
-        "machine": describe_machine("cpu"),
+        "provenance": finish_provenance(provenance),
         "config": {
             "repeats": args.repeats,
             "decodes": args.decodes,

@@ -1,6 +1,6 @@
 """What the closed-loop and the open-loop reports of `strata bench` share: the token check of a request,
-latency percentiles and their medians over rounds, counts summed over rounds, the record's `machine`
-and `config` blocks, and the table's cells.
+latency percentiles and their medians over rounds, counts summed over rounds, the record's `config`
+block, and the table's cells.
 
 The closed loop's levels (bench/load.py, bench/stack_report.py) and the open loop's phases
 (bench/rate_report.py) are reduced with these, so both read a request and a round the same way. This
@@ -9,7 +9,6 @@ module only shapes what was measured; it must not measure, nor talk to the stack
 
 from __future__ import annotations
 
-import os
 import statistics
 from collections import Counter
 from pathlib import Path
@@ -74,11 +73,6 @@ def summed_counts(runs: Sequence[dict[str, Any]], key: str) -> dict[str, int]:
     for run in runs:
         total.update(run[key])
     return dict(total)
-
-
-def machine_at_end(machine: dict[str, Any]) -> dict[str, Any]:
-    """The machine block as measured at the start, with the load average now, at the end."""
-    return {**machine, "load_average_at_end": list(os.getloadavg())}
 
 
 def options_record(args: argparse.Namespace) -> dict[str, Any]:

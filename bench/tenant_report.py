@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from bench.admission import ADMISSION_WINDOW_S
+from bench.provenance import finish_provenance
 from bench.summary import (
     counts_text,
-    machine_at_end,
     ms_text,
     options_record,
     pass_text,
@@ -91,7 +91,7 @@ def build_record(
     args: argparse.Namespace,
     *,
     checkout: dict[str, Any],
-    machine: dict[str, Any],
+    provenance: dict[str, Any],
     workload: dict[str, Any],
     capacity: dict[str, Any],
     stack: dict[str, Any],
@@ -120,7 +120,7 @@ def build_record(
         "target": target,
         "pass": target["pass"],
         "notes": dict(NOTES),
-        "machine": machine_at_end(machine),
+        "provenance": finish_provenance(provenance),
         "config": options_record(args),
     }
 

@@ -29,11 +29,11 @@ import grpc
 
 from bench.config_copy import write_config
 from bench.load import run_level
+from bench.provenance import git_checkout
 from bench.rate import drain, measure_capacity, run_phase
 from bench.rate_target import prepare
 from bench.session import BenchError, gateway, publish, spawned
 from bench.stack_prompts import build_prompts
-from bench.stats import git_checkout
 from bench.tenant_load import (
     TENANTS,
     build_load,
@@ -66,12 +66,12 @@ LIST_METADATA = tenant_metadata("quiet")
 
 @dataclass(frozen=True, slots=True)
 class Setup:
-    """What the capacity run's stack told: the target, the tokenizer, the machine, each shape's
+    """What the capacity run's stack told: the target, the tokenizer, the provenance, each shape's
     capacity, the stack's routes, and each tenant's warm-up requests for every later stack."""
 
     target: Target
     tokenizer: Tokenizer
-    machine: dict[str, Any]
+    provenance: dict[str, Any]
     capacity: dict[str, Any]
     stack: dict[str, Any]
     warm_up: dict[str, list[gateway_pb2.GenerateRequest]]
@@ -90,9 +90,9 @@ async def _warm_up(
 
 
 async def _capacity(endpoints: Endpoints, args: argparse.Namespace) -> Setup:
-    """The target, tokenizer, machine and routes, and each shape's capacity, on the FIFO copy's stack."""
+    """The target, tokenizer, provenance and routes, and each shape's capacity, on the FIFO copy's stack."""
     async with gateway(endpoints.gateway, LIST_METADATA) as (stub, models):
-        target, tokenizer, machine = prepare(args, models)
+        target, tokenizer, provenance = prepare(args, models)
         worker = target.worker
         concurrency = args.capacity_concurrency or (worker.engine.max_num_seqs if worker else 16)
         count = args.capacity_requests or 2 * concurrency
@@ -121,7 +121,7 @@ async def _capacity(endpoints: Endpoints, args: argparse.Namespace) -> Setup:
             "model_dir": str(target.model_dir),
         }
     capacity = {"fair_queuing": False, "concurrency": concurrency, "shapes": measured}
-    return Setup(target, tokenizer, machine, capacity, stack, warm_up)
+    return Setup(target, tokenizer, provenance, capacity, stack, warm_up)
 
 
 async def _phase(
@@ -222,7 +222,7 @@ def _run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
         for name in CONTESTANTS
     }
     return {
-        "machine": setup.machine,
+        "provenance": setup.provenance,
         "workload": _workload(args, setup.target),
         "capacity": setup.capacity,
         "stack": setup.stack,

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from bench.stats import describe_machine, save_record
+from bench.provenance import finish_provenance, start_provenance
+from bench.stats import save_record
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -37,6 +38,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    provenance = start_provenance()
     from torch._dynamo.utils import counters
 
     from services.worker.model import native
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "torch_compile",
         "what": __doc__.split("\n")[0],
         "valid": args.runs >= 3,
-        "machine": describe_machine("cpu"),
+        "provenance": finish_provenance(provenance),
         "workload": f"one sequence: 64-token prompt, {args.steps} greedy decodes; median ms a step per run",
         "ms_per_step_runs": per_step,
         "ms_per_step_median": medians,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import tempfile
 import time
@@ -172,8 +171,9 @@ def _one_run(
 
 def run_benchmark(args: argparse.Namespace) -> int:
     """Every run, alternating off and on, then the record and the table; 1 when the numbers do not count."""
+    from bench.provenance import finish_provenance, start_provenance
     from bench.stack_engine import resolve_device
-    from bench.stats import describe_machine, save_record
+    from bench.stats import save_record
     from services.worker.settings import WorkerSettings
 
     primary = WorkerSettings.load(args.config, index=0)
@@ -183,7 +183,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
     timed = [
         build_prompts(tokenizer, args.requests, args.prompt_tokens, f"{seed}/r{i}") for i in range(args.runs)
     ]
-    machine = describe_machine(resolve_device(primary)[0])
+    provenance = start_provenance(threads=primary.threads, device=resolve_device(primary)[0])
     work_dir = Path(tempfile.mkdtemp(prefix="strata-trace-overhead-"))
     print(f"trace_overhead: configs and service logs in {work_dir}", file=sys.stderr, flush=True)
     runs: list[RunResult] = []
@@ -192,11 +192,11 @@ def run_benchmark(args: argparse.Namespace) -> int:
             for mode in ("off", "on"):
                 runs.append(_one_run(args, mode, index, (warmup, timed[index]), receiver, work_dir))
                 receiver.clear()
-    machine["load_average_at_end"] = list(os.getloadavg())
+    finish_provenance(provenance)
     config = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
     config["primary_worker"] = {"model_path": str(primary.model_path), "threads": primary.threads}
     record = build_record(
-        runs, expected_requests=args.requests, smoke=args.smoke, machine=machine, config=config
+        runs, expected_requests=args.requests, smoke=args.smoke, provenance=provenance, config=config
     )
     save_record(record, args.json)
     print(format_report(record))

@@ -118,7 +118,7 @@ def build_record(
     *,
     expected_requests: int,
     smoke: bool,
-    machine: dict[str, Any],
+    provenance: dict[str, Any],
     config: dict[str, Any],
 ) -> dict[str, Any]:
     """The JSON record: per-mode summaries, the verdict, every run, validity and why not.
@@ -143,7 +143,7 @@ def build_record(
         "smoke": smoke,
         "modes": {mode: summarize_mode(mode_runs) for mode, mode_runs in by_mode.items() if mode_runs},
         "runs": [{**asdict(run), "cpu_s_per_request": run.cpu_s_per_request} for run in runs],
-        "machine": machine,
+        "provenance": provenance,
         "config": config,
     }
     if all(by_mode.values()):

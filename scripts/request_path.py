@@ -29,6 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import gateway  # noqa: E402  (after the path: this checkout's packages, never an installed copy)
+from bench.provenance import finish_provenance, start_provenance  # noqa: E402
+from bench.stats import save_record  # noqa: E402
 from gateway.server import start as start_gateway  # noqa: E402
 from gateway.settings import GatewaySettings  # noqa: E402
 from services.tokenizer.server import start as start_tokenizer  # noqa: E402
@@ -130,6 +132,7 @@ def main() -> int:
     parser.add_argument("--model-dir", type=Path, default=ROOT / "models" / "SmolLM2-135M-Instruct")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
+    provenance = start_provenance()
     recorder = Recorder()
     recorder.wrap_classes()
     threading.setprofile(recorder.profile)
@@ -141,6 +144,7 @@ def main() -> int:
         threading.setprofile(None)  # type: ignore[arg-type]
     modules_total = len([path for path in GATEWAY_DIR.glob("*.py") if not path.stem.startswith("__")])
     record = {
+        "provenance": finish_provenance(provenance),
         "gateway_modules_run": sorted(recorder.modules),
         "gateway_modules_run_count": len(recorder.modules),
         "gateway_modules_total": modules_total,
@@ -149,8 +153,7 @@ def main() -> int:
         "lines": line_counts(),
     }
     print(json.dumps(record, indent=2))
-    if args.json is not None:
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
+    save_record(record, args.json)
     return 0
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from bench.driver import RequestResult
 from bench.options import resolve
+from bench.provenance import start_provenance
 from bench.rate_phase import aggregate_phase, summarize_phase
 from bench.rate_report import build_rate_record, rate_entry
 from bench.stack import add_arguments
@@ -90,6 +91,7 @@ def record(rates: list[dict[str, Any]], *argv: str, checkout: dict[str, Any] | N
         "arrival": "poisson", "ttft_slo_ms": SLO_MS,
     }  # fmt: skip
     return build_rate_record(
-        args, checkout=checkout or CHECKOUT, stack={}, machine={"cpu_model": "test cpu", "date": "today"},
+        args, checkout=checkout or CHECKOUT, stack={}, provenance=start_provenance(),
+
         workload=workload, capacity=None, rates=rates,
     )  # fmt: skip

@@ -11,6 +11,7 @@ import torch
 from bench.ceiling import nominal_step_log
 from bench.engine import main
 from bench.engine_options import parse_args
+from bench.provenance import check_provenance
 from bench.stats import PARITY_TOP2_GAP, Reference, check_parity, make_prompts, summarize
 from tests.parity import TIE_GAP
 
@@ -37,7 +38,7 @@ def test_smoke_run_checks_every_contestant_and_writes_the_record(tmp_path: Path)
 
     for key in (
         "naive_tok_s", "hf_cb_tok_s", "engine_tok_s", "ceiling_tok_s", "naive_spread", "hf_cb_spread",
-        "engine_spread", "engine_vs_ceiling", "engine_vs_hf_cb", "machine", "config", "parity",
+        "engine_spread", "engine_vs_ceiling", "engine_vs_hf_cb", "provenance", "config", "parity",
     ):  # fmt: skip
         assert key in record, key
     assert record["smoke"] is True
@@ -57,7 +58,7 @@ def test_smoke_run_checks_every_contestant_and_writes_the_record(tmp_path: Path)
     assert record["engine_asyncio"]["probe_ticks"] > 0
     low, high = record["engine_spread"]
     assert low <= record["engine_tok_s"] <= high
-    assert record["machine"]["torch_threads"] == 1
+    assert record["provenance"]["machine"]["threads"] == 1 and check_provenance(record) == []
 
 
 def test_fewer_than_three_runs_need_smoke(tmp_path: Path) -> None:

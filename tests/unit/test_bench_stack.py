@@ -19,6 +19,7 @@ from bench.driver import RequestResult, make_request, token_timing
 from bench.load import LevelRun, run_level, summarize_level
 from bench.options import resolve
 from bench.plots import write_plots
+from bench.provenance import start_provenance
 from bench.stack import add_arguments, main
 from bench.stack_prompts import build_prompt, build_prompts, load_tokenizer
 from bench.stack_report import aggregate_levels, judge
@@ -198,7 +199,7 @@ def test_plots_are_written_as_png(tmp_path: Path) -> None:
         "levels": levels,
         "engine_baseline": {"concurrency": 8, "requests": 8, "tok_s": 60.0, "ttft_p50_ms": 90.0},
         "workload": {"model": "tiny", "prompt_tokens": 16, "new_tokens": NEW_TOKENS},
-        "machine": {"cpu_model": "test cpu"},
+        "provenance": start_provenance(),
     }
     path = tmp_path / "plots" / "bench.png"
     write_plots(record, path)

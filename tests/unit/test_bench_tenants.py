@@ -11,6 +11,7 @@ import pytest
 
 from bench.fairness import jain_index, normalized_throughputs, water_fill
 from bench.plots import write_tenant_plot
+from bench.provenance import check_provenance, start_provenance
 from bench.tenant_phase import aggregate_contestant, fairness, summarize_round, summarize_tenant
 from bench.tenant_report import build_record, format_report, judge
 from bench.tenants import DEFAULT_JSON, build_parser, main, resolve
@@ -178,7 +179,7 @@ def _record(contestants: dict[str, dict[str, Any]], *argv: str) -> dict[str, Any
         for name, factor, count in (("noisy", 5.0, 10), ("quiet", 0.3, 2))
     }  # fmt: skip
     return build_record(
-        args, checkout=CHECKOUT, machine={"cpu_model": "test cpu"}, workload=workload,
+        args, checkout=CHECKOUT, provenance=start_provenance(), workload=workload,
         capacity={"shapes": {}}, stack={}, rates=rates, phases=[], contestants=contestants,
     )  # fmt: skip
 
@@ -187,10 +188,11 @@ def test_the_record_table_and_plot_hold_both_contestants_and_errors_void_it(tmp_
     record = _record(_contestants())
     assert record["pass"] is True and record["voided"] is False
     assert record["invalid_reasons"] == ["--smoke run"] and record["checkout"] == CHECKOUT
-    assert {"machine", "config", "capacity", "rates", "phases", "contestants", "target", "notes"} <= set(
+    assert {"provenance", "config", "capacity", "rates", "phases", "contestants", "target", "notes"} <= set(
         record
     )
-    assert record["config"]["noisy_factor"] == 5.0 and "load_average_at_end" in record["machine"]
+    assert record["config"]["noisy_factor"] == 5.0 and check_provenance(record) == []
+
     table = format_report(record)
     assert "noisy: 8-token prompts at 10.00 req/s = 5 x capacity 2.00 req/s" in table
     assert "verdict, fair queuing on (worst round)" in table and "beside it, fair queuing off" in table

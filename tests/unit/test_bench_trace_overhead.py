@@ -102,25 +102,27 @@ def test_judge_compares_medians_against_the_target() -> None:
 
 
 def test_record_is_valid_only_with_enough_clean_runs_and_no_smoke() -> None:
-    record = build_record(_runs(), expected_requests=REQUESTS, smoke=False, machine={"cpu": "x"}, config={})
+    record = build_record(
+        _runs(), expected_requests=REQUESTS, smoke=False, provenance={"commit": "x"}, config={}
+    )
     assert record["valid"] is True and record["voided"] is False
     assert record["invalid_reasons"] == []
     assert record["modes"]["on"]["spans_per_request"] == pytest.approx(3.0)
     assert record["target"]["pass"] is True
     assert len(record["runs"]) == 6 and record["runs"][0]["cpu_s_per_request"] == pytest.approx(0.1)
 
-    few = build_record(_runs(1), expected_requests=REQUESTS, smoke=True, machine={}, config={})
+    few = build_record(_runs(1), expected_requests=REQUESTS, smoke=True, provenance={}, config={})
     assert few["valid"] is False and few["voided"] is False
     assert "1 runs with tracing off: at least 3 count" in few["invalid_reasons"]
     assert "--smoke run" in few["invalid_reasons"]
 
     broken = [*_runs()[:-1], _run("on", 2, 0.2, 0.9, spans=0)]
-    void = build_record(broken, expected_requests=REQUESTS, smoke=False, machine={}, config={})
+    void = build_record(broken, expected_requests=REQUESTS, smoke=False, provenance={}, config={})
     assert void["valid"] is False and void["voided"] is True
 
 
 def test_report_shows_each_mode_per_process_and_the_verdict() -> None:
-    record = build_record(_runs(), expected_requests=REQUESTS, smoke=False, machine={}, config={})
+    record = build_record(_runs(), expected_requests=REQUESTS, smoke=False, provenance={}, config={})
     lines = format_report(record).splitlines()
     assert lines[0].split() == [
         "tracing",
@@ -137,7 +139,9 @@ def test_report_shows_each_mode_per_process_and_the_verdict() -> None:
     assert lines[3].startswith("CPU per request on/off: 1.000 (target <= 1.05): PASS")
     assert len(lines) == 4
     late = [*_runs()[:-1], _run("on", 2, 0.22, 0.88, spans=30, late_spans=4)]
-    report = format_report(build_record(late, expected_requests=REQUESTS, smoke=True, machine={}, config={}))
+    report = format_report(
+        build_record(late, expected_requests=REQUESTS, smoke=True, provenance={}, config={})
+    )
     assert "4 spans came after their window closed" in report
     assert "not a valid result: --smoke run" in report
 
