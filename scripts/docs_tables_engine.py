@@ -113,6 +113,32 @@ def facade(records: Mapping[str, Record]) -> list[str]:
     return table(["engine", "tok/s, median (min-max)", "facade against sync"], rows)
 
 
+def mixing(records: Mapping[str, Record]) -> list[str]:
+    data = records["mixing-cpu.json"].data
+    rows = []
+    for key, label in (("mixed", "mixed steps (`mixed_batches=True`)"), ("alternating", "alternating steps")):
+        entry = data[key]
+        rows.append(
+            [
+                label,
+                stats(entry["tok_s"]),
+                f"{entry['ttft_p50_ms']['median'] / 1000:.2f} s",
+                f"{entry['ttft_max_ms']['median'] / 1000:.2f} s",
+                f"{entry['itl_p99_ms']['median'] / 1000:.2f} s",
+            ]
+        )
+    return table(["steps", "tok/s, median (min-max)", "TTFT p50", "TTFT max", "inter-token p99"], rows)
+
+
+def step_cost(records: Mapping[str, Record]) -> list[str]:
+    fit = records["step-cost-cpu.json"].data["fit"]
+    return [
+        f"Fit: step ms = {fit['fixed_ms']:.1f} + {fit['ms_per_decode']:.2f} x decodes + "
+        f"{fit['ms_per_prefill_token']:.2f} x prompt tokens, so a decode costs "
+        f"{fit['decode_cost_tokens']:.1f} prompt tokens."
+    ]
+
+
 def memory_profile(records: Mapping[str, Record]) -> list[str]:
     mib = 2**20
     rows = []
@@ -149,4 +175,6 @@ TABLES = (
     Table("peer", ("peer-cpu.json",), peer),
     Table("facade", ("facade-cpu.json",), facade),
     Table("memory-profile", ("memory-profile-cpu.json",), memory_profile),
+    Table("mixing", ("mixing-cpu.json",), mixing),
+    Table("step-cost", ("step-cost-cpu.json",), step_cost),
 )

@@ -136,8 +136,8 @@ def samples(records: Mapping[str, Record]) -> list[str]:
     ]
 
 
-def grammar_cost(records: Mapping[str, Record]) -> list[str]:
-    data = records["grammar-cost-cpu.json"].data
+def grammar_cost(records: Mapping[str, Record], record: str) -> list[str]:
+    data = records[record].data
     tps, share = data["tokens_per_s"], data["mask_share_of_step_time"]
     rows = [
         [
@@ -158,8 +158,49 @@ def grammar_cost(records: Mapping[str, Record]) -> list[str]:
         ],
         ["cost to an unconstrained request", f"{data['unconstrained_hook_us_per_step']:.1f} us per step", ""],
     ]
+    place = data.get("mask_placement_ms")
+    if place:
+        rows.append(
+            [
+                "one decode step: alone / the fill alone / one after the other / the fill on a thread",
+                "",
+                f"{place['step_ms']:.1f} / {place['mask_ms']:.2f} / {place['serial_ms']:.1f} / "
+                f"{place['overlapped_ms']:.1f} ms",
+            ]
+        )
+    cold = data.get("cold_compile")
+    if cold:
+        medians = [entry["median"] for entry in cold["per_schema_ms"].values()]
+        rows.append(
+            [
+                "cold compile per schema (medians); the tokenizer's setup once per worker",
+                "",
+                f"{min(medians):.2f} to {max(medians):.2f} ms; {cold['tokenizer_setup_s']:.2f} s",
+            ]
+        )
     head = f"{data['streams']} streams x {data['new_tokens']} greedy tokens"
     return table([head, "free", "JSON schema on every request"], rows)
+
+
+def grammar_quality(records: Mapping[str, Record]) -> list[str]:
+    data = records["grammar-quality-cpu.json"].data
+    rows = [
+        [
+            str(data["prompts"]),
+            str(data["max_tokens"]),
+            f"{data['stop_rate']:.0%}",
+            f"{data['finished_valid_rate']:.0%}",
+            f"{data['output_tokens']:,} in {data['wall_s']:.0f} s",
+        ]
+    ]
+    header = [
+        "prompts (greedy)",
+        "max_tokens",
+        "finish with `stop`",
+        "of those, valid by `jsonschema`",
+        "tokens",
+    ]
+    return table(header, rows)
 
 
 def grammar_libs(records: Mapping[str, Record]) -> list[str]:
@@ -199,6 +240,16 @@ TABLES = (
     Table("prefix-routing", ("prefix-routing-cpu.json",), prefix_routing),
     Table("outputs-logprobs", ("outputs-logprobs-cpu.json",), logprobs),
     Table("outputs-samples", ("outputs-samples-cpu.json",), samples),
-    Table("grammar-cost", ("grammar-cost-cpu.json",), grammar_cost),
+    Table(
+        "grammar-cost",
+        ("grammar-cost-cpu.json",),
+        lambda records: grammar_cost(records, "grammar-cost-cpu.json"),
+    ),
+    Table(
+        "grammar-cost-5runs",
+        ("grammar-cost-cpu-5runs.json",),
+        lambda records: grammar_cost(records, "grammar-cost-cpu-5runs.json"),
+    ),
+    Table("grammar-quality", ("grammar-quality-cpu.json",), grammar_quality),
     Table("grammar-libs", ("grammar-libs-cpu.json",), grammar_libs),
 )
