@@ -133,8 +133,6 @@ CATALOG: dict[str, Entry] = {
         ENGINE, "bench/step_cost.py", 180, _py("bench.step_cost", *_json("step-cost-cpu.json"))
     ),
     "peer-cpu.json": Entry(ENGINE, "bench/peer.py", 600, _py("bench.peer", *_json("peer-cpu.json"))),
-    # Four bench.engine runs and the thread-split measurements of the time before the native kernels.
-    "fallback-cpu.json": Entry(ENGINE, "bench/engine.py", 900, (), history=True),
     "small-linear-cpu.json": Entry(
         KERNELS, "bench/small_linear.py", 120, _py("bench.small_linear", *_json("small-linear-cpu.json"))
     ),
@@ -212,13 +210,6 @@ CATALOG: dict[str, Entry] = {
         target="make bench-grammar-libs",
     ),
     "request-path.json": Entry(GATEWAY, "scripts/request_path.py", 30, ("python", "scripts/request_path.py")),
-    "stack-before-after-cpu.json": Entry(STACK, "bench/before_after.py", 900, (), history=True),
-    "stack-rate-compare-cpu.json": Entry(STACK, "bench/rate_compare.py", 5, (), history=True),
-    "stack-rate-cpu-before.json": Entry(STACK, "bench/rate.py", 720, (), history=True),
-    "stack-rate-cpu-50bd0ec.json": Entry(STACK, "bench/rate.py", 720, (), history=True),
-    "stack-rate-cpu-credits128.json": Entry(STACK, "bench/rate.py", 720, (), history=True),
-    "tenants-cpu-first.json": Entry(STACK, "bench/tenants.py", 600, (), history=True),
-    "request-path-before.json": Entry(GATEWAY, "scripts/request_path.py", 30, (), history=True),
 }
 
 LONG_RUNS = (

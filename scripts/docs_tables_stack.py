@@ -57,24 +57,13 @@ def stack_table(name: str, record: str) -> Table:
     return Table(name, (record,), lambda records: stack_rows(records[record].data))
 
 
-def before_after(records: Mapping[str, Record]) -> list[str]:
-    data = records["stack-before-after-cpu.json"].data
-    before, after, ratios = data["before"], data["after"], data["ratios"]
-    rows = [
-        [
-            f"{after['concurrency']} streams: output tok/s",
-            spread(before["output_tok_s"]["median"], before["output_tok_s"]["spread"]),
-            spread(after["output_tok_s"]["median"], after["output_tok_s"]["spread"]),
-            f"**{ratio(ratios['output_tok_s_after_over_before'])}**",
-        ],
-        [
-            "1 stream: TTFT p50 ms",
-            spread(before["ttft_p50_ms_one_stream"]["median"], before["ttft_p50_ms_one_stream"]["spread"]),
-            spread(after["ttft_p50_ms_one_stream"]["median"], after["ttft_p50_ms_one_stream"]["spread"]),
-            f"**{ratio(ratios['ttft_p50_one_stream_after_over_before'])}**",
-        ],
+def request_path(records: Mapping[str, Record]) -> list[str]:
+    data = records["request-path.json"].data
+    return [
+        f"One streaming request runs code in {data['gateway_modules_run_count']} of the "
+        f"{data['gateway_modules_total']} gateway modules and makes {data['gateway_types_made_count']} "
+        "gateway types."
     ]
-    return table(["figure", "before, median (min-max)", "after", "after against before"], rows)
 
 
 def fallback(records: Mapping[str, Record], record: str) -> list[str]:
@@ -119,27 +108,6 @@ def fallback(records: Mapping[str, Record], record: str) -> list[str]:
         "ITL p99 ms",
         "gateway refusal decision p99",
         "admitted / refused",
-    ]
-    return table(header, rows)
-
-
-def rate_compare(records: Mapping[str, Record]) -> list[str]:
-    rows = []
-    for rate in records["stack-rate-compare-cpu.json"].data["rates"]:
-        off, itl = rate["off_goodput"], rate["itl_p99"]
-        rows.append(
-            [
-                f"{rate['rate']}/s",
-                f"{off['before_tok_s']:.1f} / {off['after_tok_s']:.1f}",
-                f"**{ratio(off['ratio'])}** (>= {off['min']}: {met(off['pass'])})",
-                ", ".join(f"{phase} {ratio(itl[phase]['ratio'])}" for phase in ("off", "on") if phase in itl),
-            ]
-        )
-    header = [
-        "rate",
-        "fallback-off goodput before / after tok/s",
-        "after against before",
-        "ITL p99 after against before",
     ]
     return table(header, rows)
 
@@ -262,9 +230,8 @@ def trace_overhead(records: Mapping[str, Record]) -> list[str]:
 TABLES = (
     stack_table("stack", "stack-cpu.json"),
     stack_table("stack-one-stream", "stack-1-stream-cpu.json"),
-    Table("stack-before-after", ("stack-before-after-cpu.json",), before_after),
+    Table("request-path", ("request-path.json",), request_path),
     Table("fallback", ("stack-rate-cpu.json",), lambda records: fallback(records, "stack-rate-cpu.json")),
-    Table("rate-compare", ("stack-rate-compare-cpu.json",), rate_compare),
     Table("tenants", ("tenants-cpu.json",), tenants),
     Table("http-vs-grpc", ("http-vs-grpc-cpu.json",), http_vs_grpc),
     Table("trace-overhead", ("trace-overhead-cpu.json",), trace_overhead),
