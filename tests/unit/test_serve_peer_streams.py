@@ -49,10 +49,16 @@ def llama_events() -> list[dict[str, Any]]:
 
 
 def strata_events() -> list[dict[str, Any]]:
-    head = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m"}
-    events = [{**head, "choices": [{"index": 0, "text": t, "finish_reason": None}]} for t in TEXTS if t]
-    usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
-    return [*events, {**head, "choices": [], "usage": usage}]
+    """As the gateway sends them (captured), with the usage chunk's `strata` extension trimmed."""
+    head = {"id": "cmpl-84ee", "object": "text_completion", "created": 1796170276, "model": "m"}
+    events = [
+        {**head, "choices": [{"index": 0, "finish_reason": None, "logprobs": None, "text": t}]}
+        for t in TEXTS
+        if t
+    ]
+    events[-1]["choices"][0]["finish_reason"] = "length"
+    usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7, "prompt_tokens_details": {}}
+    return [*events, {**head, "choices": [], "usage": usage, "strata": {"fallback_reason": ""}}]
 
 
 class Replay(BaseHTTPRequestHandler):
