@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"make records: not started: {reason}", file=sys.stderr)
         return 2
     summary: dict[str, list[str]] = {}
+    failed: list[str] = []
     started = time.monotonic()
     for index, name in enumerate(names, 1):
         if index > 1:
@@ -241,10 +242,10 @@ def main(argv: list[str] | None = None) -> int:
             f"in {minutes(int(took))}",
             flush=True,
         )
+        if code != 0:
+            failed.append(name)
         summary[name] = (
-            changes(name, old, read(name))
-            if code == 0
-            else [f"  failed (exit {code}); the previous record stays"]
+            changes(name, old, read(name)) if code == 0 else [f"  failed (exit {code}): its output is above"]
         )
     print(f"\nWhat changed ({minutes(int(time.monotonic() - started))} in all):")
     for name, lines in summary.items():
@@ -252,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(lines))
     for page in docs_tables.write_all():
         print(f"rewrote {page.relative_to(ROOT)}")
-    return 0 if all("failed" not in lines[0] for lines in summary.values()) else 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -199,3 +200,92 @@ def test_an_unknown_table_name_is_an_error_naming_the_known_ones(generator: Any)
     )
     with pytest.raises(SystemExit, match=r"unknown table 'nosuch'.*facade"):
         generator.render_page(text, generator.all_tables())
+
+
+@pytest.fixture(scope="module")
+def records_script(generator: Any) -> Any:
+    spec = importlib.util.spec_from_file_location("records", SCRIPTS / "records.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _git(tree: Path, *args: str) -> None:
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tree, check=True, capture_output=True
+    )
+
+
+def _repo(tmp_path: Path) -> Path:
+    tree = tmp_path / "repo"
+    tree.mkdir()
+    _git(tree, "init", "-q")
+    (tree / "measured.py").write_text("a = 1\n")
+    _git(tree, "add", "measured.py")
+    _git(tree, "commit", "-q", "-m", "first")
+    return tree
+
+
+def test_the_summary_names_each_figure_a_rerun_changed(
+    tmp_path: Path, records_script: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(records_script, "RESULTS", tmp_path)
+    old, new = _facade_record(True), _facade_record(True)
+    new["facade_vs_sync"] = 0.7512
+    lines = records_script.changes("facade-cpu.json", old, new)
+    assert lines == [
+        "  table facade, stepped through the asyncio facade, facade against sync: "
+        "**0.90x**; a 1 ms timer late by 0.20 ms p50, 3.0 ms p99, 9.0 ms at worst -> "
+        "**0.75x**; a 1 ms timer late by 0.20 ms p50, 3.0 ms p99, 9.0 ms at worst"
+    ]
+    assert records_script.changes("facade-cpu.json", old, old) == [
+        "  every figure its tables show is unchanged"
+    ]
+    assert records_script.changes("facade-cpu.json", None, new) == ["  new record (none before)"]
+
+
+def test_make_records_refuses_a_dirty_tree_or_a_busy_machine_naming_the_fix(
+    tmp_path: Path, records_script: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tree = _repo(tmp_path)
+    monkeypatch.setattr(records_script, "ROOT", tree)
+    assert records_script.refuse_reason(max_load=1e9) == ""
+    busy = records_script.refuse_reason(max_load=-1.0)
+    assert "above -1.00" in busy and "wait until `uptime` shows less" in busy
+    (tree / "measured.py").write_text("a = 2\n")
+    dirty = records_script.refuse_reason(max_load=1e9)
+    assert "differ from HEAD (1 files, e.g. measured.py)" in dirty and "commit or stash them" in dirty
+
+
+def test_staleness_counts_the_commits_that_touched_the_measured_paths(
+    tmp_path: Path, generator: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tree = _repo(tmp_path)
+    first = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    for n in range(3):
+        (tree / "measured.py").write_text(f"a = {n}\n")
+        (tree / "other.py").write_text(f"b = {n}\n")
+        _git(tree, "add", "measured.py", "other.py")
+        _git(tree, "commit", "-q", "-m", f"change {n}")
+    (tree / "other.py").write_text("b = 9\n")
+    _git(tree, "commit", "-q", "-am", "other only")
+    runs = sys.modules["docs_tables_runs"]
+    monkeypatch.setattr(runs, "ROOT", tree)
+    assert runs.behind(first, ["measured.py"]) == 3
+    assert runs.behind(first, ["other.py"]) == 4
+    assert runs.behind("f" * 40, ["measured.py"]) is None
+
+
+def test_records_list_names_each_record_with_its_estimate() -> None:
+    out = subprocess.run(
+        [sys.executable, str(SCRIPTS / "records.py"), "--list"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    assert re.search(r"^stack-cpu\.json  ~\d+ min  \S*strata bench --spawn", out, re.M)
+    assert re.search(r"^total: about \d+ minutes \(an estimate\)$", out, re.M)
