@@ -2,7 +2,10 @@
 
 `make records` runs this. The records are those a generated table reads (scripts/docs_tables.py) plus
 those a page names in prose; each reruns by the command its provenance stores (the catalog's,
-scripts/docs_tables_catalog.py, where it stores none), one at a time, with a progress line each. At
+scripts/docs_tables_catalog.py, where it stores none), one at a time, with a progress line each, in a
+clean checkout of HEAD beside the tree (a git worktree with the tree's .venv and models/ linked in,
+its own code first on PYTHONPATH), so that every record names HEAD and a clean tree even after the
+records before it changed bench/results/; what a run writes there is copied back into the tree. At
 the end it says, record by record, what changed against the record it replaced: every figure of the
 tables that record feeds, cell by cell, or for a record quoted only in prose its ratios, key by key.
 Then it rewrites the tables. It refuses to start on a tree whose tracked files differ from HEAD (a
@@ -18,34 +21,30 @@ benchmarks' own commands and must not time or judge anything itself.
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Mapping
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import docs_tables
 from docs_tables_catalog import CATALOG
-from docs_tables_common import RESULTS, ROOT, Record
+from docs_tables_changes import changes, read
+from docs_tables_common import ROOT
 from docs_tables_runs import STALE_AFTER, behind, current, minutes, quoted_records, rerunnable
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 DEFAULT_MAX_LOAD = 0.5 * (
     len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 )
 SETTLE_S = 180.0
-RATIO_KEYS = ("ratio", "_vs_", "_over_")
-
-
-def read(name: str) -> dict[str, Any] | None:
-    path = RESULTS / name
-    if not path.exists():
-        return None
-    data = json.loads(path.read_text())
-    return data if isinstance(data, dict) else None
 
 
 def command(name: str) -> list[str]:
@@ -99,72 +98,53 @@ def settle(max_load: float) -> None:
         time.sleep(5)
 
 
-def _rows(lines: list[str]) -> list[list[str]]:
-    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines if line.startswith("| ")]
+@contextmanager
+def head_checkout(root: Path) -> Iterator[Path]:
+    """A clean worktree of `root`'s HEAD, with its .venv and models/ linked in; removed on the way out."""
+    tree = Path(tempfile.mkdtemp(prefix="strata-records-")) / "tree"
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", str(tree), "HEAD"], cwd=root, check=True, capture_output=True
+    )
+    try:
+        for shared in (".venv", "models"):
+            if (root / shared).exists():
+                (tree / shared).symlink_to(root / shared)
+        yield tree
+    finally:
+        subprocess.run(
+            ["git", "worktree", "remove", "--force", str(tree)], cwd=root, check=True, capture_output=True
+        )
+        shutil.rmtree(tree.parent, ignore_errors=True)
 
 
-def table_changes(name: str, old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Every figure of every table `name` feeds that differs between its old and new record."""
-    out = []
-    for spec in docs_tables.RECORD_TABLES:
-        if name not in spec.records:
+def run_in(tree: Path, argv: list[str]) -> int:
+    """Run a record's command in the worktree, its code ahead of the installed checkout's."""
+    path = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(argv, cwd=tree, env={**os.environ, "PYTHONPATH": path}, check=False).returncode
+
+
+def snapshot(tree: Path) -> dict[Path, tuple[int, int]]:
+    """Each file under the worktree's bench/results/ with its modification time and size."""
+    results = tree / "bench" / "results"
+    return {
+        path: (path.stat().st_mtime_ns, path.stat().st_size) for path in results.rglob("*") if path.is_file()
+    }
+
+
+def copy_back(tree: Path, root: Path, before: dict[Path, tuple[int, int]]) -> list[str]:
+    """Copy into the tree what a run wrote under bench/results/ since `before`; the files' names.
+
+    Only what the run wrote: a record someone changed in the tree meanwhile is left alone otherwise.
+    """
+    copied = []
+    for path, stat in sorted(snapshot(tree).items()):
+        if before.get(path) == stat:
             continue
-        others: dict[str, Record] = {}
-        for other in spec.records:
-            data = read(other)
-            if other != name and data is not None:
-                others[other] = Record(other, data)
-        try:
-            before = spec.render({**others, name: Record(name, old)})
-        except (KeyError, TypeError, IndexError) as exc:
-            out.append(f"  table {spec.name}: the previous record lacks {exc}, so it is not compared")
-            continue
-        after = spec.render({**others, name: Record(name, new)})
-        old_rows, new_rows = _rows(before), _rows(after)
-        header = new_rows[0] if new_rows else []
-        for old_row, new_row in zip(old_rows[2:], new_rows[2:], strict=False):
-            for column, (was, now) in enumerate(zip(old_row, new_row, strict=False)):
-                if was != now:
-                    label = header[column] if column < len(header) else str(column)
-                    out.append(f"  table {spec.name}, {new_row[0] or 'row'}, {label}: {was} -> {now}")
-        if len(old_rows) != len(new_rows):
-            out.append(f"  table {spec.name}: {len(old_rows) - 2} rows before, {len(new_rows) - 2} now")
-        prose = [
-            (was, now)
-            for was, now in zip(before, after, strict=False)
-            if not was.startswith("|") and was != now
-        ]
-        out += [f"  table {spec.name}: {was} -> {now}" for was, now in prose]
-    return out
-
-
-def _ratios(data: object, prefix: str = "") -> dict[str, float]:
-    if isinstance(data, Mapping):
-        found: dict[str, float] = {}
-        for key, value in data.items():
-            found.update(_ratios(value, f"{prefix}{key}."))
-        return found
-    key = prefix.rstrip(".")
-    if isinstance(data, float) and any(mark in key.rsplit(".", 1)[-1] for mark in RATIO_KEYS):
-        return {key: data}
-    return {}
-
-
-def changes(name: str, old: dict[str, Any] | None, new: dict[str, Any] | None) -> list[str]:
-    if new is None:
-        return ["  no record written"]
-    if old is None:
-        return ["  new record (none before)"]
-    fed = [line for line in table_changes(name, old, new)]
-    if any(name in spec.records for spec in docs_tables.RECORD_TABLES):
-        return fed or ["  every figure its tables show is unchanged"]
-    before, after = _ratios(old), _ratios(new)
-    diff = [
-        f"  {key}: {before[key]:.3g} -> {after[key]:.3g}"
-        for key in sorted(before.keys() & after.keys())
-        if f"{before[key]:.3g}" != f"{after[key]:.3g}"
-    ]
-    return diff or ["  every ratio is unchanged"]
+        dest = root / path.relative_to(tree)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, dest)
+        copied.append(str(dest.relative_to(root)))
+    return copied
 
 
 def stale_lines(names: list[str]) -> list[str]:
@@ -225,28 +205,27 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, list[str]] = {}
     failed: list[str] = []
     started = time.monotonic()
-    for index, name in enumerate(names, 1):
-        if index > 1:
-            settle(args.max_load)
-        argv_run = command(name)
-        print(
-            f"[{index}/{len(names)}] {name}: {' '.join(argv_run)} (about {minutes(estimate(name))})",
-            flush=True,
-        )
-        old = read(name)
-        begin = time.monotonic()
-        code = subprocess.run(argv_run, cwd=ROOT, check=False).returncode
-        took = time.monotonic() - begin
-        print(
-            f"[{index}/{len(names)}] {name}: {'done' if code == 0 else f'FAILED (exit {code})'} "
-            f"in {minutes(int(took))}",
-            flush=True,
-        )
-        if code != 0:
-            failed.append(name)
-        summary[name] = (
-            changes(name, old, read(name)) if code == 0 else [f"  failed (exit {code}): its output is above"]
-        )
+    with head_checkout(ROOT) as tree:
+        for index, name in enumerate(names, 1):
+            if index > 1:
+                settle(args.max_load)
+            argv_run = command(name)
+            progress = f"[{index}/{len(names)}] {name}"
+            print(f"{progress}: {' '.join(argv_run)} (about {minutes(estimate(name))})", flush=True)
+            old = read(name)
+            begin, before = time.monotonic(), snapshot(tree)
+            code = run_in(tree, argv_run)
+            copied = copy_back(tree, ROOT, before)
+            took = minutes(int(time.monotonic() - begin))
+            outcome = "done" if code == 0 else f"FAILED (exit {code})"
+            print(f"{progress}: {outcome} in {took}; wrote {', '.join(copied) or 'nothing'}", flush=True)
+            if code != 0:
+                failed.append(name)
+            summary[name] = (
+                changes(name, old, read(name))
+                if code == 0
+                else [f"  failed (exit {code}): its output is above"]
+            )
     print(f"\nWhat changed ({minutes(int(time.monotonic() - started))} in all):")
     for name, lines in summary.items():
         print(name)

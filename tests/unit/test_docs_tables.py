@@ -230,7 +230,7 @@ def _repo(tmp_path: Path) -> Path:
 def test_the_summary_names_each_figure_a_rerun_changed(
     tmp_path: Path, records_script: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(records_script, "RESULTS", tmp_path)
+    monkeypatch.setattr(sys.modules["docs_tables_common"], "RESULTS", tmp_path)
     old, new = _facade_record(True), _facade_record(True)
     new["facade_vs_sync"] = 0.7512
     lines = records_script.changes("facade-cpu.json", old, new)
@@ -289,3 +289,38 @@ def test_records_list_names_each_record_with_its_estimate() -> None:
     ).stdout
     assert re.search(r"^stack-cpu\.json  ~\d+ min  \S*strata bench --spawn", out, re.M)
     assert re.search(r"^total: about \d+ minutes \(an estimate\)$", out, re.M)
+
+
+WRITER = """
+import json, pathlib, subprocess
+dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"]).returncode != 0
+path = pathlib.Path("bench/results/new.json")
+path.write_text(json.dumps({"dirty": dirty, "code": pathlib.Path("measured.py").read_text()}))
+"""
+
+
+def test_a_record_reruns_in_a_clean_checkout_of_head_and_only_what_it_wrote_comes_back(
+    tmp_path: Path, records_script: Any
+) -> None:
+    tree = _repo(tmp_path)
+    (tree / "bench" / "results").mkdir(parents=True)
+    (tree / "bench" / "results" / "old.json").write_text("{}")
+    _git(tree, "add", "bench")
+    _git(tree, "commit", "-q", "-m", "a record")
+    (tree / "measured.py").write_text("a = 'uncommitted'\n")
+    (tree / "bench" / "results" / "old.json").write_text('{"changed": "in the tree meanwhile"}')
+    with records_script.head_checkout(tree) as head:
+        before = records_script.snapshot(head)
+        assert records_script.run_in(head, [sys.executable, "-c", WRITER]) == 0
+        assert records_script.copy_back(head, tree, before) == ["bench/results/new.json"]
+    assert json.loads((tree / "bench" / "results" / "new.json").read_text()) == {
+        "dirty": False,
+        "code": "a = 1\n",
+    }
+    assert json.loads((tree / "bench" / "results" / "old.json").read_text()) == {
+        "changed": "in the tree meanwhile"
+    }
+    worktrees = subprocess.run(
+        ["git", "worktree", "list"], cwd=tree, capture_output=True, text=True, check=True
+    )
+    assert len(worktrees.stdout.splitlines()) == 1
