@@ -101,9 +101,11 @@ class Table:
     """Preceded by one line per record naming it, its commit and date."""
 
 
-def awaits_line(reasons: Mapping[str, str]) -> str:
+def awaits_line(reasons: Mapping[str, str], targets: Sequence[str] = ("make records",)) -> str:
+    """The line that stands for a table whose records cannot be quoted, and how to rerun them."""
     names = ", ".join(f"`bench/results/{name}` ({why})" for name, why in reasons.items())
-    return f"Not quoted: {names}; it awaits a rerun by `make records`."
+    how = " or ".join(f"`{target}`" for target in dict.fromkeys(targets))
+    return f"Not quoted: {names}; it awaits a rerun by {how}."
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
