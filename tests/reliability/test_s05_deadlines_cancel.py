@@ -18,6 +18,16 @@ Those step counts hold only while the cancel's trip (client to gateway to worker
 few milliseconds: the deadline lateness figure measures the same hops) is shorter than one step, so a
 step is made STEP_DELAY_S = 0.2 s long, far more than 5x that trip; and the time from the cancel to
 the free is asserted under 5x its expected value (one step alone, two next to another request).
+
+What is freed is counted in blocks of BLOCK_SIZE tokens, pinned in the engine config. The cancelled
+request's prompt fills several blocks (`own`, from its token count), so that a cancel that leaves
+them held cannot pass for the other request's growth. Alone, every block must be free after the
+cancel (free plus evictable equals total: its full prompt blocks stay cached, unreferenced). Next to
+another request, that request's own blocks are read while it runs alone, just before the cancelled
+one is sent; from then until the free it decodes fewer than BLOCK_SIZE tokens (asserted through the
+step counter), so it crosses at most one block boundary: after the cancel the worker must hold the
+other's blocks, at most one more, and not the `own` blocks of the cancelled one, and its free KV
+tokens must have grown by those blocks, less the one the other may have taken.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import pytest
 from strata.cli.launcher import start_stack
 from strata.v1 import gateway_pb2_grpc, worker_pb2
 from tests.polling import poll, seconds_until
-from tests.reliability.harness import request, worker_stats, write_config
+from tests.reliability.harness import prompt_ids, request, worker_stats, write_config
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -43,12 +53,15 @@ if TYPE_CHECKING:
 
 STEP_DELAY_S = 0.2
 LONG = 200  # tokens: 40 s of steps, far beyond every deadline and cancel here
+BLOCK_SIZE = 16
+CANCELLED_NEW_TOKENS = 100  # 20 s of steps; with its prompt, within the tiny model's 256 tokens
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_serving_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     directory = tmp_path_factory.mktemp("s05")
     engine = {
+        "block_size": BLOCK_SIZE,
         "num_blocks": 128,
         "max_num_seqs": 4,
         "enable_fault_injection": True,
@@ -67,6 +80,11 @@ def _cancel_freed(stats: worker_pb2.GetWorkerStatsResponse, *, running: int, alo
 def idle(worker: str) -> bool:
     stats = worker_stats(worker)
     return stats.used_kv_blocks == 0 and stats.open_requests == 0
+
+
+def cancelled_prompt(index: int) -> str:
+    """A prompt of several KV blocks, its own from the first block on (the index leads)."""
+    return f"cancel me {index}: " + "the quick brown fox jumps over the lazy dog, " * 3
 
 
 def test_deadline_exceeded_at_the_deadline_and_freed_on_the_worker(
@@ -106,23 +124,31 @@ def test_cancel_frees_the_kv_blocks_within_one_step(
     rounds = 20 if full else 4
     deltas: list[int] = []
     freed_ms: list[float] = []
+    freed_blocks: list[int] = []
     with grpc.insecure_channel(stack.addresses.gateway) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         for index in range(rounds):
             seconds_until(lambda: idle(worker), 30, "the worker went idle")
+            prompt = cancelled_prompt(index)
+            tokens = len(prompt_ids(stack.addresses.tokenizer, prompt))
+            own = -(-tokens // BLOCK_SIZE)  # the blocks its prompt alone fills
+            assert own >= 3 and tokens + CANCELLED_NEW_TOKENS <= 256, tokens
             other = (
                 stub.GenerateStream(request(f"companion {index}", LONG), timeout=60) if companion else None
             )
             if other is not None:
                 assert next(other).token_ids
-            call = stub.GenerateStream(request(f"cancel me {index}", LONG), timeout=60)
+            lone = worker_stats(worker)
+            assert lone.running == (1 if other is not None else 0)
+            call = stub.GenerateStream(request(prompt, CANCELLED_NEW_TOKENS), timeout=60)
             received = 0
             for message in call:
                 received += len(message.token_ids)
                 if received >= 3:
                     break
             before = worker_stats(worker)
-            assert before.used_kv_blocks > 0 and before.running == (2 if other is not None else 1)
+            assert before.running == (2 if other is not None else 1)
+            assert before.used_kv_blocks >= lone.used_kv_blocks + own, (lone, before)
             call.cancel()
             cancelled = time.monotonic()
             # `running` and the blocks come from one engine snapshot: the abort removes the sequence
@@ -136,14 +162,26 @@ def test_cancel_frees_the_kv_blocks_within_one_step(
             )
             freed_ms.append((time.monotonic() - cancelled) * 1000)
             deltas.append(int(after.steps - before.steps))
+            freed_blocks.append(before.used_kv_blocks - after.used_kv_blocks)
             assert after.running == left, "the cancelled request still ran 10 s after its cancel"
-            assert other is not None or after.used_kv_blocks == 0
-            assert after.used_kv_blocks < before.used_kv_blocks or other is not None
-            if other is not None:
+            if other is None:
+                assert after.used_kv_blocks == 0, after
+                assert after.free_kv_tokens == after.total_kv_blocks * BLOCK_SIZE, after
+            else:
+                # The other decoded one token a step at most: fewer than a block since `lone`.
+                assert after.steps - lone.steps < BLOCK_SIZE, (lone.steps, after.steps)
+                kept = (lone.used_kv_blocks, lone.used_kv_blocks + 1)
+                assert kept[0] <= after.used_kv_blocks <= kept[1], (
+                    f"{after.used_kv_blocks} blocks held after the cancel: the other request's are "
+                    f"{kept[0]} (or one more), the cancelled one's {own}"
+                )
+                assert after.free_kv_tokens >= before.free_kv_tokens + (own - 1) * BLOCK_SIZE, (before, after)
                 other.cancel()
+        seconds_until(lambda: idle(worker), 30, "the worker idle after the last cancel")
     mode = "with another request running" if companion else "alone"
     figure(5, f"cancel {mode}: engine steps from cancel to free, max", max(deltas), f"over {rounds} cancels")
     figure(5, f"cancel {mode}: KV blocks freed after the cancel, max", max(freed_ms), "ms")
+    figure(5, f"cancel {mode}: blocks the cancel gave back, min", min(freed_blocks), "KV blocks")
     steps = 2 if companion else 1
     assert max(deltas) <= steps, deltas
     # Expected: freed within `steps` steps of STEP_DELAY_S each (plus milliseconds); bound 5x that.
