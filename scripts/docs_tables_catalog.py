@@ -3,9 +3,10 @@
 The records the docs quote are the generator's (docs_tables.TABLES) plus those prose names; this
 catalog adds what neither the record nor the docs say: the source paths a record's figures depend
 on (for the staleness check), an estimated run time (for `make records --list`), the command to
-use when a record's provenance names none, and whether it can be rerun at HEAD at all (a record
-that compares against code no longer at HEAD is history). scripts/records.py and the generator's
-own tables of runs read it. This module must not run anything or read records.
+use when a record's provenance names none, and the target that reruns it when `make records` does
+not. A record that measured code no longer at HEAD (a before/after comparison) cannot be rerun and
+is deleted, not catalogued. scripts/records.py and the generator's own tables of runs read it.
+This module must not run anything or read records.
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ class Entry:
     command: tuple[str, ...]
     """Used only when the record's provenance names no command."""
     target: str = "make records"
-    history: bool = False
-    """It measures code that is no longer at HEAD (a before/after comparison): never rerun."""
 
     @property
     def depends_on(self) -> tuple[str, ...]:

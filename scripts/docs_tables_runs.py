@@ -40,18 +40,9 @@ def quoted_records(tables: Iterable[Table], root: Path = ROOT) -> list[str]:
     return ordered + sorted(names - set(ordered))
 
 
-def current(names: Iterable[str]) -> list[str]:
-    """Those that measure HEAD's code (not history): the staleness check's."""
-    return [name for name in names if not (name in CATALOG and CATALOG[name].history)]
-
-
 def rerunnable(names: Iterable[str]) -> list[str]:
-    """Those `make records` reruns: not history, and not those with a target of their own."""
-    return [
-        name
-        for name in names
-        if name not in CATALOG or (not CATALOG[name].history and CATALOG[name].target == "make records")
-    ]
+    """Those `make records` reruns: all but those with a target of their own."""
+    return [name for name in names if name not in CATALOG or CATALOG[name].target == "make records"]
 
 
 def behind(commit: str, paths: Iterable[str]) -> int | None:
@@ -90,9 +81,7 @@ def last_runs(names: list[str]) -> list[str]:
         entry = CATALOG.get(name)
         estimate = minutes(entry.estimate_s) if entry else "unknown"
         how = entry.target if entry else "make records"
-        if entry and entry.history:
-            how = "history: not rerun (it measured code no longer at HEAD)"
-        elif entry and how == "make records":
+        if entry and how == "make records":
             total += entry.estimate_s
         if isinstance(record, Record):
             rows.append([f"`{name}`", record.date, record.commit[:7], estimate, how])
@@ -142,9 +131,9 @@ def long_runs() -> list[str]:
 
 def runs_tables(names: Mapping[str, None] | list[str]) -> tuple[Table, ...]:
     listed = list(names)
-    measured = current(listed)
+
     return (
         Table("records-runs", (), lambda _: last_runs(listed), partial=True, sources=False),
-        Table("records-stale", (), lambda _: stale(measured), partial=True, volatile=True, sources=False),
+        Table("records-stale", (), lambda _: stale(listed), partial=True, volatile=True, sources=False),
         Table("long-runs", (), lambda _: long_runs(), partial=True, volatile=True, sources=False),
     )
