@@ -4,12 +4,13 @@ the committed pages hold exactly what it writes, and no table of measured figure
 A table holds measured figures when a cell of its body has a number with a unit or a ratio (`2.69x`,
 `146.6 tok/s`, `125 ms`, `2.75 s`, `94%`, `513 MiB`, `28.9 GB/s`, `3.1 us`), or when its header
 names a unit or a statistic (`tok/s`, `ms`, `median`, `p50`, `p99`, `ratio`) and its body has a
-decimal number. Exempt, by rule: a page
-written whole by a generator of its own (docs/reliability.md, by scripts/reliability_report.py), and
-reference tables, which describe settings and interfaces rather than a run: those with a `default`
-column (settings) and those whose first header names an interface or a piece of the code (`field`,
-`kernel`, `command`, `header`, `method and path`, `gRPC status`, `part`, `service`, `page`). Their
-numbers are defaults, limits and sizes, which the code, not a record, decides.
+decimal number. Exempt, by rule: a page written whole by a generator of its own (docs/reliability.md,
+by scripts/reliability_report.py), and reference tables, which describe settings and interfaces
+rather than a run: those with a `default` column (settings) and those whose first header names an
+interface or a piece of the code (`field`, `kernel`, `command`, `header`, `method and path`,
+`gRPC status`, `part`, `service`, `page`). Their numbers are defaults, limits and sizes, which the
+code, not a record, decides. The tests of scripts/records.py (its change summary, refusals,
+staleness count and clean-checkout runs) use real git trees in tmp_path and run no benchmark.
 """
 
 from __future__ import annotations
