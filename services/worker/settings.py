@@ -35,10 +35,12 @@ class WorkerSettings(ServiceSettings):
     """auto: cuda when torch sees one, else cpu."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """auto: float32 on cpu, bfloat16 on cuda."""
-    quantization: Literal["none", "int8", "nf4", "dynamic-int8"] = "none"
+    quantization: Literal["none", "int8", "nf4", "dynamic-int8", "int8-weight-only"] = "none"
     """Weights of the decoder's projections: int8 or nf4 (bitsandbytes; the GPU path, nf4 being the GPU
-    fallback), or dynamic-int8 (torch's dynamic quantization, with weight-only int8 copies for small
-    batches; CPU and float32 only: the CPU fallback)."""
+    fallback); dynamic-int8 (torch's dynamic quantization, with weight-only int8 copies for small
+    batches; CPU and float32 only: the CPU fallback); or int8-weight-only (those copies at every batch
+    size, so each request's greedy output is the same whatever runs next to it; CPU and float32 only,
+    slower than dynamic-int8 at large batches)."""
     engine: EngineConfig = Field(default_factory=EngineConfig)
     """The continuous-batching engine's settings."""
     max_requests: int | None = None

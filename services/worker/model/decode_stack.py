@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from services.worker.model.attention import TorchAttention
 from services.worker.model.layers import LlamaDecoderLayer, RMSNorm
-from services.worker.model.small_int8 import SmallBatchInt8
+from services.worker.model.small_int8 import WeightOnlyInt8
 from services.worker.model.small_linear import MAX_ROWS
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ def _projection(module: nn.Module, held: list[Tensor]) -> _Projection | None:
     bias: Tensor | None
     if type(module) is nn.Linear:
         weight, scale, bias = module.weight, None, module.bias
-    elif isinstance(module, SmallBatchInt8):
+    elif isinstance(module, WeightOnlyInt8):
         weight, scale, bias = module.weight_int8, module.scale, module.bias
     else:
         return None

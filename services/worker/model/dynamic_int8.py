@@ -1,4 +1,4 @@
-"""CPU int8 weights for the decoder's projections through torch's dynamic quantization: the CPU fallback.
+"""The CPU fallback's int8 projections, in two modes: dynamic-int8 and int8-weight-only.
 
 `quantize_dynamic_int8` is the one function in Strata that touches `torch.ao.quantization`. torch
 deprecated that package (its import warns that it "will be removed"), yet in torch 2.13 its dynamic
@@ -21,6 +21,14 @@ projection, down_proj and the vocabulary projection included, is wrapped in smal
 outliers are kept) at up to small_linear.MAX_ROWS rows. No layer is ever removed. This is CPU only
 (the loader refuses CUDA; bitsandbytes nf4 is the GPU fallback). It must not read checkpoints nor
 move the model between devices.
+
+`quantize_weight_only_int8` (`int8-weight-only`) wraps the same projections, down_proj and the
+vocabulary projection included, in small_int8's `WeightOnlyInt8` at every batch size and keeps no
+float32 copy of their weights: each row's result is then the same whatever rows share its batch, so
+its greedy output does not depend on the requests next to it (the chaos soak checks its tokens
+exactly). Above small_linear.MAX_ROWS rows it computes on float32 activations where torch's dynamic
+path computes on int8 ones, so it is the slower of the two at large batches (prefill, many decodes):
+dynamic-int8 stays the product's fallback.
 """
 
 from __future__ import annotations
@@ -31,9 +39,12 @@ import torch
 from torch import nn
 
 from services.worker.model.config import ModelLoadError
-from services.worker.model.small_int8 import SmallBatchInt8
+from services.worker.model.small_int8 import SmallBatchInt8, WeightOnlyInt8
 
 DYNAMIC_INT8 = "dynamic-int8"
+WEIGHT_ONLY_INT8 = "int8-weight-only"
+CPU_INT8_MODES = (DYNAMIC_INT8, WEIGHT_ONLY_INT8)
+"""The CPU fallback's modes: both CPU only and float32 only (the loader checks)."""
 # down_proj is left out on purpose: see the module docstring.
 DYNAMIC_INT8_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj")
 SMALL_BATCH_INT8_LAYERS = (*DYNAMIC_INT8_LAYERS, "down_proj")
@@ -78,8 +89,28 @@ def quantize_dynamic_int8(model: nn.Module) -> int:
     return replaced
 
 
+def quantize_weight_only_int8(model: nn.Module) -> int:
+    """Replace each SMALL_BATCH_INT8_LAYERS projection and the vocabulary projection by its
+    weight-only int8 copy, used at every batch size (the module docstring says why). The model must be
+    float32 on the CPU. Returns how many decoder projections were replaced; raises ModelLoadError when
+    there were none."""
+    wrapped = _wrap(model, WeightOnlyInt8)
+    if not wrapped:
+        raise ModelLoadError(
+            f"quantization={WEIGHT_ONLY_INT8!r} found none of the projections "
+            f"{', '.join(SMALL_BATCH_INT8_LAYERS)} to quantize: the model is not a Llama-family decoder"
+        )
+    return len(wrapped)
+
+
 def _wrap_small_batch(model: nn.Module) -> list[str]:
     """Wrap each SMALL_BATCH_INT8_LAYERS projection and the vocabulary projection; return their names."""
+    return _wrap(model, SmallBatchInt8)
+
+
+def _wrap(model: nn.Module, kind: type[WeightOnlyInt8]) -> list[str]:
+    """Replace each SMALL_BATCH_INT8_LAYERS projection and the vocabulary projection by `kind` of it;
+    return the projections' qualified names."""
     targets = [
         (parent, name, f"{prefix}.{name}" if prefix else name, child)
         for prefix, parent in model.named_modules()
@@ -87,19 +118,20 @@ def _wrap_small_batch(model: nn.Module) -> list[str]:
         if name in SMALL_BATCH_INT8_LAYERS and isinstance(child, nn.Linear)
     ]
     for parent, name, _, linear in targets:
-        setattr(parent, name, SmallBatchInt8(linear))
-    _wrap_vocabulary_projection(model)
+        setattr(parent, name, kind(linear))
+    _wrap_vocabulary_projection(model, kind)
     return [qualified for _, _, qualified, _ in targets]
 
 
-def _wrap_vocabulary_projection(model: nn.Module) -> None:
+def _wrap_vocabulary_projection(model: nn.Module, kind: type[WeightOnlyInt8]) -> None:
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Linear):
-        model.lm_head = SmallBatchInt8(head)
+        model.lm_head = kind(head)
         return
     embedding = getattr(model, "embed_tokens", None)
     if head is None and isinstance(embedding, nn.Embedding):
-        # Tied: larger batches keep projecting on the embedding matrix itself, shared, not copied.
+        # Tied: SmallBatchInt8's larger batches keep projecting on the embedding matrix itself, shared,
+        # not copied; WeightOnlyInt8 keeps only its int8 copy.
         tied = nn.Linear(embedding.embedding_dim, embedding.num_embeddings, bias=False, device="meta")
         tied.weight = embedding.weight
-        model.lm_head = SmallBatchInt8(tied)
+        model.lm_head = kind(tied)

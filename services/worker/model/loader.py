@@ -3,10 +3,10 @@
 This module owns finding the weight files (one file, or shards named by model.safetensors.index.json),
 checking every tensor the config implies is there with the right shape, fusing q/k/v and gate/up
 projections, choosing the dtype by device, and optional quantization of the decoder's projections:
-bitsandbytes int8 or nf4 (the GPU path; nf4 makes the GPU fallback), or torch's dynamic int8 (CPU only:
-the CPU fallback, see dynamic_int8.py). Every failure is
-a ModelLoadError that names the problem and the fix. It must never unpickle anything (no .bin,
-no torch.load) nor run code shipped with a checkpoint (no trust_remote_code), and never go online.
+bitsandbytes int8 or nf4 (the GPU path; nf4 makes the GPU fallback), or the CPU fallback's int8 modes
+(torch's dynamic int8, or weight-only int8 at every batch size; CPU only, see dynamic_int8.py). Every
+failure is a ModelLoadError that names the problem and the fix. It must never unpickle anything (no
+.bin, no torch.load) nor run code shipped with a checkpoint (no trust_remote_code), and never go online.
 """
 
 from __future__ import annotations
@@ -20,7 +20,13 @@ from safetensors import safe_open
 from torch import Tensor
 
 from services.worker.model.config import ModelConfig, ModelLoadError
-from services.worker.model.dynamic_int8 import DYNAMIC_INT8, quantize_dynamic_int8
+from services.worker.model.dynamic_int8 import (
+    CPU_INT8_MODES,
+    DYNAMIC_INT8,
+    WEIGHT_ONLY_INT8,
+    quantize_dynamic_int8,
+    quantize_weight_only_int8,
+)
 from services.worker.model.llama import LlamaForCausalLM
 from services.worker.model.quant import QUANTIZATION_MODES, import_bitsandbytes, quantize_linears
 
@@ -83,6 +89,8 @@ def load_model(
     model.load_state_dict(weights, strict=True, assign=True)
     if quantization == DYNAMIC_INT8:
         quantize_dynamic_int8(model)
+    elif quantization == WEIGHT_ONLY_INT8:
+        quantize_weight_only_int8(model)
     elif quantization is not None:
         quantize_linears(model, quantization, target, dtype)
     model.to(target)
@@ -92,21 +100,21 @@ def load_model(
 
 
 def _check_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype) -> None:
-    modes = (DYNAMIC_INT8, *QUANTIZATION_MODES)
+    modes = (DYNAMIC_INT8, *QUANTIZATION_MODES, WEIGHT_ONLY_INT8)
     if quantization is not None and quantization not in modes:
         raise ModelLoadError(
             f"quantization={quantization!r} is not supported; use one of {', '.join(modes)} or None"
         )
-    if quantization != DYNAMIC_INT8:
+    if quantization not in CPU_INT8_MODES:
         return
     if device.type != "cpu":
         raise ModelLoadError(
-            f"quantization={DYNAMIC_INT8!r} runs on the CPU only (torch's fbgemm int8 kernels), not on "
+            f"quantization={quantization!r} runs on the CPU only (its int8 kernels are CPU ones), not on "
             f"{device}: on a GPU use quantization='nf4' (bitsandbytes) for the smaller model"
         )
     if dtype != torch.float32:
         raise ModelLoadError(
-            f"quantization={DYNAMIC_INT8!r} computes in float32, not {dtype}: "
+            f"quantization={quantization!r} computes in float32, not {dtype}: "
             "set dtype to float32 (or auto on the CPU)"
         )
 
