@@ -4,8 +4,10 @@ naming their tenant by API key.
 A burst from one tenant does not hold another's trickle behind it (and does, first come first served,
 with fair queuing off), neither in the gateway's queue nor in the worker's, which prefills a tenant
 below its share first; quota refusals carry a QuotaFailure, and unused tokens come back when a
-request ends; a tenant's priority ceiling; random keys never reach a metric label. Requests that
-must stay running slow each engine step with the worker's test-only step delay.
+request ends; a tenant's priority ceiling; random keys never reach a metric label; the gateway salts
+the worker's prefix cache with the tenant, so one tenant's repeat of a prompt is served from cache
+and another tenant's same prompt is not. Requests that must stay running slow each engine step with
+the worker's test-only step delay.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import secrets
 import subprocess
 import sys
+import uuid
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -21,10 +24,11 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 from prometheus_client import REGISTRY
 
+from services.worker.engine.config import EngineConfig
 from strata.status import STATUS_DETAILS_KEY
 from strata.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.integration.admission_harness import Stack, request
-from tests.polling import wait_for
+from tests.integration.admission_harness import WAIT_S, Stack, request
+from tests.polling import wait_for, wait_for_async
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -76,11 +80,11 @@ def finish_order(stack: Stack, model: str, fair: bool, *, inside_worker: bool = 
             noisy = [
                 asyncio.create_task(one("noisy", f"noisy {i}")) for i in range(8 if inside_worker else 12)
             ]
-            while not burst_waits():
-                await asyncio.sleep(0.01)
+            await wait_for_async(burst_waits, WAIT_S, "the noisy burst waiting")
             quiet = []
             for i in range(1 if inside_worker else 3):
                 quiet.append(asyncio.create_task(one("quiet", f"quiet {i}")))
+                # The trickle's shape, not a wait for anything: quiet requests arrive one at a time.
                 await asyncio.sleep(0.05)
             await asyncio.gather(*noisy, *quiet)
 
@@ -173,6 +177,31 @@ def test_a_tenants_priority_ceiling_and_random_keys_never_make_labels(stack: Sta
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     after = tenant_labels()
     assert after == before and not after & set(keys)
+
+
+def test_the_prefix_cache_serves_a_tenant_its_own_prompts_and_never_anothers(stack: Stack) -> None:
+    """The gateway sends the caller's tenant as the submission's cache salt: a prompt noisy sent is
+    cached for noisy's repeat (every full block before its last token, which the engine always
+    computes) and for nobody else; quiet's first send of it computes it all, and quiet's repeat finds
+    quiet's own copy. The prompt opens with a fresh id, so no earlier prompt shares its first block."""
+    worker = stack.start_worker("ceiling", max_requests=4)
+    gateway = stack.start_gateway({"model": "ceiling", "workers": [worker.address]}, tenants=TENANTS)
+    stub = gateway_pb2_grpc.GatewayStub(stack.channel(gateway.address))
+    prompt = f"{uuid.uuid4().hex} " + "the quick brown fox jumps over the lazy dog " * 3
+    tokens = len(stack.prompt_ids("ceiling", prompt))
+    block = EngineConfig.model_fields["block_size"].default  # the harness's workers keep the default
+    warm = block * ((tokens - 1) // block)
+    assert warm >= 3 * block, tokens
+
+    def cached(tenant: str) -> int:
+        usage = stub.Generate(request("ceiling", prompt, 2), metadata=key(tenant), timeout=60).usage
+        assert usage.input_tokens == tokens, usage
+        return int(usage.cached_input_tokens)
+
+    assert cached("noisy") == 0
+    assert cached("quiet") == 0, "quiet was served noisy's cached blocks of the same prompt"
+    assert cached("noisy") == warm
+    assert cached("quiet") == warm
 
 
 def tenant_labels() -> set[str]:
