@@ -14,7 +14,10 @@ first token or mid-stream: a stream the kill cut is continued on the survivor (`
 says after how many tokens), and every stream's tokens must equal the greedy reference of the
 in-process engine, token for token (for a continued one: the reference's first `failover_at_token`
 tokens, then the engine's greedy continuation of the prompt plus those, which is what the survivor
-computes). These figures are scenario 12 of the reliability report.
+computes). The kill waits, bounded, until the gateway has submitted to both replicas; the clients
+stop once CLIENTS requests sent after the kill have completed and the survivor has taken more than
+CLIENTS new submissions (or WAIT_S has passed, and the assertions say what went wrong). These figures
+are scenario 12 of the reliability report.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from services.worker.engine.engine import LLMEngine
 from services.worker.engine.params import SamplingParams
 from strata.cli.launcher import start_stack
 from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.polling import announced_address, seconds_until
+from tests.polling import announced_address, poll, seconds_until, wait_for
 from tests.reliability.harness import SERVING, health, prompt_ids, spawn_service, stop_process, worker_stats
 from tests.route_defaults import harness_route
 
@@ -215,14 +218,26 @@ def test_traffic_goes_on_when_one_replica_is_killed(
     ]
     for client in clients:
         client.start()
-    time.sleep(2.0)
-    before = _submissions(stack)
-    assert len(before) == 2 and all(count > 0 for count in before.values()), before
+    before = wait_for(
+        lambda: _submissions(stack),
+        WAIT_S,
+        "the gateway submitting to both replicas",
+        until=lambda counts: len(counts) == 2 and all(count > 0 for count in counts.values()),
+        interval_s=0.1,
+    )
+    survivor = replicas.survivor
     # Kill it while it runs streams, so some are cut mid-way.
     seconds_until(lambda: worker_stats(victim_address).running >= 2, 10, "two requests on the victim")
     killed_at = time.monotonic()
     os.kill(stack.pids["worker 0"], signal.SIGKILL)
-    time.sleep(3.0)
+
+    def traffic_went_on() -> bool:
+        """CLIENTS requests sent after the kill have completed, and the survivor took more than CLIENTS
+        new submissions (the assertions below say which of them failed, after the figures)."""
+        done = sum(1 for o in list(outcomes) if o.error is None and o.started > killed_at)
+        return done >= CLIENTS and _submissions(stack).get(survivor, 0) > before[survivor] + CLIENTS
+
+    poll(traffic_went_on, WAIT_S, interval_s=0.1)
     stop.set()
     for client in clients:
         client.join(WAIT_S)
@@ -234,7 +249,6 @@ def test_traffic_goes_on_when_one_replica_is_killed(
     continued = [o for o in completed if o.failover_at_token]
     exact = [o for o in completed if o.token_ids == reference.expected(o.failover_at_token)]
     done_after_kill = [o for o in completed if o.started > killed_at]
-    survivor = replicas.survivor
     assert survivor in after and survivor in before, (survivor, after)
     figure(12, "requests", len(outcomes), f"from {CLIENTS} streaming clients")
     figure(12, "failed before their first token", len(failed_before_streaming))
