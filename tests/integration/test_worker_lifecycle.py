@@ -36,7 +36,7 @@ from tests.integration.worker_harness import (
     submission,
     worker_settings,
 )
-from tests.polling import announced_address
+from tests.polling import announced_address, wait_for_async
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -156,9 +156,13 @@ def test_stop_drains_running_requests_and_refuses_new_ones(tiny_serving_dir: Pat
             await drained.send(submission("runs", [3, 4, 5], 60))
             await drained.read_until(lambda s: "runs" in s.tokens)
             stopping = asyncio.create_task(server.stop(grace=WAIT_S))
-            await asyncio.sleep(0.05)
-            status = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
-            assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            # The stop runs as its own task: its readiness flips once that task has begun.
+            await wait_for_async(
+                lambda: health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME)),
+                WAIT_S,
+                "the stopping worker's health NOT_SERVING",
+                until=lambda reply: reply.status == health_pb2.HealthCheckResponse.NOT_SERVING,
+            )
             await drained.send(submission("new", [3, 4], 4))
             await drained.read_until(lambda s: s.ended)
             assert await drained.call.code() == grpc.StatusCode.OK

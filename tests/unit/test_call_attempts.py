@@ -54,5 +54,5 @@ def test_the_timeout_bounds_every_attempt_and_every_wait() -> None:
     # A hint longer than what is left of the call is not waited out.
     assert attempts.delay_after(failure(grpc.StatusCode.UNAVAILABLE, (PUSHBACK_KEY, "500"))) is None
     expired = CallAttempts(POLICY, 0.01)
-    time.sleep(0.02)
+    time.sleep(0.02)  # the time under test: the call's 10 ms pass
     assert expired.time_left_s() == 0.0

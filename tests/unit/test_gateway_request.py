@@ -149,7 +149,7 @@ def test_a_failover_submission_carries_the_tokens_sent_and_the_final_names_the_f
         assert list(submission.prior_output_ids) == [1, 2] and list(submission.prompt_ids) == [4, 5, 6]
         assert submission.sampling.max_new_tokens == 8 and not submission.sampling.stop
         assert request.ticket().prompt_tokens == 5 and request.ticket().max_new_tokens == 6
-        time.sleep(0.02)
+        time.sleep(0.02)  # the time under test: 20 ms the final's timing must account for
         received = time.perf_counter()
         last = Delta(
             "c", [3], common_pb2.FINISH_REASON_LENGTH, queue_ms=2.0, forward_ms=5.0, received=received

@@ -6,6 +6,7 @@ import asyncio
 
 from services.worker.outbound import OutboundQueue
 from strata.v1 import common_pb2, worker_pb2
+from tests.polling import wait_for_async
 
 
 def _update(request_id: str, tokens: list[int], **fields: object) -> worker_pb2.TokenUpdate:
@@ -89,6 +90,7 @@ def test_get_waits_for_output_and_a_closed_queue_drains_then_ends() -> None:
     async def main() -> list[worker_pb2.ConnectResponse | None]:
         queue = OutboundQueue()
         got: list[worker_pb2.ConnectResponse | None] = []
+        written = asyncio.Event()
 
         async def writer() -> None:
             while True:
@@ -96,18 +98,20 @@ def test_get_waits_for_output_and_a_closed_queue_drains_then_ends() -> None:
                 got.append(message)
                 if message is None:
                     return
-                # A slow write: everything put meanwhile must arrive merged in the next message.
-                await asyncio.sleep(0.05)
+                # A slow write, which lasts until the test lets it end: everything put meanwhile
+                # must arrive merged in the next message.
+                await written.wait()
 
         task = asyncio.create_task(writer())
-        await asyncio.sleep(0.01)
-        assert got == []  # nothing pending: the writer waits
+        await asyncio.sleep(0)  # one turn of the loop: the writer runs until it waits in get()
+        assert got == [] and not task.done()  # nothing pending: the writer waits
         queue.put(updates=[_update("a", [1])])
-        await asyncio.sleep(0.01)
+        await wait_for_async(lambda: got, 5.0, "the writer took the first message")
         for token in range(2, 6):
             queue.put(updates=[_update("a", [token])])
         queue.close()
         queue.put(updates=[_update("a", [99])])  # ignored once closed
+        written.set()
         await asyncio.wait_for(task, 5.0)
         return got
 
