@@ -47,8 +47,13 @@ class Record:
         return f"bench/results/{self.name}"
 
     def source_line(self) -> str:
+        """`Record: path, commit abc1234, date, load average 1.2 at start and 1.9 at end.`"""
         dirty = " (tracked files differed from it)" if self.provenance.get("dirty") else ""
-        return f"Record: `{self.path}`, commit {self.commit[:7]}{dirty}, {self.date}."
+        load = self.provenance.get("load_average")
+        busy = ""
+        if isinstance(load, dict) and load.get("start") and load.get("end"):
+            busy = f", load average {load['start'][0]:.1f} at start and {load['end'][0]:.1f} at end"
+        return f"Record: `{self.path}`, commit {self.commit[:7]}{dirty}, {self.date}{busy}."
 
 
 def provenance_problems(data: object) -> list[str]:

@@ -148,6 +148,7 @@ def _facade_record(provenance: bool) -> dict[str, Any]:
             "dirty": False,
             "date": "2026-12-01T14:50:00+00:00",
             "command": ["python"],
+            "load_average": {"start": [1.25, 1.0, 0.5], "end": [1.9, 1.2, 0.7]},
         }
     return data
 
@@ -178,7 +179,10 @@ def test_a_record_with_provenance_becomes_its_table_and_check_catches_a_hand_edi
     assert "docs/page.md: facade" in generator.differing(tmp_path)
     generator.write_all(tmp_path)
     text = page.read_text()
-    assert "Record: `bench/results/facade-cpu.json`, commit aaaaaaa, 2026-12-01 14:50 UTC." in text
+    assert (
+        "Record: `bench/results/facade-cpu.json`, commit aaaaaaa, 2026-12-01 14:50 UTC, "
+        "load average 1.2 at start and 1.9 at end." in text
+    )
     assert "| stepped through the asyncio facade |" in text and "stale text" not in text
     assert generator.differing(tmp_path) == []
     page.write_text(text.replace("stepped synchronously |", "stepped synchronously | 999.9 |", 1))
