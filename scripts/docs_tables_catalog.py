@@ -208,7 +208,12 @@ CATALOG: dict[str, Entry] = {
         _py("bench.grammar_libs", *_json("grammar-libs-cpu.json")),
         target="make bench-grammar-libs",
     ),
-    "request-path.json": Entry(GATEWAY, "scripts/request_path.py", 30, ("python", "scripts/request_path.py")),
+    "request-path.json": Entry(
+        GATEWAY,
+        "scripts/request_path.py",
+        120,
+        ("python", "scripts/request_path.py", *_json("request-path.json")),
+    ),
 }
 
 LONG_RUNS = (
