@@ -95,10 +95,14 @@ bench-outputs: setup model
 bench-prefix-routing: setup model
 	$(BIN)/python -m bench.prefix_routing --json bench/results/prefix-routing-cpu.json
 
-# The engine against llama.cpp's llama-batched-bench on the same weights, 1 and 64 streams, float32 and int8,
-# alternated, 3 rounds. The first run fetches, builds (about 12 minutes on 2 cores) and converts the peer
-# into ~/.cache/strata/peer ($$STRATA_PEER_CACHE); later runs reuse it. Not part of CI.
+# The engine against llama.cpp on the same weights, 1 and 64 streams: F32/float32, Q8_0/int8 and Q4_K_M
+# against our faster configuration, 5 alternated rounds with their load recorded (loaded rounds repeated),
+# prefill and decode apart, both sides' perplexity on bench/data's text beside every ratio (ours first, in
+# bench/results/perplexity-cpu.json). The first run probes the CPU's usable instruction sets, fetches,
+# builds (12+ minutes on 2 cores) and converts the peer into ~/.cache/strata/peer ($$STRATA_PEER_CACHE);
+# later runs reuse it. STRATA_NATIVE_ISA=avx2 builds and runs an AVX2-only peer. Not part of CI.
 bench-peer: setup model
+	$(BIN)/python -m bench.perplexity --json bench/results/perplexity-cpu.json
 	$(BIN)/python -m bench.peer --json bench/results/peer-cpu.json
 
 # Strata's HTTP API (bench/serve_peer.yaml: make run's stack, a route that admits a 64-request burst)

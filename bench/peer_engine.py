@@ -1,8 +1,9 @@
 """Our engine's side of bench.peer, in a process of its own: llama-batched-bench's workload, timed.
 
 For each parallel-stream count it runs `n` seeded prompts of `--prompt-tokens` through LLMEngine at
-once (one untimed warm-up first), greedy with EOS ignored, and times from submission to the last
-token. llama-batched-bench counts `ntg` generated tokens after one prefill and `ntg` decode passes
+once, greedy with EOS ignored: once untimed (the warm-up, the same one llama.cpp gets: each shape
+once), then timed from submission to the last token, with the prefill and decode phases timed apart
+(`phases`). llama-batched-bench counts `ntg` generated tokens after one prefill and `ntg` decode passes
 (the prefill's logits are not a generated token there), so the engine is asked for ntg + 1 tokens
 and credited with ntg: both sides then run one prefill and ntg decode passes per stream. With
 `--check` the warm-up's outputs pass the parity rule against transformers first (float32 only; the
@@ -45,15 +46,30 @@ def _run(engine: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, An
     started = time.perf_counter()
     outputs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - started
-    # Steps where every stream decodes: the decode-only rate llama-batched-bench reports as S_TG.
-    steps = zip(engine.step_log, engine.step_seconds, strict=True)
-    decode = [seconds for (tokens, logits), seconds in steps if tokens == logits == len(prompts)]
     return {
         "outputs": outputs,
         "seconds": elapsed,
         "tok_s": len(prompts) * new_tokens / elapsed,
-        "decode_tok_s": len(prompts) * len(decode) / sum(decode) if decode else None,
-        "steps": len(engine.step_log),
+        **phases(engine.step_log, engine.step_seconds, len(prompts) * len(prompts[0])),
+    }
+
+
+def phases(step_log: list[tuple[int, int]], step_seconds: list[float], prompt_tokens: int) -> dict[str, Any]:
+    """The run cut where llama-batched-bench cuts it: the prefill phase is every step up to the last
+    one that computes prompt tokens (a step computes more tokens than it samples only then; decodes
+    of streams already prefilled may share those steps, and are counted in `prefill_phase_decodes`),
+    the decode phase every step after it. Rates are the phase's tokens over its steps' seconds."""
+    prefills = [i for i, (tokens, samples) in enumerate(step_log) if tokens > samples]
+    cut = prefills[-1] + 1 if prefills else 0
+    prefill_seconds, decode_seconds = sum(step_seconds[:cut]), sum(step_seconds[cut:])
+    decodes = sum(samples for _, samples in step_log[cut:])
+    return {
+        "prefill_seconds": prefill_seconds,
+        "prefill_tok_s": prompt_tokens / prefill_seconds if prefill_seconds else None,
+        "prefill_phase_decodes": sum(tokens for tokens, samples in step_log[:cut]) - prompt_tokens,
+        "decode_seconds": decode_seconds,
+        "decode_tok_s": decodes / decode_seconds if decode_seconds else None,
+        "steps": len(step_log),
     }
 
 

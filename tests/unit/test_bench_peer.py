@@ -1,17 +1,21 @@
 """bench.peer's bookkeeping and bench.physical_limit's arithmetic, on figures given by hand.
 
-The runs themselves (llama.cpp's binary, the engine's process) are exercised by `make bench-peer`;
-here the parts that turn their numbers into the record are checked exactly.
+The runs themselves (llama.cpp's binaries, the engine's process) are exercised by `make bench-peer`;
+here the parts that turn their output into the record are checked exactly: llama.cpp's printed
+results parsed, the warm-up pairs dropped, our engine's phases cut, ratios and perplexities summed up.
 """
 
 from __future__ import annotations
 
-import argparse
-from typing import TYPE_CHECKING
+import json
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from bench.peer import format_summary, parse_args, summarize
+from bench.peer import parse_args
+from bench.peer_engine import phases
+from bench.peer_llama import parse_batched, parse_ids, parse_perplexity, warmed_npl
+from bench.peer_report import format_summary, our_paths, summarize
 from bench.physical_limit import MachineLimits, ModelBytes, physical_limit
 from services.worker.model.config import ModelConfig
 
@@ -19,31 +23,131 @@ if TYPE_CHECKING:
     from pathlib import Path
 
 
-def _runs(ours: list[float], theirs: list[float]) -> dict[str, list[dict[str, dict[str, float]]]]:
-    def rows(values: list[float]) -> list[dict[str, dict[str, float]]]:
-        return [{"1": {"tok_s": v, "decode_tok_s": v * 1.1}} for v in values]
+def _row(pl: int, t_pp: float, t_tg: float, pp: int = 64, tg: int = 64) -> str:
+    fields = {"pp": pp, "tg": tg, "pl": pl, "n_kv": pl * (pp + tg), "t_pp": t_pp, "t_tg": t_tg}
+    fields |= {"speed_pp": pl * pp / t_pp, "speed_tg": pl * tg / t_tg, "t": t_pp + t_tg}
+    return json.dumps(fields | {"speed": (pl * (pp + tg)) / (t_pp + t_tg)})
 
-    return {"float32/engine": rows(ours), "float32/llama.cpp": rows(theirs)}
+
+def test_batched_bench_keeps_the_second_run_of_each_shape_and_both_phases() -> None:
+    assert warmed_npl([1, 64]) == "1,1,64,64"
+    stdout = "\n".join(
+        [
+            "main: n_kv_max = 8192",
+            _row(1, 0.5, 1.5),
+            _row(1, 0.2, 1.0),
+            _row(64, 9.0, 20.0),
+            _row(64, 4.0, 12.0),
+        ]
+    )
+    parsed = parse_batched(stdout, [1, 64])
+    assert parsed["1"]["tok_s"] == pytest.approx(64 / 1.2)
+    assert parsed["1"]["warm_up_tok_s"] == pytest.approx(64 / 2.0)
+    assert parsed["64"]["prefill_tok_s"] == pytest.approx(64 * 64 / 4.0)
+    assert parsed["64"]["decode_tok_s"] == pytest.approx(64 * 64 / 12.0)
+    assert parsed["64"]["tok_s"] == pytest.approx(64 * 64 / 16.0)
+    with pytest.raises(SystemExit, match="streams"):
+        parse_batched(_row(1, 0.2, 1.0), [1, 64])
 
 
-def test_summary_reports_medians_bests_and_per_round_ratios() -> None:
-    args = argparse.Namespace(pairs=["float32"], npl="1")
-    summary = summarize(args, {"runs": _runs([36.0, 40.0, 38.0], [40.0, 41.0, 44.0])})
-    row = summary["1"]
-    assert row["engine_tok_s"]["median"] == 38.0 and row["engine_tok_s"]["best"] == 40.0
-    assert row["llama_cpp_tok_s"]["median"] == 41.0
+def test_perplexity_log_and_token_ids_parse() -> None:
+    log = (
+        "system_info: n_threads = 2 (n_threads_batch = 2) / 2 | CPU : AVX2 = 1 | AVX512 = 1 |\n"
+        "perplexity: calculating perplexity over 6 chunks, n_ctx=512, batch_size=512, n_seq=1\n"
+        "[1]12.3,[2]13.1,\nFinal estimate: PPL = 13.1234 +/- 0.45678\n"
+    )
+    parsed = parse_perplexity(log)
+    assert (parsed["perplexity"], parsed["plus_minus"], parsed["chunks"], parsed["context"]) == (
+        13.1234,
+        0.45678,
+        6,
+        512,
+    )
+    assert (
+        parsed["system_info"].startswith("system_info: n_threads = 2")
+        and "AVX512 = 1" in parsed["system_info"]
+    )
+    with pytest.raises(SystemExit, match="final estimate"):
+        parse_perplexity("perplexity: tokenizing the input ..")
+    assert parse_ids("[504, 659, 37919]\n") == [504, 659, 37919]
+
+
+def test_engine_phases_cut_after_the_last_step_with_prompt_tokens() -> None:
+    # 3 streams of 4 prompt tokens: two prefill steps (the second also decodes stream 0), then decodes.
+    log = [(8, 2), (5, 2), (3, 3), (3, 3)]
+    cut = phases(log, [0.4, 0.3, 0.1, 0.1], prompt_tokens=12)
+    assert cut["prefill_seconds"] == pytest.approx(0.7)
+    assert cut["prefill_tok_s"] == pytest.approx(12 / 0.7)
+    assert cut["prefill_phase_decodes"] == 1
+    assert cut["decode_tok_s"] == pytest.approx(6 / 0.2)
+
+
+def _round(flagged: bool, rates: dict[str, float]) -> dict[str, Any]:
+    def streams(rate: float) -> dict[str, dict[str, float]]:
+        entry = {"tok_s": rate, "prefill_tok_s": 10 * rate, "decode_tok_s": 1.1 * rate}
+        return {"1": entry}
+
+    return {"flagged": flagged, "runs": {name: {"result": streams(rate)} for name, rate in rates.items()}}
+
+
+def test_summary_pairs_rounds_uses_medians_and_puts_perplexities_beside_every_ratio() -> None:
+    rates = [
+        {
+            "engine/float32": 36.0,
+            "llama.cpp/f32": 40.0,
+            "engine/int8": 60.0,
+            "llama.cpp/q8_0": 50.0,
+            "llama.cpp/q4_k_m": 70.0,
+        },
+        {
+            "engine/float32": 40.0,
+            "llama.cpp/f32": 41.0,
+            "engine/int8": 62.0,
+            "llama.cpp/q8_0": 40.0,
+            "llama.cpp/q4_k_m": 75.0,
+        },
+        {
+            "engine/float32": 38.0,
+            "llama.cpp/f32": 44.0,
+            "engine/int8": 58.0,
+            "llama.cpp/q8_0": 45.0,
+            "llama.cpp/q4_k_m": 80.0,
+        },
+    ]
+    rounds = [_round(index == 1, r) for index, r in enumerate(rates)]
+    quality = {
+        "ours": {"float32": 10.0, "int8-small-batch": 10.2, "int8-dynamic": 11.0},
+        "llama_cpp": {"f32": 10.01, "q8_0": 10.05, "q4_k_m": 10.9},
+    }
+    summary = summarize(rounds, [1], 64, quality)
+    row = summary["float32@1"]["tok_s"]
+    assert row["engine"]["median"] == 38.0 and row["llama_cpp"]["median"] == 41.0
     assert row["ratio_median"] == pytest.approx(38.0 / 41.0)
-    assert row["ratio_best"] == pytest.approx(40.0 / 44.0)
     assert row["ratio_per_round"] == pytest.approx([36 / 40, 40 / 41, 38 / 44])
-    assert (row["target"], row["goal"], row["met"]) == (0.9, 1.0, True)
+    assert (row["ratio_min"], row["ratio_max"]) == (pytest.approx(38 / 44), pytest.approx(40 / 41))
+    assert summary["float32@1"]["met"] is True and summary["float32@1"]["flagged_rounds"] == 1
+    int8 = summary["int8@1"]
+    assert int8["perplexity"]["engine"] == {
+        "prefill": {"path": "int8-dynamic", "perplexity": 11.0},
+        "decode": {"path": "int8-small-batch", "perplexity": 10.2},
+    }
+    assert int8["perplexity"]["llama_cpp"] == {"type": "q8_0", "perplexity": 10.05}
+    fastest = summary["fastest-vs-q4_k_m@1"]
+    assert fastest["engine"] == "engine/int8" and fastest["llama_cpp"] == "llama.cpp/q4_k_m"
+    assert fastest["tok_s"]["ratio_median"] == pytest.approx(60.0 / 75.0)
     assert "0.93x" in format_summary(summary)
 
 
-def test_peer_refuses_fewer_than_three_rounds_and_unknown_pairs() -> None:
+def test_the_int8_paths_follow_the_rows_a_step() -> None:
+    assert our_paths("engine/int8", 64, 64) == {"prefill": "int8-dynamic", "decode": "int8-dynamic"}
+    assert our_paths("engine/int8", 8, 64)["decode"] == "int8-small-batch"
+    assert our_paths("engine/float32", 1, 64) == {"prefill": "float32", "decode": "float32"}
+
+
+def test_peer_refuses_a_record_of_fewer_than_five_rounds() -> None:
     with pytest.raises(SystemExit):
-        parse_args(["--rounds", "2"])
-    with pytest.raises(SystemExit):
-        parse_args(["--pairs", "float32,fp8"])
+        parse_args(["--rounds", "3", "--json", "x.json"])
+    assert parse_args(["--rounds", "1"]).rounds == 1
 
 
 def test_physical_limit_is_bytes_over_bandwidth_or_flops_over_throughput(tiny_llama_dir: Path) -> None:
