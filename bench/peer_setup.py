@@ -56,18 +56,12 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_TOOLS=ON",
     "-DLLAMA_BUILD_SERVER=ON",
 )
-# What the benchmarks run: the batch benchmark, perplexity, the quantizer (Q4_K_M from F32), the
-# HTTP server (bench/serve_peer.py) and the CLI (its --version names the build).
-# HTTP server (bench/serve_peer.py), the CLI (its --version names the build) and the tokenizer (the
-# perplexity's token ids are checked against ours).
-TARGETS = (
-    "llama-batched-bench",
-    "llama-perplexity",
-    "llama-quantize",
-    "llama-server",
-    "llama-cli",
-    "llama-tokenize",
-)
+# What bench.peer runs, built by prepare(): the batch benchmark, perplexity, the quantizer (Q4_K_M
+# from F32) and the tokenizer (the perplexity's token ids are checked against ours). The server
+# (bench/serve_peer.py) and the CLI take about as long again to build, so they are built on first
+# use of tool(name).
+BENCH_TARGETS = ("llama-batched-bench", "llama-perplexity", "llama-quantize", "llama-tokenize")
+TARGETS = (*BENCH_TARGETS, "llama-server", "llama-cli")
 # GGUF types the converter writes, and those llama-quantize makes from the F32 file.
 CONVERTED_TYPES = ("f32", "q8_0")
 QUANTIZED_TYPES = {"q4_k_m": "Q4_K_M"}
@@ -84,6 +78,8 @@ class Peer:
     models: dict[str, Path]
 
     def tool(self, name: str) -> Path:
+        """The path of a built binary (a name in TARGETS), built now if missing."""
+        build(self.source, self.plan, (_checked(name),))
         return _tool_path(self.binaries, name)
 
 
@@ -159,18 +155,20 @@ def plan_build(root: Path, probes: dict[str, Probe] | None = None) -> BuildPlan:
     return BuildPlan(groups, ggml_flags(groups), root / f"build-{label(groups)}", found, cap)
 
 
-def build(source: Path, plan: BuildPlan) -> Path:
-    """Every target in TARGETS, configured and built once (12+ minutes on 2 cores); Ninja resumes."""
+def build(source: Path, plan: BuildPlan, targets: tuple[str, ...] = BENCH_TARGETS) -> Path:
+    """The targets, configured and built where missing (BENCH_TARGETS: 12+ minutes on 2 cores from
+    nothing); Ninja resumes an interrupted build. Returns the directory of binaries."""
     binaries = plan.directory / "bin"
-    if all((binaries / target).exists() for target in TARGETS):
+    missing = [target for target in targets if not (binaries / target).exists()]
+    if not missing:
         return binaries
     if not (plan.directory / "build.ninja").exists():
         configure = [*CMAKE_FLAGS, *plan.isa_flags]
         subprocess.run(
             ["cmake", "-S", str(source), "-B", str(plan.directory), "-G", "Ninja", *configure], check=True
         )
-    _log(f"building {', '.join(TARGETS)} in {plan.directory} (12+ minutes on 2 cores)")
-    subprocess.run(["cmake", "--build", str(plan.directory), "--target", *TARGETS], check=True)
+    _log(f"building {', '.join(missing)} in {plan.directory} (12+ minutes on 2 cores from nothing)")
+    subprocess.run(["cmake", "--build", str(plan.directory), "--target", *missing], check=True)
     return binaries
 
 
@@ -249,23 +247,22 @@ def quantize(binaries: Path, f32: Path, outtype: str) -> Path:
     return target
 
 
-def _tool_path(binaries: Path, name: str) -> Path:
+def _checked(name: str) -> str:
     if name not in TARGETS:
         raise SystemExit(f"bench.peer: {name!r} is not built: choose one of {', '.join(TARGETS)}")
-    return binaries / name
+    return name
 
 
-def build_tools() -> tuple[BuildPlan, Path]:
-    """The build plan and the directory of built binaries, building what is missing."""
-    root = cache_root()
-    source = extract(root, fetch_sdist(root))
-    plan = plan_build(root)
-    return plan, build(source, plan)
+def _tool_path(binaries: Path, name: str) -> Path:
+    return binaries / _checked(name)
 
 
 def tool(name: str) -> Path:
     """The path of one built llama.cpp binary (a name in TARGETS), built for this CPU if missing."""
-    return _tool_path(build_tools()[1], name)
+    root = cache_root()
+    source = extract(root, fetch_sdist(root))
+    plan = plan_build(root)
+    return _tool_path(build(source, plan, (_checked(name),)), name)
 
 
 def prepare(model_dir: Path, types: tuple[str, ...] = GGUF_TYPES) -> Peer:
@@ -288,10 +285,15 @@ def prepare(model_dir: Path, types: tuple[str, ...] = GGUF_TYPES) -> Peer:
 
 
 def build_info(peer: Peer) -> dict[str, object]:
-    """What provenance.versions.llama_cpp records: the source version, llama-cli's --version lines
-    (build number, commit, compiler), the explicit ISA flags with what the probe found, and the cap."""
+    """What provenance.versions.llama_cpp records: the source version, the --version lines of the
+    common tools (build number, commit, compiler), the explicit ISA flags with what the probe found,
+    and the cap. `system_info` is the caller's: it is printed by a run that loads a model."""
     shown = subprocess.run(
-        [str(peer.tool("llama-cli")), "--version"], capture_output=True, text=True, check=False, timeout=60
+        [str(peer.tool("llama-batched-bench")), "--version"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
     )
     lines = [line for line in (shown.stdout + shown.stderr).splitlines() if line.strip()]
     return {
