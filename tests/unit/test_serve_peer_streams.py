@@ -51,12 +51,11 @@ def llama_events() -> list[dict[str, Any]]:
 def strata_events() -> list[dict[str, Any]]:
     """As the gateway sends them (captured), with the usage chunk's `strata` extension trimmed."""
     head = {"id": "cmpl-84ee", "object": "text_completion", "created": 1796170276, "model": "m"}
-    events = [
-        {**head, "choices": [{"index": 0, "finish_reason": None, "logprobs": None, "text": t}]}
-        for t in TEXTS
-        if t
+    texts = [t for t in TEXTS if t]
+    events: list[dict[str, Any]] = [
+        {**head, "choices": [{"index": 0, "finish_reason": finish, "logprobs": None, "text": t}]}
+        for t, finish in zip(texts, [None] * (len(texts) - 1) + ["length"], strict=True)
     ]
-    events[-1]["choices"][0]["finish_reason"] = "length"
     usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7, "prompt_tokens_details": {}}
     return [*events, {**head, "choices": [], "usage": usage, "strata": {"fallback_reason": ""}}]
 
