@@ -124,7 +124,6 @@ def test_cancel_frees_the_kv_blocks_within_one_step(
     rounds = 20 if full else 4
     deltas: list[int] = []
     freed_ms: list[float] = []
-    freed_blocks: list[int] = []
     with grpc.insecure_channel(stack.addresses.gateway) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         for index in range(rounds):
@@ -162,7 +161,6 @@ def test_cancel_frees_the_kv_blocks_within_one_step(
             )
             freed_ms.append((time.monotonic() - cancelled) * 1000)
             deltas.append(int(after.steps - before.steps))
-            freed_blocks.append(before.used_kv_blocks - after.used_kv_blocks)
             assert after.running == left, "the cancelled request still ran 10 s after its cancel"
             if other is None:
                 assert after.used_kv_blocks == 0, after
@@ -181,7 +179,6 @@ def test_cancel_frees_the_kv_blocks_within_one_step(
     mode = "with another request running" if companion else "alone"
     figure(5, f"cancel {mode}: engine steps from cancel to free, max", max(deltas), f"over {rounds} cancels")
     figure(5, f"cancel {mode}: KV blocks freed after the cancel, max", max(freed_ms), "ms")
-    figure(5, f"cancel {mode}: blocks the cancel gave back, min", min(freed_blocks), "KV blocks")
     steps = 2 if companion else 1
     assert max(deltas) <= steps, deltas
     # Expected: freed within `steps` steps of STEP_DELAY_S each (plus milliseconds); bound 5x that.
