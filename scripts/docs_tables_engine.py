@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from docs_tables_common import Record, Table, num, ratio, runs, spread, stats, table
+from docs_tables_common import Record, Table, num, ratio, spread, stats, table
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -58,40 +58,58 @@ def engine_table(name: str, record: str) -> Table:
     return Table(name, (record,), lambda records: engine_rows(records[record].data))
 
 
+PEER_PAIRS = {
+    "float32": "float32 vs F32",
+    "int8": "int8 fallback vs Q8_0",
+    "fastest-vs-q4_k_m": "our faster vs Q4_K_M",
+}
+
+
+def _peer_rate(row: Mapping[str, Any]) -> str:
+    """`48.0 / 40.0 = **1.20x** (1.05-1.31)`: both medians, their ratio and the per-round range."""
+    return (
+        f"{num(row['engine']['median'])} / {num(row['llama_cpp']['median'])} = "
+        f"**{ratio(row['ratio_median'])}** ({ratio(row['ratio_min'])}-{ratio(row['ratio_max'])})"
+    )
+
+
+def _peer_perplexity(entry: Mapping[str, Any]) -> str:
+    ours = entry["perplexity"]["engine"]
+    paths = {value["path"]: value["perplexity"] for value in ours.values()}
+    shown = ", ".join(f"{num(value, 2)} ({path})" for path, value in paths.items())
+    theirs = entry["perplexity"]["llama_cpp"]
+    return f"{shown} / {num(theirs['perplexity'], 2)} ({theirs['type']})"
+
+
 def peer(records: Mapping[str, Record]) -> list[str]:
-    summary = records["peer-cpu.json"].data["summary"]
-    labels = {
-        "1": "1 stream, float32 vs F32",
-        "64": "64 streams, float32 vs F32",
-        "int8@1": "1 stream, dynamic int8 vs Q8_0",
-        "int8@64": "64 streams, dynamic int8 vs Q8_0",
-    }
+    data = records["peer-cpu.json"].data
+    summary = data["summary"]
     rows = []
-    for key, label in labels.items():
-        if key not in summary:
-            continue
-        entry = summary[key]
-        goal = entry.get("goal")
+    for key, entry in summary.items():
+        name, _, streams = key.rpartition("@")
         target = "-" if entry.get("target") is None else f">= {entry['target']}"
-        if goal is not None:
-            target += f", goal {goal}: " + ("met" if entry["ratio_median"] >= goal else "**missed**")
+        if entry.get("goal") is not None:
+            combined = entry["tok_s"]["ratio_median"]
+            target += f", goal {entry['goal']}: " + ("met" if combined >= entry["goal"] else "**missed**")
         rows.append(
             [
-                label,
-                f"{num(entry['engine_tok_s']['median'])} ({num(entry['engine_tok_s']['best'])})",
-                f"{num(entry['llama_cpp_tok_s']['median'])} ({num(entry['llama_cpp_tok_s']['best'])})",
-                f"**{ratio(entry['ratio_median'])}** ({runs(entry['ratio_per_round'])})",
-                f"{num(entry['engine_decode_tok_s']['median'])} / "
-                f"{num(entry['llama_cpp_decode_tok_s']['median'])}",
+                f"{streams} stream{'s' if streams != '1' else ''}, {PEER_PAIRS.get(name, name)} "
+                f"({entry['engine'].removeprefix('engine/')})",
+                _peer_rate(entry["tok_s"]),
+                _peer_rate(entry["prefill_tok_s"]),
+                _peer_rate(entry["decode_tok_s"]),
+                _peer_perplexity(entry),
+                f"{entry['flagged_rounds']} of {len(entry['tok_s']['ratio_per_round'])}",
                 target,
             ]
         )
     header = [
-        "workload",
-        "engine tok/s, median (best)",
-        "llama.cpp tok/s, median (best)",
-        "ratio of medians (per round)",
-        "decode alone, engine / llama.cpp tok/s",
+        "workload (our configuration)",
+        "combined tok/s, engine / llama.cpp = ratio of medians (per-round range)",
+        "prefill alone",
+        "decode alone",
+        "perplexity, ours (path) / llama.cpp (type)",
+        "loaded rounds",
         "target",
     ]
     return table(header, rows)

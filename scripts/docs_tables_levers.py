@@ -60,10 +60,10 @@ def decode_stack(data: dict[str, Any]) -> str:
 
 
 def int8_copies(data: dict[str, Any]) -> str:
-    entry = data["summary"]["int8@1"]
+    entry = data["summary"]["int8@1"]["tok_s"]
     return (
-        f"one stream against llama.cpp's Q8_0: {num(entry['engine_tok_s']['median'])} against "
-        f"{num(entry['llama_cpp_tok_s']['median'])} tok/s (**{ratio(entry['ratio_median'])}**)"
+        f"one stream against llama.cpp's Q8_0: {num(entry['engine']['median'])} against "
+        f"{num(entry['llama_cpp']['median'])} tok/s (**{ratio(entry['ratio_median'])}**)"
     )
 
 
