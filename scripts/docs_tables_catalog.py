@@ -26,6 +26,7 @@ class Entry:
     bench: str
     """Its benchmark's module (bench/X.py) or script."""
     estimate_s: int
+    """Seconds a run takes here; measured where a rerun's commit says (under load), else a guess."""
     command: tuple[str, ...]
     """Used only when the record's provenance names no command."""
     target: str = "make records"
@@ -133,13 +134,13 @@ CATALOG: dict[str, Entry] = {
     ),
     "peer-cpu.json": Entry(ENGINE, "bench/peer.py", 600, _py("bench.peer", *_json("peer-cpu.json"))),
     "small-linear-cpu.json": Entry(
-        KERNELS, "bench/small_linear.py", 120, _py("bench.small_linear", *_json("small-linear-cpu.json"))
+        KERNELS, "bench/small_linear.py", 240, _py("bench.small_linear", *_json("small-linear-cpu.json"))
     ),
     "large-linear-cpu.json": Entry(
-        KERNELS, "bench/large_linear.py", 180, _py("bench.large_linear", *_json("large-linear-cpu.json"))
+        KERNELS, "bench/large_linear.py", 60, _py("bench.large_linear", *_json("large-linear-cpu.json"))
     ),
     "torch-compile-cpu.json": Entry(
-        KERNELS, "bench/torch_compile.py", 180, _py("bench.torch_compile", *_json("torch-compile-cpu.json"))
+        KERNELS, "bench/torch_compile.py", 150, _py("bench.torch_compile", *_json("torch-compile-cpu.json"))
     ),
     "busy-neighbour-cpu.json": Entry(
         ENGINE, "bench/busy_neighbour.py", 420, _py("bench.busy_neighbour", *_json("busy-neighbour-cpu.json"))
@@ -184,7 +185,7 @@ CATALOG: dict[str, Entry] = {
         ENGINE, "bench/outputs.py", 240, _py("bench.outputs", "--part", "logprobs")
     ),
     "outputs-samples-cpu.json": Entry(
-        ENGINE, "bench/outputs.py", 180, _py("bench.outputs", "--part", "samples")
+        ENGINE, "bench/outputs.py", 240, _py("bench.outputs", "--part", "samples")
     ),
     "grammar-cost-cpu.json": Entry(
         ENGINE, "bench/grammar_cost.py", 240, _py("bench.grammar_cost", *_json("grammar-cost-cpu.json"))
@@ -204,7 +205,7 @@ CATALOG: dict[str, Entry] = {
     "grammar-libs-cpu.json": Entry(
         ENGINE,
         "bench/grammar_libs.py",
-        150,
+        60,
         _py("bench.grammar_libs", *_json("grammar-libs-cpu.json")),
         target="make bench-grammar-libs",
     ),
