@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.provenance import check_provenance, finish_provenance, start_provenance
+from bench.provenance import check_provenance, finish_provenance
 
 if TYPE_CHECKING:
     import argparse
@@ -111,24 +111,6 @@ def make_prompts(count: int, length: int, vocab_size: int, excluded: set[int], s
         raise ValueError(f"every id of the {vocab_size}-token vocabulary is excluded")
     rng = random.Random(seed)
     return [[rng.choice(allowed) for _ in range(length)] for _ in range(count)]
-
-
-def describe_machine(device: str) -> dict[str, Any]:
-    """The machine block of records made before provenance, for bench/peer.py until it writes one.
-
-    Built from `start_provenance`, so both describe the machine the same way.
-    """
-    provenance = start_provenance(device=device)
-    machine = provenance["machine"]
-    return {
-        **machine,
-        "torch_threads": machine["threads"],
-        "torch": provenance["versions"]["torch"],
-        "transformers": provenance["versions"]["transformers"],
-        "python": provenance["versions"]["python"],
-        "date": provenance["date"],
-        "load_average_at_start": provenance["load_average"]["start"],
-    }
 
 
 # Reference logits kept per position: enough to see an n-way tie, small enough for long runs.
