@@ -132,7 +132,19 @@ CATALOG: dict[str, Entry] = {
     "step-cost-cpu.json": Entry(
         ENGINE, "bench/step_cost.py", 180, _py("bench.step_cost", *_json("step-cost-cpu.json"))
     ),
-    "peer-cpu.json": Entry(ENGINE, "bench/peer.py", 600, _py("bench.peer", *_json("peer-cpu.json"))),
+    # bench.peer sets these perplexities beside its ratios, so they are rerun first.
+    "perplexity-cpu.json": Entry(
+        ENGINE, "bench/perplexity.py", 300, _py("bench.perplexity", *_json("perplexity-cpu.json"))
+    ),
+    # Five rounds of three pairs; the first run also probes the CPU and builds llama.cpp (about 12 minutes).
+    "peer-cpu.json": Entry(ENGINE, "bench/peer.py", 1200, _py("bench.peer", *_json("peer-cpu.json"))),
+    "serve-peer-cpu.json": Entry(
+        STACK,
+        "bench/serve_peer.py",
+        900,
+        _py("bench.serve_peer", *_json("serve-peer-cpu.json")),
+        target="make bench-serve-peer",
+    ),
     "small-linear-cpu.json": Entry(
         KERNELS, "bench/small_linear.py", 240, _py("bench.small_linear", *_json("small-linear-cpu.json"))
     ),
