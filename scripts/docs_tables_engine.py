@@ -115,6 +115,33 @@ def peer(records: Mapping[str, Record]) -> list[str]:
     return table(header, rows)
 
 
+def perplexity(records: Mapping[str, Record]) -> list[str]:
+    data = records["perplexity-cpu.json"].data
+    labels = {
+        "float32": "float32 (the primary)",
+        "int8-small-batch": "int8 fallback, 8 tokens a step (the weight-only copies its decodes read)",
+        "int8-dynamic": "int8 fallback, a whole chunk a step (torch's dynamic int8 of its prefill)",
+    }
+    paths = data["paths"]
+    base = paths.get("float32", {}).get("perplexity")
+    rows = [
+        [
+            labels.get(name, name),
+            f"{entry['perplexity']:.2f}",
+            "-" if base is None or name == "float32" else ratio(entry["perplexity"] / base),
+            f"{entry['scored_tokens']:,}",
+        ]
+        for name, entry in paths.items()
+    ]
+    window = data["window"]
+    return [
+        *table(["path", "perplexity", "against float32", "tokens scored"], rows),
+        "",
+        f"On `bench/data/{data['text']['path']}` ({data['text']['tokens']:,} tokens) in "
+        f"{window['chunks']} windows of {window['context']} tokens, the second half of each scored.",
+    ]
+
+
 def facade(records: Mapping[str, Record]) -> list[str]:
     data = records["facade-cpu.json"].data
     lag = data["facade"]
@@ -192,6 +219,7 @@ TABLES = (
     engine_table("engine-one-team", "engine-cpu-one-team.json"),
     Table("peer", ("peer-cpu.json",), peer),
     Table("facade", ("facade-cpu.json",), facade),
+    Table("perplexity", ("perplexity-cpu.json",), perplexity),
     Table("memory-profile", ("memory-profile-cpu.json",), memory_profile),
     Table("mixing", ("mixing-cpu.json",), mixing),
     Table("step-cost", ("step-cost-cpu.json",), step_cost),
