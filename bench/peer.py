@@ -50,6 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--max-repeats", type=int, default=DEFAULT_MAX_REPEATS)
     p.add_argument("--settle", type=float, default=DEFAULT_SETTLE_S, help="seconds to wait for load")
+    p.add_argument("--repeat-budget", type=float, help="seconds all repeats may take together")
     p.add_argument("--perplexity-record", type=Path, default=PERPLEXITY_RECORD)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             parity.update({npl: entry.pop("parity") for npl, entry in result.items()})
         return result
 
-    rounds = Rounds(CONTESTANTS, run_one, args.threads, args.max_repeats, args.settle)
+    rounds = Rounds(CONTESTANTS, run_one, args.threads, args.max_repeats, args.settle, args.repeat_budget)
     kept = []
     for index in range(args.rounds):
         kept.append(rounds.round(index))
@@ -155,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             "threshold": f"{QUIET_LOAD} + what our own earlier runs still add to the 1-minute average",
             "max_repeats": args.max_repeats,
             "settle_s": args.settle,
+            "repeat_budget_s": args.repeat_budget,
+            "repeat_seconds": rounds.repeat_seconds,
             "per_round": [
                 {k: r[k] for k in ("round", "load_average_start", "load_average_end", "threshold", "flagged")}
                 | {"repeats": len(r["discarded_attempts"])}

@@ -7,7 +7,9 @@ a 60 s time constant, so a run that kept `threads` runnable for d seconds and en
 still adds threads * (1 - e^(-d/60)) * e^(-g/60). Anything above that is someone else's work
 competing for the cores. A round that starts above the threshold is run again after a bounded wait
 for the load to settle, at most `max_repeats` times; the last attempt is kept, flagged when it too
-started loaded, and every discarded attempt stays in the record, its load and its results. This module owns
+started loaded, and every discarded attempt stays in the record, its load and its results. A
+`repeat_budget_s` bounds the time all repeats of a run may take together: a repeat that the last
+attempt's duration says would overrun it is not started, and the round is kept flagged. This module owns
 the order, the threshold and the repeats; it must not start a contestant itself (bench/peer.py
 passes `run_one`) nor summarize.
 """
@@ -76,8 +78,10 @@ class Rounds:
     threads: int
     max_repeats: int = DEFAULT_MAX_REPEATS
     settle_s: float = DEFAULT_SETTLE_S
+    repeat_budget_s: float | None = None
     clock: Clock = field(default_factory=Clock)
     history: list[Busy] = field(default_factory=list)
+    repeat_seconds: float = 0.0
 
     def settle(self) -> None:
         """Wait, at most settle_s, for the load to fall to the threshold."""
@@ -89,7 +93,8 @@ class Rounds:
 
     def attempt(self, index: int) -> dict[str, Any]:
         start_load = list(self.clock.load())
-        limit = threshold(self.history, self.clock.now())
+        began_attempt = self.clock.now()
+        limit = threshold(self.history, began_attempt)
         runs: dict[str, Any] = {}
         for name in order(self.contestants, index):
             began, load = self.clock.now(), self.clock.load()[0]
@@ -102,14 +107,22 @@ class Rounds:
             "load_average_end": list(self.clock.load()),
             "threshold": limit,
             "loaded": start_load[0] > limit,
+            "seconds": self.clock.now() - began_attempt,
             "runs": runs,
         }
 
+    def _may_repeat(self, last: dict[str, Any]) -> bool:
+        budget = self.repeat_budget_s
+        return budget is None or self.repeat_seconds + self.settle_s + last["seconds"] <= budget
+
     def round(self, index: int) -> dict[str, Any]:
-        """One round, repeated while its start was loaded (at most max_repeats times)."""
+        """One round, repeated while its start was loaded (at most max_repeats times, within the
+        repeat budget)."""
         attempts = [self.attempt(index)]
-        while attempts[-1]["loaded"] and len(attempts) <= self.max_repeats:
+        while attempts[-1]["loaded"] and len(attempts) <= self.max_repeats and self._may_repeat(attempts[-1]):
+            began = self.clock.now()
             self.settle()
             attempts.append(self.attempt(index))
+            self.repeat_seconds += self.clock.now() - began
         kept = attempts[-1]
         return {"round": index + 1, **kept, "flagged": kept["loaded"], "discarded_attempts": attempts[:-1]}

@@ -109,3 +109,22 @@ def test_settling_waits_at_most_its_bound() -> None:
     kept = rounds.round(0)
     assert 30.0 <= script.paused <= 35.0
     assert kept["flagged"]
+
+
+def test_the_repeat_budget_stops_repeats_that_would_overrun_it() -> None:
+    # Each attempt takes 20 s (two 10 s runs): a 50 s budget allows two repeats in all, not three.
+    script = Script([5.0])
+    rounds = Rounds(
+        ["a", "b"],
+        script.run_one,
+        threads=2,
+        max_repeats=2,
+        settle_s=0.0,
+        repeat_budget_s=50.0,
+        clock=script.clock(),
+    )
+    first = rounds.round(0)
+    second = rounds.round(1)
+    assert len(first["discarded_attempts"]) == 2 and first["flagged"]
+    assert second["discarded_attempts"] == [] and second["flagged"]
+    assert rounds.repeat_seconds == pytest.approx(40.0)
