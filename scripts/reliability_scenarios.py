@@ -99,15 +99,17 @@ SCENARIOS: dict[int, dict[str, str | tuple[str, ...]]] = {
         "short deadlines, greedy with ignore_eos and some sampled) while a seeded injector hits the "
         "primary worker, the fallback worker and the tokenizer in turn with kill -9, SIGSTOP then "
         "SIGCONT and SIGTERM, and the gateway with kill -9; `strata up`'s supervisor restarts them. "
-        "Full (`make chaos`): configs/local.yaml's stack (SmolLM2-135M-Instruct, int8 fallback), 8 "
-        "minutes, 18 faults; CI: tiny models, 60 s, 10 faults.",
+        "Full (`make chaos`): configs/local.yaml's stack (SmolLM2-135M-Instruct, its int8 fallback on "
+        "int8-weight-only), 8 minutes, 18 faults; CI: tiny models, 60 s, 10 faults.",
         "holds": "Every completed greedy answer's tokens equal the primary's reference before "
-        "failover_at_token and the fallback's greedy continuation after it (parity rule at near ties; "
-        "the full run's int8 fallback, whose greedy output depends on its batch, within 8 logits of its "
-        "top pick); failures end UNAVAILABLE, RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED (or the client "
-        "cancelled), at most 1 s past their deadline; SDK retries rescue some; after each fault fully "
-        "serving within 10 s plus the slowest restart measured, one restart per kill or SIGTERM; worker "
-        "and gateway state back exactly to idle; RSS growth at most 5% (CI: 10%) after a warm baseline.",
+        "failover_at_token and the fallback's greedy continuation after it, every token compared "
+        "(parity rule at near ties, the continuation then taken from the flipped token), none "
+        "unverified; every repeated, dropped, replaced or context-shifted token injected at a real "
+        "failover is caught; failures end UNAVAILABLE, RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED (or the "
+        "client cancelled), at most 1 s past their deadline; SDK retries rescue some; after each fault "
+        "fully serving within 10 s plus the slowest restart measured, one restart per kill or SIGTERM; "
+        "worker and gateway state back exactly to idle; RSS growth at most 5% (CI: 10%) after a warm "
+        "baseline.",
         "tests": ("test_s11_",),
     },
     12: {

@@ -6,17 +6,18 @@ prompt and the rest (its tail) the fallback's greedy continuation of the prompt 
 tokens: a token lost or repeated across the failover shifts the tail and fails the check. An answer
 one model served alone is all head, that model's greedy output.
 
-A part is checked by one of two rules, chosen per model. Exact (a model whose greedy output does not
-depend on its batch, as float32 and bfloat16 ones): `divergence` names the first token that differs
-from the reference, and `near_tie` is the project's parity rule (tests/parity.py) for it: the
+Every token is compared with a reference, so every model the check is given must have greedy output
+that does not depend on its batch (float32, bfloat16, int8-weight-only; not torch's dynamic int8,
+whose activation scale is taken over the whole batch). `divergence` names the first token that
+differs from the reference, and `near_tie` is the project's parity rule (tests/parity.py) for it: the
 reference's top-2 logits on that context are the two tokens and lie within a tie gap, so float
-rounding may flip them; after an excused flip nothing later in that part is compared. Margin (torch's
-dynamic int8, whose activation scale is taken over the whole batch, so its greedy output depends on
-the requests it ran next to): every token of the part lies within a margin of the model's top logit
-on the answer's own context, the model run alone (`Reference.deficits`). That catches a wrong model
-or a wrong context, not every shifted token. `Reference` computes greedy outputs with the engine in
-this process (LLMEngine.generate) and logits with the engine's model on a KV cache of its own. This
-module must not start a service nor decide what a test asserts.
+rounding may flip them. After an excused flip the rest of that part is compared with the model's
+greedy continuation of the answer's own tokens up to and including the flipped one, so no token goes
+unverified; `CheckReport` counts the tokens compared and any that were not (chaos_faults.py makes
+the faults a failover could cause, to show that the check catches them). `Reference` computes
+greedy outputs with the engine in this process (LLMEngine.generate) and logits with the engine's
+model on a KV cache of its own. This module must not start a service nor decide what a test
+asserts.
 """
 
 from __future__ import annotations
@@ -106,11 +107,10 @@ def near_tie(logits: Sequence[float], got: int, expected: int, tie_gap: float) -
 
 
 class ReferenceModel(Protocol):
-    """What the check needs of a model: greedy continuations, next-token logits, deficits."""
+    """What the check needs of a model: greedy continuations and next-token logits."""
 
     def greedy(self, contexts: Sequence[Sequence[int]], lengths: Sequence[int]) -> list[list[int]]: ...
     def next_token_logits(self, context: Sequence[int]) -> list[float]: ...
-    def deficits(self, sequence: Sequence[int], start: int) -> list[float]: ...
 
 
 class Reference:
@@ -137,26 +137,15 @@ class Reference:
         params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
         return self.engine.generate([list(c) for c in contexts], params)
 
-    def next_token_logits(self, context: Sequence[int]) -> list[float]:
-        """The model's logits for the token after `context`."""
-        return [float(v) for v in self._logits(context, [len(context) - 1])[0].tolist()]
-
-    def deficits(self, sequence: Sequence[int], start: int) -> list[float]:
-        """For each token of `sequence` from `start` on: how far its logit lies below the largest one,
-        given the tokens before it (0 where it is the model's greedy pick)."""
-        rows = self._logits(sequence, list(range(start - 1, len(sequence) - 1)))
-        picked = rows.gather(1, torch.tensor(list(sequence[start:])).unsqueeze(1)).squeeze(1)
-        return [float(v) for v in (rows.max(dim=1).values - picked).tolist()]
-
-    def _logits(self, sequence: Sequence[int], rows: list[int], block_size: int = 16) -> torch.Tensor:
-        """float32 logits after sequence[: row + 1] for each of `rows`, from one prefill of `sequence`
-        on a KV cache of its own (the engine's cache, and the prefix blocks it keeps, stay untouched)."""
+    def next_token_logits(self, context: Sequence[int], block_size: int = 16) -> list[float]:
+        """The model's float32 logits for the token after `context`, from one prefill of it on a KV
+        cache of its own (the engine's cache, and the prefix blocks it keeps, stay untouched)."""
         model = self.engine.runner.model
-        blocks = -(-len(sequence) // block_size)
+        blocks = -(-len(context) // block_size)
         cache = KVCache.allocate(model.config, blocks, block_size, model.dtype, model.device)
         meta = AttentionMetadata.build(
-            query_lens=[len(sequence)],
-            context_lens=[len(sequence)],
+            query_lens=[len(context)],
+            context_lens=[len(context)],
             block_tables=[list(range(blocks))],
             block_size=block_size,
             device=model.device,
@@ -164,13 +153,13 @@ class Reference:
         )
         with torch.inference_mode():
             hidden = model(
-                torch.tensor(list(sequence), device=model.device),
-                torch.arange(len(sequence), device=model.device),
+                torch.tensor(list(context), device=model.device),
+                torch.arange(len(context), device=model.device),
                 meta,
                 cache,
             )
-            index = torch.tensor(rows, dtype=torch.long, device=model.device)
-            return model.compute_logits(hidden.index_select(0, index)).float().cpu()
+            logits = model.compute_logits(hidden[-1:]).float().cpu()[0]
+        return [float(v) for v in logits.tolist()]
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,23 +175,24 @@ class Answer:
 
 @dataclass(frozen=True, slots=True)
 class Rule:
-    """How one model's parts are checked: exactly up to near ties, or within a logit margin."""
+    """How one model's parts are checked: exactly, a flip at a near tie (within tie_gap) excused."""
 
     tie_gap: float = 0.0
-    margin: float | None = None
-    """Set for the margin rule (a model whose greedy output depends on its batch)."""
 
 
 @dataclass
 class CheckReport:
-    """How the answers fared: fully exact ones, excused near-tie flips, parts checked by margin and
-    their largest deficit, and failures (each described)."""
+    """How the answers fared: fully exact ones, excused near-tie flips, tokens compared with a
+    reference and tokens (and answers) that were not, and failures (each described)."""
 
     exact: int = 0
     excused: list[str] = field(default_factory=list)
-    by_margin: int = 0
-    worst_deficit: float = 0.0
+    tokens_checked: int = 0
+    tokens_unverified: int = 0
+    answers_unverified: int = 0
     failures: list[str] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+    """Indices of the failed answers."""
 
 
 def check_answers(
@@ -214,35 +204,38 @@ def check_answers(
 ) -> CheckReport:
     """Check every answer against its route's two models (see the module doc).
 
-    For the exact rule the references are generated per model in one batch: each prompt's output at
-    the longest length any head needs, and each failed-over answer's tail.
+    The references are generated per model in one batch: each prompt's output at the longest length
+    any head needs, and each failed-over answer's tail.
     """
     report = CheckReport()
     heads = [primary if a.model == primary or a.failover_at else fallback for a in answers]
-    exact_heads = [i for i, model in enumerate(heads) if rules[model].margin is None]
     longest: dict[tuple[str, tuple[int, ...]], int] = {}
-    for i in exact_heads:
-        key = (heads[i], tuple(answers[i].prompt_ids))
-        longest[key] = max(longest.get(key, 0), answers[i].failover_at or answers[i].expected_len)
+    for i, answer in enumerate(answers):
+        key = (heads[i], tuple(answer.prompt_ids))
+        longest[key] = max(longest.get(key, 0), answer.failover_at or answer.expected_len)
     head_refs: dict[tuple[str, tuple[int, ...]], list[int]] = {}
     for model in (primary, fallback):
         keys = [key for key in longest if key[0] == model]
         outputs = references[model].greedy([key[1] for key in keys], [longest[key] for key in keys])
         head_refs.update(zip(keys, outputs, strict=True))
-    exact_tails = (
-        [i for i, a in enumerate(answers) if a.failover_at] if rules[fallback].margin is None else []
-    )
-    contexts = [answers[i].prompt_ids + answers[i].tokens[: answers[i].failover_at] for i in exact_tails]
-    lengths = [answers[i].expected_len - answers[i].failover_at for i in exact_tails]
-    tail_refs = dict(zip(exact_tails, references[fallback].greedy(contexts, lengths), strict=True))
+    failed_over = [
+        i for i, a in enumerate(answers) if 0 < a.failover_at <= min(a.expected_len, len(a.tokens))
+    ]
+    contexts = [answers[i].prompt_ids + answers[i].tokens[: answers[i].failover_at] for i in failed_over]
+    lengths = [answers[i].expected_len - answers[i].failover_at for i in failed_over]
+    tail_refs = dict(zip(failed_over, greedy_of(references[fallback], contexts, lengths), strict=True))
     for i, answer in enumerate(answers):
         where = f"answer {i} ({answer.model}, failover at {answer.failover_at}, {answer.expected_len} tokens)"
         if answer.model not in (primary, fallback) or (answer.failover_at and answer.model != fallback):
             report.failures.append(f"{where}: served by an unexpected model")
+            report.failed.append(i)
             continue
         head_ref = head_refs.get((heads[i], tuple(answer.prompt_ids)), [])
         models = {HEAD: heads[i], TAIL: fallback}
+        failures = len(report.failures)
         _check_one(answer, models, rules, references, (head_ref, tail_refs.get(i, [])), report, where)
+        if len(report.failures) > failures:
+            report.failed.append(i)
     return report
 
 
@@ -256,11 +249,10 @@ def _check_one(
     where: str,
 ) -> None:
     """Check one answer's length and parts, adding what was found to `report`."""
-    parts = spans(answer.expected_len, answer.failover_at)
-    exact = [part for part, _, _ in parts if rules[models[part]].margin is None]
+    head_ref, tail_ref = refs
     flipped = False
     while (
-        found := divergence(answer.tokens, answer.expected_len, answer.failover_at, *refs, parts=exact)
+        found := divergence(answer.tokens, answer.expected_len, answer.failover_at, head_ref, tail_ref)
     ) is not None:
         if found.part == LENGTH:
             report.failures.append(f"{where}: {found}")
@@ -271,17 +263,41 @@ def _check_one(
             report.failures.append(f"{where}: {found}; tokens {answer.tokens}")
             return
         report.excused.append(f"{where}: near tie on {model} at {found}")
-        exact.remove(found.part)
         flipped = True
-    by_margin = [(part, start, end) for part, start, end in parts if rules[models[part]].margin is not None]
-    for part, start, end in by_margin:
-        model = models[part]
-        sequence = answer.prompt_ids + answer.tokens[:end]
-        worst = max(references[model].deficits(sequence, len(answer.prompt_ids) + start))
-        report.by_margin += 1
-        report.worst_deficit = max(report.worst_deficit, worst)
-        if worst > (rules[model].margin or 0.0):
-            report.failures.append(f"{where}: a {part} token {worst:.2f} logits below {model}'s top pick")
-            return
-    if not flipped and not by_margin:
+        # The rest of the part: the model's continuation of the answer's own tokens, flip included.
+        start, end = next(
+            (s, e) for part, s, e in spans(answer.expected_len, answer.failover_at) if part == found.part
+        )
+        context = answer.prompt_ids + answer.tokens[: found.position + 1]
+        rest = greedy_of(references[model], [context], [end - found.position - 1])[0]
+        anchored = answer.tokens[start : found.position + 1] + rest
+        head_ref, tail_ref = (anchored, tail_ref) if found.part == HEAD else (head_ref, anchored)
+    checked = _compared(answer, head_ref, tail_ref)
+    report.tokens_checked += checked
+    report.tokens_unverified += answer.expected_len - checked
+    report.answers_unverified += checked < answer.expected_len
+    if not flipped:
         report.exact += 1
+
+
+def _compared(answer: Answer, head_ref: Sequence[int], tail_ref: Sequence[int]) -> int:
+    """How many of the answer's tokens equal the token their reference has at their position."""
+    matched = 0
+    for part, start, end in spans(answer.expected_len, answer.failover_at):
+        ref = head_ref if part == HEAD else tail_ref
+        matched += sum(
+            1 for p in range(start, end) if p - start < len(ref) and answer.tokens[p] == ref[p - start]
+        )
+    return matched
+
+
+def greedy_of(
+    model: ReferenceModel, contexts: Sequence[Sequence[int]], lengths: Sequence[int]
+) -> list[list[int]]:
+    """model.greedy of each context that asks for tokens; [] for those whose length is 0 (greedy takes
+    none)."""
+    asked = [i for i, n in enumerate(lengths) if n > 0]
+    outputs = dict(
+        zip(asked, model.greedy([contexts[i] for i in asked], [lengths[i] for i in asked]), strict=True)
+    )
+    return [outputs.get(i, []) for i in range(len(contexts))]

@@ -1,12 +1,14 @@
 """The chaos soak's token check (tests/reliability/chaos_tokens.py) against known sequences: exact
 answers pass, a token lost or repeated across a failover fails, a near-tie flip is excused by the
-parity rule and a wider flip is not, and a part under the margin rule fails only beyond its margin;
-the references come from deterministic fake models."""
+parity rule (and what follows it is still compared), a wider flip is not, every token is counted as
+compared, and each failover fault chaos_faults.py injects is made and caught; the references come from
+deterministic fake models (tests/unit/test_chaos_injected.py does the same on real answers)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tests.reliability.chaos_faults import INJECTED, inject
 from tests.reliability.chaos_tokens import (
     HEAD,
     LENGTH,
@@ -53,10 +55,6 @@ class FakeModel:
         runner_up, gap = self.ties.get(tuple(context), ((self.next_token(context) + 1) % VOCAB, 5.0))
         logits[runner_up] = 10.0 - gap
         return logits
-
-    def deficits(self, sequence: Sequence[int], start: int) -> list[float]:
-        rows = [self.next_token_logits(sequence[:position]) for position in range(start, len(sequence))]
-        return [max(row) - row[token] for row, token in zip(rows, sequence[start:], strict=True)]
 
 
 PRIMARY, FALLBACK = FakeModel(7), FakeModel(11)
@@ -162,34 +160,42 @@ def test_a_flip_wider_than_the_tie_gap_fails() -> None:
     assert len(report.failures) == 1 and report.excused == []
 
 
-def test_a_margin_part_passes_within_its_margin_and_fails_beyond_it() -> None:
-    margin = {"p": Rule(tie_gap=1e-3), "f": Rule(margin=6.0)}
-    tokens = _failover(4, 10)
-    near = FakeModel(11, ties={tuple(PROMPT + tokens[:6]): ((tokens[6] + 1) % VOCAB, 4.0)})
-    # The runner-up (4 logits down), or a token 10 logits down, each followed by its greedy continuation.
-    swapped, garbage = ([*tokens[:6], (tokens[6] + step) % VOCAB] for step in (1, 2))
-    swapped += FALLBACK.greedy([PROMPT + swapped], [3])[0]
-    garbage += FALLBACK.greedy([PROMPT + garbage], [3])[0]
-    report = _check(
-        [
-            Answer(PROMPT, tokens, 10, 4, "f"),
-            Answer(PROMPT, swapped, 10, 4, "f"),
-            Answer(PROMPT, garbage, 10, 4, "f"),
-        ],
-        fallback=near,
-        rules=margin,
-    )
-    assert report.by_margin == 3 and report.exact == 0
-    assert report.worst_deficit == 10.0
-    assert len(report.failures) == 1 and "answer 2" in report.failures[0]
+def test_after_an_excused_flip_the_rest_of_the_part_is_still_compared() -> None:
+    head = PRIMARY.greedy([PROMPT], [6])[0]
+    runner_up = (head[2] + 9) % VOCAB
+    primary = FakeModel(7, ties={tuple(PROMPT + head[:2]): (runner_up, 5e-4)})
+    flipped = [*head[:2], runner_up, *PRIMARY.greedy([[*PROMPT, *head[:2], runner_up]], [3])[0]]
+    wrong_later = [*flipped[:4], (flipped[4] + 1) % VOCAB, flipped[5]]
+    report = _check([Answer(PROMPT, flipped, 6, 0, "p"), Answer(PROMPT, wrong_later, 6, 0, "p")], primary)
+    assert len(report.excused) == 2 and report.failed == [1]
+    assert "position=4" in report.failures[0]
+    assert report.tokens_checked == 6 and report.tokens_unverified == 0 and report.answers_unverified == 0
 
 
-def test_the_head_stays_exact_when_the_tail_is_checked_by_margin() -> None:
-    margin = {"p": Rule(tie_gap=1e-3), "f": Rule(margin=100.0)}
+def test_every_token_of_the_answers_that_pass_is_counted_as_compared() -> None:
+    answers = [
+        Answer(PROMPT, _failover(4, 12), 12, 4, "f"),
+        Answer(PROMPT, PRIMARY.greedy([PROMPT], [5])[0], 5, 0, "p"),
+    ]
+    report = _check(answers)
+    assert report.tokens_checked == 17 and report.tokens_unverified == 0 and report.failed == []
+
+
+def test_each_injected_failover_fault_changes_the_answer_and_is_caught() -> None:
+    answers = [Answer(PROMPT, _failover(k, 10), 10, k, "f") for k in (1, 4, 9)]
+    assert _check(answers).failed == []
+    injected = inject(answers, FALLBACK, tie_gap=1e-3)
+    assert {kind for kind, _, _ in injected} == set(INJECTED)
+    for kind, i, faulty in injected:
+        assert faulty.tokens != answers[i].tokens and len(faulty.tokens) == 10, kind
+        assert faulty.tokens[: faulty.failover_at] == answers[i].tokens[: answers[i].failover_at]
+    report = _check([faulty for _, _, faulty in injected])
+    assert report.failed == list(range(len(injected)))
+
+
+def test_a_replacement_within_the_tie_gap_is_not_injected() -> None:
     tokens = _failover(4, 10)
-    tokens[1] = (tokens[1] + 3) % VOCAB
-    report = _check(
-        [Answer(PROMPT, tokens, 10, 4, "f"), Answer(PROMPT, tokens[:9], 10, 4, "f")], rules=margin
-    )
-    assert len(report.failures) == 2
-    assert "head" in report.failures[0] and "length" in report.failures[1]
+    runner_up = (tokens[4] + 1) % VOCAB
+    near = FakeModel(11, ties={tuple(PROMPT + tokens[:4]): (runner_up, 5e-4)})
+    injected = inject([Answer(PROMPT, tokens, 10, 4, "f")], near, tie_gap=1e-3)
+    assert "replaced" not in {kind for kind, _, _ in injected}
