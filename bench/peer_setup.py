@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -144,15 +145,31 @@ class BuildPlan:
     directory: Path
     probes: dict[str, Probe]
     cap: str | None
+    dropped: dict[str, str]
 
 
-def plan_build(root: Path, probes: dict[str, Probe] | None = None) -> BuildPlan:
-    """Explicit ISA flags from what really runs here, capped by STRATA_NATIVE_ISA like our kernels;
-    each flag set builds in a directory of its own, so a capped build never overwrites the full one."""
+def plan_build(
+    root: Path, probes: dict[str, Probe] | None = None, dropped: dict[str, str] | None = None
+) -> BuildPlan:
+    """Explicit ISA flags from what really runs here, capped by STRATA_NATIVE_ISA like our kernels,
+    less the `dropped` groups (group: why); each flag set builds in a directory of its own, so a
+    capped build never overwrites the full one."""
     found = probe_all() if probes is None else probes
     cap = os.environ.get("STRATA_NATIVE_ISA") or None
-    groups = usable_groups(found, cap)
-    return BuildPlan(groups, ggml_flags(groups), root / f"build-{label(groups)}", found, cap)
+    removed = dropped or {}
+    groups = usable_groups(found, cap) - frozenset(removed)
+    return BuildPlan(groups, ggml_flags(groups), root / f"build-{label(groups)}", found, cap, removed)
+
+
+def dies_quantized(binaries: Path, q8_0: Path) -> bool:
+    """Whether a tiny Q8_0 run of llama-batched-bench is killed by SIGILL: the AMX probe runs its
+    tiles in one short burst, while llama.cpp's AMX kernels keep a tile configuration per thread
+    across a whole run, which some VMs do not keep (seen here: SIGILL at `tilezero` in
+    tinygemm_kernel_amx after the probe had passed)."""
+    command = [str(binaries / "llama-batched-bench"), "-m", str(q8_0), "-t", "2", "-c", "256"]
+    command += ["-npp", "16", "-ntg", "4", "-npl", "1", "--output-format", "jsonl"]
+    done = subprocess.run(command, capture_output=True, check=False, timeout=600)
+    return done.returncode == -signal.SIGILL
 
 
 def build(source: Path, plan: BuildPlan, targets: tuple[str, ...] = BENCH_TARGETS) -> Path:
@@ -281,6 +298,11 @@ def prepare(model_dir: Path, types: tuple[str, ...] = GGUF_TYPES) -> Peer:
             models[kind] = quantize(binaries, f32, kind)
         else:
             models[kind] = convert(root, source, model_dir.resolve(), kind)
+    if "amx" in plan.groups and dies_quantized(binaries, convert(root, source, model_dir.resolve(), "q8_0")):
+        why = "its probe runs, but llama.cpp's AMX kernels die with SIGILL here (a tiny Q8_0 run)"
+        _log(f"AMX dropped: {why}; building without it")
+        plan = plan_build(root, plan.probes, {"amx": why})
+        binaries = build(source, plan)
     return Peer(source, plan, binaries, models)
 
 
@@ -303,5 +325,6 @@ def build_info(peer: Peer) -> dict[str, object]:
         "isa_groups": sorted(peer.plan.groups),
         "isa_probe": {group: found.reason for group, found in peer.plan.probes.items()},
         "isa_cap": peer.plan.cap,
+        "isa_dropped": peer.plan.dropped,
         "build_dir": peer.binaries.parent.name,
     }
