@@ -24,6 +24,7 @@ from bench.stack import add_arguments, main
 from bench.stack_prompts import build_prompt, build_prompts, load_tokenizer
 from bench.stack_report import aggregate_levels, judge
 from bench.stats import percentile
+from tests.route_defaults import harness_route
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -262,6 +263,8 @@ def test_no_gateway_is_a_clear_error_not_a_hang(
 def _write_config(
     directory: Path, model_dir: Path, route: dict[str, Any] | None = None, **worker: Any
 ) -> Path:
+    """A one-worker stack config whose route starts from NO_SLO_ROUTE (tests/route_defaults.py): a smoke
+    run counts no refusal for the machine's speed; `route` adds a test's own limits."""
     import yaml
 
     config = {
@@ -280,7 +283,7 @@ def _write_config(
         "gateway": {
             "listen": "127.0.0.1:0",
             "default_model": "tiny",
-            "routes": [{"model": "tiny", **(route or {})}],
+            "routes": [harness_route("tiny", **(route or {}))],
         },
     }
     path = directory / "stack.yaml"
