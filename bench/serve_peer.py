@@ -55,6 +55,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", default="1,8,64", help="closed-loop streams per level")
     parser.add_argument("--min-requests", type=int, default=8, help="requests per level at least")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--warmup-streams", type=int, default=8, help="warm-up requests (and streams) per shape"
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--log-dir", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="allow --rounds 1; the record is not valid")
@@ -86,11 +89,10 @@ class Prompts:
             )
         return self._built[seed]
 
-    def prebuild(self, levels: list[Level], rounds: int) -> None:
-        most = max(level.concurrency for level in levels)
+    def prebuild(self, levels: list[Level], rounds: int, warmup_streams: int) -> None:
         for shape in dict.fromkeys(level.shape for level in levels):
             self("check", Level(shape, 1, 1))
-            self("warm", Level(shape, most, most))
+            self("warm", Level(shape, warmup_streams, warmup_streams))
         for index in range(rounds):
             for level in levels:
                 self(f"r{index}", level)
@@ -105,7 +107,8 @@ async def _drive(targets: dict[str, Target], args: argparse.Namespace, prompts: 
     most = max(level.concurrency for level in args.levels)
     limits = httpx2.Limits(max_connections=2 * most + 8, max_keepalive_connections=2 * most + 8)
     async with httpx2.AsyncClient(limits=limits) as client:
-        return await run(Runner(client, targets, args.timeout), args.levels, args.rounds, prompts)
+        runner = Runner(client, targets, args.timeout)
+        return await run(runner, args.levels, args.rounds, prompts, args.warmup_streams)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     model = str(read_config(args.config)["gateway"]["default_model"])
     print("bench.serve_peer: building the prompts", file=sys.stderr, flush=True)
     prompts = Prompts(load_tokenizer(model_dir))
-    prompts.prebuild(args.levels, args.rounds)
+    prompts.prebuild(args.levels, args.rounds, args.warmup_streams)
     peer = prepare(model_dir, ("f32",))
     options = ServerOptions(
         peer.tool("llama-server"),
@@ -194,7 +197,7 @@ def build_record(
             ],
             "rounds": args.rounds,
             "order": "every level on both back to back; Strata first in odd rounds, llama.cpp in even ones",
-            "warmup": "one untimed pass of each shape at the largest concurrency on both",
+            "warmup": f"one untimed pass of each shape on both: {args.warmup_streams} requests at once",
         },
         "strata": {
             "config": str(_shown(args.config)),

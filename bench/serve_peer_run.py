@@ -3,9 +3,10 @@
 Both servers are up when it starts; one httpx2 client (bench/http_driver.py's request) sends every
 request to either. First one prompt of each shape goes, unstreamed, to both: both must report the
 shape's prompt tokens in usage.prompt_tokens (the texts are kept, greedy on the same weights). Then
-one untimed pass of each shape at the largest concurrency on both, then the rounds. Around each level
-it reads the CPU seconds of both servers' processes (the contestant's own, and the idle one's, which
-should be near zero), of this client, and the load average at each round's start and end.
+one untimed pass of each shape on both (8 streams of one request by default), then the rounds.
+Around each level it reads the CPU seconds of both servers' processes (the contestant's own, and the
+idle one's, which should be near zero), of this client, and the load average at each round's start
+and end.
 This module runs the workload; it must not start or stop servers nor write the record.
 """
 
@@ -108,9 +109,14 @@ class Runner:
 
 
 async def run(
-    runner: Runner, levels: list[Level], rounds: int, prompts_for: Callable[[str, Level], list[Prompt]]
+    runner: Runner,
+    levels: list[Level],
+    rounds: int,
+    prompts_for: Callable[[str, Level], list[Prompt]],
+    warmup_streams: int,
 ) -> Outcome:
-    """The check, the warm-up and `rounds` alternated rounds of `levels`."""
+    """The check, the warm-up (`warmup_streams` requests of each shape through as many streams) and
+    `rounds` alternated rounds of `levels`."""
     outcome = Outcome(
         runs={level.key: {c: [] for c in CONTESTANTS} for level in levels},
         pooled={level.key: {c: [] for c in CONTESTANTS} for level in levels},
@@ -134,9 +140,8 @@ async def run(
             raise BenchError(
                 f"{shape.name}: the servers saw {wrong} prompt tokens, not {shape.prompt_tokens}"
             )
-    most = max(level.concurrency for level in levels)
     for shape in shapes:
-        warm = Level(shape, most, most)
+        warm = Level(shape, warmup_streams, warmup_streams)
         for contestant in CONTESTANTS:
             figures, _ = await runner.level(contestant, warm, prompts_for("warm", warm))
             outcome.warmup[f"{warm.key}/{contestant}"] = figures
