@@ -177,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     measured = measure(args.model, args.paths, args.context)
     record = {
         "provenance": finish_provenance(provenance),
+        # Quality only: no figure depends on the machine's load.
+        "timed": False,
         "benchmark": "bench.perplexity",
         "model": args.model.name,
         **measured,

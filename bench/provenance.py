@@ -217,4 +217,20 @@ def check_provenance(record: dict[str, Any]) -> list[str]:
     problems += _machine_problems(provenance.get("machine"))
     problems += _load_problems(provenance.get("load_average"))
     problems += _version_problems(provenance.get("versions"))
+    if record.get("timed", True) and not problems:
+        problems += _busy_problems(provenance)
     return problems
+
+
+def _busy_problems(provenance: dict[str, Any]) -> list[str]:
+    """A timed record whose machine already ran a whole machine's worth of other work at its start
+    measured the neighbours as much as the code (the reruns at load 8-18 on 2 cores were 4-40x off)."""
+    busy = provenance["load_average"]["start"][0]
+    cpus = provenance["machine"]["usable_cpus"]
+    if busy > cpus:
+        return [
+            f"provenance.load_average.start is {busy:.1f} on {cpus} CPUs: the machine was busy; "
+            "rerun it alone (make records refuses to start on a busy machine), or mark a record that "
+            'times nothing with "timed": false'
+        ]
+    return []

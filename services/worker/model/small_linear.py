@@ -2,7 +2,7 @@
 
 At a decode step's batch sizes a linear layer is a matrix-vector product whose only cost should be
 reading its weight once at the memory's bandwidth; torch's `F.linear` at M=1 reads a [N, K] weight at
-well under that on the CPUs measured (bench/results/small-linear-cpu.json). csrc/small_linear.cpp
+well under that on the CPUs measured (`python -m bench.small_linear` measures both). csrc/small_linear.cpp
 does it on the weight as stored, so no second, transposed copy of any weight exists. This module
 owns the choice (float32 on the CPU, at most MAX_ROWS rows, a contiguous weight, no autograd) and the
 call; it must not hold weights nor build anything (native.py does).
