@@ -15,6 +15,7 @@ from services.worker.model.attention import AttentionMetadata
 from services.worker.model.kv_cache import KVCache
 from services.worker.model.loader import load_model
 from services.worker.model.small_linear import MAX_ROWS
+from tests.native_calls import count_decode_stack_calls
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -57,20 +58,6 @@ def _copy(cache: KVCache) -> KVCache:
     return KVCache(tuple(k.clone() for k in cache.keys), tuple(v.clone() for v in cache.values))
 
 
-def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    library = native.library()
-    assert library is not None
-    calls: list[int] = []
-    kernel = library.decode_stack
-
-    def counted(*args: object) -> None:
-        calls.append(1)
-        kernel(*args)
-
-    monkeypatch.setattr(library, "decode_stack", counted)
-    return calls
-
-
 @pytest.mark.parametrize("quantization", [None, "dynamic-int8"])
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_llama_linear_mqa_dir", "tiny_qwen2_dir"])
 @pytest.mark.parametrize("lengths", [[5], [17, 3, 40], [9] * MAX_ROWS])
@@ -87,7 +74,7 @@ def test_the_stack_gives_the_per_operator_paths_bits(
     loaded = load_model(model_dir, quantization=quantization)
     cache, tables = _prefilled(loaded, lengths)
     reference_cache = _copy(cache)
-    calls = _counting(monkeypatch)
+    calls = count_decode_stack_calls(monkeypatch)
     fused = _decode(loaded, cache, tables, lengths)
     assert calls == [1]
     monkeypatch.setattr(decode_stack, "applies", lambda *_: False)
@@ -104,7 +91,7 @@ def test_prefills_mixed_steps_and_large_batches_take_the_per_operator_path(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     loaded = load_model(tiny_llama_dir)
-    calls = _counting(monkeypatch)
+    calls = count_decode_stack_calls(monkeypatch)
     cache, tables = _prefilled(loaded, [6] * (MAX_ROWS + 1))
     assert calls == []  # prefills
     _decode(loaded, cache, tables, [6] * (MAX_ROWS + 1))
@@ -136,7 +123,7 @@ def test_the_stack_is_rebuilt_for_a_new_cache(tiny_llama_dir: Path, monkeypatch:
 def test_set_enabled_turns_the_stack_off(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     loaded = load_model(tiny_llama_dir)
     cache, tables = _prefilled(loaded, [4])
-    calls = _counting(monkeypatch)
+    calls = count_decode_stack_calls(monkeypatch)
     previous = decode_stack.set_enabled(False)
     try:
         _decode(loaded, cache, tables, [4])

@@ -29,7 +29,10 @@ def test_every_committed_record_carries_its_provenance(path: Path) -> None:
 def _good() -> dict[str, Any]:
     """A fresh record, its start load set to an idle machine's: the suite's own services may keep
     this machine busier than a benchmark may start at, and that rule has its own test below."""
-    record = {"benchmark": "test", "provenance": finish_provenance(start_provenance(threads=1))}
+    record: dict[str, Any] = {
+        "benchmark": "test",
+        "provenance": finish_provenance(start_provenance(threads=1)),
+    }
     record["provenance"]["load_average"]["start"] = [0.2, 0.1, 0.1]
     return record
 

@@ -29,6 +29,7 @@ from services.worker.model.loader import load_model
 from services.worker.model.small_int8 import SmallBatchInt8, WeightOnlyInt8
 from services.worker.model.small_linear import MAX_ROWS
 from services.worker.settings import WorkerSettings
+from tests.native_calls import count_decode_stack_calls
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -99,20 +100,6 @@ def _alone_and_batched(
     return singles, steps.step(list(range(len(prompts))), [])
 
 
-def _decode_stack_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    library = native.library()
-    assert library is not None
-    calls: list[int] = []
-    kernel = library.decode_stack
-
-    def counted(*args: object) -> None:
-        calls.append(1)
-        kernel(*args)
-
-    monkeypatch.setattr(library, "decode_stack", counted)
-    return calls
-
-
 @pytest.mark.parametrize("fixture", TINY)
 def test_every_projection_is_weight_only_int8_and_no_float32_copy_is_kept(
     fixture: str, request: pytest.FixtureRequest
@@ -135,7 +122,7 @@ def test_decode_rows_are_the_same_bits_alone_and_in_a_batch_of_24(
     """Alone, each row runs the native decode stack; in the batch, the per-operator path, each
     projection chunked MAX_ROWS rows to a kernel call: both give every row the same logits."""
     loaded = load_model(request.getfixturevalue(fixture), quantization=MODE)
-    calls = _decode_stack_calls(monkeypatch)
+    calls = count_decode_stack_calls(monkeypatch)
     singles, batched = _alone_and_batched(loaded, [3 + (5 * i) % 41 for i in range(BATCH)])
     assert len(calls) == BATCH  # each single step, not the batch of BATCH > MAX_ROWS
     assert BATCH > 2 * MAX_ROWS
