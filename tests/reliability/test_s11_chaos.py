@@ -174,7 +174,7 @@ def test_chaos_soak_keeps_answers_right_and_the_stack_recovers(
         soak, supervision = run_supervised(
             stack,
             lambda: run_soak(stack, roles, texts, faults, load, version.warm_s, cap_s),
-            timeout_s=10 * version.mix.span_s,
+            timeout_s=10 * version.mix.span_s + len(faults) * cap_s,
         )
     outcomes, records = soak.outcomes, soak.records
 
