@@ -44,7 +44,7 @@ SCENARIOS: dict[int, dict[str, str | tuple[str, ...]]] = {
     },
     5: {
         "title": "Deadlines and cancellation",
-        "done": "Requests with 0.5, 1 and 2 s deadlines against 40 s generations (0.2 s engine steps, "
+        "done": "Requests with 1, 2 and 3 s deadlines against 40 s generations (0.2 s engine steps, "
         "test-mode delay); streams cancelled after 3 tokens, alone and next to another request.",
         "holds": "DEADLINE_EXCEEDED at the deadline; the worker frees the KV blocks within one engine "
         "step of the cancel (<= 1 step alone, <= 2 with another request, as GetWorkerStats shows it; "
