@@ -132,7 +132,7 @@ bench-grammar: setup model
 	$(BIN)/python -m bench.grammar_quality --json bench/results/grammar-quality-cpu.json
 
 # Rerun, at HEAD, every record README.md and docs/ quote, one at a time, then regenerate the docs' tables
-# (refuses a dirty tree or a busy machine; RECORDS_ARGS="--list", "--only NAME" or "--stale" pass through).
+# (refuses a dirty tree or a busy machine; RECORDS_ARGS="--list", "--only NAME,NAME" or "--stale" pass through).
 RECORDS_ARGS ?=
 records: setup model
 	$(BIN)/python scripts/records.py $(RECORDS_ARGS)

@@ -11,7 +11,8 @@ tables that record feeds, cell by cell, or for a record quoted only in prose its
 Then it rewrites the tables. It refuses to start on a tree whose tracked files differ from HEAD (a
 record names the commit it measured) or on a busy machine (the figures would measure the neighbours).
 
-`--list` prints what it would run and each record's estimated run time; `--only NAME` runs one;
+`--list` prints what it would run and each record's estimated run time; `--only NAME[,NAME...]` runs
+those, in the order given (the most quoted first, when a session has less time than the whole list);
 `--stale` lists the records more than 50 commits behind HEAD in the paths they measure. A record
 with a target of its own is left to it (`grammar-libs-cpu.json`: `make bench-grammar-libs`); the
 reliability report and the chaos soak have targets of their own (`make reliability`, `make chaos`).
@@ -168,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--list", action="store_true", help="print what would run, with estimated run times")
     parser.add_argument(
-        "--only", metavar="NAME", help="rerun one record (its file name under bench/results/)"
+        "--only",
+        metavar="NAME[,NAME...]",
+        help="rerun these records, in this order (file names under bench/results/)",
     )
     parser.add_argument(
         "--stale", action="store_true", help=f"list records more than {STALE_AFTER} commits behind HEAD"
@@ -180,11 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     quoted = quoted_records(docs_tables.RECORD_TABLES)
     names = rerunnable(quoted)
     if args.only:
-        if args.only not in names:
+        chosen = [name.strip() for name in args.only.split(",") if name.strip()]
+        unknown = [name for name in chosen if name not in names]
+        if unknown:
             raise SystemExit(
-                f"--only {args.only}: not a record the docs quote and that can be rerun; `--list` shows them"
+                f"--only {', '.join(unknown)}: not a record the docs quote and that can be rerun; "
+                "`--list` shows them"
             )
-        names = [args.only]
+        names = chosen
     if args.stale:
         lines = stale_lines(quoted)
         print("\n".join(lines) if lines else f"no record is more than {STALE_AFTER} commits behind HEAD")

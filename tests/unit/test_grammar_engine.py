@@ -214,7 +214,9 @@ def test_a_compile_past_the_time_bound_is_refused_without_waiting_for_it(engine,
     waited = time.perf_counter() - started
     assert caught.value.field == "sampling.constraint.json_schema"
     assert "did not compile within" in str(caught.value)
-    assert waited < compile_s / 4, f"waited {waited:.3f} s for a bound of {bound_s:.3f} s"
+    # Half the compile, ten times the bound: a scheduler's hiccup of tens of milliseconds on a busy
+    # core must not fail it, and a compiler that waited for the compile still would.
+    assert waited < compile_s / 2, f"waited {waited:.3f} s for a bound of {bound_s:.3f} s"
 
 
 @pytest.mark.real_model
