@@ -4,8 +4,9 @@
 those a page names in prose; each reruns by the command its provenance stores (the catalog's,
 scripts/docs_tables_catalog.py, where it stores none), one at a time, with a progress line each, in a
 clean checkout of HEAD beside the tree (a git worktree with the tree's .venv and models/ linked in,
-its own code first on PYTHONPATH), so that every record names HEAD and a clean tree even after the
-records before it changed bench/results/; what a run writes there is copied back into the tree. At
+its own code first on PYTHONPATH), so that every record names HEAD and a clean tree: what a run
+writes under bench/results/ is copied back into the tree, then the worktree's bench/results/ is put
+back to HEAD, so the next record finds it clean too. At
 the end it says, record by record, what changed against the record it replaced: every figure of the
 tables that record feeds, cell by cell, or for a record quoted only in prose its ratios, key by key.
 Then it rewrites the tables. It refuses to start on a tree whose tracked files differ from HEAD (a
@@ -124,6 +125,13 @@ def run_in(tree: Path, argv: list[str]) -> int:
     return subprocess.run(argv, cwd=tree, env={**os.environ, "PYTHONPATH": path}, check=False).returncode
 
 
+def restore(tree: Path) -> None:
+    """Put the worktree's bench/results/ back to HEAD: the next record must find a clean tree, and a
+    record the last run rewrote there would make it dirty (its provenance would say so)."""
+    subprocess.run(["git", "checkout", "--", "bench/results"], cwd=tree, check=True, capture_output=True)
+    subprocess.run(["git", "clean", "-fdq", "--", "bench/results"], cwd=tree, check=True, capture_output=True)
+
+
 def snapshot(tree: Path) -> dict[Path, tuple[int, int]]:
     """Each file under the worktree's bench/results/ with its modification time and size."""
     results = tree / "bench" / "results"
@@ -220,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             begin, before = time.monotonic(), snapshot(tree)
             code = run_in(tree, argv_run)
             copied = copy_back(tree, ROOT, before)
+            restore(tree)
             took = minutes(int(time.monotonic() - begin))
             outcome = "done" if code == 0 else f"FAILED (exit {code})"
             print(f"{progress}: {outcome} in {took}; wrote {', '.join(copied) or 'nothing'}", flush=True)
