@@ -114,19 +114,29 @@ def stale(names: list[str]) -> list[str]:
     return table(["record", "its figures depend on", "commits since its run", f"over {STALE_AFTER}?"], rows)
 
 
-def long_runs() -> list[str]:
-    text = RELIABILITY.read_text() if RELIABILITY.exists() else ""
+def long_runs(text: str | None = None) -> list[str]:
+    """The long runs' table, from the reliability report's text (docs/reliability.md when None)."""
+    if text is None:
+        text = RELIABILITY.read_text() if RELIABILITY.exists() else ""
     report = re.search(r"^- Date: (.+)$", text, re.M)
-    chaos = re.search(r"^\| 11 \|.*run alone on ([^)]+)\)", text, re.M)
-    dates = [
-        report.group(1) if report else "not run",
-        chaos.group(1) if chaos else (report.group(1) if report else "not run"),
-    ]
+    commit = re.search(r"^- Commit: (\S+) \((.+?)\)$", text, re.M)
+    chaos = re.search(r"^\| 11 \|.*run alone on (.+? UTC)(?: at (\S+) \((.+?)\))?\)", text, re.M)
+    whole = (report.group(1) if report else "not run", described(commit))
     rows = [
-        [what, date, "not recorded", minutes(estimate), target]
-        for (what, target, estimate), date in zip(LONG_RUNS, dates, strict=False)
+        [what, date, at, minutes(estimate), target]
+        for (what, target, estimate), (date, at) in zip(
+            LONG_RUNS, [whole, (chaos.group(1), described(chaos, 2)) if chaos else whole], strict=False
+        )
     ]
     return table(["run", "last run", "commit", "estimated run time", "rerun by"], rows)
+
+
+def described(match: re.Match[str] | None, first: int = 1) -> str:
+    """A report's commit and tree as the runs table shows them; "not recorded" for an older report."""
+    if not match or not match.group(first):
+        return "not recorded"
+    dirty = "dirty" in match.group(first + 1)
+    return f"`{match.group(first)}`" + (" (dirty tree)" if dirty else "")
 
 
 def runs_tables(names: Mapping[str, None] | list[str]) -> tuple[Table, ...]:

@@ -6,16 +6,17 @@ with STRATA_RELIABILITY_FULL=1 and STRATA_RELIABILITY_FIGURES pointing at a scra
 test appends the figures it measures (the `figure` fixture of tests/figures.py), plus a JUnit XML file
 for each test's outcome. The report is one table row per scenario: what was done, what must hold (both
 written in scripts/reliability_scenarios.py), the figures measured and pass or fail, and it states the
-run's own date, machine and run time: docs/reliability.md is the one place these figures live, and other
-pages link to it. A scenario's tests are those whose id matches one of its patterns, plus any test that
-recorded a figure for it.
+run's own date, commit (and whether the tree was dirty), command, machine, load and run time
+(bench/provenance.py describes them, as it does for every record): docs/reliability.md is the one
+place these figures live, and other pages link to it. A scenario's tests are those whose id matches
+one of its patterns, plus any test that recorded a figure for it.
 
 `--quick` runs the short versions CI runs and never writes docs/reliability.md: its report goes to
 build/reliability-quick.md (git-ignored), titled as a quick run. `--only N` runs one scenario's tests
 (those its `run` names, or the suite's modules named after its patterns) and replaces that scenario's
-row of the existing report, saying when it ran alone; the rest stays as the last whole run wrote it
-(`make chaos` is `--only 11`). This module must not judge a figure: the tests assert; the report only
-shows what they measured.
+row of the existing report, saying when and at which commit it ran alone; the rest stays as the last
+whole run wrote it (`make chaos` is `--only 11`). This module must not judge a figure: the tests
+assert; the report only shows what they measured.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT = ROOT / "docs" / "reliability.md"
@@ -43,6 +45,9 @@ FIGURES_ENV = "STRATA_RELIABILITY_FIGURES"
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its scenarios, also when loaded by path
 from reliability_scenarios import SCENARIOS  # noqa: E402
+
+sys.path.insert(0, str(ROOT))  # bench/, when run as a script
+from bench.provenance import finish_provenance, start_provenance  # noqa: E402
 
 
 @dataclass
@@ -150,16 +155,19 @@ def collect(figures: Path, junit: Path) -> Collected:
     return collected
 
 
-def machine() -> str:
-    model = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+def machine(provenance: dict[str, Any]) -> str:
+    spec = provenance["machine"]
     system = f"{platform.system()} {platform.release()}"
-    return f"{model}, {os.cpu_count()} cores, {system}, Python {platform.python_version()}"
+    return (
+        f"{spec['cpu_model']}, {spec['usable_cpus']} usable CPUs, native kernels {spec['isa']}, {system}, "
+        f"Python {provenance['versions']['python']}, torch {provenance['versions']['torch']}"
+    )
+
+
+def checkout(provenance: dict[str, Any]) -> str:
+    """The commit the run measured, and whether the tree differed from it."""
+    tree = "a dirty tree: figures of uncommitted code" if provenance["dirty"] else "a clean tree"
+    return f"{str(provenance['commit'])[:7] or 'outside git'} ({tree})"
 
 
 def cell(text: str) -> str:
@@ -192,9 +200,10 @@ def replace_row(report: str, scenario: Scenario, note: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render(collected: Collected, code: int, seconds: float, quick: bool) -> str:
+def render(collected: Collected, code: int, seconds: float, quick: bool, provenance: dict[str, Any]) -> str:
     scenarios = collected.scenarios
     version = "short (CI)" if quick else "full"
+    load = (provenance["load_average"]["start"][0], provenance["load_average"]["end"][0])
     rows = [
         "| # | Scenario | What was done | What must hold | Figures measured | Result |",
         "|---|---|---|---|---|---|",
@@ -222,7 +231,10 @@ def render(collected: Collected, code: int, seconds: float, quick: bool) -> str:
         *record,
         "",
         f"- Date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}",
-        f"- Machine: {machine()}",
+        f"- Commit: {checkout(provenance)}",
+        f"- Command: `{' '.join(provenance['command'])}`",
+        f"- Machine: {machine(provenance)}",
+        f"- Load average (1 minute) at start and end: {load[0]:.2f} and {load[1]:.2f}",
         f"- Version: {version}; pytest exit code {code}",
         f"- Run time: {seconds:.0f} s ({seconds / 60:.1f} minutes), every scenario's tests in one pytest run "
         "(each row's Result gives its own tests' seconds)",
@@ -262,18 +274,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.only and not output.exists():
         parser.error(f"--only replaces a row of {output}, which does not exist: run the whole suite first")
     paths = scenario_selection(args.only) if args.only else None
+    provenance = start_provenance()
     with tempfile.TemporaryDirectory(prefix="strata-reliability-") as scratch:
         figures, junit = Path(scratch) / "figures.jsonl", Path(scratch) / "junit.xml"
         code, seconds = run_suite(figures, junit, args.quick, args.pytest_args, paths)
         collected = collect(figures, junit)
+    finish_provenance(provenance)
     output.parent.mkdir(parents=True, exist_ok=True)
     if args.only:
         scenario = collected.scenarios[args.only]
         when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-        output.write_text(replace_row(output.read_text(), scenario, f"; run alone on {when}"))
+        note = f"; run alone on {when} at {checkout(provenance)}"
+        output.write_text(replace_row(output.read_text(), scenario, note))
         print(f"scenario {args.only:2}: {scenario.result}")
     else:
-        output.write_text(render(collected, code, seconds, args.quick))
+        output.write_text(render(collected, code, seconds, args.quick, provenance))
         for number, scenario in collected.scenarios.items():
             print(f"scenario {number:2}: {scenario.result}")
     print(f"wrote {output}")

@@ -1,6 +1,7 @@
 """scripts/reliability_report.py's `--only`: a scenario run alone replaces its own row of the report
 (or inserts it in number order) and leaves every other line as it was, and its tests are found by
-its `run` or by module name. Nothing here runs the suite."""
+its `run` or by module name; the report and a row run alone name the commit they measured, which the
+docs' long-runs table reads back. Nothing here runs the suite."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from bench.provenance import finish_provenance, git_checkout, start_provenance
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "reliability_report.py"
 
@@ -28,7 +31,25 @@ def _report(module: Any, numbers: list[int]) -> str:
     scenarios = {
         n: module.Scenario(n, tests={f"t{n}": "passed"}, figures=[f"f{n}"], seconds=n) for n in numbers
     }
-    return str(module.render(module.Collected(scenarios), 0, 60.0, False))
+    provenance = finish_provenance(start_provenance())
+    return str(module.render(module.Collected(scenarios), 0, 60.0, False, provenance))
+
+
+def test_the_report_and_a_row_run_alone_name_their_commit_and_the_runs_table_shows_it(report: Any) -> None:
+    from docs_tables_runs import long_runs
+
+    commit, dirty = git_checkout()
+    whole = _report(report, [1, 11])
+    assert f"- Commit: {commit[:7]} (a {'dirty' if dirty else 'clean'} tree" in whole
+    assert "- Load average (1 minute) at start and end: " in whole
+    alone = report.replace_row(
+        whole, report.Scenario(11), "; run alone on 2026-12-01 08:37 UTC at 1234567 (a dirty tree)"
+    )
+    rows = [line for line in long_runs(alone) if line.startswith("| the ")]
+    expected_whole = f"`{commit[:7]}`" + (" (dirty tree)" if dirty else "")
+    assert rows[0].split(" | ")[2] == expected_whole
+    assert rows[1].split(" | ")[1:3] == ["2026-12-01 08:37 UTC", "`1234567` (dirty tree)"]
+    assert "not recorded" in long_runs("# a report from before commits were recorded\n- Date: x\n")[2]
 
 
 def test_a_scenario_run_alone_replaces_its_row_and_nothing_else(report: Any) -> None:
