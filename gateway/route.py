@@ -69,6 +69,8 @@ class RouteStatus:
     """Tokens the KV caches of the ready workers hold together."""
     memory: common_pb2.MemoryBudget | None
     """The memory budget of the first worker that reported one."""
+    native_kernels: tuple[str, ...]
+    """The native kernels' distinct states on the ready workers."""
 
 
 class Route:
@@ -158,6 +160,13 @@ class Route:
                     if link.info is not None and link.info.HasField("memory")
                 ),
                 None,
+            ),
+            native_kernels=tuple(
+                dict.fromkeys(
+                    link.info.native_kernels
+                    for link in links
+                    if link.ready and link.info is not None and link.info.native_kernels
+                )
             ),
         )
 

@@ -152,6 +152,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     fallback_enabled=bool(route.fallback) and route.fallback_enabled,
                     kv_cache_tokens=status.kv_cache_tokens,
                     memory=status.memory,
+                    native_kernels=status.native_kernels,
                 )
             )
         tenants = self._pipeline.tenants.status()

@@ -34,6 +34,7 @@ from services.worker.engine.grammar_compiler import GrammarCompiler
 from services.worker.engine.params import InvalidRequestError, SamplingParams
 from services.worker.errors import DrainingError, HelloMismatchError, NotReadyError, ProtocolError
 from services.worker.metrics import EngineMetrics
+from services.worker.model import native
 from services.worker.request_spans import WorkerSpans
 from strata.fingerprint import tokenizer_fingerprint
 from strata.tracing import Tracing
@@ -99,6 +100,8 @@ class WorkerHost:
         """The stream that owns each accepted request, by engine id."""
         self.last_step: worker_pb2.StepInfo | None = None
         """The engine's latest step as streams report it; a new stream's hello carries it."""
+        self.native_kernels = ""
+        """The native CPU kernels' state once loaded: "on (avx512)", "off (why)", "not used (...)"."""
 
     def _build(self) -> LLMEngine:
         # On the step thread, which runs every forward pass, so its OpenMP team gets the setting.
@@ -124,6 +127,7 @@ class WorkerHost:
             self.grammars = await asyncio.to_thread(self._build_grammars)
             self.engine.add_step_listener(self._on_step, self._on_failure)
             await self._warm_up()
+            self.native_kernels = self._native_kernels()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -132,6 +136,24 @@ class WorkerHost:
         if self.state is State.LOADING:
             self.state = State.READY
             self.ready.set()
+
+    def _native_kernels(self) -> str:
+        """The kernels' state after the warm-up ran them; a CPU worker that wanted them and cannot
+        load them says so at start, in its metrics and in GetWorkerInfo, not in one line of a log."""
+        if not self.device.startswith("cpu"):
+            state = f"not used (they are CPU kernels; this worker runs on {self.device})"
+        else:
+            state = native.status()
+            if native.enabled() and native.library() is None:
+                log.warning(
+                    "NATIVE CPU KERNELS OFF: serving through torch's operators, about 1.5x slower "
+                    "per decode step: %s",
+                    state,
+                )
+            else:
+                log.info("native CPU kernels: %s", state)
+        self.metrics.set_native_kernels(state)
+        return state
 
     def _build_grammars(self) -> GrammarCompiler | None:
         path = self.settings.model_path
@@ -325,6 +347,7 @@ class WorkerHost:
             max_requests=self.credits.limit,
             device=self.device,
             dtype=str(self.dtype).removeprefix("torch."),
+            native_kernels=self.native_kernels,
         )
         with contextlib.suppress(EngineDeadError):
             engine = self.engine.engine

@@ -4,8 +4,9 @@
 gauges from the engine's latest snapshot when Prometheus scrapes, and, as a step listener, observes
 each step's time, counts the tokens it computed, and moves the prefix cache's counters (queried and
 hit prompt blocks, whose ratio is the hit rate, and evictions) by what the step added; the memory
-budget's parts are set once, when the engine is built. Rejected submissions are counted by code
-where connection.py rejects them. This module must not decide anything nor touch gRPC.
+budget's parts are set once, when the engine is built, and so is the native kernels' state. Rejected
+submissions are counted by code where connection.py rejects them. This module must not decide
+anything nor touch gRPC.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ MEMORY_BUDGET = Gauge(
     "The worker's memory plan at start, by part: limit (what it may use), budget (memory_utilization of "
     "it), weights, runtime, activations (the measured peak of the largest step) and kv_cache.",
     ["model", "part"],
+)
+NATIVE_KERNELS = Gauge(
+    "strata_native_kernels",
+    "1 when the native CPU kernels serve this worker, 0 when it runs on torch's operators; the state "
+    "label says which instruction set, or why they are off.",
+    ["model", "state"],
 )
 STEP_SECONDS = Histogram(
     "strata_engine_step_seconds", "Wall time of one engine step.", ["model"], buckets=STEP_BUCKETS
@@ -98,6 +105,9 @@ class EngineMetrics:
     def set_memory(self, budget: MemoryBudget) -> None:
         for part, size in budget.parts().items():
             MEMORY_BUDGET.labels(self._model, part).set(size)
+
+    def set_native_kernels(self, state: str) -> None:
+        NATIVE_KERNELS.labels(self._model, state).set(1.0 if state.startswith("on (") else 0.0)
 
     def _read(self, field: Callable[[EngineStats], float]) -> float:
         stats = self._snapshot()

@@ -579,6 +579,7 @@ class ModelInfo(_message.Message):
     FALLBACK_ENABLED_FIELD_NUMBER: _builtins.int
     KV_CACHE_TOKENS_FIELD_NUMBER: _builtins.int
     MEMORY_FIELD_NUMBER: _builtins.int
+    NATIVE_KERNELS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The name to put in GenerateRequest.model."""
     max_model_len: _builtins.int
@@ -601,6 +602,12 @@ class ModelInfo(_message.Message):
     def memory(self) -> _common_pb2.MemoryBudget:
         """The memory budget of one of the route's workers (the first that reported one)."""
 
+    @_builtins.property
+    def native_kernels(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The native CPU kernels' state on each ready worker, as GetWorkerInfo reports it: "on (avx512)",
+        "off (why)", "not used (...)"; one entry per distinct state.
+        """
+
     def __init__(
         self,
         *,
@@ -614,10 +621,11 @@ class ModelInfo(_message.Message):
         fallback_enabled: _builtins.bool = ...,
         kv_cache_tokens: _builtins.int = ...,
         memory: _common_pb2.MemoryBudget | None = ...,
+        native_kernels: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["memory", b"memory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["configured_workers", b"configured_workers", "fallback_enabled", b"fallback_enabled", "fallback_model", b"fallback_model", "kv_cache_tokens", b"kv_cache_tokens", "max_model_len", b"max_model_len", "memory", b"memory", "name", b"name", "queued_requests", b"queued_requests", "ready_workers", b"ready_workers", "tokenizer_fingerprint", b"tokenizer_fingerprint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["configured_workers", b"configured_workers", "fallback_enabled", b"fallback_enabled", "fallback_model", b"fallback_model", "kv_cache_tokens", b"kv_cache_tokens", "max_model_len", b"max_model_len", "memory", b"memory", "name", b"name", "native_kernels", b"native_kernels", "queued_requests", b"queued_requests", "ready_workers", b"ready_workers", "tokenizer_fingerprint", b"tokenizer_fingerprint"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

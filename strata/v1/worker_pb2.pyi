@@ -463,6 +463,7 @@ class GetWorkerInfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
     MEMORY_FIELD_NUMBER: _builtins.int
+    NATIVE_KERNELS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model name."""
     tokenizer_fingerprint: _builtins.str
@@ -475,6 +476,10 @@ class GetWorkerInfoResponse(_message.Message):
     """Where the model runs: "cpu" or "cuda:0"."""
     dtype: _builtins.str
     """The model's weight dtype, such as "float32"."""
+    native_kernels: _builtins.str
+    """The native CPU kernels' state: "on (avx512)", "off (why)", or "not used (...)" on a GPU; empty
+    while the model loads.
+    """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The end-of-sequence token ids the engine stops at."""
@@ -494,10 +499,11 @@ class GetWorkerInfoResponse(_message.Message):
         device: _builtins.str = ...,
         dtype: _builtins.str = ...,
         memory: _common_pb2.MemoryBudget | None = ...,
+        native_kernels: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["memory", b"memory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "max_model_len", b"max_model_len", "max_requests", b"max_requests", "memory", b"memory", "model", b"model", "tokenizer_fingerprint", b"tokenizer_fingerprint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "max_model_len", b"max_model_len", "max_requests", b"max_requests", "memory", b"memory", "model", b"model", "native_kernels", b"native_kernels", "tokenizer_fingerprint", b"tokenizer_fingerprint"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -19,6 +19,7 @@ import httpx2
 import pytest
 import yaml
 
+from services.worker.model import native
 from strata.cli.launcher import start_stack
 from strata.settings import DEFAULT_CONFIG
 from tests.integration.launcher_harness import gone, write_tiny_config
@@ -128,6 +129,11 @@ def test_models_lists_the_route(gateway: str) -> None:
     row = next(line for line in done.stdout.splitlines() if line.startswith("tiny"))
     # KV TOKENS: the tiny config's 128 blocks of 16 tokens.
     assert row.split()[:6] == ["tiny", "*", "256", "2048", "1/1", "ready"]
+    header = done.stdout.splitlines()[0]
+    assert header.rstrip().endswith("NATIVE KERNELS")
+    # The worker is a process of this machine, started with this environment: its kernels' state is
+    # the one this process finds.
+    assert row[header.index("NATIVE KERNELS") :].strip() == native.status()
 
 
 def test_address_comes_from_the_environment(gateway: str) -> None:

@@ -7,7 +7,10 @@ for each call); and the entry points' signatures. No -march: each kernel carries
 instruction sets and picks one at run time from the CPU it runs on, not the build machine's.
 `python -m services.worker.model.native` builds it (make setup runs that); a missing build is
 compiled on first use; a machine without a compiler serves through torch's own operators after one
-warning; STRATA_NATIVE_KERNELS=off in the environment (or set_enabled) turns them off;
+warning, and `status()` says why ("off (...)"), for the worker to report; STRATA_NATIVE_KERNELS=off in
+the environment (or set_enabled) turns them off. A built library is readable and executable by all
+(an image builds it as root and runs as another user); where the configured cache is not writable
+by this user and holds no build, it is built in a cache of the user's own (`cache_dirs`).
 STRATA_NATIVE_ISA=avx2 or portable caps the instruction set (csrc/isa.h), so tests run every code path
 on one machine. It must not decide when a kernel applies: small_linear.py and attention.py do.
 """
@@ -47,19 +50,51 @@ def cache_dir() -> Path:
     return Path(base) / "strata" / "kernels"
 
 
+def _writable(directory: Path) -> bool:
+    """Whether this user may create files in `directory`, or in its nearest parent that exists."""
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    return os.access(directory, os.W_OK | os.X_OK)
+
+
+def _own_cache() -> Path:
+    """This user's cache: ~/.cache/strata/kernels where home is writable, else one in the temp dir."""
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "strata" / "kernels"
+    return home if _writable(home) else Path(tempfile.gettempdir()) / f"strata-kernels-{os.getuid()}"
+
+
+def cache_dirs() -> tuple[Path, ...]:
+    """Where a build is looked for, in order; the last is where one is built."""
+    configured = cache_dir()
+    return (configured,) if _writable(configured) else (configured, _own_cache())
+
+
+def _checked_own(directory: Path) -> None:
+    """Refuse a build directory another user could write to: its libraries are loaded into the worker."""
+    stat = directory.stat()
+    if stat.st_uid != os.getuid() or stat.st_mode & 0o022:
+        raise RuntimeError(
+            f"the kernel cache {directory} is not this user's own (owner uid {stat.st_uid}, mode "
+            f"{stat.st_mode & 0o777:o}): set {_CACHE_ENV} to a directory only this user can write"
+        )
+
+
 def _compiler() -> list[str]:
     return (os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++").split()
 
 
 def library_path() -> Path:
-    """The built library's path: one per source text, torch version and compiler."""
+    """The built library's path, one per source text, torch version and compiler: the first cache
+    directory that holds it, else where `build` puts it."""
     key = hashlib.sha256()
     for source in (*SOURCES, *HEADERS):
         key.update(source.name.encode())
         key.update(source.read_bytes())
     key.update(torch.__version__.encode())
     key.update(" ".join(_compiler()).encode())
-    return cache_dir() / f"strata_kernels-{key.hexdigest()[:16]}.so"
+    name = f"strata_kernels-{key.hexdigest()[:16]}.so"
+    directories = cache_dirs()
+    return next((d / name for d in directories if (d / name).exists()), directories[-1] / name)
 
 
 def build() -> Path:
@@ -68,6 +103,8 @@ def build() -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    if target.parent != cache_dir():
+        _checked_own(target.parent)
     torch_lib = cpp_extension.library_paths()[0]
     # Two workers starting at once may both compile: each writes its own file, the rename is atomic.
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as scratch:
@@ -94,10 +131,15 @@ def build() -> Path:
         subprocess.run(command, check=True, capture_output=True, text=True)
     except subprocess.CalledProcessError as err:
         partial.unlink(missing_ok=True)
-        raise RuntimeError(f"building the native kernels failed: {' '.join(command)}\n{err.stderr}") from err
+        raise RuntimeError(
+            f"building the native kernels with {command[0]} failed (exit {err.returncode}); "
+            f"install a C++ compiler or set CXX\n{' '.join(command)}\n{err.stderr}"
+        ) from err
     except FileNotFoundError as err:
         partial.unlink(missing_ok=True)
         raise RuntimeError(f"no C++ compiler {_compiler()[0]!r} for the native kernels: set CXX") from err
+    # NamedTemporaryFile made it 0600: a worker running as another user could not load it.
+    partial.chmod(0o755)
     partial.replace(target)
     return target
 
@@ -131,7 +173,8 @@ class Library:
 
 
 _library: Library | None = None
-_load_failed = False
+_load_error: str | None = None
+"""Why the library could not be built or loaded; None until it failed."""
 # Read once: library() runs several times per layer, and an environment lookup each time cost 3% of a
 # decode step at batch 1.
 _enabled = os.environ.get(_SWITCH_ENV, "on") != "off"
@@ -144,18 +187,32 @@ def set_enabled(enabled: bool) -> bool:
     return previous
 
 
+def enabled() -> bool:
+    """Whether this process asked for the kernels (not whether they loaded: `status` says that)."""
+    return _enabled
+
+
 def library() -> Library | None:
     """The loaded kernels, built on first use; None where turned off or (after one warning) unbuildable."""
-    global _library, _load_failed
+    global _library, _load_error
     if not _enabled:
         return None
-    if _library is None and not _load_failed:
+    if _library is None and _load_error is None:
         try:
             _library = Library(build())
         except (RuntimeError, OSError) as err:
-            _load_failed = True
+            _load_error = str(err).splitlines()[0]
             log.warning("native CPU kernels unavailable, using torch's operators: %s", err)
     return _library
+
+
+def status() -> str:
+    """ "on (<isa>)", or "off (<why>)": the kernels' state as the worker reports it."""
+    if not _enabled:
+        switched = os.environ.get(_SWITCH_ENV) == "off"
+        return f"off ({_SWITCH_ENV}=off)" if switched else "off (turned off in this process)"
+    loaded = library()
+    return f"on ({loaded.isa().decode()})" if loaded is not None else f"off ({_load_error})"
 
 
 def isa() -> str | None:
