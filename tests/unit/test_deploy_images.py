@@ -54,17 +54,32 @@ def instructions(path: Path) -> list[tuple[str, str]]:
     return result
 
 
+def build_args(path: Path) -> dict[str, str]:
+    """The ARGs declared before the first FROM, with their defaults ("" when none)."""
+    found: dict[str, str] = {}
+    for keyword, args in instructions(path):
+        if keyword == "FROM":
+            break
+        if keyword == "ARG":
+            name, _, default = args.partition("=")
+            found[name] = default
+    return found
+
+
 def stages(path: Path) -> dict[str, Stage]:
     parsed: dict[str, Stage] = {}
     current: Stage | None = None
+    defaults = build_args(path)
     for keyword, args in instructions(path):
         if keyword == "FROM":
-            words = args.split()
+            # A base named by a build argument is its default here (what a plain build uses).
+            words = re.sub(r"\$\{(\w+)\}", lambda m: defaults.get(m.group(1), m.group(0)), args).split()
             name = words[2] if len(words) == 3 and words[1].upper() == "AS" else str(len(parsed))
             current = parsed[name] = Stage(base=words[0], name=name)
-        else:
-            assert current is not None, f"{path.name}: {keyword} before the first FROM"
+        elif current is not None:
             current.instructions.append((keyword, args))
+        else:
+            assert keyword == "ARG", f"{path.name}: {keyword} before the first FROM"
     return parsed
 
 
@@ -114,6 +129,16 @@ def test_hadolint_passes(dockerfile: Path) -> None:
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_every_base_is_the_build_argument_base_image_whose_default_is_pinned(dockerfile: Path) -> None:
+    """One argument chooses the base of every stage that starts from an image, so a local base
+    (`make images` on a machine without registry access) replaces all of them at once."""
+    assert "BASE_IMAGE" in build_args(dockerfile), f"{dockerfile.name} declares no ARG BASE_IMAGE"
+    raw = [args.split()[0] for keyword, args in instructions(dockerfile) if keyword == "FROM"]
+    names = set(stages(dockerfile))
+    assert all(base == "${BASE_IMAGE}" for base in raw if base not in names), raw
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_every_base_image_is_pinned_to_an_exact_version(dockerfile: Path) -> None:
     parsed = stages(dockerfile)
     for stage in parsed.values():
@@ -150,8 +175,11 @@ def test_every_pip_install_is_pinned(dockerfile: Path) -> None:
         if "-c requirements.lock" in command:
             continue
         words = command.split()[command.split().index("install") + 1 :]
+        # "$@": the options a shell `set --` chose just before (the torch source), not a package.
         packages = [
-            w for i, w in enumerate(words) if not w.startswith("-") and words[i - 1] not in PIP_VALUE_OPTIONS
+            w
+            for i, w in enumerate(words)
+            if not w.startswith("-") and words[i - 1] not in PIP_VALUE_OPTIONS and w != '"$@"'
         ]
         for package in packages:
             assert "==" in package or package.startswith(("/", ".")), f"{dockerfile.name}: unpinned {package}"
@@ -172,13 +200,35 @@ def test_worker_variants_pin_the_projects_torch_and_set_omp_passive() -> None:
     parsed = stages(dockerfile)
     cpu_installs = " ".join(chain_instructions([parsed["builder-cpu"]], "RUN"))
     cuda_installs = " ".join(chain_instructions([parsed["builder-cuda"]], "RUN"))
-    assert f"--index-url https://download.pytorch.org/whl/cpu {torch_pin}" in cpu_installs
+    index = build_args_of_stage(parsed["builder-cpu"]).get("TORCH_INDEX_URL")
+    assert index == "https://download.pytorch.org/whl/cpu", index
+    assert '--index-url "${TORCH_INDEX_URL}"' in cpu_installs and f'"$@" {torch_pin}' in cpu_installs
+    assert "--no-index --find-links /torch-wheels" in cpu_installs
     assert torch_pin in cuda_installs and "download.pytorch.org" not in cuda_installs
     assert "bitsandbytes" in cuda_installs, "the CUDA fallback's nf4 needs bitsandbytes"
     for name, chain in final_stages(dockerfile).items():
         env = " ".join(chain_instructions(chain, "ENV"))
         assert "OMP_WAIT_POLICY=PASSIVE" in env, f"{name}: two CPU workers would spin on each other's cores"
         assert copied_from(chain[-1]) == {f"builder-{name}"}, f"{name} must take its own variant's venv"
+
+
+def build_args_of_stage(stage: Stage) -> dict[str, str]:
+    return {
+        name: default
+        for keyword, args in stage.instructions
+        if keyword == "ARG"
+        for name, _, default in [args.partition("=")]
+    }
+
+
+def test_both_images_end_their_build_by_importing_every_module_of_what_they_run() -> None:
+    """strata.import_check walks the packages, so a module added later is checked too."""
+    services = " ".join(args for kw, args in instructions(DOCKER / "Dockerfile.services") if kw == "RUN")
+    assert "-m strata.import_check gateway services.tokenizer strata" in services
+    parsed = stages(DOCKER / "Dockerfile.worker")
+    for builder in ("builder-cpu", "builder-cuda"):
+        runs = " ".join(chain_instructions([parsed[builder]], "RUN"))
+        assert "-m strata.import_check services.worker strata" in runs, builder
 
 
 def test_the_cpu_worker_carries_native_kernels_built_in_its_builder_stage() -> None:
@@ -244,11 +294,13 @@ def test_dockerignore_lets_in_every_file_the_dockerfiles_copy() -> None:
     for source in sources:
         path = ROOT / source
         assert path.exists(), f"the Dockerfiles copy {source}, which does not exist"
-        files = [p for p in path.rglob("*.py")] if path.is_dir() else [path]
+        files = (
+            [p for p in path.rglob("*") if p.is_file() and p.suffix != ".whl"] if path.is_dir() else [path]
+        )
         assert files, source
         for file in files:
             relative = file.relative_to(ROOT).as_posix()
-            if "__pycache__" not in relative and "/results/" not in relative:
+            if "__pycache__" not in relative and "/results/" not in relative and file.suffix != ".pyc":
                 assert not dockerignore_excludes(patterns, relative), f"{relative} is left out of the context"
 
 
