@@ -33,7 +33,7 @@ CHECK_JSONSCHEMA = Path(sys.executable).parent / "check-jsonschema"
 CONFIG_MOUNT = "./configs/compose.yaml:/etc/strata/strata.yaml:ro"
 STRATA = {"tokenizer", "worker", "worker-fallback", "gateway"}
 PUBLISHED = {
-    "gateway": ["50051:50051"],
+    "gateway": ["50051:50051", "8000:8000"],
     "jaeger": ["127.0.0.1:16686:16686"],
     "prometheus": ["127.0.0.1:9090:9090"],
     "grafana": ["127.0.0.1:3000:3000"],

@@ -285,6 +285,7 @@ def test_network_policy_lets_only_the_gateway_in_from_anywhere(
     assert deny and deny[0]["spec"]["policyTypes"] == ["Ingress"]
     gateway_labels = pod_labels(named(objs, "Deployment", "strata-gateway"))
     assert None in allowed_sources(policies, gateway_labels, 50051)
+    assert None in allowed_sources(policies, gateway_labels, 8000), "the HTTP API is closed to clients"
     for name, port in [("strata-tokenizer", 50052), *((worker, 50053) for worker in WORKERS)]:
         sources = allowed_sources(policies, pod_labels(named(objs, "Deployment", name)), port)
         assert sources, name
