@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-prefix-routing bench-peer bench-serve-peer bench-neighbour bench-grammar-libs bench-grammar bench-outputs records reliability chaos run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-prefix-routing bench-peer bench-serve-peer bench-neighbour bench-grammar-libs bench-grammar bench-outputs records reliability chaos images compose-test run clean
 
 setup: $(STAMP)
 
@@ -148,6 +148,22 @@ reliability: setup testdeps
 # the figures it measured (the other rows stay as the last `make reliability` wrote them).
 chaos: setup model
 	$(BIN)/python scripts/reliability_report.py --only 11
+
+# The services image and the CPU worker image (scripts/images.py): a Docker Engine 25+ found or, as root
+# on Debian, provisioned under ~/.cache/strata/docker; the public base, else one made with mmdebstrap;
+# torch from pip's find-links where it has the wheel. Prints each image's size and build time.
+# IMAGES_ARGS="--cold --json bench/results/images-cpu.json" records a cold and a cached build.
+IMAGES_ARGS ?=
+images: setup
+	$(BIN)/python scripts/images.py $(IMAGES_ARGS)
+
+# docker-compose.yml for real (tests/containers/test_compose.py) on the images `make images` built:
+# healthy, Paris over gRPC (a reflection client) and HTTP (openai SDK), a worker's process killed
+# mid-stream and restarted by its restart policy, logs, down. COMPOSE_RECORD=bench/results/compose-cpu.json
+# records the time from `up` to healthy and the worker's restart time.
+COMPOSE_RECORD ?=
+compose-test: setup model images
+	STRATA_CONTAINER_TESTS=1 STRATA_COMPOSE_RECORD=$(COMPOSE_RECORD) $(BIN)/python -m pytest tests/containers $(PYTEST_ARGS)
 
 # The whole stack in the foreground (Ctrl-C stops it); then, in another shell:
 #   .venv/bin/strata generate "What is the capital of France?" --chat
