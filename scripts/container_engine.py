@@ -181,7 +181,9 @@ def engine() -> Engine:
     own = {**os.environ}
     version = _version(own)
     if version and _new_enough(version) and _has_plugins(own):
-        return Engine(own, "the machine's", version)
+        # A shell that took this module's exports reaches the private engine through DOCKER_HOST.
+        ours = own.get("DOCKER_HOST") == f"unix://{SOCKET}"
+        return Engine(own, f"provisioned under {CACHE}" if ours else "the machine's", version)
     env = _private_env()
     version = _version(env)
     if version is None:
