@@ -221,6 +221,20 @@ CATALOG: dict[str, Entry] = {
         _py("bench.grammar_libs", *_json("grammar-libs-cpu.json")),
         target="make bench-grammar-libs",
     ),
+    "images-cpu.json": Entry(
+        ("deploy/docker/", "requirements.lock", "scripts/container_engine.py", "scripts/local_base.py"),
+        "scripts/images.py",
+        180,
+        ("python", "scripts/images.py", "--cold", *_json("images-cpu.json")),
+        target='make images IMAGES_ARGS="--cold --json bench/results/images-cpu.json"',
+    ),
+    "compose-cpu.json": Entry(
+        ("docker-compose.yml", "configs/compose.yaml", "deploy/docker/", *STACK),
+        "tests/containers/test_compose.py",
+        120,
+        ("python", "-m", "pytest", "tests/containers"),
+        target="make compose-test COMPOSE_RECORD=bench/results/compose-cpu.json",
+    ),
     "request-path.json": Entry(
         GATEWAY,
         "scripts/request_path.py",

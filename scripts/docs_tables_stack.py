@@ -227,6 +227,32 @@ def trace_overhead(records: Mapping[str, Record]) -> list[str]:
     ]
 
 
+def containers(records: Mapping[str, Record]) -> list[str]:
+    """The images' sizes and build times, and the compose stack's start and restart times."""
+    images, compose = records["images-cpu.json"].data, records["compose-cpu.json"].data
+    rows = [
+        [
+            f"`{tag}`",
+            f"{figures['size_bytes'] / 2**20:,.0f} MiB",
+            f"{figures['cold_build_s']:.0f} s",
+            f"{figures['cached_build_s']:.1f} s",
+        ]
+        for tag, figures in images["images"].items()
+    ]
+    lines = table(["image", "size", "cold build (`--no-cache`)", "rebuild, nothing changed"], rows)
+    figures = compose["figures"]
+    return [
+        *lines,
+        "",
+        f"Docker Engine {images['engine']['version']} ({images['engine']['origin']}); base "
+        f"`{images['base_image']}`, found or made in {images['base_image_s']:.0f} s; torch from "
+        f"`{images['torch_source']}`. The compose stack ({', '.join(compose['services'])}): "
+        f"`up` to every container healthy **{figures['up_to_healthy_s']:.0f} s**; a worker's process "
+        "killed to healthy again, restarted by its restart policy, "
+        f"**{figures['worker_restart_to_healthy_s']:.0f} s**.",
+    ]
+
+
 TABLES = (
     stack_table("stack", "stack-cpu.json"),
     stack_table("stack-one-stream", "stack-1-stream-cpu.json"),
@@ -235,4 +261,5 @@ TABLES = (
     Table("tenants", ("tenants-cpu.json",), tenants),
     Table("http-vs-grpc", ("http-vs-grpc-cpu.json",), http_vs_grpc),
     Table("trace-overhead", ("trace-overhead-cpu.json",), trace_overhead),
+    Table("containers", ("images-cpu.json", "compose-cpu.json"), containers),
 )
