@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 
+from bench.config_copy import admit_all, write_config
 from bench.stats import save_record
 from strata.rpc import MIB, channel_options
 from strata.settings import DEFAULT_CONFIG, SettingsError
@@ -51,14 +52,20 @@ class Endpoints:
 
 
 @contextlib.contextmanager
-def stack_endpoints(args: argparse.Namespace) -> Iterator[Endpoints]:
-    """The gateway to drive: --address, or a stack started here and stopped on the way out."""
+def stack_endpoints(args: argparse.Namespace, admit: int | None = None) -> Iterator[Endpoints]:
+    """The gateway to drive: --address, or a stack started here and stopped on the way out. With
+    `admit`, a spawned stack's routes admit that many requests at once (config_copy.admit_all): a
+    closed loop measures serving, not admission; the rate benchmark, whose subject admission is,
+    passes None and keeps the config's routes."""
     if not args.spawn:
         yield Endpoints(args.address, args.gateway_metrics)
         return
     config = args.config or DEFAULT_CONFIG
     # The services' output would tear through the progress bars: it goes to files instead.
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="strata-bench-logs-"))
+    if admit is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        config = write_config(config, log_dir, "stack", {"gateway": admit_all(config, admit)})
     print(f"strata bench: starting the stack of {config} (logs in {log_dir})", file=sys.stderr, flush=True)
     with spawned(config, log_dir) as endpoints:
         yield endpoints

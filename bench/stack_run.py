@@ -136,7 +136,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
     engine_ttft: list[list[float]] = []
     identical = compared = 0
     models = gateway_pb2.ListModelsResponse()
-    with stack_endpoints(args) as endpoints:
+    # A closed loop of `top` streams measures serving: every route admits all of them at once.
+    with stack_endpoints(args, admit=top) as endpoints:
         address = endpoints.gateway
         if engine is not None and warmup:
             # The stack is idle until the first sweep: the engine's warm-up runs now.

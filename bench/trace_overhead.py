@@ -8,7 +8,10 @@ the gateway on `--concurrency` closed-loop streams, the stack settles for `--set
 the services' 5 s span batching, so the window holds their export work too) and the CPU is read
 again. Runs alternate off, on, off, on, ... (bench/README.md's rule 7); the record is reduced and
 judged in bench/trace_overhead_report.py. The load generator is bench/load.py; this module only
-orchestrates, and must not change any service's settings but `telemetry`.
+orchestrates, and must not change any service's settings but `telemetry` and its routes' admission:
+every route admits the whole run (no TTFT SLO, a queue as long as the run), since a forecast of this
+machine's speed refusing part of a burst would make the run invalid, and admission is not what it
+measures.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 import grpc
 import psutil
 
+from bench.config_copy import admit_all
 from bench.config_copy import write_config as copy_config
 from bench.driver import make_request
 from bench.load import run_level, summarize_level
@@ -52,9 +56,14 @@ class BenchError(RuntimeError):
     """The benchmark cannot run; the message says why."""
 
 
-def write_config(source: Path, telemetry: Mapping[str, Any], directory: Path, name: str) -> Path:
-    """`source` with `telemetry` as its top-level section and every path made absolute, in `directory`."""
-    return copy_config(source, directory, name, {"telemetry": telemetry})
+def write_config(
+    source: Path, telemetry: Mapping[str, Any], directory: Path, name: str, requests: int
+) -> Path:
+    """`source` with `telemetry` as its top-level section, routes that admit `requests` at once and
+    every path made absolute, in `directory`."""
+    return copy_config(
+        source, directory, name, {"telemetry": telemetry, "gateway": admit_all(source, requests)}
+    )
 
 
 def cpu_seconds(pids: Mapping[str, int]) -> dict[str, float]:
@@ -153,7 +162,7 @@ def _one_run(
     telemetry: dict[str, Any] = {"tracing": "off"}
     if mode == "on":
         telemetry = {"tracing": "on", "otlp_endpoint": receiver.endpoint, "sampling_ratio": 1.0}
-    config = write_config(args.config, telemetry, work_dir, f"run{index}-{mode}")
+    config = write_config(args.config, telemetry, work_dir, f"run{index}-{mode}", args.requests)
     log_dir = work_dir / f"run{index}-{mode}-logs"
     try:
         stack = start_stack(

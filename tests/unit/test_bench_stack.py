@@ -323,7 +323,9 @@ def test_smoke_run_against_a_spawned_tiny_stack(tmp_path: Path, tiny_serving_dir
 
 
 @pytest.mark.slow
-def test_refusals_are_counted_not_fatal(tmp_path: Path, tiny_serving_dir: Path) -> None:
+def test_refusals_are_counted_not_fatal_and_a_closed_loop_stack_admits_them_all(
+    tmp_path: Path, tiny_serving_dir: Path
+) -> None:
     from bench.session import stack_endpoints
     from strata.rpc import channel_options
     from strata.v1 import gateway_pb2_grpc
@@ -349,3 +351,8 @@ def test_refusals_are_counted_not_fatal(tmp_path: Path, tiny_serving_dir: Path) 
     assert summary["completed"] >= 1
     assert summary["completed"] + summary["refusals"]["RESOURCE_EXHAUSTED"] == len(prompts)
     assert summary["token_mismatches"] == 0
+    # The same stack spawned for a closed loop (admit=): its routes queue what the credit cannot take.
+    with stack_endpoints(args, admit=len(requests)) as endpoints:
+        admitted = summarize_level(asyncio.run(drive(endpoints.gateway)), [16] * len(prompts), NEW_TOKENS)
+    assert admitted["refusals"] == {} and admitted["errors"] == {}
+    assert admitted["completed"] == len(prompts)

@@ -166,12 +166,12 @@ def test_options_take_defaults_smoke_sizes_and_refuse_too_few_runs(
     assert "at least 3" in capsys.readouterr().err
 
 
-def test_write_config_sets_telemetry_and_makes_paths_absolute(tmp_path: Path) -> None:
+def test_write_config_sets_telemetry_admits_the_whole_run_and_makes_paths_absolute(tmp_path: Path) -> None:
     from services.tokenizer.settings import TokenizerSettings
     from services.worker.settings import WorkerSettings
 
     telemetry = {"tracing": "on", "otlp_endpoint": "http://127.0.0.1:9", "sampling_ratio": 1.0}
-    path = write_config(DEFAULT_CONFIG, telemetry, tmp_path, "on")
+    path = write_config(DEFAULT_CONFIG, telemetry, tmp_path, "on", 64)
     assert path.parent == tmp_path
     written = yaml.safe_load(path.read_text())
     # The source's own telemetry keys stay unless the run sets them.
@@ -184,8 +184,11 @@ def test_write_config_sets_telemetry_and_makes_paths_absolute(tmp_path: Path) ->
     assert primary.telemetry.otlp_endpoint == "http://127.0.0.1:9"
     tokenizer = TokenizerSettings.load(path)
     assert tokenizer.models == TokenizerSettings.load(DEFAULT_CONFIG).models
-    assert written["gateway"]["routes"] == yaml.safe_load(DEFAULT_CONFIG.read_text())["gateway"]["routes"]
-    off = write_config(DEFAULT_CONFIG, {"tracing": "off"}, tmp_path, "off")
+    # The routes as the source has them, but admitting all 64 requests: no SLO, a queue that long.
+    source_routes = yaml.safe_load(DEFAULT_CONFIG.read_text())["gateway"]["routes"]
+    admit_all = {"ttft_slo_ms": 0.0, "max_queued_requests": 64}
+    assert written["gateway"]["routes"] == [{**route, **admit_all} for route in source_routes]
+    off = write_config(DEFAULT_CONFIG, {"tracing": "off"}, tmp_path, "off", 64)
     assert WorkerSettings.load(off, index=1).telemetry.tracing == "off"
 
 
