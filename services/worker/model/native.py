@@ -41,13 +41,15 @@ _SWITCH_ENV = "STRATA_NATIVE_KERNELS"
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
+def _user_cache() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "strata" / "kernels"
+
+
 def cache_dir() -> Path:
     """Where built kernels live: $STRATA_KERNEL_CACHE, else ~/.cache/strata/kernels."""
     configured = os.environ.get(_CACHE_ENV)
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "strata" / "kernels"
+    return Path(configured) if configured else _user_cache()
 
 
 def _writable(directory: Path) -> bool:
@@ -59,7 +61,7 @@ def _writable(directory: Path) -> bool:
 
 def _own_cache() -> Path:
     """This user's cache: ~/.cache/strata/kernels where home is writable, else one in the temp dir."""
-    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "strata" / "kernels"
+    home = _user_cache()
     return home if _writable(home) else Path(tempfile.gettempdir()) / f"strata-kernels-{os.getuid()}"
 
 
