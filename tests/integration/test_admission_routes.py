@@ -8,16 +8,12 @@ and real workers: in-process, or a `python -m services.worker` subprocess for SI
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-import yaml
 
 from gateway.admission import Ticket
 from gateway.attempt import Attempt
@@ -36,6 +32,7 @@ from services.worker.server import start as start_worker
 from strata.tracing import Tracing
 from strata.v1 import common_pb2, gateway_pb2, worker_pb2
 from tests.integration.admission_harness import MODELS, WAIT_S, engine_config, set_step_delay, worker_settings
+from tests.integration.worker_harness import worker_process
 from tests.polling import seconds_until_async, wait_for_async
 from tests.route_defaults import NO_SLO_ROUTE
 
@@ -241,7 +238,6 @@ def test_a_cancelled_caller_leaves_the_queue_and_a_lost_worker_fails_the_waiting
 def test_a_frozen_worker_is_noticed_within_seconds_and_comes_back(
     tiny_serving_dir: Path, tmp_path: Path
 ) -> None:
-    config = tmp_path / "stack.yaml"
     worker = {
         "model_name": "stop",
         "model_path": str(tiny_serving_dir),
@@ -249,17 +245,7 @@ def test_a_frozen_worker_is_noticed_within_seconds_and_comes_back(
         "threads": 1,
         "engine": engine_config(4),
     }
-    config.write_text(yaml.safe_dump({"workers": [worker]}))
-    announce = tmp_path / "worker.addr"
-    env = {key: value for key, value in os.environ.items() if not key.startswith("STRATA_")}
-    command = [sys.executable, "-m", "services.worker", "--config", str(config), "--index", "0"]
-    process = subprocess.Popen(
-        [*command, "--announce-file", str(announce)],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    process, announce = worker_process(worker, tmp_path)
 
     async def main() -> tuple[float, float]:
         scene = Scene(tiny_serving_dir)

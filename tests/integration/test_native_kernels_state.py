@@ -20,7 +20,6 @@ from typing import Any
 
 import grpc
 import pytest
-import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 
@@ -28,7 +27,7 @@ from services.worker.model import native
 from services.worker.server import SERVICE_NAME
 from strata.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2
 from tests.integration.tiny_stack import tiny_stack
-from tests.integration.worker_harness import ENGINE, WAIT_S, async_stub
+from tests.integration.worker_harness import ENGINE, WAIT_S, async_stub, worker_process
 from tests.polling import announced_address, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,21 +72,9 @@ def test_a_worker_that_cannot_build_its_kernels_warns_and_reports_why(
 ) -> None:
     """A compiler that fails (CXX=false) and an empty kernel cache: the worker still serves, through
     torch's operators, and says so loudly at start, in GetWorkerInfo and in its metrics."""
-    config = tmp_path / "stack.yaml"
     worker = {"model_name": "tiny", "model_path": str(tiny_serving_dir), "device": "cpu", "engine": ENGINE}
-    config.write_text(yaml.safe_dump({"workers": [worker]}))
-    announce = tmp_path / "worker.addr"
-    env = {key: value for key, value in os.environ.items() if not key.startswith("STRATA_")}
-    env |= {"CXX": "false", "STRATA_KERNEL_CACHE": str(tmp_path / "kernels")}
-    command = [sys.executable, "-m", "services.worker", "--config", str(config), "--index", "0"]
-    process = subprocess.Popen(
-        [*command, "--announce-file", str(announce)],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    failing = {"CXX": "false", "STRATA_KERNEL_CACHE": str(tmp_path / "kernels")}
+    process, announce = worker_process(worker, tmp_path, failing)
 
     async def info(address: str) -> worker_pb2.GetWorkerInfoResponse:
         async with grpc.aio.insecure_channel(address) as channel:

@@ -5,10 +5,7 @@ drain on stop, the command line, and the real process answering SIGTERM.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +31,7 @@ from tests.integration.worker_harness import (
     expected_tokens,
     slow_steps,
     submission,
+    worker_process,
     worker_settings,
 )
 from tests.polling import announced_address, wait_for_async
@@ -201,20 +199,8 @@ def test_bad_settings_exit_with_status_2(tmp_path: Path, capsys: pytest.CaptureF
 
 @pytest.mark.slow
 def test_the_worker_process_serves_and_drains_on_sigterm(tiny_serving_dir: Path, tmp_path: Path) -> None:
-    config = tmp_path / "stack.yaml"
     worker = {"model_name": "tiny", "model_path": str(tiny_serving_dir), "device": "cpu", "engine": ENGINE}
-    config.write_text(yaml.safe_dump({"workers": [worker]}))
-    announce = tmp_path / "worker.addr"
-    env = {key: value for key, value in os.environ.items() if not key.startswith("STRATA_")}
-    command = [sys.executable, "-m", "services.worker", "--config", str(config), "--index", "0"]
-    process = subprocess.Popen(
-        [*command, "--announce-file", str(announce)],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    process, announce = worker_process(worker, tmp_path)
     want = expected_tokens(tiny_serving_dir, [9, 8, 7], 200)
 
     async def drive(address: str) -> tuple[list[int], GatewaySide]:

@@ -7,11 +7,16 @@ Requests that must stay running slow each engine step with the engine's test-onl
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
+import yaml
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
@@ -24,7 +29,6 @@ from tests.polling import wait_for_async
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
-    from pathlib import Path
 
 ENGINE: dict[str, Any] = {"num_blocks": 64, "max_num_seqs": 8, "enable_fault_injection": True}
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -33,6 +37,31 @@ RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 # Generous: a tiny-model step takes milliseconds, but the machine is shared.
 WAIT_S = 60.0
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def worker_process(
+    worker: dict[str, Any], directory: Path, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], Path]:
+    """`python -m services.worker` as its own process, serving `worker` (one entry of `workers:`)
+    from a config written in `directory`, with no STRATA_ variable of this process and `env` added;
+    its stderr piped as text. Returns the process and the file it announces its address in."""
+    config = directory / "stack.yaml"
+    config.write_text(yaml.safe_dump({"workers": [worker]}))
+    announce = directory / "worker.addr"
+    environ = {key: value for key, value in os.environ.items() if not key.startswith("STRATA_")}
+    command = [sys.executable, "-m", "services.worker", "--config", str(config), "--index", "0"]
+    process = subprocess.Popen(
+        [*command, "--announce-file", str(announce)],
+        cwd=REPO,
+        env={**environ, **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    return process, announce
 
 
 def worker_settings(model_dir: Path, **extra: Any) -> WorkerSettings:
