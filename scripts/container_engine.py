@@ -61,9 +61,23 @@ class Engine:
     version: str
 
     def docker(
-        self, *args: str, check: bool = True, capture: bool = True
+        self,
+        *args: str,
+        check: bool = True,
+        capture: bool = True,
+        cwd: Path | None = None,
+        timeout: float | None = None,
     ) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["docker", *args], env=self.env, check=check, capture_output=capture, text=True)
+        """`docker args...` against this engine; raises subprocess.TimeoutExpired past `timeout`."""
+        return subprocess.run(
+            ["docker", *args],
+            env=self.env,
+            check=check,
+            capture_output=capture,
+            text=True,
+            cwd=cwd,
+            timeout=timeout,
+        )
 
 
 def _version(env: dict[str, str]) -> str | None:
@@ -179,16 +193,20 @@ def _start_daemon(env: dict[str, str]) -> None:
 def engine() -> Engine:
     """The machine's Docker Engine when it is new enough, else the private one (provisioned once)."""
     own = {**os.environ}
-    version = _version(own)
-    if version and _new_enough(version) and _has_plugins(own):
+    machine = _version(own)
+    if machine and _new_enough(machine) and _has_plugins(own):
         # A shell that took this module's exports reaches the private engine through DOCKER_HOST.
         ours = own.get("DOCKER_HOST") == f"unix://{SOCKET}"
-        return Engine(own, f"provisioned under {CACHE}" if ours else "the machine's", version)
+        return Engine(own, f"provisioned under {CACHE}" if ours else "the machine's", machine)
     env = _private_env()
     version = _version(env)
     if version is None:
         if os.getuid() != 0 or shutil.which("apt-get") is None:
-            found = f"Docker {version}" if version else "no Docker Engine"
+            found = (
+                f"Docker {machine} (or without the compose and buildx plugins)"
+                if machine
+                else "no Docker Engine"
+            )
             raise EngineError(
                 f"found {found}; docker-compose.yml needs Docker Engine {MIN_ENGINE[0]} or later with the "
                 "compose and buildx plugins: install them, or run `make images` as root on Debian, "

@@ -33,17 +33,9 @@ def _has(engine: Engine, image: str) -> bool:
 
 def _pulled(engine: Engine) -> bool:
     try:
-        result = subprocess.run(
-            ["docker", "pull", PUBLIC],
-            env=engine.env,
-            capture_output=True,
-            text=True,
-            timeout=PULL_TIMEOUT_S,
-            check=False,
-        )
+        return engine.docker("pull", PUBLIC, check=False, timeout=PULL_TIMEOUT_S).returncode == 0
     except subprocess.TimeoutExpired:
         return False
-    return result.returncode == 0
 
 
 def _make_local(engine: Engine) -> None:
