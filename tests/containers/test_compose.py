@@ -101,7 +101,7 @@ def stack() -> Any:
     try:
         assert up.returncode == 0, up.stderr
         wait_for(
-            lambda: set(running.health().values()) == {"healthy"} and len(running.health()) == len(CORE),
+            lambda: running.health() == dict.fromkeys(CORE, "healthy"),
             HEALTHY_TIMEOUT_S,
             lambda: f"every core container healthy (now {running.health()})",
             interval_s=1.0,
