@@ -35,19 +35,27 @@ TINY_COMMON: dict[str, Any] = {
 }
 
 
-def build_tiny_model(directory: Path, kind: str, seed: int = 0, **overrides: Any) -> Path:
-    """Save a seeded random-weight model of `kind` ("llama" or "qwen2") into `directory`."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+TINY_KINDS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+}
+"""A tiny model's kind -> its transformers config and model classes."""
 
+
+def build_tiny_model(directory: Path, kind: str, seed: int = 0, **overrides: Any) -> Path:
+    """Save a seeded random-weight model of `kind` (a key of TINY_KINDS) into `directory`."""
+    import transformers
+
+    if kind not in TINY_KINDS:
+        raise ValueError(f"unknown tiny model kind {kind!r}; known: {', '.join(TINY_KINDS)}")
+    config_name, model_name = TINY_KINDS[kind]
     torch.manual_seed(seed)
     settings = {**TINY_COMMON, **overrides}
-    model: Any
-    if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**settings))
-    elif kind == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**settings))
-    else:
-        raise ValueError(f"unknown tiny model kind {kind!r}")
+    model: Any = getattr(transformers, model_name)(getattr(transformers, config_name)(**settings))
     # Random init leaves norm weights at 1 and biases at 0; perturb them so a dropped or misplaced
     # norm weight or bias changes the logits.
     with torch.no_grad():
@@ -102,6 +110,67 @@ def tiny_llama_linear_mqa_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen2: Llama plus q/k/v biases (no o_proj bias)."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", seed=3, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3: q/k norms, a head_dim that is not hidden / heads, sliding windows on layers 1 and 2."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny-qwen3"),
+        "qwen3",
+        seed=5,
+        head_dim=32,
+        use_sliding_window=True,
+        sliding_window=5,
+        max_window_layers=1,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Mistral with a 5-key sliding window on every layer, untied embeddings."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny-mistral"),
+        "mistral",
+        seed=6,
+        sliding_window=5,
+        tie_word_embeddings=False,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3 text: local (window 5, its own RoPE) and global layers (linear-scaled RoPE), q/k norms,
+    sandwich norms, GeGLU, scaled embeddings, soft-capped logits (its attention's soft-cap setting,
+    which transformers' Gemma 3 ignores, is set too, so a model that applied it would differ)."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny-gemma3"),
+        "gemma3",
+        seed=7,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 2.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        attn_logit_softcapping=8.0,
+        final_logit_softcapping=4.0,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Phi-3: fused qkv and gate_up in the checkpoint; half the head rotated; a 6-key window."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny-phi3"),
+        "phi3",
+        seed=8,
+        sliding_window=6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        tie_word_embeddings=False,
+    )
 
 
 @pytest.fixture(scope="session")

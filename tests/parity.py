@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from torch import Tensor
 
-    from services.worker.model.llama import LlamaForCausalLM
+    from services.worker.model.family import CausalLM
 
 TIE_GAP = 1e-3
 
@@ -99,7 +99,7 @@ def assert_logits_close(ours: Tensor, ref: Tensor, atol: float = 1e-4, context: 
 
 
 def paged_greedy_generate(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     block_size: int = 16,

@@ -24,7 +24,7 @@ from services.worker.model.kv_cache import KVCache
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from services.worker.model.llama import LlamaForCausalLM
+    from services.worker.model.family import CausalLM
 
 # Our float32 logits against transformers' (tests/parity.py's assert_logits_close bound).
 LOGIT_PARITY = 1e-4
@@ -32,9 +32,7 @@ LOGIT_PARITY = 1e-4
 LSE_ROUNDING = 1e-5
 
 
-def our_logits(
-    model: LlamaForCausalLM, prompt: list[int], tokens: list[int], block_size: int = 16
-) -> torch.Tensor:
+def our_logits(model: CausalLM, prompt: list[int], tokens: list[int], block_size: int = 16) -> torch.Tensor:
     """Our model's float32 logits at every position of prompt + tokens, along the engine's path: one
     prefill of the prompt, then one decode step per token."""
     ids = prompt + tokens

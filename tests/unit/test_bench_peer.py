@@ -17,7 +17,7 @@ from bench.peer_engine import phases
 from bench.peer_llama import parse_batched, parse_ids, parse_perplexity, warmed_npl
 from bench.peer_report import format_summary, our_paths, summarize
 from bench.physical_limit import MachineLimits, ModelBytes, physical_limit
-from services.worker.model.config import ModelConfig
+from services.worker.model.registry import load_config
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -151,7 +151,7 @@ def test_peer_refuses_a_record_of_fewer_than_five_rounds() -> None:
 
 
 def test_physical_limit_is_bytes_over_bandwidth_or_flops_over_throughput(tiny_llama_dir: Path) -> None:
-    config = ModelConfig.from_dir(tiny_llama_dir)
+    config = load_config(tiny_llama_dir)[1]
     model = ModelBytes.of(config)
     h, inter, layers = 64, 128, 3
     per_layer = h * (config.q_size + 2 * config.kv_size) + config.q_size * h + 3 * h * inter

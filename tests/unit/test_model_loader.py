@@ -13,9 +13,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from services.worker.model.attention import AttentionMetadata
-from services.worker.model.config import ModelConfig, ModelLoadError
+from services.worker.model.config import ModelLoadError
 from services.worker.model.kv_cache import KVCache
 from services.worker.model.loader import load_model
+from services.worker.model.registry import config_from_dict, load_config
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -120,7 +121,7 @@ def test_missing_weights(tiny_llama_dir: Path, tmp_path: Path) -> None:
         load_model(directory)
 
 
-@pytest.mark.parametrize("arch", ["GPT2LMHeadModel", "MistralForCausalLM"])
+@pytest.mark.parametrize("arch", ["GPT2LMHeadModel", "Gemma3ForConditionalGeneration"])
 def test_unsupported_architecture_is_named(tiny_llama_dir: Path, tmp_path: Path, arch: str) -> None:
     directory = _copy(tiny_llama_dir, tmp_path / "m")
     _edit_config(directory, architectures=[arch])
@@ -198,41 +199,46 @@ BASE: dict[str, Any] = {
 
 
 def test_legacy_rope_fields() -> None:
-    config = ModelConfig.from_dict(
+    config = config_from_dict(
         {**BASE, "rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 2.0}}
     )
     assert (config.rope.rope_type, config.rope.theta, config.rope.factor) == ("linear", 500000.0, 2.0)
-    assert ModelConfig.from_dict({**BASE, "rope_theta": 123.0}).rope.theta == 123.0
+    assert config_from_dict({**BASE, "rope_theta": 123.0}).rope.theta == 123.0
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
     llama3["original_max_position_embeddings"] = 64
-    config = ModelConfig.from_dict({**BASE, "rope_scaling": llama3})
+    config = config_from_dict({**BASE, "rope_scaling": llama3})
     assert (config.rope.rope_type, config.rope.original_max_position_embeddings) == ("llama3", 64)
     assert config.rope.theta == 10000.0
 
 
 def test_transformers5_rope_parameters() -> None:
-    config = ModelConfig.from_dict({**BASE, "rope_parameters": {"rope_type": "default", "rope_theta": 7.0}})
+    config = config_from_dict({**BASE, "rope_parameters": {"rope_type": "default", "rope_theta": 7.0}})
     assert (config.rope.rope_type, config.rope.theta) == ("default", 7.0)
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "yarn", "longrope"])
 def test_unsupported_rope_scaling_is_named(kind: str) -> None:
     with pytest.raises(ModelLoadError, match=f"RoPE scaling type '{kind}' is not supported.*llama3"):
-        ModelConfig.from_dict({**BASE, "rope_scaling": {"rope_type": kind, "factor": 2.0}})
+        config_from_dict({**BASE, "rope_scaling": {"rope_type": kind, "factor": 2.0}})
 
 
 def test_config_fields_and_generation_eos(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    config = ModelConfig.from_dict({**BASE, "eos_token_id": [5, 6], "attention_bias": True})
+    config = config_from_dict({**BASE, "eos_token_id": [5, 6], "attention_bias": True})
     assert config.eos_token_ids == (5, 6)
     assert (config.head_dim, config.q_size, config.kv_size) == (16, 64, 32)
     assert config.attention_bias and config.o_proj_bias
-    qwen = ModelConfig.from_dict({**BASE, "architectures": ["Qwen2ForCausalLM"]})
+    qwen = config_from_dict({**BASE, "architectures": ["Qwen2ForCausalLM"]})
     assert qwen.attention_bias and not qwen.o_proj_bias
-    with pytest.raises(ModelLoadError, match="use_sliding_window"):
-        ModelConfig.from_dict({**BASE, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True})
+    windowed = {
+        **BASE,
+        "architectures": ["Qwen2ForCausalLM"],
+        "use_sliding_window": True,
+        "sliding_window": 8,
+    }
+    assert config_from_dict({**windowed, "max_window_layers": 1}).layer_windows == (None, 8)
     with pytest.raises(ModelLoadError, match="num_key_value_heads=3"):
-        ModelConfig.from_dict({**BASE, "num_key_value_heads": 3})
+        config_from_dict({**BASE, "num_key_value_heads": 3})
     directory = _copy(tiny_llama_dir, tmp_path / "m")
     _edit_config(directory, eos_token_id=2)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
-    assert ModelConfig.from_dir(directory).eos_token_ids == (2, 7)
+    assert load_config(directory)[1].eos_token_ids == (2, 7)

@@ -1,9 +1,13 @@
-"""Our Llama-family forward pass against transformers on tiny random models, in float32.
+"""Our forward pass of every family against transformers on tiny random models, in float32.
 
-Covers a whole-prompt prefill, and a sequence of mixed steps over the paged cache (decodes with equal
-and unequal contexts, prefills split into chunks, a one-token chunk, shuffled non-contiguous block
-ids) whose every token's logits must match transformers' full-sequence forward within 1e-4; then
-greedy generation, RoPE frequencies, the attention metadata and the cache sizing.
+Covers, for each family (Llama in three configurations, Qwen2, Qwen3, Mistral, Gemma 3 text, Phi-3;
+conftest.py says what each tiny config exercises), a whole-prompt prefill, and a sequence of mixed
+steps over the paged cache (decodes with equal and unequal contexts, prefills split into chunks that
+read earlier chunks' cached blocks as a prefix-cache hit does, a one-token chunk, shuffled
+non-contiguous block ids, contexts longer than the sliding windows) whose every token's logits must
+match transformers' full-sequence forward within 1e-4; then batched greedy generation (through the
+native decode stack where the family takes it), RoPE frequencies, the attention metadata and the
+cache sizing. transformers runs its eager attention, the reference formula.
 """
 
 from __future__ import annotations
@@ -17,16 +21,25 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from services.worker.model.attention import AttentionMetadata
-from services.worker.model.config import ModelConfig
 from services.worker.model.kv_cache import KVCache
 from services.worker.model.loader import load_model
+from services.worker.model.registry import config_from_dict, load_config
 from services.worker.model.rope import inverse_frequencies
 from tests.parity import assert_greedy_parity, assert_logits_close, hf_greedy_reference, paged_greedy_generate
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-MODEL_FIXTURES = ["tiny_llama_dir", "tiny_llama_untied_dir", "tiny_llama_linear_mqa_dir", "tiny_qwen2_dir"]
+MODEL_FIXTURES = [
+    "tiny_llama_dir",
+    "tiny_llama_untied_dir",
+    "tiny_llama_linear_mqa_dir",
+    "tiny_qwen2_dir",
+    "tiny_qwen3_dir",
+    "tiny_mistral_dir",
+    "tiny_gemma3_dir",
+    "tiny_phi3_dir",
+]
 BLOCK_SIZE = 4
 
 # Per sequence its total length; per step its (sequence, start, end) spans, decodes first.
@@ -41,7 +54,8 @@ STEPS: list[tuple[int, list[tuple[str, int, int]]]] = [
 
 
 def _load_pair(directory: Path) -> tuple[Any, Any]:
-    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
+    hf.eval()
     return load_model(directory).model, hf
 
 
@@ -95,7 +109,7 @@ def test_mixed_paged_steps_match_transformers(fixture: str, request: pytest.Fixt
             assert_logits_close(got, expected, context=f"{fixture} step {number}")
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("fixture", MODEL_FIXTURES)
 def test_batched_greedy_generation_matches_generate(fixture: str, request: pytest.FixtureRequest) -> None:
     directory = request.getfixturevalue(fixture)
     ours, hf = _load_pair(directory)
@@ -127,7 +141,7 @@ def test_rope_frequencies_equal_transformers(rope: dict[str, Any]) -> None:
     hf_config = LlamaConfig(
         hidden_size=2048, num_attention_heads=32, max_position_embeddings=131072, rope_parameters=rope
     )
-    ours = ModelConfig.from_dict({**hf_config.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    ours = config_from_dict({**hf_config.to_dict(), "architectures": ["LlamaForCausalLM"]})
     assert ours.rope.rope_type == rope["rope_type"]
     expected = LlamaRotaryEmbedding(hf_config).inv_freq
     assert torch.equal(inverse_frequencies(ours.rope, ours.head_dim), expected)
@@ -174,7 +188,7 @@ def test_metadata_rejects_inconsistent_steps(
 
 
 def test_kv_cache_sizes(tiny_llama_dir: Path) -> None:
-    config = ModelConfig.from_dir(tiny_llama_dir)
+    config = load_config(tiny_llama_dir)[1]
     cache = KVCache.allocate(config, num_blocks=6, block_size=8, dtype=torch.float32, device="cpu")
     assert (cache.num_blocks, cache.block_size, cache.num_layers) == (6, 8, 3)
     assert cache.layer(2)[0].shape == (6, 8, 2, 16)

@@ -6,7 +6,9 @@ bucket and its context to the next power-of-two number of blocks; padding rows w
 one scratch block that no sequence owns. `capture_all` captures every bucket the engine's settings can
 reach (batches up to max_num_seqs, contexts up to max_model_len) while the worker warms up, before it
 reports SERVING, largest first so the shared memory pool is sized once; an out-of-memory capture drops
-that batch bucket and every larger one, and says so. A step no captured graph fits runs eagerly:
+that batch bucket and every larger one, and says so. A model with sliding-window layers is not
+captured (`captures`): its window masks are built per step from the contexts, which a replay would
+not redo. A step no captured graph fits runs eagerly:
 nothing is captured inside a serving step, where a capture would stall every running request. This
 module only runs the model; it must not choose what runs (the scheduler does) nor sample.
 """
@@ -25,10 +27,16 @@ from services.worker.model.attention import AttentionMetadata
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from services.worker.model.family import CausalLM
     from services.worker.model.kv_cache import KVCache
-    from services.worker.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
+
+
+def captures(model: CausalLM) -> bool:
+    """Whether this model's decode steps can be replayed from graphs (no sliding-window layers)."""
+    return not model.config.windows
+
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 MIN_CONTEXT_BLOCKS = 4
@@ -83,7 +91,7 @@ class CudaGraphRunner:
     """Replays decode steps of up to BATCH_BUCKETS[-1] sequences from captured graphs."""
 
     def __init__(
-        self, model: LlamaForCausalLM, cache: KVCache, block_size: int, device: torch.device, pad_block: int
+        self, model: CausalLM, cache: KVCache, block_size: int, device: torch.device, pad_block: int
     ) -> None:
         self.model = model
         self.cache = cache

@@ -9,6 +9,7 @@ sequences carry a grammar get its mask (grammar_mask.py) between the logits and 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from services.worker.engine.scheduler import ScheduledBatch
     from services.worker.engine.sequence import TokenLogprobs
     from services.worker.model.loader import LoadedModel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -63,6 +66,12 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         self.graph_capture: CaptureReport | None = None
         graphs = use_cuda_graphs and self.device.type == "cuda"
+        if graphs:
+            from services.worker.engine.cuda_graphs import captures
+
+            graphs = captures(self.model)
+            if not graphs:
+                log.info("no CUDA graphs: %s has sliding-window layers; decodes run eagerly", loaded.family)
         # Graph padding rows need one scratch block that the block manager never hands out.
         total_blocks = num_blocks + 1 if graphs else num_blocks
         self.cache = KVCache.allocate(loaded.config, total_blocks, block_size, loaded.dtype, self.device)

@@ -1,7 +1,8 @@
 """Attention over the paged KV cache for a batch that mixes decode tokens and prefill chunks.
 
 This module owns the per-step attention metadata (built once per engine step, shared by every
-layer) and the attention backend interface with its portable implementation: `TorchAttention`
+layer) and the attention backend interface with its portable implementation (sliding windows
+included): `TorchAttention`
 attends decodes in place on the CPU in float32 (the native kernel of csrc/paged_attention.cpp reads
 each sequence's blocks where they lie), and elsewhere gathers each sequence's blocks and calls
 torch's scaled_dot_product_attention, on CPU or CUDA, as it does for prefill chunks. A
@@ -167,8 +168,12 @@ class AttentionBackend(Protocol):
         layer_cache: tuple[Tensor, Tensor],
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> Tensor:
-        """Return the attention output [T, nh * hd] in the step's token order."""
+        """Return the attention output [T, nh * hd] in the step's token order.
+
+        With `window`, a query sees only the last `window` keys up to itself (its own included).
+        """
         ...
 
 
@@ -180,6 +185,7 @@ class TorchAttention:
 
     def __init__(self) -> None:
         self._workspace: dict[torch.dtype, Tensor] = {}
+        self._window_mask: tuple[tuple[int, int], AttentionMetadata, Tensor] | None = None
 
     def _buffers(self, like: Tensor, rows: int) -> tuple[Tensor | None, Tensor | None]:
         """Two [rows, block elements] gather targets reused across layers and steps, on CPU only.
@@ -209,13 +215,16 @@ class TorchAttention:
         layer_cache: tuple[Tensor, Tensor],
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> Tensor:
         key_cache, value_cache = layer_cache
         _, _, kv_heads, head_dim = key_cache.shape
         heads = q.shape[1]
         parts: list[Tensor] = []
         decodes = meta.num_decodes
-        kernels = native.library() if decodes and _reads_in_place(q, key_cache) else None
+        # A window no decode's context reaches changes nothing: the kernel's full attention is exact.
+        plain = window is None or max(meta.context_lens[:decodes], default=0) <= window
+        kernels = native.library() if decodes and plain and _reads_in_place(q, key_cache) else None
         # A decode-only step's kernel writes each decode's k/v itself: no separate cache write.
         fused_write = (
             kernels is not None
@@ -236,9 +245,8 @@ class TorchAttention:
             keys = _gather(key_cache, meta.decode_block_ids, decodes, meta.decode_kv_len, key_rows)
             values = _gather(value_cache, meta.decode_block_ids, decodes, meta.decode_kv_len, value_rows)
             grouped = q[:decodes].view(decodes, kv_heads, heads // kv_heads, head_dim)
-            attended = F.scaled_dot_product_attention(
-                grouped, keys, values, attn_mask=meta.decode_mask, scale=scale
-            )
+            mask = self._decode_mask(meta, window)
+            attended = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
             parts.append(attended.reshape(decodes, heads * head_dim))
         for chunk in meta.prefills:
             query = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
@@ -249,18 +257,50 @@ class TorchAttention:
                 key_rows, value_rows = self._buffers(key_cache, chunk.block_ids.shape[0])
                 keys = _gather(key_cache, chunk.block_ids, 1, chunk.context_len, key_rows)
                 values = _gather(value_cache, chunk.block_ids, 1, chunk.context_len, value_rows)
-            attended = F.scaled_dot_product_attention(
-                query,
-                keys,
-                values,
-                attn_mask=chunk.mask,
-                is_causal=chunk.block_ids is None,
-                scale=scale,
-                enable_gqa=heads != kv_heads,
-            )
+            if window is None:
+                attended = F.scaled_dot_product_attention(
+                    query,
+                    keys,
+                    values,
+                    attn_mask=chunk.mask,
+                    is_causal=chunk.block_ids is None,
+                    scale=scale,
+                    enable_gqa=heads != kv_heads,
+                )
+            else:
+                # [1, kv_heads, group * query_len, dim]: each kv head's query heads side by side.
+                query_len = chunk.end - chunk.start
+                grouped = query.reshape(1, kv_heads, -1, head_dim)
+                mask = _chunk_mask(query_len, chunk.context_len, window, query.device)
+                tiled = mask.repeat(heads // kv_heads, 1)[None, None]
+                attended = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=tiled, scale=scale)
+                attended = attended.view(1, heads, query_len, -1)
             parts.append(attended[0].transpose(0, 1).reshape(-1, heads * head_dim))
         # A decode-only or single-prefill step (the common cases) needs no concatenation copy.
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _decode_mask(self, meta: AttentionMetadata, window: int | None) -> Tensor | None:
+        """The decodes' [decodes, 1, 1, kv_len] mask: padding only, or padding and the window; the
+        windowed one is built once per step and window, and reused by every layer that has it."""
+        if window is None or max(meta.context_lens[: meta.num_decodes]) <= window:
+            return meta.decode_mask
+        key = (id(meta), window)
+        if self._window_mask is None or self._window_mask[0] != key:
+            lens = torch.tensor(meta.context_lens[: meta.num_decodes], device=meta.slot_mapping.device)
+            keys = torch.arange(meta.decode_kv_len, device=lens.device)[None, :]
+            mask = (keys < lens[:, None]) & (keys >= lens[:, None] - window)
+            # The metadata is held with its mask, so its id cannot be reused by a later step's.
+            self._window_mask = (key, meta, mask[:, None, None, :])
+        return self._window_mask[2]
+
+
+def _chunk_mask(query_len: int, context_len: int, window: int | None, device: torch.device) -> Tensor:
+    """[query_len, context_len] bool: query i, at position context_len - query_len + i, sees key j
+    when j is at most its position and, with a window, more than its position minus the window."""
+    positions = torch.arange(context_len - query_len, context_len, device=device)[:, None]
+    keys = torch.arange(context_len, device=device)[None, :]
+    mask = keys <= positions
+    return mask & (keys > positions - window) if window is not None else mask
 
 
 def _reads_in_place(rows: Tensor, cache: Tensor) -> bool:

@@ -1,20 +1,24 @@
-"""The model's shape and hyper-parameters, read from a Hugging Face config.json.
+"""The model's shape and hyper-parameters as one frozen `ModelConfig`, and the helpers that read them.
 
-This module owns translating a checkpoint's config (either transformers layout: `rope_theta` plus
-`rope_scaling`, or the 5.x `rope_parameters`) into one frozen `ModelConfig`, and refusing at once what
-our implementation cannot run, with a message that names the value and the supported ones. It must not
-import torch or read weights: the engine sizes its KV cache from a config alone.
+This module owns the one description of a decoder every family's module fills in from its
+checkpoint's config.json (the registry picks the family by `architectures`), and the parsing every
+family shares: the Llama-shaped fields (`llama_shape`), RoPE in either transformers layout
+(`rope_theta` plus `rope_scaling`, or the 5.x `rope_parameters`), sliding-window layers, and
+generation_config.json's extra EOS ids. Refusals are ModelLoadErrors that name the value and the
+supported ones. It must not import torch or read weights: the engine sizes its KV cache from a config
+alone, and it must not know any one family (each family's module does).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+"""config.json's `hidden_act` (or Gemma's `hidden_activation`) -> the MLP's activation."""
 _DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -36,7 +40,11 @@ class RopeConfig:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Everything the forward pass and the KV cache need to know about a Llama-family model."""
+    """Everything the forward pass and the KV cache need to know about a decoder-only model.
+
+    The fields after `eos_token_ids` are the ways families differ from Llama; their defaults are
+    Llama's, so a family's module sets only what it changes.
+    """
 
     architecture: str
     vocab_size: int
@@ -56,6 +64,25 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     # Llama puts `attention_bias` on o_proj too; Qwen2 has q/k/v biases only.
     o_proj_bias: bool = False
+    activation: str = "silu"
+    """The MLP's gate activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)."""
+    qk_norm: bool = False
+    """An RMSNorm over each head of q and of k before RoPE (Qwen3, Gemma 3)."""
+    sandwich_norms: bool = False
+    """Norms on the attention's and the MLP's outputs too, before each residual add (Gemma 3)."""
+    layer_windows: tuple[int | None, ...] = ()
+    """Per layer, its sliding window in keys (the query's own included), None for full attention;
+    empty when every layer attends to the whole context."""
+    sliding_rope: RopeConfig | None = None
+    """The RoPE of the sliding-window layers where it differs from `rope` (Gemma 3's local layers)."""
+    rotary_dim: int = 0
+    """How many leading dims of each head RoPE rotates; 0 means all of `head_dim`."""
+    query_scale: float = 0.0
+    """The attention's scale of q.k; 0 means head_dim ** -0.5."""
+    final_softcap: float | None = None
+    """tanh soft-capping of the logits."""
+    embedding_scale: float | None = None
+    """A factor on the token embeddings (Gemma: sqrt(hidden_size))."""
 
     @property
     def q_size(self) -> int:
@@ -65,84 +92,26 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Build from a parsed config.json; raise ModelLoadError for anything unsupported."""
-        arch = _architecture(raw)
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelLoadError(f"hidden_act={act!r} is not supported: Llama-family models use 'silu'")
-        if arch == "Qwen2ForCausalLM" and raw.get("use_sliding_window", False):
-            raise ModelLoadError(
-                "use_sliding_window=true is not supported: set it to false in config.json "
-                "(Qwen2 checkpoints are trained with full attention)"
-            )
-        heads = _int(raw, "num_attention_heads")
-        hidden = _int(raw, "hidden_size")
-        head_dim = raw.get("head_dim") or hidden // heads
-        kv_heads = raw.get("num_key_value_heads") or heads
-        if heads % kv_heads != 0:
-            raise ModelLoadError(
-                f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
-            )
-        quant = raw.get("quantization_config") or {}
-        # A GGUF export's safetensors are already dequantized floats; any other method stores packed ints.
-        if isinstance(quant, dict) and quant and quant.get("quant_method") != "gguf":
-            raise ModelLoadError(
-                f"pre-quantized checkpoints (quant_method={quant.get('quant_method')!r}) are not supported: "
-                "load a float checkpoint and pass quantization='int8' or 'nf4' instead"
-            )
-        is_qwen2 = arch == "Qwen2ForCausalLM"
-        attention_bias = True if is_qwen2 else bool(raw.get("attention_bias", False))
-        max_pos = _int(raw, "max_position_embeddings")
-        return cls(
-            architecture=arch,
-            vocab_size=_int(raw, "vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=_int(raw, "intermediate_size"),
-            num_hidden_layers=_int(raw, "num_hidden_layers"),
-            num_attention_heads=heads,
-            num_key_value_heads=int(kv_heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope=_rope(raw, max_pos),
-            max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=attention_bias,
-            mlp_bias=False if is_qwen2 else bool(raw.get("mlp_bias", False)),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=_token_ids(raw.get("eos_token_id")),
-            o_proj_bias=attention_bias and not is_qwen2,
-        )
+    @property
+    def attention_scale(self) -> float:
+        return self.query_scale or self.head_dim**-0.5
 
-    @classmethod
-    def from_json(cls, path: str | Path) -> ModelConfig:
-        """Read one config.json file."""
-        return cls.from_dict(_read_json(Path(path)))
+    @property
+    def rotated_dims(self) -> int:
+        return self.rotary_dim or self.head_dim
 
-    @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        """Read config.json from a model directory, adding generation_config.json's EOS ids if present.
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, or None when it attends to the whole context."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
-        Instruct checkpoints often list their end-of-turn token only in generation_config.json.
-        """
-        directory = Path(model_dir)
-        config_path = directory / "config.json"
-        if not config_path.is_file():
-            raise ModelLoadError(
-                f"{directory} has no config.json: point at a Hugging Face model directory "
-                "(config.json plus *.safetensors)"
-            )
-        config = cls.from_json(config_path)
-        generation_path = directory / "generation_config.json"
-        if not generation_path.is_file():
-            return config
-        extra = _token_ids(_read_json(generation_path).get("eos_token_id"))
-        merged = config.eos_token_ids + tuple(t for t in extra if t not in config.eos_token_ids)
-        return replace(config, eos_token_ids=merged)
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """The distinct sliding windows of the model's layers, smallest first."""
+        return tuple(sorted({w for w in self.layer_windows if w is not None}))
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from `path`, or a ModelLoadError that says why it is not one."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as err:
@@ -152,31 +121,89 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _architecture(raw: dict[str, Any]) -> str:
-    archs = raw.get("architectures") or []
-    if not archs:
-        model_type = raw.get("model_type")
-        by_type = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-        if model_type in by_type:
-            return by_type[model_type]
-        archs = [f"<none; model_type={model_type!r}>"]
-    arch = str(archs[0])
-    if arch not in SUPPORTED_ARCHITECTURES:
+def read_config(model_dir: str | Path) -> dict[str, Any]:
+    """config.json of a model directory, with generation_config.json's EOS ids merged into its own.
+
+    Instruct checkpoints often list their end-of-turn token only in generation_config.json.
+    """
+    directory = Path(model_dir)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
         raise ModelLoadError(
-            f"architecture {arch} is not supported; supported architectures: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{directory} has no config.json: point at a Hugging Face model directory "
+            "(config.json plus *.safetensors)"
         )
-    return arch
+    raw = read_json(config_path)
+    generation_path = directory / "generation_config.json"
+    if generation_path.is_file():
+        own = token_ids(raw.get("eos_token_id"))
+        extra = token_ids(read_json(generation_path).get("eos_token_id"))
+        raw["eos_token_id"] = [*own, *(t for t in extra if t not in own)]
+    return raw
 
 
-def _int(raw: dict[str, Any], key: str) -> int:
+def llama_shape(raw: dict[str, Any], architecture: str) -> ModelConfig:
+    """The fields every family reads as Llama does, with Llama's defaults; a family replaces the rest."""
+    refuse_prequantized(raw)
+    heads = positive_int(raw, "num_attention_heads")
+    hidden = positive_int(raw, "hidden_size")
+    head_dim = raw.get("head_dim") or hidden // heads
+    kv_heads = raw.get("num_key_value_heads") or heads
+    if heads % kv_heads != 0:
+        raise ModelLoadError(
+            f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+        )
+    max_pos = positive_int(raw, "max_position_embeddings")
+    attention_bias = bool(raw.get("attention_bias", False))
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=positive_int(raw, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=positive_int(raw, "intermediate_size"),
+        num_hidden_layers=positive_int(raw, "num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=int(kv_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope=rope_config(raw, rope_parameters(raw), max_pos),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=attention_bias,
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=token_ids(raw.get("eos_token_id")),
+        o_proj_bias=attention_bias,
+        activation=activation(raw, "hidden_act"),
+    )
+
+
+def refuse_prequantized(raw: dict[str, Any]) -> None:
+    quant = raw.get("quantization_config") or {}
+    # A GGUF export's safetensors are already dequantized floats; any other method stores packed ints.
+    if isinstance(quant, dict) and quant and quant.get("quant_method") != "gguf":
+        raise ModelLoadError(
+            f"pre-quantized checkpoints (quant_method={quant.get('quant_method')!r}) are not supported: "
+            "load a float checkpoint and pass quantization='int8' or 'nf4' instead"
+        )
+
+
+def activation(raw: dict[str, Any], key: str) -> str:
+    name = raw.get(key, "silu")
+    if name not in SUPPORTED_ACTIVATIONS:
+        raise ModelLoadError(
+            f"{key}={name!r} is not supported; supported activations: {', '.join(SUPPORTED_ACTIVATIONS)}"
+        )
+    return SUPPORTED_ACTIVATIONS[name]
+
+
+def positive_int(raw: dict[str, Any], key: str) -> int:
     value = raw.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ModelLoadError(f"config.json: {key}={value!r} must be a positive integer")
     return value
 
 
-def _token_ids(value: object) -> tuple[int, ...]:
+def token_ids(value: object) -> tuple[int, ...]:
     if value is None:
         return ()
     if isinstance(value, int):
@@ -186,11 +213,36 @@ def _token_ids(value: object) -> tuple[int, ...]:
     raise ModelLoadError(f"config.json: eos_token_id={value!r} must be an integer or a list of integers")
 
 
-def _rope(raw: dict[str, Any], max_pos: int) -> RopeConfig:
-    # transformers 5.x writes `rope_parameters` (theta inside); 4.x wrote `rope_theta` + `rope_scaling`.
+def windows_from_layer_types(raw: dict[str, Any], layers: int) -> tuple[int | None, ...] | None:
+    """Per-layer windows from 5.x's `layer_types` list; None when the config has no such list."""
+    types = raw.get("layer_types")
+    if types is None:
+        return None
+    if not isinstance(types, list) or len(types) != layers:
+        raise ModelLoadError(
+            f"config.json: layer_types must list one type per layer ({layers}), not {types!r}"
+        )
+    unknown = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
+    if unknown:
+        raise ModelLoadError(
+            f"config.json: layer_types {unknown} are not supported: use full_attention or sliding_attention"
+        )
+    if "sliding_attention" not in types:
+        return ()
+    window = positive_int(raw, "sliding_window")
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE section of a config: 5.x's `rope_parameters`, else 4.x's `rope_scaling`, else empty."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise ModelLoadError(f"config.json: rope_parameters={params!r} must be an object")
+    return params
+
+
+def rope_config(raw: dict[str, Any], params: dict[str, Any], max_pos: int) -> RopeConfig:
+    """One RoPE from its parameters (theta inside them in 5.x, beside them as `rope_theta` in 4.x)."""
     rope_type = str(params.get("rope_type", params.get("type", "default")))
     theta = float(params.get("rope_theta", raw.get("rope_theta", _DEFAULT_ROPE_THETA)))
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -198,8 +250,6 @@ def _rope(raw: dict[str, Any], max_pos: int) -> RopeConfig:
             f"RoPE scaling type {rope_type!r} is not supported; supported types: "
             f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ModelLoadError("partial_rotary_factor != 1 is not supported by Llama-family models")
     if rope_type == "default":
         return RopeConfig(theta=theta)
     if "factor" not in params:
@@ -215,3 +265,16 @@ def _rope(raw: dict[str, Any], max_pos: int) -> RopeConfig:
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", max_pos)),
     )
+
+
+def rotary_dim(raw: dict[str, Any], params: dict[str, Any], head_dim: int) -> int:
+    """The rotated dims of each head from `partial_rotary_factor` (0: all of them)."""
+    factor = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    if not 0.0 < factor <= 1.0:
+        raise ModelLoadError(f"config.json: partial_rotary_factor={factor} must be in (0, 1]")
+    dims = int(head_dim * factor)
+    if dims % 2:
+        raise ModelLoadError(
+            f"partial_rotary_factor={factor} rotates {dims} dims of {head_dim}: not an even count"
+        )
+    return 0 if dims == head_dim else dims

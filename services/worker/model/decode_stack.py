@@ -3,7 +3,8 @@
 At one to small_linear.MAX_ROWS decodes on the CPU in float32, a step's kernels read the weights at
 the memory's bandwidth, and what is left is Python: about ten calls, allocations and ctypes crossings
 per layer. This module owns the choice to skip them (a decode-only step of at most MAX_ROWS rows, on
-a model whose every layer the native path can run) and the ctypes views of the layers' weights and
+a model whose every layer the native path can run: the model's `stack_layers` gives them in Llama's
+shape, or None) and the ctypes views of the layers' weights and
 cache it passes, built once per model and cache and reused every step. The views hold a reference to
 every tensor they point to, so none can be freed (and its address reused) under them; a model's
 weights must not be replaced after its first step. The native stack calls the same kernels in the
@@ -19,8 +20,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from services.worker.model.attention import TorchAttention
-from services.worker.model.layers import LlamaDecoderLayer, RMSNorm
 from services.worker.model.small_int8 import WeightOnlyInt8
 from services.worker.model.small_linear import MAX_ROWS
 
@@ -28,8 +27,8 @@ if TYPE_CHECKING:
     from services.worker.model import native
     from services.worker.model.attention import AttentionMetadata
     from services.worker.model.config import ModelConfig
+    from services.worker.model.family import CausalLM
     from services.worker.model.kv_cache import KVCache
-    from services.worker.model.llama import LlamaForCausalLM
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _enabled = True
@@ -104,12 +103,13 @@ def _projection(module: nn.Module, held: list[Tensor]) -> _Projection | None:
 
 
 def _norm(module: nn.Module, held: list[Tensor]) -> int | None:
-    if not isinstance(module, RMSNorm) or module.weight.dtype != torch.float32:
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dtype != torch.float32 or weight.device.type != "cpu":
         return None
-    if not module.weight.is_contiguous():
+    if not weight.is_contiguous():
         return None
-    held.append(module.weight)
-    return module.weight.data_ptr()
+    held.append(weight)
+    return weight.data_ptr()
 
 
 class NativeDecodeStack:
@@ -124,32 +124,29 @@ class NativeDecodeStack:
         self.held = held
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM, config: ModelConfig, cache: KVCache) -> NativeDecodeStack | None:
+    def build(cls, model: CausalLM, cache: KVCache) -> NativeDecodeStack | None:
         """The views of `model` over `cache`, or None when some layer is not one the native stack runs."""
         if cache.dtype != torch.float32 or cache.device.type != "cpu" or not len(model.layers):
             return None
         if not all(t.is_contiguous() for t in (*cache.keys, *cache.values)):
             return None
+        stack_layers = model.stack_layers()
+        if stack_layers is None:
+            return None
         held: list[Tensor] = [*cache.keys, *cache.values]
         final_norm = _norm(model.norm, held)
         layers: list[_Layer] = []
-        for index, layer in enumerate(model.layers):
-            if (
-                not isinstance(layer, LlamaDecoderLayer)
-                or type(layer.self_attn.backend) is not TorchAttention
-            ):
-                return None
-            attention, mlp = layer.self_attn, layer.mlp
-            modules = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        for index, layer in enumerate(stack_layers):
+            modules = (layer.qkv, layer.o, layer.gate_up, layer.down)
             projections = [_projection(module, held) for module in modules]
-            norms = (_norm(layer.input_layernorm, held), _norm(layer.post_attention_layernorm, held))
+            norms = (_norm(layer.input_norm, held), _norm(layer.post_attention_norm, held))
             if any(p is None for p in projections) or None in norms:
                 return None
             keys, values = cache.layer(index)
             layers.append(_Layer(*norms, *projections, keys.data_ptr(), values.data_ptr()))
         if final_norm is None:
             return None
-        return cls(config, layers, final_norm, held)
+        return cls(model.config, layers, final_norm, held)
 
     def run(
         self, kernels: native.Library, residual: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata
@@ -165,7 +162,7 @@ class NativeDecodeStack:
             c.head_dim,
             c.intermediate_size,
             c.rms_norm_eps,
-            c.head_dim**-0.5,
+            c.attention_scale,
             cos.data_ptr(),
             sin.data_ptr(),
             meta.block_tables.data_ptr(),

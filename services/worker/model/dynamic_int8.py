@@ -63,7 +63,7 @@ def quantize_dynamic_int8(model: nn.Module) -> int:
     if not targets:
         raise ModelLoadError(
             f"quantization={DYNAMIC_INT8!r} found none of the projections {', '.join(DYNAMIC_INT8_LAYERS)} "
-            "to quantize: the model is not a Llama-family decoder"
+            "to quantize: the model names its projections otherwise"
         )
     with warnings.catch_warnings():
         # torch's deprecation notices for torch.ao.quantization, raised at import and per call.
@@ -98,7 +98,7 @@ def quantize_weight_only_int8(model: nn.Module) -> int:
     if not wrapped:
         raise ModelLoadError(
             f"quantization={WEIGHT_ONLY_INT8!r} found none of the projections "
-            f"{', '.join(SMALL_BATCH_INT8_LAYERS)} to quantize: the model is not a Llama-family decoder"
+            f"{', '.join(SMALL_BATCH_INT8_LAYERS)} to quantize: the model names its projections otherwise"
         )
     return len(wrapped)
 

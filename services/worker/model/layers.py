@@ -1,9 +1,12 @@
-"""The building blocks of a Llama-family decoder layer: RMSNorm, attention projections, SwiGLU MLP.
+"""The building blocks of a decoder layer: RMSNorm, attention with its projections, the gated MLP.
 
-This module owns the per-layer arithmetic, in the same order as transformers' Llama so float32
-results agree to rounding. Projections are fused (q/k/v in one matmul, gate/up in another) because
-on a small CPU model the number of matmul calls is a visible share of a step. It must not know how
-the KV cache is laid out: attention goes through the `AttentionBackend` it is given.
+This module owns the per-layer arithmetic of every family, in the same order as transformers' so
+float32 results agree to rounding, and the ways families differ inside a layer, each read from the
+ModelConfig: q/k norms (Qwen3, Gemma 3), norms on each block's output (Gemma 3), partial RoPE,
+per-layer sliding windows and RoPE, the attention's scale, the MLP's activation.
+Projections are fused (q/k/v in one matmul, gate/up in another) because on a small CPU model the
+number of matmul calls is a visible share of a step. It must not know how the KV cache is laid out
+(attention goes through the `AttentionBackend` it is given) nor any family's checkpoint names.
 """
 
 from __future__ import annotations
@@ -77,19 +80,26 @@ class RMSNorm(nn.Module):
         return out, summed
 
 
-class LlamaAttention(nn.Module):
-    """Fused q/k/v projection, RoPE on q and k, paged attention, output projection."""
+class Attention(nn.Module):
+    """Fused q/k/v projection, optional q/k norms, RoPE on q and k, paged attention, output projection."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.rotary_dim = config.rotated_dims
+        self.scale = config.attention_scale
+        self.window = config.window(layer)
         self.qkv_proj = nn.Linear(
             config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias
         )
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.backend = backend
 
     def forward(
@@ -102,34 +112,47 @@ class LlamaAttention(nn.Module):
     ) -> Tensor:
         qkv = project(self.qkv_proj, x).view(x.shape[0], -1, self.head_dim)
         rotated_heads = self.num_heads + self.num_kv_heads
-        kernels = native.library() if _rotates_in_place(qkv, cos, sin) else None
+        if self.q_norm is not None and self.k_norm is not None:
+            # qkv is this call's own fresh tensor: normalising its q and k heads in place is safe.
+            self._norm_heads(qkv, 0, self.num_heads, self.q_norm)
+            self._norm_heads(qkv, self.num_heads, rotated_heads, self.k_norm)
+        kernels = native.library() if _rotates_in_place(qkv, cos, sin, self.rotary_dim) else None
         if kernels is not None:
-            # qkv is this call's own fresh tensor: rotating its q and k heads in place is safe.
             tokens, heads_total, dim = qkv.shape
             angles = (cos.data_ptr(), sin.data_ptr())
             kernels.rotary(qkv.data_ptr(), *angles, tokens, heads_total, rotated_heads, dim)
             qk = qkv[:, :rotated_heads]
-        else:
+        elif self.rotary_dim == self.head_dim:
             qk = apply_rotary(qkv[:, :rotated_heads], cos, sin)
+        else:
+            heads = qkv[:, :rotated_heads]
+            rotated = apply_rotary(heads[..., : self.rotary_dim], cos, sin)
+            qk = torch.cat((rotated, heads[..., self.rotary_dim :]), dim=-1)
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads :]
         v = qkv[:, rotated_heads:]
-        out = self.backend.forward(q, k, v, layer_cache, meta, self.scale)
+        out = self.backend.forward(q, k, v, layer_cache, meta, self.scale, self.window)
         result: Tensor = project(self.o_proj, out)
         return result
 
+    def _norm_heads(self, qkv: Tensor, first: int, end: int, norm: RMSNorm) -> None:
+        heads = qkv[:, first:end]
+        qkv[:, first:end] = norm(heads.reshape(-1, self.head_dim)).view(heads.shape)
 
-def _rotates_in_place(qkv: Tensor, cos: Tensor, sin: Tensor) -> bool:
+
+def _rotates_in_place(qkv: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int) -> bool:
     cpu32 = qkv.device.type == "cpu" and qkv.dtype == cos.dtype == torch.float32
-    return cpu32 and qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+    whole = rotary_dim == qkv.shape[-1]
+    return cpu32 and whole and qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
 
 
-class LlamaMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one projection."""
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with act SiLU (SwiGLU) or tanh-GELU (GeGLU); gate and up fused."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
+        self.gelu = config.activation == "gelu_tanh"
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
@@ -137,24 +160,31 @@ class LlamaMLP(nn.Module):
         gate_up = project(self.gate_up_proj, x)
         gate = gate_up[:, : self.intermediate_size]
         up = gate_up[:, self.intermediate_size :]
-        result: Tensor = project(self.down_proj, F.silu(gate) * up)
+        activated = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        result: Tensor = project(self.down_proj, activated * up)
         return result
 
 
-class LlamaDecoderLayer(nn.Module):
+class DecoderLayer(nn.Module):
     """Pre-norm attention block then pre-norm MLP block, each with a residual connection.
 
     The residual add of each block is fused into the norm that follows it: a layer takes the previous
     layer's MLP output (`delta`, None for the first layer) and the residual stream, and returns its
-    own MLP output and the residual stream; the model's final norm makes the last add.
+    own MLP output and the residual stream; the model's final norm makes the last add. With sandwich
+    norms each block's output is normed before its add (`attention_output_norm`, `mlp_output_norm`).
     """
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, backend)
+        self.self_attn = Attention(config, backend, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = GatedMLP(config)
+        self.attention_output_norm: RMSNorm | None = None
+        self.mlp_output_norm: RMSNorm | None = None
+        if config.sandwich_norms:
+            self.attention_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.mlp_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -170,6 +200,10 @@ class LlamaDecoderLayer(nn.Module):
         else:
             normed, residual = self.input_layernorm.add(delta, residual)
         attended = self.self_attn(normed, cos, sin, meta, layer_cache)
+        if self.attention_output_norm is not None:
+            attended = self.attention_output_norm(attended)
         normed, residual = self.post_attention_layernorm.add(attended, residual)
         mlp_out: Tensor = self.mlp(normed)
+        if self.mlp_output_norm is not None:
+            mlp_out = self.mlp_output_norm(mlp_out)
         return mlp_out, residual

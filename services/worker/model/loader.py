@@ -1,12 +1,14 @@
-"""Load a Llama-family model from a local Hugging Face directory: config.json plus safetensors.
+"""Load a model of any registered family from a local Hugging Face directory: config.json plus safetensors.
 
 This module owns finding the weight files (one file, or shards named by model.safetensors.index.json),
-checking every tensor the config implies is there with the right shape, fusing q/k/v and gate/up
-projections, choosing the dtype by device, and optional quantization of the decoder's projections:
-bitsandbytes int8 or nf4 (the GPU path; nf4 makes the GPU fallback), or the CPU fallback's int8 modes
-(torch's dynamic int8, or weight-only int8 at every batch size; CPU only, see dynamic_int8.py). Every
-failure is a ModelLoadError that names the problem and the fix. It must never unpickle anything (no
-.bin, no torch.load) nor run code shipped with a checkpoint (no trust_remote_code), and never go online.
+checking every tensor the family's config implies is there with the right shape, handing them to
+the family for renaming and fusion (registry.py picks the family; it sees only the CausalLM and
+Family interfaces of family.py), choosing the dtype by device, and optional quantization of the
+decoder's projections: bitsandbytes int8 or nf4 (the GPU path; nf4 makes the GPU fallback), or the
+CPU fallback's int8 modes (torch's dynamic int8, or weight-only int8 at every batch size; CPU only,
+see dynamic_int8.py). Every failure is a ModelLoadError that names the problem and the fix. It must
+never unpickle anything (no .bin, no torch.load) nor run code shipped with a checkpoint (no
+trust_remote_code), and never go online.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from services.worker.model.config import ModelConfig, ModelLoadError
+from services.worker.model.config import ModelLoadError
 from services.worker.model.dynamic_int8 import (
     CPU_INT8_MODES,
     DYNAMIC_INT8,
@@ -27,27 +30,31 @@ from services.worker.model.dynamic_int8 import (
     quantize_dynamic_int8,
     quantize_weight_only_int8,
 )
-from services.worker.model.llama import LlamaForCausalLM
 from services.worker.model.quant import QUANTIZATION_MODES, import_bitsandbytes, quantize_linears
+from services.worker.model.registry import load_config
+
+if TYPE_CHECKING:
+    from services.worker.model.config import ModelConfig
+    from services.worker.model.family import CausalLM, Family
 
 __all__ = ["LoadedModel", "ModelLoadError", "default_dtype", "load_model"]
 
 _INDEX = "model.safetensors.index.json"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-# Buffers some exporters save; derived from the config here, so they are skipped, not required.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
     """A ready model and what it was loaded as."""
 
-    model: LlamaForCausalLM
+    model: CausalLM
     config: ModelConfig
     path: Path
     dtype: torch.dtype
     device: torch.device
     quantization: str | None = None
+    family: str = ""
+    """The registry's name of the model's family ("llama", "qwen2", ...)."""
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -73,14 +80,19 @@ def load_model(
     bitsandbytes = quantization in QUANTIZATION_MODES
     if bitsandbytes and quantization is not None:
         import_bitsandbytes(quantization)
-    config = ModelConfig.from_dir(directory)
+    family, config = load_config(directory)
     # bitsandbytes layers are built from CPU floats, so a float copy never lands on the accelerator.
     staging = torch.device("cpu") if bitsandbytes else target
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = family.build(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    weights = _fuse(_read_tensors(directory, _checkpoint_names(config), dtype, staging), config)
+    tensors = _read_tensors(directory, family, config, dtype, staging)
+    weights = family.state_dict(tensors, config)
     for name, tensor in weights.items():
+        if name not in expected:
+            raise ModelLoadError(
+                f"{directory}: the {family.name} family made a tensor {name} its model lacks"
+            )
         if tuple(tensor.shape) != expected[name]:
             raise ModelLoadError(
                 f"{directory}: tensor {name} has shape {tuple(tensor.shape)}, config.json implies "
@@ -96,7 +108,7 @@ def load_model(
     model.to(target)
     model.eval()
     model.requires_grad_(False)
-    return LoadedModel(model, config, directory, dtype, target, quantization)
+    return LoadedModel(model, config, directory, dtype, target, quantization, family.name)
 
 
 def _check_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype) -> None:
@@ -117,26 +129,6 @@ def _check_quantization(quantization: str | None, device: torch.device, dtype: t
             f"quantization={quantization!r} computes in float32, not {dtype}: "
             "set dtype to float32 (or auto on the CPU)"
         )
-
-
-def _checkpoint_names(config: ModelConfig) -> list[str]:
-    """Every tensor name (transformers' naming) the config says the checkpoint must hold."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not config.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(config.num_hidden_layers):
-        prefix = f"model.layers.{i}."
-        names += [prefix + "input_layernorm.weight", prefix + "post_attention_layernorm.weight"]
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            names.append(f"{prefix}self_attn.{proj}.weight")
-            has_bias = config.o_proj_bias if proj == "o_proj" else config.attention_bias
-            if has_bias:
-                names.append(f"{prefix}self_attn.{proj}.bias")
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            names.append(f"{prefix}mlp.{proj}.weight")
-            if config.mlp_bias:
-                names.append(f"{prefix}mlp.{proj}.bias")
-    return names
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -173,8 +165,9 @@ def _weight_files(directory: Path) -> list[Path]:
 
 
 def _read_tensors(
-    directory: Path, names: list[str], dtype: torch.dtype, device: torch.device
+    directory: Path, family: Family, config: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> dict[str, Tensor]:
+    names = family.checkpoint_names(config)
     wanted = set(names)
     found: dict[str, Tensor] = {}
     unexpected: list[str] = []
@@ -185,7 +178,7 @@ def _read_tensors(
                 for key in handle.keys():  # noqa: SIM118 (safe_open handles are not iterable)
                     if key in wanted:
                         found[key] = handle.get_tensor(key).to(device=device, dtype=dtype)
-                    elif key != "lm_head.weight" and not key.endswith(_IGNORED_SUFFIXES):
+                    elif key != "lm_head.weight" and not key.endswith(family.ignored_suffixes):
                         unexpected.append(key)
         except (OSError, RuntimeError, ValueError) as err:
             raise ModelLoadError(f"cannot read {file}: {err}: it is corrupt or not safetensors") from err
@@ -199,29 +192,6 @@ def _read_tensors(
     if unexpected:
         raise ModelLoadError(
             f"{directory}: unexpected tensor(s) {', '.join(unexpected[:5])}: the checkpoint is not a plain "
-            "Llama-family model as its config.json claims"
+            f"{config.architecture} as its config.json claims"
         )
     return found
-
-
-def _fuse(hf: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
-    """Rename to our modules and concatenate q/k/v and gate/up along the output dimension."""
-    ours = {"embed_tokens.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
-    if not config.tie_word_embeddings:
-        ours["lm_head.weight"] = hf["lm_head.weight"]
-    for i in range(config.num_hidden_layers):
-        src, dst = f"model.layers.{i}.", f"layers.{i}."
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            ours[f"{dst}{norm}.weight"] = hf[f"{src}{norm}.weight"]
-        for kind in ("weight", "bias"):
-            qkv = [f"{src}self_attn.{p}_proj.{kind}" for p in "qkv"]
-            if qkv[0] in hf:
-                ours[f"{dst}self_attn.qkv_proj.{kind}"] = torch.cat([hf.pop(n) for n in qkv])
-            if f"{src}self_attn.o_proj.{kind}" in hf:
-                ours[f"{dst}self_attn.o_proj.{kind}"] = hf[f"{src}self_attn.o_proj.{kind}"]
-            gate_up = [f"{src}mlp.{p}_proj.{kind}" for p in ("gate", "up")]
-            if gate_up[0] in hf:
-                ours[f"{dst}mlp.gate_up_proj.{kind}"] = torch.cat([hf.pop(n) for n in gate_up])
-            if f"{src}mlp.down_proj.{kind}" in hf:
-                ours[f"{dst}mlp.down_proj.{kind}"] = hf[f"{src}mlp.down_proj.{kind}"]
-    return ours

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from services.worker.model.config import ModelConfig, ModelLoadError, RopeConfig
+from services.worker.model.config import ModelLoadError, RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> Tensor:
@@ -50,10 +50,11 @@ class RotaryEmbedding(nn.Module):
 
     inv_freq: Tensor
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, rope: RopeConfig, dims: int) -> None:
+        """`dims`: how many leading dims of each head it rotates (the head dim, or less for partial RoPE)."""
         super().__init__()
         # Not persistent: derived from the config, so checkpoints never need to carry it.
-        self.register_buffer("inv_freq", inverse_frequencies(config.rope, config.head_dim), persistent=False)
+        self.register_buffer("inv_freq", inverse_frequencies(rope, dims), persistent=False)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         freqs = positions[:, None].to(torch.float32) * self.inv_freq.to(positions.device)[None, :]
