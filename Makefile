@@ -168,7 +168,7 @@ compose-test: setup model images
 # The whole stack in the foreground (Ctrl-C stops it); then, in another shell:
 #   .venv/bin/strata generate "What is the capital of France?" --chat
 run: setup model
-	$(BIN)/strata up
+	$(BIN)/strata up $(if $(CONFIG),--config $(CONFIG))
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

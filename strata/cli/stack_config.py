@@ -29,6 +29,15 @@ def worker_settings(config_path: Path) -> list[WorkerSettings]:
     return [WorkerSettings.load(config_path, index=i) for i in range(len(workers))]
 
 
+def model_paths(config_path: Path) -> list[Path]:
+    """Every model folder the config's workers and tokenizer read (paths resolved, environment applied)."""
+    from services.tokenizer.settings import TokenizerSettings
+
+    paths = [settings.model_path for settings in worker_settings(config_path)]
+    paths += list(TokenizerSettings.load(config_path).models.values())
+    return list(dict.fromkeys(paths))
+
+
 def worker_env(settings: WorkerSettings) -> dict[str, str]:
     """What a worker's process must find in its environment before torch loads."""
     if settings.omp_wait_policy is None:

@@ -93,17 +93,21 @@ def _up(args: argparse.Namespace) -> int:
     from strata.settings import DEFAULT_CONFIG, SettingsError
 
     config = (args.config or DEFAULT_CONFIG).resolve()
-    if config == DEFAULT_CONFIG.resolve():
-        from strata.cli.model_fetch import ModelFetchError, ensure_default_model
+    from strata.cli.model_fetch import ModelFetchError, ensure_models
+    from strata.cli.stack_config import model_paths
 
-        try:
-            ensure_default_model()
-        except ModelFetchError as exc:
-            print(
-                f"strata up: error: the default model is missing and could not be fetched: {exc}",
-                file=sys.stderr,
-            )
-            return 1
+    try:
+        # Models of fetch-model's table that the config names are fetched now (a no-op once done).
+        ensure_models(model_paths(config))
+    except SettingsError as exc:
+        print(f"strata up: error: {exc}", file=sys.stderr)
+        return 1
+    except ModelFetchError as exc:
+        print(
+            f"strata up: error: a model of {config} is missing and could not be fetched: {exc}",
+            file=sys.stderr,
+        )
+        return 1
     # SIGTERM stops the stack like Ctrl-C, also while the services are starting.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:

@@ -580,6 +580,8 @@ class ModelInfo(_message.Message):
     KV_CACHE_TOKENS_FIELD_NUMBER: _builtins.int
     MEMORY_FIELD_NUMBER: _builtins.int
     NATIVE_KERNELS_FIELD_NUMBER: _builtins.int
+    MODEL_FAMILY_FIELD_NUMBER: _builtins.int
+    NATIVE_PATHS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The name to put in GenerateRequest.model."""
     max_model_len: _builtins.int
@@ -598,6 +600,8 @@ class ModelInfo(_message.Message):
     """Whether this route currently uses its fallback (false when it has none or fallback is off)."""
     kv_cache_tokens: _builtins.int
     """Tokens the KV caches of the route's ready workers hold together."""
+    model_family: _builtins.str
+    """The model's family, as its ready workers report it ("qwen2", ...); empty before one is ready."""
     @_builtins.property
     def memory(self) -> _common_pb2.MemoryBudget:
         """The memory budget of one of the route's workers (the first that reported one)."""
@@ -606,6 +610,12 @@ class ModelInfo(_message.Message):
     def native_kernels(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The native CPU kernels' state on each ready worker, as GetWorkerInfo reports it: "on (avx512)",
         "off (why)", "not used (...)"; one entry per distinct state.
+        """
+
+    @_builtins.property
+    def native_paths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Which native CPU paths the model takes on each ready worker (GetWorkerInfo's native_paths); one
+        entry per distinct answer.
         """
 
     def __init__(
@@ -622,10 +632,12 @@ class ModelInfo(_message.Message):
         kv_cache_tokens: _builtins.int = ...,
         memory: _common_pb2.MemoryBudget | None = ...,
         native_kernels: _abc.Iterable[_builtins.str] | None = ...,
+        model_family: _builtins.str = ...,
+        native_paths: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["memory", b"memory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["configured_workers", b"configured_workers", "fallback_enabled", b"fallback_enabled", "fallback_model", b"fallback_model", "kv_cache_tokens", b"kv_cache_tokens", "max_model_len", b"max_model_len", "memory", b"memory", "name", b"name", "native_kernels", b"native_kernels", "queued_requests", b"queued_requests", "ready_workers", b"ready_workers", "tokenizer_fingerprint", b"tokenizer_fingerprint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["configured_workers", b"configured_workers", "fallback_enabled", b"fallback_enabled", "fallback_model", b"fallback_model", "kv_cache_tokens", b"kv_cache_tokens", "max_model_len", b"max_model_len", "memory", b"memory", "model_family", b"model_family", "name", b"name", "native_kernels", b"native_kernels", "native_paths", b"native_paths", "queued_requests", b"queued_requests", "ready_workers", b"ready_workers", "tokenizer_fingerprint", b"tokenizer_fingerprint"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -464,6 +464,8 @@ class GetWorkerInfoResponse(_message.Message):
     DTYPE_FIELD_NUMBER: _builtins.int
     MEMORY_FIELD_NUMBER: _builtins.int
     NATIVE_KERNELS_FIELD_NUMBER: _builtins.int
+    MODEL_FAMILY_FIELD_NUMBER: _builtins.int
+    NATIVE_PATHS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model name."""
     tokenizer_fingerprint: _builtins.str
@@ -479,6 +481,12 @@ class GetWorkerInfoResponse(_message.Message):
     native_kernels: _builtins.str
     """The native CPU kernels' state: "on (avx512)", "off (why)", or "not used (...)" on a GPU; empty
     while the model loads.
+    """
+    model_family: _builtins.str
+    """The model's family in the worker's registry: "llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"."""
+    native_paths: _builtins.str
+    """Which native CPU paths the model's layers take: "native decode stack and kernels", or "kernels per
+    operator; no native decode stack (why)"; empty while the model loads.
     """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -500,10 +508,12 @@ class GetWorkerInfoResponse(_message.Message):
         dtype: _builtins.str = ...,
         memory: _common_pb2.MemoryBudget | None = ...,
         native_kernels: _builtins.str = ...,
+        model_family: _builtins.str = ...,
+        native_paths: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["memory", b"memory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "max_model_len", b"max_model_len", "max_requests", b"max_requests", "memory", b"memory", "model", b"model", "native_kernels", b"native_kernels", "tokenizer_fingerprint", b"tokenizer_fingerprint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "max_model_len", b"max_model_len", "max_requests", b"max_requests", "memory", b"memory", "model", b"model", "model_family", b"model_family", "native_kernels", b"native_kernels", "native_paths", b"native_paths", "tokenizer_fingerprint", b"tokenizer_fingerprint"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

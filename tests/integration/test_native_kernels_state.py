@@ -55,6 +55,34 @@ def test_list_models_and_the_metrics_say_the_kernels_serve_the_worker(tiny_servi
     assert REGISTRY.get_sample_value("strata_native_kernels", {"model": "tiny", "state": state}) == 1.0
 
 
+def test_list_models_names_the_family_and_the_native_paths_it_takes(
+    tiny_serving_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A Qwen3 model (q/k norms: no native decode stack) says so beside the default Llama one."""
+    from tests.conftest import build_tiny_model
+    from tests.tiny_tokenizer import write_tiny_tokenizer
+
+    qwen3 = write_tiny_tokenizer(
+        build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-serving"), "qwen3", seed=9)
+    )
+
+    async def main(directory: Path) -> gateway_pb2.ModelInfo:
+        async with (
+            tiny_stack(directory) as stack,
+            grpc.aio.insecure_channel(stack.gateway.address) as channel,
+        ):
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            reply: gateway_pb2.ListModelsResponse = await stub.ListModels(
+                gateway_pb2.ListModelsRequest(), timeout=WAIT_S
+            )
+            return reply.models[0]
+
+    llama, qwen = asyncio.run(main(tiny_serving_dir)), asyncio.run(main(qwen3))
+    assert (llama.model_family, list(llama.native_paths)) == ("llama", ["native decode stack and kernels"])
+    assert qwen.model_family == "qwen3"
+    assert list(qwen.native_paths) == ["kernels per operator; no native decode stack (q/k norms)"]
+
+
 def _metrics(announce: Path) -> str:
     written = announce.with_name(announce.name + ".metrics")
     address = wait_for(
