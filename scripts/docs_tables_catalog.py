@@ -133,11 +133,21 @@ CATALOG: dict[str, Entry] = {
         ENGINE, "bench/step_cost.py", 180, _py("bench.step_cost", *_json("step-cost-cpu.json"))
     ),
     # bench.peer sets these perplexities beside its ratios, so they are rerun first.
+    "models-cpu.json": Entry(
+        ENGINE, "bench/model_cost.py", 1500, _py("bench.model_cost", *_json("models-cpu.json"))
+    ),
     "perplexity-cpu.json": Entry(
         ENGINE, "bench/perplexity.py", 300, _py("bench.perplexity", *_json("perplexity-cpu.json"))
     ),
     # Five rounds of three pairs; the first run also probes the CPU and builds llama.cpp (about 12 minutes).
     "peer-cpu.json": Entry(ENGINE, "bench/peer.py", 1200, _py("bench.peer", *_json("peer-cpu.json"))),
+    "peer-qwen05-cpu.json": Entry(
+        ENGINE,
+        "bench/peer.py",
+        3600,
+        _py("bench.peer", "--model", "models/Qwen2.5-Coder-0.5B-Instruct", *_json("peer-qwen05-cpu.json")),
+        target="make bench-peer",
+    ),
     "serve-peer-cpu.json": Entry(
         STACK,
         "bench/serve_peer.py",

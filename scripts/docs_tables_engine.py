@@ -81,8 +81,7 @@ def _peer_perplexity(entry: Mapping[str, Any]) -> str:
     return f"{shown} / {num(theirs['perplexity'], 2)} ({theirs['type']})"
 
 
-def peer(records: Mapping[str, Record]) -> list[str]:
-    data = records["peer-cpu.json"].data
+def peer_rows(data: Mapping[str, Any]) -> list[str]:
     summary = data["summary"]
     rows = []
     for key, entry in summary.items():
@@ -139,6 +138,46 @@ def perplexity(records: Mapping[str, Record]) -> list[str]:
         "",
         f"On `bench/data/{data['text']['path']}` ({data['text']['tokens']:,} tokens) in "
         f"{window['chunks']} windows of {window['context']} tokens, the second half of each scored.",
+    ]
+
+
+def models(records: Mapping[str, Record]) -> list[str]:
+    data = records["models-cpu.json"].data
+    work = data["workload"]
+    many = str(work["streams"][1])
+    entries = data["models"]
+    base = next(iter(entries.values()))
+    rows = []
+    for name, entry in entries.items():
+        one = entry["streams"]["1"]["decode_tok_s"]
+        batch = entry["streams"][many]["tok_s"]
+        rows.append(
+            [
+                f"`{name}`",
+                f"{entry['weights_bytes'] / 1e9:.2f}",
+                f"{1000 / one['median']:.1f}",
+                stats(one),
+                stats(batch),
+                ratio(base["streams"][many]["tok_s"]["median"] / batch["median"]),
+                f"{entry['perplexity']:.2f}",
+            ]
+        )
+    header = [
+        "model (float32)",
+        "weights, GB",
+        "ms per token, 1 stream",
+        "decode tok/s, 1 stream",
+        f"tok/s, {many} streams",
+        f"cost per token against `{next(iter(entries))}` at {many} streams",
+        "perplexity",
+    ]
+    text = next(iter(entries.values()))["text"]
+    return [
+        *table(header, rows),
+        "",
+        f"{work['prompt_tokens']} prompt and {work['new_tokens']} new tokens a stream, median (min-max) of "
+        f"{work['rounds']} alternated rounds; perplexity on `bench/data/{text['path']}` in windows of "
+        f"{work['perplexity_context']} tokens (each model's own tokenizer), as bench.perplexity counts it.",
     ]
 
 
@@ -217,9 +256,15 @@ TABLES = (
     engine_table("engine-native", "engine-cpu-native.json"),
     engine_table("engine-one-stream", "engine-cpu-1-stream.json"),
     engine_table("engine-one-team", "engine-cpu-one-team.json"),
-    Table("peer", ("peer-cpu.json",), peer),
+    Table("peer", ("peer-cpu.json",), lambda records: peer_rows(records["peer-cpu.json"].data)),
+    Table(
+        "peer-qwen",
+        ("peer-qwen05-cpu.json",),
+        lambda records: peer_rows(records["peer-qwen05-cpu.json"].data),
+    ),
     Table("facade", ("facade-cpu.json",), facade),
     Table("perplexity", ("perplexity-cpu.json",), perplexity),
+    Table("models", ("models-cpu.json",), models),
     Table("memory-profile", ("memory-profile-cpu.json",), memory_profile),
     Table("mixing", ("mixing-cpu.json",), mixing),
     Table("step-cost", ("step-cost-cpu.json",), step_cost),

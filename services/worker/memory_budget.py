@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from services.worker.memory_limit import MemoryLimit
 
 _ENGINE = "STRATA_WORKER_ENGINE__"
+MOST_USEFUL = "max_num_seqs x max_model_len"
+"""`sized_by` when the budget holds more than every running sequence at full length could use."""
 
 
 class MemoryBudgetError(ValueError):
@@ -81,7 +83,8 @@ class MemoryBudget:
     bytes_per_block: int
     max_model_len: int
     sized_by: str
-    """"memory_utilization", "num_blocks" or "kv_cache_memory_bytes"."""
+    """"memory_utilization", MOST_USEFUL (the budget holds more), "num_blocks" or
+    "kv_cache_memory_bytes"."""
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -128,12 +131,14 @@ def plan(limit: MemoryLimit, profile: MemoryProfile, request: CacheRequest) -> M
         return _explicit(limit, profile, request, budget)
     # Running sequences never hold more than this; blocks past it would be allocated and never used.
     most_useful = request.max_num_seqs * request.blocks_per_request
-    blocks = min(most_useful, max(0, budget - profile.peak_bytes) // per_block)
+    fits = max(0, budget - profile.peak_bytes) // per_block
+    blocks = min(most_useful, fits)
     if blocks < request.blocks_per_request:
         raise MemoryBudgetError(_too_small(limit, profile, request, budget, blocks))
+    sized_by = "memory_utilization" if fits <= most_useful else MOST_USEFUL
     return MemoryBudget(
         limit, request.memory_utilization, budget, profile, blocks, request.block_size, per_block,
-        request.max_model_len, "memory_utilization",
+        request.max_model_len, sized_by,
     )  # fmt: skip
 
 

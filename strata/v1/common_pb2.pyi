@@ -477,7 +477,9 @@ class MemoryBudget(_message.Message):
     largest_context: _builtins.int
     """The longest request the cache holds alone, in tokens."""
     sized_by: _builtins.str
-    """What set the cache's size: "memory_utilization", "num_blocks" or "kv_cache_memory_bytes"."""
+    """What set the cache's size: "memory_utilization", "max_num_seqs x max_model_len" (the budget held
+    more than every running sequence at full length could use), "num_blocks" or "kv_cache_memory_bytes".
+    """
     def __init__(
         self,
         *,

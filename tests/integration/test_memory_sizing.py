@@ -24,7 +24,7 @@ from prometheus_client import REGISTRY
 from services.worker.engine import memory_profile
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.memory_budget import MemoryBudgetError
+from services.worker.memory_budget import MOST_USEFUL, MemoryBudgetError
 from services.worker.memory_limit import cpu_limit
 from services.worker.model.loader import load_model
 from strata.v1 import gateway_pb2, gateway_pb2_grpc
@@ -152,7 +152,9 @@ def test_the_budget_appears_in_the_log_the_metrics_and_list_models(
     (model,) = reply.models
     memory = model.memory
     assert model.kv_cache_tokens == memory.kv_tokens == kv_tokens > 0
-    assert memory.sized_by == "memory_utilization" and memory.memory_utilization == pytest.approx(0.8)
+    # 64 sequences of the tiny model's 256 tokens need far less than the budget: that is its size.
+    assert memory.sized_by == MOST_USEFUL and memory.memory_utilization == pytest.approx(0.8)
+    assert memory.kv_tokens == 64 * 256
     assert memory.limit_bytes > memory.budget_bytes > memory.kv_cache_bytes > 0
     assert memory.weights_bytes > 0 and memory.activation_peak_bytes > 0
     assert memory.largest_context == model.max_model_len == 256

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.memory_budget import CacheRequest, MemoryBudgetError, MemoryProfile, plan
+from services.worker.memory_budget import MOST_USEFUL, CacheRequest, MemoryBudgetError, MemoryProfile, plan
 from services.worker.memory_limit import MemoryLimit
 
 MIB = 2**20
@@ -43,7 +43,10 @@ def test_the_cache_gets_the_budget_less_the_measured_peak_in_whole_blocks() -> N
 def test_the_cache_never_outgrows_what_running_sequences_can_hold() -> None:
     """4 sequences of 8192 tokens hold 2048 blocks at most: a larger budget allocates no more."""
     small = CacheRequest(16, MIB, max_model_len=8192, max_num_seqs=4, memory_utilization=0.8)
-    assert plan(LIMIT, PROFILE, small).num_blocks == 4 * 8192 // 16
+    planned = plan(LIMIT, PROFILE, small)
+    assert planned.num_blocks == 4 * 8192 // 16
+    assert planned.sized_by == MOST_USEFUL
+    assert "sized by max_num_seqs x max_model_len" in planned.describe()
 
 
 def test_a_budget_below_one_full_length_request_refuses_with_the_numbers() -> None:

@@ -113,3 +113,46 @@ def test_each_family_through_the_engine_with_a_prefix_hit_and_chunked_prefill(
     for index, (prompt, tokens) in enumerate(zip(prompts, outputs, strict=True)):
         ref, logits = hf_greedy_reference(hf, prompt, NEW_TOKENS)
         assert_greedy_parity(tokens, ref, logits, context=f"{fixture} prompt {index}")
+
+
+GEMMA3_4X = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 7,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "max_position_embeddings": 1024,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    "query_pre_attn_scalar": 16,
+    "final_logit_softcapping": None,
+}
+
+
+def test_gemma3_reads_the_4x_layout_of_its_config() -> None:
+    """Checkpoints written by transformers 4.x name the pattern and the local RoPE base instead."""
+    config = family_of(GEMMA3_4X).config(GEMMA3_4X)
+    assert config.layer_windows == (512, 512, 512, 512, 512, None, 512)
+    assert (config.rope.rope_type, config.rope.theta, config.rope.factor) == ("linear", 1_000_000.0, 8.0)
+    assert config.sliding_rope is not None and config.sliding_rope.theta == 10_000.0
+    assert config.sliding_rope.rope_type == "default"
+    assert config.attention_scale == 16**-0.5 and config.final_softcap is None
+    assert config.embedding_scale == 8.0 and config.activation == "gelu_tanh"
+
+
+def test_families_refuse_what_they_cannot_serve_with_the_reason() -> None:
+    phi3 = {**GEMMA3_4X, "architectures": ["Phi3ForCausalLM"], "rope_scaling": {"rope_type": "longrope"}}
+    with pytest.raises(ModelLoadError, match="RoPE scaling type 'longrope' is not supported"):
+        family_of(phi3).config(phi3)
+    bidirectional = {**GEMMA3_4X, "use_bidirectional_attention": True}
+    with pytest.raises(ModelLoadError, match="use_bidirectional_attention"):
+        family_of(bidirectional).config(bidirectional)
+    mistral = {**GEMMA3_4X, "architectures": ["MistralForCausalLM"], "layer_types": ["full_attention"] * 7}
+    with pytest.raises(ModelLoadError, match="layer_types"):
+        family_of(mistral).config(mistral)

@@ -51,7 +51,13 @@ def config(raw: dict[str, Any]) -> ModelConfig:
         )
     layers = positive_int(raw, "num_hidden_layers")
     # Gemma 3's own defaults, where a config leaves them out.
-    filled = {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "head_dim": 256, **raw}
+    filled = {
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        **raw,
+    }
     shape = llama_shape({**filled, "rope_parameters": None, "rope_scaling": None}, "Gemma3ForCausalLM")
     windows = windows_from_layer_types(raw, layers)
     if windows is None:
@@ -61,7 +67,7 @@ def config(raw: dict[str, Any]) -> ModelConfig:
     full, local = _ropes(raw, shape.max_position_embeddings)
     return replace(
         shape,
-        activation=activation(raw, "hidden_activation"),
+        activation=activation(filled, "hidden_activation"),
         qk_norm=True,
         sandwich_norms=True,
         layer_windows=windows,
