@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     excluded = special_token_ids(args.model, vocab, None)
     prompts = make_prompts(args.requests, args.prompt_tokens, vocab, excluded, seed=0)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    # Two engines share this process: each gets the blocks its workload holds at most, since one sized
+    # from the machine's memory would leave the other none.
+    block = EngineConfig().block_size
+    blocks = args.requests * -(-(args.prompt_tokens + args.new_tokens) // block) + 1
     engines = {
         mode: LLMEngine(
             loaded,
@@ -88,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_num_seqs=args.requests,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 mixed_batches=mode == "mixed",
+                num_blocks=blocks,
             ),
         )
         for mode in ("mixed", "alternating")

