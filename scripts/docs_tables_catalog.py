@@ -133,6 +133,9 @@ CATALOG: dict[str, Entry] = {
         ENGINE, "bench/step_cost.py", 180, _py("bench.step_cost", *_json("step-cost-cpu.json"))
     ),
     # bench.peer sets these perplexities beside its ratios, so they are rerun first.
+    "run-memory-cpu.json": Entry(
+        STACK, "bench/run_memory.py", 120, _py("bench.run_memory", *_json("run-memory-cpu.json"))
+    ),
     "models-cpu.json": Entry(
         ENGINE, "bench/model_cost.py", 1500, _py("bench.model_cost", *_json("models-cpu.json"))
     ),
@@ -184,6 +187,21 @@ CATALOG: dict[str, Entry] = {
         "bench/stack.py",
         240,
         _strata("--concurrency", "1", "--runs", "3", "--engine-baseline", *_json("stack-1-stream-cpu.json")),
+    ),
+    "stack-rate-qwen-cpu.json": Entry(
+        (*STACK, "configs/qwen.yaml"),
+        "bench/rate.py",
+        900,
+        _strata(
+            "--config",
+            "configs/qwen.yaml",
+            "--rate",
+            "auto",
+            "--ttft-slo-ms",
+            "10000",
+            *_json("stack-rate-qwen-cpu.json"),
+        ),
+        target="make bench-fallback",
     ),
     "stack-rate-cpu.json": Entry(
         STACK, "bench/rate.py", 720, _strata("--rate", "14,28", *_json("stack-rate-cpu.json"))

@@ -47,7 +47,8 @@ def engine_rows(data: Mapping[str, Any]) -> list[str]:
     full = [
         f"{num(data[f'{key}_full_batch_decode_tok_s'])} tok/s {label}"
         for key, label in decode
-        if f"{key}_full_batch_decode_tok_s" in data
+        # A contestant the run left out is None there.
+        if data.get(f"{key}_full_batch_decode_tok_s") is not None
     ]
     if full:
         lines += ["", "While every request decodes: " + ", ".join(full) + "."]
@@ -181,6 +182,40 @@ def models(records: Mapping[str, Record]) -> list[str]:
     ]
 
 
+def run_memory(records: Mapping[str, Record]) -> list[str]:
+    data = records["run-memory-cpu.json"].data
+    mib = 2**20
+    rows = [
+        [
+            f"`{name}`",
+            f"{e['rss_bytes'] / mib:.0f}",
+            f"{e['pss_bytes'] / mib:.0f}",
+            f"{e['hwm_bytes'] / mib:.0f}",
+        ]
+        for name, e in data["services"].items()
+    ]
+    rows.append(
+        [
+            "**in all**",
+            f"**{data['total_rss_bytes'] / 1e9:.2f} GB**",
+            f"{data['total_pss_bytes'] / 1e9:.2f} GB",
+            "-",
+        ]
+    )
+    caches = ", ".join(
+        f"`{name}` {cache['kv_cache_bytes'] / mib:.0f} MiB = {cache['kv_tokens']:,} tokens "
+        f"(sized by {cache['sized_by']})"
+        for name, cache in data["kv_caches"].items()
+    )
+    work = data["workload"]
+    return [
+        *table(["service", "resident (RSS), MiB", "proportional (PSS), MiB", "peak RSS, MiB"], rows),
+        "",
+        f"`{data['config']}` after {work['requests']} requests of {work['new_tokens']} tokens. "
+        f"KV caches: {caches}.",
+    ]
+
+
 def facade(records: Mapping[str, Record]) -> list[str]:
     data = records["facade-cpu.json"].data
     lag = data["facade"]
@@ -266,6 +301,7 @@ TABLES = (
     Table("perplexity", ("perplexity-cpu.json",), perplexity),
     Table("models", ("models-cpu.json",), models),
     Table("memory-profile", ("memory-profile-cpu.json",), memory_profile),
+    Table("run-memory", ("run-memory-cpu.json",), run_memory),
     Table("mixing", ("mixing-cpu.json",), mixing),
     Table("step-cost", ("step-cost-cpu.json",), step_cost),
 )

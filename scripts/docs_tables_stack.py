@@ -258,6 +258,11 @@ TABLES = (
     stack_table("stack-one-stream", "stack-1-stream-cpu.json"),
     Table("request-path", ("request-path.json",), request_path),
     Table("fallback", ("stack-rate-cpu.json",), lambda records: fallback(records, "stack-rate-cpu.json")),
+    Table(
+        "fallback-qwen",
+        ("stack-rate-qwen-cpu.json",),
+        lambda records: fallback(records, "stack-rate-qwen-cpu.json"),
+    ),
     Table("tenants", ("tenants-cpu.json",), tenants),
     Table("http-vs-grpc", ("http-vs-grpc-cpu.json",), http_vs_grpc),
     Table("trace-overhead", ("trace-overhead-cpu.json",), trace_overhead),
