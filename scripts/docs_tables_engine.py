@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from docs_tables_common import Record, Table, num, ratio, spread, stats, table
+from docs_tables_common import Record, Table, met, num, ratio, spread, stats, table
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -194,25 +194,20 @@ def run_memory(records: Mapping[str, Record]) -> list[str]:
         ]
         for name, e in data["services"].items()
     ]
-    rows.append(
-        [
-            "**in all**",
-            f"**{data['total_rss_bytes'] / 1e9:.2f} GB**",
-            f"{data['total_pss_bytes'] / 1e9:.2f} GB",
-            "-",
-        ]
-    )
+    pss, rss = data["total_pss_bytes"] / 1e9, data["total_rss_bytes"] / 1e9
+    rows.append(["**in all**", f"{rss:.2f} GB", f"**{pss:.2f} GB**", "-"])
     caches = ", ".join(
         f"`{name}` {cache['kv_cache_bytes'] / mib:.0f} MiB = {cache['kv_tokens']:,} tokens "
         f"(sized by {cache['sized_by']})"
         for name, cache in data["kv_caches"].items()
     )
-    work = data["workload"]
+    work, target = data["workload"], data["target"]
     return [
         *table(["service", "resident (RSS), MiB", "proportional (PSS), MiB", "peak RSS, MiB"], rows),
         "",
         f"`{data['config']}` after {work['requests']} requests of {work['new_tokens']} tokens. "
-        f"KV caches: {caches}.",
+        f"KV caches: {caches}. Target: at most {target['total_pss_bytes'] / 1e9:g} GB in all, each page "
+        f"counted once (PSS): {met(target['met'])}; summed per process (RSS) the stack holds {rss:.2f} GB.",
     ]
 
 

@@ -33,22 +33,29 @@ from tests.polling import announced_address, wait_for
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_list_models_and_the_metrics_say_the_kernels_serve_the_worker(tiny_serving_dir: Path) -> None:
-    if not native.enabled():
-        pytest.skip("STRATA_NATIVE_KERNELS=off in this run: nothing to report as on")
+def listed_model(model_dir: Path) -> gateway_pb2.ModelInfo:
+    """ListModels' one entry for a tiny stack serving `model_dir`."""
 
-    async def main() -> gateway_pb2.ListModelsResponse:
+    async def main() -> gateway_pb2.ModelInfo:
         async with (
-            tiny_stack(tiny_serving_dir) as stack,
+            tiny_stack(model_dir) as stack,
             grpc.aio.insecure_channel(stack.gateway.address) as channel,
         ):
             stub = gateway_pb2_grpc.GatewayStub(channel)
             reply: gateway_pb2.ListModelsResponse = await stub.ListModels(
                 gateway_pb2.ListModelsRequest(), timeout=WAIT_S
             )
-            return reply
+            (model,) = reply.models
+            return model
 
-    (model,) = asyncio.run(main()).models
+    return asyncio.run(main())
+
+
+def test_list_models_and_the_metrics_say_the_kernels_serve_the_worker(tiny_serving_dir: Path) -> None:
+    if not native.enabled():
+        pytest.skip("STRATA_NATIVE_KERNELS=off in this run: nothing to report as on")
+
+    model = listed_model(tiny_serving_dir)
     state = native.status()
     assert state == f"on ({native.isa()})"
     assert list(model.native_kernels) == [state]
@@ -65,19 +72,7 @@ def test_list_models_names_the_family_and_the_native_paths_it_takes(
     qwen3 = write_tiny_tokenizer(
         build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-serving"), "qwen3", seed=9)
     )
-
-    async def main(directory: Path) -> gateway_pb2.ModelInfo:
-        async with (
-            tiny_stack(directory) as stack,
-            grpc.aio.insecure_channel(stack.gateway.address) as channel,
-        ):
-            stub = gateway_pb2_grpc.GatewayStub(channel)
-            reply: gateway_pb2.ListModelsResponse = await stub.ListModels(
-                gateway_pb2.ListModelsRequest(), timeout=WAIT_S
-            )
-            return reply.models[0]
-
-    llama, qwen = asyncio.run(main(tiny_serving_dir)), asyncio.run(main(qwen3))
+    llama, qwen = listed_model(tiny_serving_dir), listed_model(qwen3)
     assert (llama.model_family, list(llama.native_paths)) == ("llama", ["native decode stack and kernels"])
     assert qwen.model_family == "qwen3"
     assert list(qwen.native_paths) == ["kernels per operator; no native decode stack (q/k norms)"]
