@@ -2,26 +2,31 @@
 
 The tokenizer service and every worker compute the tokenizer's from their own copy of the model
 folder; the worker refuses a gateway whose tokenizer fingerprint differs, so ids can never be read
-with the wrong vocabulary. The weights' fingerprint roots every prefix-cache block hash, since the
-same tokens give other K/V under other weights. This module must not import torch nor the
-tokenizers library: both sides only hash files.
+with the wrong vocabulary, and the gateway sends a stream to a fallback model only when their
+fingerprints agree. The chat template is left out of it: it decides which text a chat becomes, which
+the tokenizer service renders before any id exists, and two models of one family may ship the same
+vocabulary with templates that differ in a byte (Qwen2.5-Coder 0.5B and 1.5B do, in their tools
+section), which must not stop one from continuing the other's ids. The weights' fingerprint roots
+every prefix-cache block hash, since the same tokens give other K/V under other weights. This module
+must not import torch nor the tokenizers library: both sides only hash files.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-# Everything that changes tokenization, special tokens, the chat template or the stop ids.
+# Everything that changes tokenization, special tokens or the stop ids (tokenizer_config.json without
+# its chat_template key).
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "added_tokens.json",
-    "chat_template.jinja",
     "generation_config.json",
     "vocab.json",
     "merges.txt",
@@ -39,6 +44,8 @@ def tokenizer_fingerprint(model_dir: Path) -> str:
             continue
         found += 1
         data = path.read_bytes()
+        if name == "tokenizer_config.json":
+            data = _without_chat_template(data)
         digest.update(f"{name}\0{len(data)}\0".encode())
         digest.update(data)
     if found == 0:
@@ -47,6 +54,19 @@ def tokenizer_fingerprint(model_dir: Path) -> str:
             "point the setting at a model folder (run `strata fetch-model` for the default one)"
         )
     return digest.hexdigest()
+
+
+def _without_chat_template(data: bytes) -> bytes:
+    """tokenizer_config.json's bytes with its chat_template key removed (canonical JSON), or as they
+    are when they are not a JSON object (the tokenizer service refuses such a folder itself)."""
+    try:
+        config = json.loads(data)
+    except ValueError:
+        return data
+    if not isinstance(config, dict):
+        return data
+    config.pop("chat_template", None)
+    return json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
 
 
 # Enough of each weight file to tell two checkpoints apart without reading every byte at start: the

@@ -39,12 +39,15 @@ RECOVERY_BOUND_S = 10.0
 
 @pytest.fixture(scope="module")
 def other_tokenizer_dir(tiny_fallback_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tiny_fallback_dir with its tokenizer_config.json written with another indent."""
+    """tiny_fallback_dir with another decoding setting in its tokenizer_config.json (a tokenizer that
+    turns the same ids into other text)."""
     directory = tmp_path_factory.mktemp("tiny-other")
     for path in tiny_fallback_dir.iterdir():
         shutil.copyfile(path, directory / path.name)
-    config = directory / "tokenizer_config.json"
-    config.write_text(json.dumps(json.loads(config.read_text()), indent=1))
+    path = directory / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["clean_up_tokenization_spaces"] = not config.get("clean_up_tokenization_spaces", False)
+    path.write_text(json.dumps(config))
     return directory
 
 
