@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # its page modules, al
 import docs_tables_engine
 import docs_tables_features
 import docs_tables_levers
+import docs_tables_models
 import docs_tables_stack
 from docs_tables_catalog import CATALOG
 from docs_tables_common import ROOT, Record, Table, awaits_line, load
@@ -40,6 +41,7 @@ END = "<!-- /table -->"
 
 RECORD_TABLES: tuple[Table, ...] = (
     *docs_tables_engine.TABLES,
+    *docs_tables_models.TABLES,
     *docs_tables_levers.TABLES,
     *docs_tables_stack.TABLES,
     *docs_tables_features.TABLES,

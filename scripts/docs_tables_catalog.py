@@ -136,6 +136,9 @@ CATALOG: dict[str, Entry] = {
     "run-memory-cpu.json": Entry(
         STACK, "bench/run_memory.py", 120, _py("bench.run_memory", *_json("run-memory-cpu.json"))
     ),
+    "model-parity-cpu.json": Entry(
+        ENGINE, "bench/model_parity.py", 300, _py("bench.model_parity", *_json("model-parity-cpu.json"))
+    ),
     "models-cpu.json": Entry(
         ENGINE, "bench/model_cost.py", 1500, _py("bench.model_cost", *_json("models-cpu.json"))
     ),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from docs_tables_common import Record, Table, met, num, ratio, spread, stats, table
+from docs_tables_common import Record, Table, num, ratio, spread, stats, table
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -142,75 +142,6 @@ def perplexity(records: Mapping[str, Record]) -> list[str]:
     ]
 
 
-def models(records: Mapping[str, Record]) -> list[str]:
-    data = records["models-cpu.json"].data
-    work = data["workload"]
-    many = str(work["streams"][1])
-    entries = data["models"]
-    base = next(iter(entries.values()))
-    rows = []
-    for name, entry in entries.items():
-        one = entry["streams"]["1"]["decode_tok_s"]
-        batch = entry["streams"][many]["tok_s"]
-        rows.append(
-            [
-                f"`{name}`",
-                f"{entry['weights_bytes'] / 1e9:.2f}",
-                f"{1000 / one['median']:.1f}",
-                stats(one),
-                stats(batch),
-                ratio(base["streams"][many]["tok_s"]["median"] / batch["median"]),
-                f"{entry['perplexity']:.2f}",
-            ]
-        )
-    header = [
-        "model (float32)",
-        "weights, GB",
-        "ms per token, 1 stream",
-        "decode tok/s, 1 stream",
-        f"tok/s, {many} streams",
-        f"cost per token against `{next(iter(entries))}` at {many} streams",
-        "perplexity",
-    ]
-    text = next(iter(entries.values()))["text"]
-    return [
-        *table(header, rows),
-        "",
-        f"{work['prompt_tokens']} prompt and {work['new_tokens']} new tokens a stream, median (min-max) of "
-        f"{work['rounds']} alternated rounds; perplexity on `bench/data/{text['path']}` in windows of "
-        f"{work['perplexity_context']} tokens (each model's own tokenizer), as bench.perplexity counts it.",
-    ]
-
-
-def run_memory(records: Mapping[str, Record]) -> list[str]:
-    data = records["run-memory-cpu.json"].data
-    mib = 2**20
-    rows = [
-        [
-            f"`{name}`",
-            f"{e['rss_bytes'] / mib:.0f}",
-            f"{e['pss_bytes'] / mib:.0f}",
-            f"{e['hwm_bytes'] / mib:.0f}",
-        ]
-        for name, e in data["services"].items()
-    ]
-    pss, rss = data["total_pss_bytes"] / 1e9, data["total_rss_bytes"] / 1e9
-    rows.append(["**in all**", f"{rss:.2f} GB", f"**{pss:.2f} GB**", "-"])
-    caches = ", ".join(
-        f"`{name}` {cache['kv_cache_bytes'] / mib:.0f} MiB = {cache['kv_tokens']:,} tokens "
-        f"(sized by {cache['sized_by']})"
-        for name, cache in data["kv_caches"].items()
-    )
-    work, target = data["workload"], data["target"]
-    return [
-        *table(["service", "resident (RSS), MiB", "proportional (PSS), MiB", "peak RSS, MiB"], rows),
-        "",
-        f"`{data['config']}` after {work['requests']} requests of {work['new_tokens']} tokens. "
-        f"KV caches: {caches}. Target: at most {target['total_pss_bytes'] / 1e9:g} GB in all, each page "
-        f"counted once (PSS): {met(target['met'])}; summed per process (RSS) the stack holds {rss:.2f} GB.",
-    ]
-
-
 def facade(records: Mapping[str, Record]) -> list[str]:
     data = records["facade-cpu.json"].data
     lag = data["facade"]
@@ -294,9 +225,7 @@ TABLES = (
     ),
     Table("facade", ("facade-cpu.json",), facade),
     Table("perplexity", ("perplexity-cpu.json",), perplexity),
-    Table("models", ("models-cpu.json",), models),
     Table("memory-profile", ("memory-profile-cpu.json",), memory_profile),
-    Table("run-memory", ("run-memory-cpu.json",), run_memory),
     Table("mixing", ("mixing-cpu.json",), mixing),
     Table("step-cost", ("step-cost-cpu.json",), step_cost),
 )

