@@ -200,6 +200,8 @@ CATALOG: dict[str, Entry] = {
             "configs/qwen.yaml",
             "--rate",
             "auto",
+            "--rate-factor",
+            "4",
             "--ttft-slo-ms",
             "10000",
             *_json("stack-rate-qwen-cpu.json"),
