@@ -75,7 +75,9 @@ def write_config(directory: Path, model: Path, prefix_tokens: int) -> Path:
         "threads": 1,
         "omp_wait_policy": "PASSIVE",
         "max_requests": 64,
-        "engine": {"max_num_seqs": 64, "max_num_batched_tokens": 512},
+        # Two workers on one machine: each plans for a share, since two at the default 0.8 of the
+        # available memory over-commit it (the kernel killed one while it loaded).
+        "engine": {"max_num_seqs": 64, "max_num_batched_tokens": 512, "memory_utilization": 0.3},
     }
     config = {
         "telemetry": {"log_format": "text", "metrics_listen": "127.0.0.1:0"},
