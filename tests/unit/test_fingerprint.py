@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
 
-def _folder(directory: Path, config: dict[str, object], vocab: dict[str, int]) -> Path:
+def _folder(directory: Path, config: dict[str, str], vocab: dict[str, int]) -> Path:
     directory.mkdir()
     (directory / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": vocab}}))
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
