@@ -128,12 +128,13 @@ def test_models_lists_the_route(gateway: str) -> None:
     assert done.returncode == 0, done.stderr
     row = next(line for line in done.stdout.splitlines() if line.startswith("tiny"))
     # KV TOKENS: the tiny config's 128 blocks of 16 tokens.
-    assert row.split()[:6] == ["tiny", "*", "256", "2048", "1/1", "ready"]
+    assert row.split()[:7] == ["tiny", "*", "llama", "256", "2048", "1/1", "ready"]
     header = done.stdout.splitlines()[0]
     assert header.rstrip().endswith("NATIVE KERNELS")
     # The worker is a process of this machine, started with this environment: its kernels' state is
-    # the one this process finds.
-    assert row[header.index("NATIVE KERNELS") :].strip() == native.status()
+    # the one this process finds, then the native paths its model's family takes.
+    kernels = row[header.index("NATIVE KERNELS") :].strip()
+    assert kernels == f"{native.status()}; native decode stack and kernels"
 
 
 def test_address_comes_from_the_environment(gateway: str) -> None:
