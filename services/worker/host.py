@@ -10,7 +10,8 @@ load from the same folder, its fingerprint checked against the one gateways must
 reach it only through the StreamHost protocol (connection.py).
 Each engine step it hands every stream its outputs, then every stream its credits, so no stream
 reads credits that another stream's finished requests are about to free. This module must not
-speak gRPC (server.py does) nor build stream messages (connection.py does).
+speak gRPC (server.py does), build stream messages (connection.py does) nor read the engine into
+info, stats and step messages (reports.py does).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.worker.connection import Connection
-from services.worker.convert import memory_budget
 from services.worker.credits import CreditPool
 from services.worker.device_memory import device_memory_bytes
 from services.worker.engine.async_engine import AsyncEngine, EngineDeadError
@@ -34,7 +34,7 @@ from services.worker.engine.grammar_compiler import GrammarCompiler
 from services.worker.engine.params import InvalidRequestError, SamplingParams
 from services.worker.errors import DrainingError, HelloMismatchError, NotReadyError, ProtocolError
 from services.worker.metrics import EngineMetrics
-from services.worker.model import native
+from services.worker.reports import add_engine_info, native_kernels_state, step_info, worker_stats
 from services.worker.request_spans import WorkerSpans
 from strata.fingerprint import tokenizer_fingerprint
 from strata.tracing import Tracing
@@ -127,7 +127,8 @@ class WorkerHost:
             self.grammars = await asyncio.to_thread(self._build_grammars)
             self.engine.add_step_listener(self._on_step, self._on_failure)
             await self._warm_up()
-            self.native_kernels = self._native_kernels()
+            self.native_kernels = native_kernels_state(self.device, self.engine.engine)
+            self.metrics.set_native_kernels(self.native_kernels)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -136,32 +137,6 @@ class WorkerHost:
         if self.state is State.LOADING:
             self.state = State.READY
             self.ready.set()
-
-    def _native_kernels(self) -> str:
-        """The kernels' state after the warm-up ran them; a CPU worker that wanted them and cannot
-        load them says so at start, in its metrics and in GetWorkerInfo, not in one line of a log."""
-        if not self.device.startswith("cpu"):
-            state = f"not used (they are CPU kernels; this worker runs on {self.device})"
-        else:
-            state = native.status()
-            if native.enabled() and native.library() is None:
-                log.warning(
-                    "NATIVE CPU KERNELS OFF: serving through torch's operators, about 1.5x slower "
-                    "per decode step: %s",
-                    state,
-                )
-            else:
-                loaded = self.engine.engine.runner.loaded
-                # A family the native decode stack does not cover says so once, where operators look.
-                log.info(
-                    "native CPU kernels: %s; %s %s: %s",
-                    state,
-                    loaded.family,
-                    loaded.config.architecture,
-                    loaded.model.native_paths.describe(),
-                )
-        self.metrics.set_native_kernels(state)
-        return state
 
     def _build_grammars(self) -> GrammarCompiler | None:
         path = self.settings.model_path
@@ -357,45 +332,9 @@ class WorkerHost:
             dtype=str(self.dtype).removeprefix("torch."),
             native_kernels=self.native_kernels,
         )
-        with contextlib.suppress(EngineDeadError):
-            engine = self.engine.engine
-            info.max_model_len = engine.max_model_len
-            info.eos_token_ids.extend(engine.model_config.eos_token_ids)
-            info.memory.CopyFrom(memory_budget(engine.memory))
-            loaded = engine.runner.loaded
-            info.model_family = loaded.family
-            info.native_paths = loaded.model.native_paths.describe()
+        add_engine_info(info, self.engine)
         return info
 
     def stats(self) -> worker_pb2.GetWorkerStatsResponse:
         """The engine's snapshot after its last step, plus the streams' open requests."""
-        response = worker_pb2.GetWorkerStatsResponse(open_requests=self.credits.open)
-        with contextlib.suppress(EngineDeadError):
-            stats = self.engine.stats()
-            response.running = stats.num_running
-            response.waiting = stats.num_waiting
-            response.used_kv_blocks = stats.num_blocks - stats.num_free_blocks
-            response.total_kv_blocks = stats.num_blocks
-            response.free_kv_tokens = stats.free_kv_tokens
-            response.steps = stats.num_steps
-            response.cached_kv_blocks = stats.num_cached_blocks
-            response.evictable_kv_blocks = stats.num_evictable_blocks
-            response.prefix_cache_evictions = stats.num_evictions
-            response.prefix_cache_query_blocks = stats.prefix_query_blocks
-            response.prefix_cache_hit_blocks = stats.prefix_hit_blocks
-        return response
-
-
-def step_info(report: StepReport) -> worker_pb2.StepInfo:
-    """The step as the Connect stream reports it; its duration is the step span's."""
-    stats = report.stats
-    return worker_pb2.StepInfo(
-        step=stats.num_steps,
-        duration_ms=(report.ended - report.started) * 1000.0,
-        decodes=stats.last_num_decodes,
-        prefill_tokens=stats.last_batch_tokens - stats.last_num_decodes,
-        running=stats.num_running,
-        waiting=stats.num_waiting,
-        max_running=stats.effective_max_num_seqs,
-        prefill_budget=stats.prefill_budget,
-    )
+        return worker_stats(self.credits.open, self.engine)
