@@ -75,6 +75,8 @@ class RouteStatus:
     """The family the first ready worker reports; empty before one is ready."""
     native_paths: tuple[str, ...]
     """The native CPU paths' distinct descriptions on the ready workers."""
+    weights_format: tuple[str, ...]
+    """How the ready workers hold their weights, each distinct answer once."""
 
 
 class Route:
@@ -167,6 +169,7 @@ class Route:
             native_kernels=tuple(dict.fromkeys(info.native_kernels for info in ready if info.native_kernels)),
             model_family=next((info.model_family for info in ready if info.model_family), ""),
             native_paths=tuple(dict.fromkeys(info.native_paths for info in ready if info.native_paths)),
+            weights_format=tuple(dict.fromkeys(info.weights_format for info in ready if info.weights_format)),
         )
 
     def free_credits(self) -> int:

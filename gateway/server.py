@@ -155,6 +155,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     native_kernels=status.native_kernels,
                     model_family=status.model_family,
                     native_paths=status.native_paths,
+                    weights_format=status.weights_format,
                 )
             )
         tenants = self._pipeline.tenants.status()

@@ -149,3 +149,27 @@ def paged_greedy_generate(
                 out.append(int(token))
             lengths = [n + 1 for n in lengths]
     return outputs
+
+
+def prefill_logits(model: CausalLM, prompts: Sequence[Sequence[int]], block_size: int = 16) -> Tensor:
+    """Our model's float32 logits at each prompt's last position [len(prompts), vocab], from one
+    batched prefill forward over a fresh paged cache."""
+    config = model.config
+    needed = [-(-len(p) // block_size) for p in prompts]
+    starts = [sum(needed[:i]) for i in range(len(prompts))]
+    tables = [list(range(start, start + count)) for start, count in zip(starts, needed, strict=True)]
+    cache = KVCache.allocate(config, sum(needed), block_size, model.dtype, model.device)
+    lengths = [len(p) for p in prompts]
+    meta = AttentionMetadata.build(
+        query_lens=lengths,
+        context_lens=lengths,
+        block_tables=tables,
+        block_size=block_size,
+        device=model.device,
+        num_decodes=0,
+    )
+    ids = torch.tensor([t for p in prompts for t in p], device=model.device)
+    positions = torch.tensor([i for p in prompts for i in range(len(p))], device=model.device)
+    with torch.inference_mode():
+        hidden = model(ids, positions, meta, cache)
+        return model.compute_logits(hidden.index_select(0, meta.last_token_indices))

@@ -257,19 +257,19 @@ def _models(args: argparse.Namespace) -> int:
             reply = client.list_models(timeout=args.timeout)
         except grpc.RpcError as error:
             return _rpc_failed(error)
-    rows = [("MODEL", "FAMILY", "CONTEXT", "KV TOKENS", "WORKERS", "FALLBACK", "NATIVE KERNELS")]
+    rows = [("MODEL", "FAMILY", "CONTEXT", "KV TOKENS", "WORKERS", "FALLBACK", "WEIGHTS", "NATIVE KERNELS")]
     for model in reply.models:
         name = model.name + (" *" if model.name == reply.default_model else "")
         workers = f"{model.ready_workers}/{model.configured_workers} ready"
         kv = str(model.kv_cache_tokens)
         kernels = "; ".join([*model.native_kernels, *model.native_paths]) or "-"
         family = model.model_family or "-"
-        rows.append(
-            (name, family, str(model.max_model_len), kv, workers, model.fallback_model or "-", kernels)
-        )
-    widths = [max(len(row[column]) for row in rows) for column in range(6)]
+        weights = "; ".join(model.weights_format) or "-"
+        fallback = model.fallback_model or "-"
+        rows.append((name, family, str(model.max_model_len), kv, workers, fallback, weights, kernels))
+    widths = [max(len(row[column]) for row in rows) for column in range(7)]
     for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)) + "  " + row[6])
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)) + "  " + row[7])
     print("(* the default model)")
     if len(reply.tenants) > 1 or any(t.running or t.queued for t in reply.tenants):
         print()

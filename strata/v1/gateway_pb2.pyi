@@ -582,6 +582,7 @@ class ModelInfo(_message.Message):
     NATIVE_KERNELS_FIELD_NUMBER: _builtins.int
     MODEL_FAMILY_FIELD_NUMBER: _builtins.int
     NATIVE_PATHS_FIELD_NUMBER: _builtins.int
+    WEIGHTS_FORMAT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The name to put in GenerateRequest.model."""
     max_model_len: _builtins.int
@@ -618,6 +619,12 @@ class ModelInfo(_message.Message):
         entry per distinct answer.
         """
 
+    @_builtins.property
+    def weights_format(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """How the weights are held on each ready worker (GetWorkerInfo's weights_format); one entry per
+        distinct answer.
+        """
+
     def __init__(
         self,
         *,
@@ -634,10 +641,11 @@ class ModelInfo(_message.Message):
         native_kernels: _abc.Iterable[_builtins.str] | None = ...,
         model_family: _builtins.str = ...,
         native_paths: _abc.Iterable[_builtins.str] | None = ...,
+        weights_format: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["memory", b"memory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["configured_workers", b"configured_workers", "fallback_enabled", b"fallback_enabled", "fallback_model", b"fallback_model", "kv_cache_tokens", b"kv_cache_tokens", "max_model_len", b"max_model_len", "memory", b"memory", "model_family", b"model_family", "name", b"name", "native_kernels", b"native_kernels", "native_paths", b"native_paths", "queued_requests", b"queued_requests", "ready_workers", b"ready_workers", "tokenizer_fingerprint", b"tokenizer_fingerprint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["configured_workers", b"configured_workers", "fallback_enabled", b"fallback_enabled", "fallback_model", b"fallback_model", "kv_cache_tokens", b"kv_cache_tokens", "max_model_len", b"max_model_len", "memory", b"memory", "model_family", b"model_family", "name", b"name", "native_kernels", b"native_kernels", "native_paths", b"native_paths", "queued_requests", b"queued_requests", "ready_workers", b"ready_workers", "tokenizer_fingerprint", b"tokenizer_fingerprint", "weights_format", b"weights_format"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

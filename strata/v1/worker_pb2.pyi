@@ -466,6 +466,7 @@ class GetWorkerInfoResponse(_message.Message):
     NATIVE_KERNELS_FIELD_NUMBER: _builtins.int
     MODEL_FAMILY_FIELD_NUMBER: _builtins.int
     NATIVE_PATHS_FIELD_NUMBER: _builtins.int
+    WEIGHTS_FORMAT_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model name."""
     tokenizer_fingerprint: _builtins.str
@@ -487,6 +488,10 @@ class GetWorkerInfoResponse(_message.Message):
     native_paths: _builtins.str
     """Which native CPU paths the model's layers take: "native decode stack and kernels", or "kernels per
     operator; no native decode stack (why)"; empty while the model loads.
+    """
+    weights_format: _builtins.str
+    """How the weights are held: "float32", "float32, dynamic-int8", or a GGUF file's types as stored
+    and dequantized ("GGUF as stored: Q4_K x48, Q6_K x13"); empty while the model loads.
     """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -510,10 +515,11 @@ class GetWorkerInfoResponse(_message.Message):
         native_kernels: _builtins.str = ...,
         model_family: _builtins.str = ...,
         native_paths: _builtins.str = ...,
+        weights_format: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["memory", b"memory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "max_model_len", b"max_model_len", "max_requests", b"max_requests", "memory", b"memory", "model", b"model", "model_family", b"model_family", "native_kernels", b"native_kernels", "native_paths", b"native_paths", "tokenizer_fingerprint", b"tokenizer_fingerprint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "max_model_len", b"max_model_len", "max_requests", b"max_requests", "memory", b"memory", "model", b"model", "model_family", b"model_family", "native_kernels", b"native_kernels", "native_paths", b"native_paths", "tokenizer_fingerprint", b"tokenizer_fingerprint", "weights_format", b"weights_format"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -135,6 +135,7 @@ def test_models_lists_the_route(gateway: str) -> None:
     # the one this process finds, then the native paths its model's family takes.
     kernels = row[header.index("NATIVE KERNELS") :].strip()
     assert kernels == f"{native.status()}; native decode stack and kernels"
+    assert row[header.index("WEIGHTS") : header.index("NATIVE KERNELS")].strip() == "float32"
 
 
 def test_address_comes_from_the_environment(gateway: str) -> None:

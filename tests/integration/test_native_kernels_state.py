@@ -26,6 +26,7 @@ from prometheus_client import REGISTRY
 from services.worker.model import native
 from services.worker.server import SERVICE_NAME
 from strata.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2
+from tests.gguf_blocks import T
 from tests.integration.tiny_stack import tiny_stack
 from tests.integration.worker_harness import ENGINE, WAIT_S, async_stub, worker_process
 from tests.polling import announced_address, wait_for
@@ -62,20 +63,28 @@ def test_list_models_and_the_metrics_say_the_kernels_serve_the_worker(tiny_servi
     assert REGISTRY.get_sample_value("strata_native_kernels", {"model": "tiny", "state": state}) == 1.0
 
 
-def test_list_models_names_the_family_and_the_native_paths_it_takes(
+def test_list_models_names_the_family_the_weights_and_the_native_paths_it_takes(
     tiny_serving_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """A Qwen3 model (q/k norms: no native decode stack) says so beside the default Llama one."""
+    """A Qwen3 model (q/k norms: no native decode stack) says so beside the default Llama one; a GGUF
+    file served through the whole stack names its types as stored."""
     from tests.conftest import build_tiny_model
+    from tests.gguf_files import write_gguf
     from tests.tiny_tokenizer import write_tiny_tokenizer
 
     qwen3 = write_tiny_tokenizer(
         build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-serving"), "qwen3", seed=9)
     )
-    llama, qwen = listed_model(tiny_serving_dir), listed_model(qwen3)
+    checkpoint = build_tiny_model(tmp_path_factory.mktemp("tiny-gguf-source"), "llama", seed=3)
+    gguf = write_tiny_tokenizer(tmp_path_factory.mktemp("tiny-gguf-serving"))
+    write_gguf(checkpoint, gguf / "tiny.gguf", "llama", lambda name: T.Q4_0 if "mlp" in name else T.Q8_0)
+    llama, qwen, served = listed_model(tiny_serving_dir), listed_model(qwen3), listed_model(gguf)
     assert (llama.model_family, list(llama.native_paths)) == ("llama", ["native decode stack and kernels"])
+    assert list(llama.weights_format) == ["float32"]
     assert qwen.model_family == "qwen3"
     assert list(qwen.native_paths) == ["kernels per operator; no native decode stack (q/k norms)"]
+    # Per layer (3) the fused q/k/v and o in Q8_0, gate/up and down in Q4_0; embeddings and lm_head Q8_0.
+    assert list(served.weights_format) == ["GGUF as stored: Q4_0 x6, Q8_0 x8"]
 
 
 def _metrics(announce: Path) -> str:

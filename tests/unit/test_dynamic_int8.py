@@ -88,7 +88,9 @@ def _float_projection(full: LoadedModel, name: str) -> tuple[torch.Tensor, torch
     """The float32 weight and bias of projection `name` (a tied vocabulary projection: the embeddings)."""
     modules = dict(full.model.named_modules())
     if name == "lm_head" and full.model.lm_head is None:
-        return full.model.embed_tokens.weight, None
+        embeddings = full.model.embed_tokens
+        assert isinstance(embeddings, nn.Embedding)
+        return embeddings.weight, None
     linear = modules[name]
     assert isinstance(linear, nn.Linear)
     return linear.weight, linear.bias
@@ -143,7 +145,9 @@ def test_projections_are_int8_and_the_rest_stays_float32(
     assert head.large.weight.dtype == torch.float32
     if loaded.config.tie_word_embeddings:
         # Larger batches project on the embedding matrix itself: no float32 copy was made.
-        assert head.large.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+        embeddings = model.embed_tokens
+        assert isinstance(embeddings, nn.Embedding)
+        assert head.large.weight.data_ptr() == embeddings.weight.data_ptr()
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_llama_untied_dir"])

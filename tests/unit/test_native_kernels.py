@@ -119,14 +119,16 @@ def test_small_linear_calls_the_kernel_only_where_it_applies(monkeypatch: pytest
 
 @pytest.mark.parametrize("cap", ["avx2", "portable"])
 def test_every_kernel_matches_torch_on_each_lower_instruction_set(cap: str) -> None:
-    """STRATA_NATIVE_ISA caps the instruction set: this file's kernel tests, and the decode stack's
-    bit-equality tests, rerun on each lower one, so the AVX2 and portable code paths are checked even
-    on an AVX-512 machine."""
+    """STRATA_NATIVE_ISA caps the instruction set: this file's kernel tests, the decode stack's
+    bit-equality tests and the GGUF kernels' tests rerun on each lower one, so the AVX2 and portable
+    code paths are checked even on an AVX-512 machine."""
     if cap == "avx2" and native.isa() == "portable":
         pytest.skip("this CPU has no AVX2")
     env = {**os.environ, "STRATA_NATIVE_ISA": cap, "STRATA_NATIVE_ISA_CHECKED": cap}
-    stack_tests = str(Path(__file__).with_name("test_decode_stack.py"))
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, stack_tests]
+    others = [
+        str(Path(__file__).with_name(name)) for name in ("test_decode_stack.py", "test_gguf_kernels.py")
+    ]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, *others]
     # Not this test again, nor the switch test, which starts a process of its own for nothing new here.
     command += ["-k", "not lower_instruction and not environment_switch"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)

@@ -133,7 +133,11 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
             f"{directory} has no config.json: point at a Hugging Face model directory "
             "(config.json plus *.safetensors)"
         )
-    raw = read_json(config_path)
+    return merge_generation_eos(read_json(config_path), directory)
+
+
+def merge_generation_eos(raw: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """raw with the EOS ids of the folder's generation_config.json (when it has one) added to its own."""
     generation_path = directory / "generation_config.json"
     if generation_path.is_file():
         own = token_ids(raw.get("eos_token_id"))

@@ -126,6 +126,8 @@ class DecoderLM(CausalLM):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         if self.lm_head is None:
+            if not isinstance(self.embed_tokens, nn.Embedding):
+                raise TypeError("a tied model with quantized embeddings projects through its lm_head")
             logits = linear(hidden, self.embed_tokens.weight).float()
         else:
             logits = project(self.lm_head, hidden).float()

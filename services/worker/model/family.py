@@ -63,7 +63,8 @@ class CausalLM(nn.Module, ABC):
     """A decoder-only language model over the paged KV cache (see the module docstring)."""
 
     config: ModelConfig
-    embed_tokens: nn.Embedding
+    embed_tokens: nn.Module
+    """nn.Embedding, or an embedding that reads quantized rows (gguf_linear.GgufEmbedding)."""
     layers: nn.ModuleList
     norm: nn.Module
     lm_head: nn.Module | None
@@ -93,11 +94,12 @@ class CausalLM(nn.Module, ABC):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        # The final norm's weight: always a dense tensor of the model's dtype, whatever the embeddings.
+        return next(self.norm.parameters()).dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return next(self.norm.parameters()).device
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,8 @@
-"""Load a model of any registered family from a local Hugging Face directory: config.json plus safetensors.
+"""Load a model of any registered family from a local folder: config.json plus safetensors, or a GGUF file.
 
-This module owns finding the weight files (one file, or shards named by model.safetensors.index.json),
+This module owns finding the weight files (one file, or shards named by model.safetensors.index.json,
+or one *.gguf whose metadata is the config: gguf_file.py reads it, gguf_serving.py decides what of
+it is served as stored),
 checking every tensor the family's config implies is there with the right shape, handing them to
 the family for renaming and fusion (registry.py picks the family; it sees only the CausalLM and
 Family interfaces of family.py), choosing the dtype by device, and optional quantization of the
@@ -16,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from safetensors import safe_open
@@ -30,8 +32,10 @@ from services.worker.model.dynamic_int8 import (
     quantize_dynamic_int8,
     quantize_weight_only_int8,
 )
+from services.worker.model.gguf_file import find_gguf, read_gguf_config, read_gguf_tensors
+from services.worker.model.gguf_serving import serve_stored
 from services.worker.model.quant import QUANTIZATION_MODES, import_bitsandbytes, quantize_linears
-from services.worker.model.registry import load_config
+from services.worker.model.registry import family_of, load_config
 
 if TYPE_CHECKING:
     from services.worker.model.config import ModelConfig
@@ -55,6 +59,8 @@ class LoadedModel:
     quantization: str | None = None
     family: str = ""
     """The registry's name of the model's family ("llama", "qwen2", ...)."""
+    weights_format: str = ""
+    """How the weights are held: "float32", "float32, dynamic-int8", or a GGUF file's types."""
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -80,24 +86,40 @@ def load_model(
     bitsandbytes = quantization in QUANTIZATION_MODES
     if bitsandbytes and quantization is not None:
         import_bitsandbytes(quantization)
-    family, config = load_config(directory)
+    gguf = _gguf_weights(directory, quantization)
+    if gguf is None:
+        family, config = load_config(directory)
+    else:
+        raw = read_gguf_config(gguf)
+        family = family_of(raw)
+        config = family.config(raw)
     # bitsandbytes layers are built from CPU floats, so a float copy never lands on the accelerator.
     staging = torch.device("cpu") if bitsandbytes else target
     with torch.device("meta"):
         model = family.build(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    tensors = _read_tensors(directory, family, config, dtype, staging)
-    weights = family.state_dict(tensors, config)
-    for name, tensor in weights.items():
+    if gguf is None:
+        converted = family.state_dict(_read_tensors(directory, family, config, dtype, staging), config)
+    else:
+        # GgufWeight takes part in a family's conversion as a tensor-like (torch.cat only).
+        tensors = cast("dict[str, Tensor]", read_gguf_tensors(gguf, family.checkpoint_names(config), dtype))
+        converted = family.state_dict(tensors, config)
+    for name, tensor in converted.items():
         if name not in expected:
             raise ModelLoadError(
                 f"{directory}: the {family.name} family made a tensor {name} its model lacks"
             )
         if tuple(tensor.shape) != expected[name]:
             raise ModelLoadError(
-                f"{directory}: tensor {name} has shape {tuple(tensor.shape)}, config.json implies "
+                f"{directory}: tensor {name} has shape {tuple(tensor.shape)}, its config implies "
                 f"{expected[name]}: the weights do not match the config"
             )
+    if gguf is None:
+        weights = converted
+        weights_format = str(dtype).removeprefix("torch.") + (f", {quantization}" if quantization else "")
+    else:
+        served = serve_stored(model, converted, dtype, target)
+        weights, weights_format = served.weights, served.format
     model.load_state_dict(weights, strict=True, assign=True)
     if quantization == DYNAMIC_INT8:
         quantize_dynamic_int8(model)
@@ -108,7 +130,7 @@ def load_model(
     model.to(target)
     model.eval()
     model.requires_grad_(False)
-    return LoadedModel(model, config, directory, dtype, target, quantization, family.name)
+    return LoadedModel(model, config, directory, dtype, target, quantization, family.name, weights_format)
 
 
 def _check_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype) -> None:
@@ -129,6 +151,25 @@ def _check_quantization(quantization: str | None, device: torch.device, dtype: t
             f"quantization={quantization!r} computes in float32, not {dtype}: "
             "set dtype to float32 (or auto on the CPU)"
         )
+
+
+def _gguf_weights(directory: Path, quantization: str | None) -> Path | None:
+    """The folder's GGUF file when that is its weights; a folder with safetensors too is refused, and
+    so is quantizing a GGUF again."""
+    gguf = find_gguf(directory)
+    if gguf is None:
+        return None
+    if any(directory.glob("*.safetensors")):
+        raise ModelLoadError(
+            f"{directory} holds both {gguf.name} and safetensors weights: keep one set of weights per "
+            "model folder (move the other to a folder of its own)"
+        )
+    if quantization is not None:
+        raise ModelLoadError(
+            f"quantization={quantization!r} on {gguf.name}: a GGUF file is served in the types it stores; "
+            "leave quantization unset, or use a smaller GGUF file (Q4_K_M of a Q8_0, say) as the fallback"
+        )
+    return gguf
 
 
 def _weight_files(directory: Path) -> list[Path]:

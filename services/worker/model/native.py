@@ -169,6 +169,15 @@ class Library:
         self.decode_stack = library.strata_decode_stack
         self.decode_stack.restype = None
         self.decode_stack.argtypes = [_P, _I64, _P, _P, _P, _P, _P]
+        self.gguf_supported = library.strata_gguf_supported
+        self.gguf_supported.restype = ctypes.c_int
+        self.gguf_supported.argtypes = [_I64, _I64]
+        self.gguf_dequantize = library.strata_gguf_dequantize
+        self.gguf_dequantize.restype = None
+        self.gguf_dequantize.argtypes = [_I64, _P, _P, _I64, _I64]
+        self.gguf_linear = library.strata_gguf_linear
+        self.gguf_linear.restype = None
+        self.gguf_linear.argtypes = [_I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64]
         self.rotary = library.strata_rotary
         self.rotary.restype = None
         self.rotary.argtypes = [_P, _P, _P, _I64, _I64, _I64, _I64]

@@ -34,6 +34,7 @@ struct Problem {
   const float* bias;   // nullptr when the layer has none
   float* y;
   int64_t m, n, k;
+  int64_t ldy;  // elements between rows of y: n, or more when the rows are a tile of a wider output
 
   // Spelled out as one fused multiply-add where there are both: left to the compiler, dot * scale + bias
   // is contracted in some tile instantiations and not in others, and a row's bits would then depend
@@ -92,7 +93,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void tile_avx512(const Prob
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < MB; ++i) p.y[(m0 + i) * p.n + row + r] = p.finish(_mm512_reduce_add_ps(acc[r][i]), row + r);
+    for (int i = 0; i < MB; ++i) p.y[(m0 + i) * p.ldy + row + r] = p.finish(_mm512_reduce_add_ps(acc[r][i]), row + r);
 }
 
 __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
@@ -124,7 +125,7 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const Problem<W>& p, int64_t 
     for (int i = 0; i < MB; ++i) {
       float tail = 0.0f;
       for (int64_t j = k; j < p.k; ++j) tail = std::fma(static_cast<float>(w[r * p.k + j]), x[i * p.k + j], tail);
-      p.y[(m0 + i) * p.n + row + r] = p.finish(hsum256(acc[r][i]) + tail, row + r);
+      p.y[(m0 + i) * p.ldy + row + r] = p.finish(hsum256(acc[r][i]) + tail, row + r);
     }
   }
 }
@@ -137,7 +138,7 @@ void tile_portable(const Problem<W>& p, int64_t row, int64_t m0) {
       const float* x = p.x + (m0 + i) * p.k;
       float sum = 0.0f;
       for (int64_t j = 0; j < p.k; ++j) sum += static_cast<float>(w[j]) * x[j];
-      p.y[(m0 + i) * p.n + row + r] = p.finish(sum, row + r);
+      p.y[(m0 + i) * p.ldy + row + r] = p.finish(sum, row + r);
     }
   }
 }
@@ -214,12 +215,18 @@ void run_part(const Tiles<W>& tiles, const Problem<W>& p, int64_t part, int64_t 
 
 void strata::small_linear_part(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t n,
                                int64_t k, int64_t part, int64_t parts) {
-  run_part(kernel_isa().f32, Problem<float>{x, w, nullptr, bias, y, m, n, k}, part, parts);
+  run_part(kernel_isa().f32, Problem<float>{x, w, nullptr, bias, y, m, n, k, n}, part, parts);
 }
 
 void strata::small_linear_int8_part(const float* x, const int8_t* w, const float* scale, const float* bias,
                                     float* y, int64_t m, int64_t n, int64_t k, int64_t part, int64_t parts) {
-  run_part(kernel_isa().i8, Problem<int8_t>{x, w, scale, bias, y, m, n, k}, part, parts);
+  run_part(kernel_isa().i8, Problem<int8_t>{x, w, scale, bias, y, m, n, k, n}, part, parts);
+}
+
+void strata::small_linear_rows(const float* x, const float* w, const float* bias, float* y, int64_t m,
+                               int64_t rows, int64_t k, int64_t ldy) {
+  const Problem<float> p{x, w, nullptr, bias, y, m, rows, k, ldy};
+  tile_range(kernel_isa().f32, p, 0, tile_count(p));
 }
 
 extern "C" {
@@ -230,12 +237,12 @@ const char* strata_small_linear_isa() { return kernel_isa().name; }
 // x [m, k], w [n, k], bias [n] or null, y [m, n]: all contiguous float32, y not aliasing the others.
 void strata_small_linear(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t n,
                          int64_t k) {
-  run(kernel_isa().f32, Problem<float>{x, w, nullptr, bias, y, m, n, k});
+  run(kernel_isa().f32, Problem<float>{x, w, nullptr, bias, y, m, n, k, n});
 }
 
 // As strata_small_linear with w [n, k] int8 and y = (x . w^T) * scale[n] + bias: scale float32 [n].
 void strata_small_linear_int8(const float* x, const int8_t* w, const float* scale, const float* bias, float* y,
                               int64_t m, int64_t n, int64_t k) {
-  run(kernel_isa().i8, Problem<int8_t>{x, w, scale, bias, y, m, n, k});
+  run(kernel_isa().i8, Problem<int8_t>{x, w, scale, bias, y, m, n, k, n});
 }
 }

@@ -1,0 +1,178 @@
+// y[M, N] = x[M, K] . w[N, K]^T (+ bias) for a weight kept as GGUF blocks, and that weight's
+// dequantization.
+//
+// The weight never exists as float32 in memory: each thread takes tiles of kTileRows weight rows,
+// dequantizes a tile into a buffer of its own (a few KiB, in L1 or L2) and multiplies every row of x by
+// it with small_linear.cpp's float32 tiles, so the bytes crossing the memory bus are the file's. Each
+// output element is the float32 kernel's sum over the dequantized row, so the result equals
+// strata_small_linear on the dequantized weight bit for bit, whatever M, the tile or the thread; and
+// the dequantized values equal the gguf package's (gguf_blocks.h). The block decoding is chosen at run
+// time like every kernel here (isa.h): AVX-512, AVX2 or the portable build. Types: Q4_0, Q4_1, Q5_0,
+// Q5_1, Q8_0, Q4_K, Q5_K and Q6_K (ggml's type ids); strata_gguf_supported says which.
+
+// The dequantization must round q * d and + m (or - m) separately, as the gguf package does.
+#pragma GCC optimize("fp-contract=off")
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "isa.h"
+#include "kernels.h"
+
+namespace {
+
+// ggml's type ids (gguf's GGMLQuantizationType).
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+constexpr int64_t kTileRows = 4;          // weight rows dequantized per tile
+constexpr int64_t kGrainBytes = 1 << 15;  // stored weight bytes per parallel chunk, at least
+
+// A float16's exact float32 value (normal, subnormal, zero, infinity and NaN alike).
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1Fu;
+  const uint32_t mantissa = h & 0x3FFu;
+  uint32_t bits;
+  if (exponent == 0x1Fu) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+  } else {
+    // Zero or subnormal: mantissa * 2^-24, exact in float32.
+    const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+    return sign != 0 ? -magnitude : magnitude;
+  }
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
+
+// Q4_K's and Q5_K's eight sub-block scales and mins: d * sc and dmin * m, from 12 bytes of 6-bit pairs.
+inline void k_scales(const uint8_t* b, float* scale, float* min) {
+  const float d = half_to_float(b);
+  const float dmin = half_to_float(b + 2);
+  const uint8_t* s = b + 4;
+  for (int i = 0; i < 8; ++i) {
+    const int sc = i < 4 ? s[i] & 63 : (s[i + 4] & 0xF) | ((s[i - 4] >> 6) << 4);
+    const int m = i < 4 ? s[i + 4] & 63 : (s[i + 4] >> 4) | ((s[i] >> 6) << 4);
+    scale[i] = d * static_cast<float>(sc);
+    min[i] = dmin * static_cast<float>(m);
+  }
+}
+
+}  // namespace
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl")
+#define STRATA_GGUF_NS gguf_avx512
+#define STRATA_LANES 16
+#include "gguf_blocks.h"
+#undef STRATA_GGUF_NS
+#undef STRATA_LANES
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#define STRATA_GGUF_NS gguf_avx2
+#define STRATA_LANES 8
+#include "gguf_blocks.h"
+#undef STRATA_GGUF_NS
+#undef STRATA_LANES
+#pragma GCC pop_options
+
+#define STRATA_GGUF_NS gguf_portable
+#define STRATA_LANES 4
+#include "gguf_blocks.h"
+#undef STRATA_GGUF_NS
+#undef STRATA_LANES
+
+namespace {
+
+using Dequantize = bool (*)(int64_t, const uint8_t*, float*, int64_t);
+
+Dequantize dequantizer() {
+  switch (strata::chosen_isa()) {
+    case strata::Isa::kAvx512:
+      return gguf_avx512::dequantize_row;
+    case strata::Isa::kAvx2:
+      return gguf_avx2::dequantize_row;
+    case strata::Isa::kPortable:
+      break;
+  }
+  return gguf_portable::dequantize_row;
+}
+
+// (values per block, bytes per block) of a supported type; {0, 0} for any other.
+std::pair<int64_t, int64_t> block_shape(int64_t type) {
+  switch (type) {
+    case kQ4_0:
+      return {32, 18};
+    case kQ4_1:
+      return {32, 20};
+    case kQ5_0:
+      return {32, 22};
+    case kQ5_1:
+      return {32, 24};
+    case kQ8_0:
+      return {32, 34};
+    case kQ4_K:
+      return {256, 144};
+    case kQ5_K:
+      return {256, 176};
+    case kQ6_K:
+      return {256, 210};
+    default:
+      return {0, 0};
+  }
+}
+
+int64_t row_bytes(int64_t type, int64_t k) {
+  const auto [values, bytes] = block_shape(type);
+  return k / values * bytes;
+}
+
+int64_t grain(int64_t per_item_bytes) { return std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, per_item_bytes)); }
+
+}  // namespace
+
+extern "C" {
+
+// Whether `type` has a kernel and `k` is a whole number of its blocks.
+int strata_gguf_supported(int64_t type, int64_t k) {
+  const int64_t values = block_shape(type).first;
+  return values != 0 && k > 0 && k % values == 0 ? 1 : 0;
+}
+
+// w: n rows of k values of `type` as stored; y [n, k] float32. Call strata_gguf_supported first.
+void strata_gguf_dequantize(int64_t type, const uint8_t* w, float* y, int64_t n, int64_t k) {
+  const Dequantize dequantize = dequantizer();
+  const int64_t bytes = row_bytes(type, k);
+  at::parallel_for(0, n, grain(bytes), [&](int64_t first, int64_t last) {
+    for (int64_t row = first; row < last; ++row) dequantize(type, w + row * bytes, y + row * k, k);
+  });
+}
+
+// x [m, k] float32, w n rows of `type`, bias [n] or null, y [m, ldy] (ldy >= n: the columns of a wider
+// output this weight's rows fill): y[:, :n] = x . dequant(w)^T + bias.
+void strata_gguf_linear(int64_t type, const float* x, const uint8_t* w, const float* bias, float* y, int64_t m,
+                        int64_t n, int64_t k, int64_t ldy) {
+  const Dequantize dequantize = dequantizer();
+  const int64_t bytes = row_bytes(type, k);
+  const int64_t tiles = (n + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, tiles, grain(kTileRows * bytes), [&](int64_t first, int64_t last) {
+    thread_local std::vector<float> buffer;
+    buffer.resize(static_cast<size_t>(kTileRows * k));
+    for (int64_t tile = first; tile < last; ++tile) {
+      const int64_t row = tile * kTileRows;
+      const int64_t rows = std::min(kTileRows, n - row);
+      for (int64_t r = 0; r < rows; ++r) dequantize(type, w + (row + r) * bytes, buffer.data() + r * k, k);
+      strata::small_linear_rows(x, buffer.data(), bias != nullptr ? bias + row : nullptr, y + row, m, rows, k, ldy);
+    }
+  });
+}
+}

@@ -1,0 +1,145 @@
+"""Projections and embeddings whose weights stay in their GGUF block types (csrc/gguf_linear.cpp).
+
+`GgufLinear` holds a projection's weight as the file stored it (one buffer of blocks per part, a
+part per type: a Q4_K_M file's fused q/k/v may be three) and computes y = x . W^T + bias from the
+blocks. At most small_linear.MAX_ROWS rows (a decode step), the native kernel dequantizes a few
+weight rows at a time into a buffer of its own and multiplies, so only the stored bytes cross the
+memory bus and a row's result does not depend on its batch. Larger batches (prefill chunks) pay one
+dequantization per call into a scratch buffer shared by every layer of the thread, then torch's GEMM
+does the rest. `GgufEmbedding` dequantizes the rows a step looks up. Without the kernels (turned off
+after load) both fall back to the gguf package's numpy dequantization: correct, slow, and only for
+comparisons. This module owns those modules and their calls; it must not decide which weights are
+kept as stored (gguf_serving.py does) nor read files.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from services.worker.model import native
+from services.worker.model.gguf_weight import GgufPart, GgufWeight
+from services.worker.model.small_linear import MAX_ROWS
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
+
+_scratch = threading.local()
+
+
+def supported(weight: GgufWeight, kernels: native.Library) -> bool:
+    """Whether the native kernels compute from every part of `weight` as stored."""
+    return all(kernels.gguf_supported(int(part.qtype), weight.cols) == 1 for part in weight.parts)
+
+
+def _scratch_matrix(rows: int, cols: int) -> Tensor:
+    """A float32 [rows, cols] view of this thread's scratch buffer, grown to the largest weight seen."""
+    buffer: Tensor | None = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < rows * cols:
+        buffer = torch.empty(rows * cols, dtype=torch.float32)
+        _scratch.buffer = buffer
+    return buffer[: rows * cols].view(rows, cols)
+
+
+class _Stored(nn.Module):
+    """The parts of one GGUF weight as buffers `part0`, `part1`, ... with their types and rows."""
+
+    def __init__(self, weight: GgufWeight) -> None:
+        super().__init__()
+        self.qtypes = weight.qtypes
+        self.part_rows = tuple(part.rows for part in weight.parts)
+        self.in_features = weight.cols
+        self.out_features = weight.shape[0]
+        for index, part in enumerate(weight.parts):
+            self.register_buffer(f"part{index}", part.data.contiguous())
+
+    def stored_parts(self) -> list[tuple[GGMLQuantizationType, Tensor]]:
+        return [(qtype, getattr(self, f"part{i}")) for i, qtype in enumerate(self.qtypes)]
+
+    def stored_weight(self) -> GgufWeight:
+        return GgufWeight([GgufPart(qtype, data) for qtype, data in self.stored_parts()])
+
+    def format(self) -> str:
+        """The stored types by name ("Q4_K", "Q4_K+Q6_K")."""
+        return self.stored_weight().describe()
+
+    def dequantize_rows(self, kernels: native.Library | None, out: Tensor) -> Tensor:
+        """Every row of the weight into `out` [out_features, in_features] float32."""
+        row = 0
+        for qtype, data in self.stored_parts():
+            rows = data.shape[0]
+            target = out[row : row + rows]
+            if kernels is None:
+                target.copy_(GgufPart(qtype, data).dequantize())
+            else:
+                kernels.gguf_dequantize(
+                    int(qtype), data.data_ptr(), target.data_ptr(), rows, self.in_features
+                )
+            row += rows
+        return out
+
+
+class GgufLinear(_Stored):
+    """A projection computed from its GGUF blocks (see the module docstring)."""
+
+    bias: Tensor | None
+
+    def __init__(self, weight: GgufWeight, bias: Tensor | None = None) -> None:
+        super().__init__(weight)
+        self.register_buffer("bias", None if bias is None else bias.to(torch.float32).contiguous())
+
+    def forward(self, x: Tensor) -> Tensor:
+        leading = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        kernels = native.library()
+        if kernels is not None and 0 < rows.shape[0] <= MAX_ROWS:
+            out = self._native(kernels, rows)
+        else:
+            weight = self.dequantize_rows(kernels, _scratch_matrix(self.out_features, self.in_features))
+            out = F.linear(rows, weight, self.bias)
+        return out.reshape(*leading, self.out_features)
+
+    def _native(self, kernels: native.Library, x: Tensor) -> Tensor:
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        row = 0
+        for qtype, data in self.stored_parts():
+            rows = data.shape[0]
+            bias = self.bias.data_ptr() + row * 4 if self.bias is not None else None
+            kernels.gguf_linear(
+                int(qtype),
+                x.data_ptr(),
+                data.data_ptr(),
+                bias,
+                out.data_ptr() + row * 4,
+                x.shape[0],
+                rows,
+                self.in_features,
+                self.out_features,
+            )
+            row += rows
+        return out
+
+
+class GgufEmbedding(_Stored):
+    """Token embeddings looked up in their GGUF blocks: only the rows a step uses are dequantized."""
+
+    def __init__(self, weight: GgufWeight) -> None:
+        super().__init__(weight)
+        if len(self.qtypes) != 1:
+            raise ValueError("an embedding table is one GGUF tensor of one type")
+
+    def forward(self, ids: Tensor) -> Tensor:
+        qtype, data = self.stored_parts()[0]
+        picked = data.index_select(0, ids.reshape(-1)).contiguous()
+        out = torch.empty(picked.shape[0], self.in_features, dtype=torch.float32)
+        kernels = native.library()
+        if kernels is None:
+            out.copy_(GgufPart(qtype, picked).dequantize())
+        else:
+            rows = picked.shape[0]
+            kernels.gguf_dequantize(int(qtype), picked.data_ptr(), out.data_ptr(), rows, self.in_features)
+        return out.reshape(*ids.shape, self.in_features)

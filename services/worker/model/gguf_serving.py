@@ -1,0 +1,101 @@
+"""What of a GGUF model is served in its stored types, and what is dequantized at load.
+
+A weight is served as stored where a native kernel computes from its blocks: a decoder projection
+or an untied vocabulary projection becomes a GgufLinear, the token embeddings a GgufEmbedding (and,
+in a tied model, the vocabulary projection a GgufLinear over the same buffers). That needs the
+kernels loaded, the CPU, float32 activations and a kernel for every part's type. Every other
+quantized weight is dequantized once, at load, to the engine's dtype, and the loader says so in one
+warning that names each type and how many weights it covers, so a type without a kernel is never
+slow in silence. This module owns that decision and the module swap; it must not read files
+(gguf_file.py does) nor hold kernels (gguf_linear.py calls them).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from services.worker.model import native
+from services.worker.model.gguf_linear import GgufEmbedding, GgufLinear, supported
+from services.worker.model.gguf_weight import GgufWeight
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from torch import Tensor
+
+    from services.worker.model.family import CausalLM
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What serve_stored left for `load_state_dict`, and how the weights are held, in words."""
+
+    weights: dict[str, Tensor]
+    format: str
+    """"GGUF as stored: Q4_K x48, Q6_K x13; dequantized to float32: Q2_K x3", say."""
+
+
+def serve_stored(
+    model: CausalLM, stored: Mapping[str, Tensor | GgufWeight], dtype: torch.dtype, device: torch.device
+) -> Served:
+    """Swap in stored-type modules where they apply; return the state dict left for `load_state_dict`
+    (dense tensors, with the swapped modules' own buffers) and the weights' format."""
+    kernels = native.library() if device.type == "cpu" and dtype == torch.float32 else None
+    dequantized: Counter[str] = Counter()
+    kept: Counter[str] = Counter()
+    weights: dict[str, Tensor] = {}
+    swapped: dict[str, nn.Module] = {}
+    for name, value in stored.items():
+        if not isinstance(value, GgufWeight):
+            weights[name] = value
+            continue
+        path = name.removesuffix(".weight")
+        current = model.get_submodule(path)
+        servable = isinstance(current, nn.Linear | nn.Embedding)
+        if kernels is not None and servable and supported(value, kernels):
+            swapped[path] = _stored_module(current, value, stored.get(f"{path}.bias"))
+            kept[value.describe()] += 1
+        else:
+            dequantized[value.describe()] += 1
+            weights[name] = value.dequantize(dtype)
+    for path, module in swapped.items():
+        parent, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, module)
+        weights.pop(f"{path}.bias", None)
+        weights.update({f"{path}.{key}": tensor for key, tensor in module.state_dict().items()})
+    embeddings = swapped.get("embed_tokens")
+    if isinstance(embeddings, GgufEmbedding) and model.config.tie_word_embeddings:
+        # The tied vocabulary projection reads the embedding's own blocks: no second copy.
+        head = GgufLinear(embeddings.stored_weight())
+        model.lm_head = head
+        weights.update({f"lm_head.{key}": tensor for key, tensor in head.state_dict().items()})
+    dense = str(dtype).removeprefix("torch.")
+    if dequantized:
+        log.warning(
+            "GGUF weights dequantized at load to %s (no native kernel serves them as stored here): %s",
+            dense,
+            _counts(dequantized),
+        )
+    described = [f"as stored: {_counts(kept)}"] if kept else []
+    described += [f"dequantized to {dense}: {_counts(dequantized)}"] if dequantized else []
+    return Served(weights, "GGUF " + "; ".join(described or ["of float tensors only"]))
+
+
+def _counts(kinds: Counter[str]) -> str:
+    return ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items()))
+
+
+def _stored_module(current: nn.Module, weight: GgufWeight, bias: Tensor | GgufWeight | None) -> nn.Module:
+    if isinstance(current, nn.Embedding):
+        return GgufEmbedding(weight)
+    if isinstance(bias, GgufWeight):
+        bias = bias.dequantize(torch.float32)
+    return GgufLinear(weight, bias)
