@@ -104,10 +104,12 @@ def paged_greedy_generate(
     max_new_tokens: int,
     block_size: int = 16,
     seed: int = 0,
+    step_logits: list[Tensor] | None = None,
 ) -> list[list[int]]:
     """Greedy tokens for every prompt: one batched prefill forward, then one forward per decode step.
 
-    Each sequence gets shuffled, non-contiguous block ids, so the paged layout is exercised.
+    Each sequence gets shuffled, non-contiguous block ids, so the paged layout is exercised. Each
+    step's logits [len(prompts), vocab] are appended to `step_logits` when one is given.
     """
     config = model.config
     needed = [-(-(len(p) + max_new_tokens) // block_size) for p in prompts]
@@ -145,6 +147,8 @@ def paged_greedy_generate(
                 cache,
             )
             logits = model.compute_logits(hidden.index_select(0, meta.last_token_indices))
+            if step_logits is not None:
+                step_logits.append(logits)
             for out, token in zip(outputs, logits.argmax(dim=-1).tolist(), strict=True):
                 out.append(int(token))
             lengths = [n + 1 for n in lengths]

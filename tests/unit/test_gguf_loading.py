@@ -16,13 +16,14 @@ import pytest
 import torch
 from torch import nn
 
-from services.worker.model import native
+from services.worker.model import decode_stack, native
 from services.worker.model.config import ModelLoadError
 from services.worker.model.gguf_linear import GgufEmbedding, GgufLinear
 from services.worker.model.loader import load_model
 from tests.conftest import build_tiny_model
 from tests.gguf_blocks import T
 from tests.gguf_files import write_gguf
+from tests.native_calls import count_decode_stack_calls
 from tests.parity import (
     assert_greedy_parity,
     assert_logits_close,
@@ -129,6 +130,24 @@ def test_projections_stay_in_their_types_and_one_without_a_kernel_is_dequantized
     }
     assert isinstance(loaded.model.embed_tokens, GgufEmbedding)
     assert "dequantized at load" in caplog.text and "Q2_K x3" in caplog.text
+
+
+def test_the_native_decode_stack_runs_gguf_layers_with_the_per_operator_paths_bits(
+    llama_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = load_model(llama_gguf).model
+    calls = count_decode_stack_calls(monkeypatch)
+    stacked: list[torch.Tensor] = []
+    tokens = paged_greedy_generate(model, PROMPTS, max_new_tokens=6, step_logits=stacked)
+    assert len(calls) == 5  # every decode step after the prefill
+    previous = decode_stack.set_enabled(False)
+    try:
+        per_operator: list[torch.Tensor] = []
+        assert paged_greedy_generate(model, PROMPTS, max_new_tokens=6, step_logits=per_operator) == tokens
+    finally:
+        decode_stack.set_enabled(previous)
+    assert len(calls) == 5
+    assert all(torch.equal(a, b) for a, b in zip(stacked, per_operator, strict=True))
 
 
 def test_a_tied_model_projects_with_its_embedding_blocks(tmp_path_factory: pytest.TempPathFactory) -> None:

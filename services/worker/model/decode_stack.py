@@ -3,7 +3,8 @@
 At one to small_linear.MAX_ROWS decodes on the CPU in float32, a step's kernels read the weights at
 the memory's bandwidth, and what is left is Python: about ten calls, allocations and ctypes crossings
 per layer. This module owns the choice to skip them (a decode-only step of at most MAX_ROWS rows, on
-a model whose every layer the native path can run: the model's `stack_layers` gives them in Llama's
+a model whose every layer the native path can run, its projections float32, int8 copies or GGUF
+blocks: the model's `stack_layers` gives them in Llama's
 shape, or None) and the ctypes views of the layers' weights and
 cache it passes, built once per model and cache and reused every step. The views hold a reference to
 every tensor they point to, so none can be freed (and its address reused) under them; a model's
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from services.worker.model.gguf_linear import GgufLinear
 from services.worker.model.small_int8 import WeightOnlyInt8
 from services.worker.model.small_linear import MAX_ROWS
 
@@ -44,8 +46,21 @@ def set_enabled(enabled: bool) -> bool:
     return previous
 
 
+_MAX_GGUF_PARTS = 3
+
+
 class _Projection(ctypes.Structure):
-    _fields_ = (("weight", _P), ("scale", _P), ("bias", _P), ("out_features", _I64), ("in_features", _I64))
+    _fields_ = (
+        ("weight", _P),
+        ("scale", _P),
+        ("bias", _P),
+        ("out_features", _I64),
+        ("in_features", _I64),
+        ("gguf_parts", _I64),
+        ("gguf_types", _I64 * _MAX_GGUF_PARTS),
+        ("gguf_blocks", _P * _MAX_GGUF_PARTS),
+        ("gguf_rows", _I64 * _MAX_GGUF_PARTS),
+    )
 
 
 class _Layer(ctypes.Structure):
@@ -78,6 +93,8 @@ def _projection(module: nn.Module, held: list[Tensor]) -> _Projection | None:
     weight: Tensor
     scale: Tensor | None
     bias: Tensor | None
+    if isinstance(module, GgufLinear):
+        return _gguf_projection(module, held)
     if type(module) is nn.Linear:
         weight, scale, bias = module.weight, None, module.bias
     elif isinstance(module, WeightOnlyInt8):
@@ -100,6 +117,30 @@ def _projection(module: nn.Module, held: list[Tensor]) -> _Projection | None:
         weight.shape[0],
         weight.shape[1],
     )
+
+
+def _gguf_projection(module: GgufLinear, held: list[Tensor]) -> _Projection | None:
+    """The native view of a projection kept as GGUF blocks: its parts' types, blocks and rows."""
+    parts = module.stored_parts()
+    bias = module.bias
+    if len(parts) > _MAX_GGUF_PARTS or (bias is not None and not bias.is_contiguous()):
+        return None
+    projection = _Projection(
+        None,
+        None,
+        bias.data_ptr() if bias is not None else None,
+        module.out_features,
+        module.in_features,
+        len(parts),
+    )
+    for index, (qtype, blocks) in enumerate(parts):
+        projection.gguf_types[index] = int(qtype)
+        projection.gguf_blocks[index] = blocks.data_ptr()
+        projection.gguf_rows[index] = blocks.shape[0]
+        held.append(blocks)
+    if bias is not None:
+        held.append(bias)
+    return projection
 
 
 def _norm(module: nn.Module, held: list[Tensor]) -> int | None:

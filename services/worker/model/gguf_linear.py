@@ -40,7 +40,9 @@ def _scratch_matrix(rows: int, cols: int) -> Tensor:
     """A float32 [rows, cols] view of this thread's scratch buffer, grown to the largest weight seen."""
     buffer: Tensor | None = getattr(_scratch, "buffer", None)
     if buffer is None or buffer.numel() < rows * cols:
-        buffer = torch.empty(rows * cols, dtype=torch.float32)
+        # A normal tensor even when made under inference_mode, so later calls outside it may write it.
+        with torch.inference_mode(False):
+            buffer = torch.empty(rows * cols, dtype=torch.float32)
         _scratch.buffer = buffer
     return buffer[: rows * cols].view(rows, cols)
 

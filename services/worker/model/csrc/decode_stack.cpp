@@ -10,7 +10,8 @@
 // that idle threads leave the cores to a co-located worker) every region's end puts the threads to
 // sleep and the next region must wake them, a few hundred times a step. Between its kernels the team
 // waits on its own barrier, which spins and then yields the core. Each projection's weight is
-// float32, or int8 with one scale per row (small_int8.py's copies). It must not choose when it
+// float32, int8 with one scale per row (small_int8.py's copies), or GGUF blocks of up to three types
+// (gguf_linear.py's modules). It must not choose when it
 // applies (decode_stack.py does) nor own any tensor: the caller passes every buffer.
 
 #include <ATen/ATen.h>
@@ -33,13 +34,20 @@ void strata_rotary(float* qkv, const float* cos, const float* sin, int64_t token
 
 namespace {
 
-// One projection: y = x . w^T (* scale) (+ bias); scale is null for float32 weights.
+constexpr int64_t kMaxGgufParts = 3;  // a fused q/k/v of three types
+
+// One projection: y = x . w^T (* scale) (+ bias); scale is null for float32 weights. A GGUF weight has
+// gguf_parts > 0 and no `weight`: row ranges of ggml types, stored as blocks (gguf_linear.cpp).
 struct Projection {
   const void* weight;
   const float* scale;
   const float* bias;
   int64_t out_features;
   int64_t in_features;
+  int64_t gguf_parts;
+  int64_t gguf_types[kMaxGgufParts];
+  const uint8_t* gguf_blocks[kMaxGgufParts];
+  int64_t gguf_rows[kMaxGgufParts];
 };
 
 // One decoder layer's weights and its cache; laid out as decode_stack.py's ctypes Structure.
@@ -95,7 +103,14 @@ class SpinBarrier {
 
 // One thread's share of a projection.
 void project(const Projection& p, const float* x, float* y, int64_t rows, int64_t part, int64_t parts) {
-  if (p.scale != nullptr) {
+  if (p.gguf_parts > 0) {
+    int64_t row = 0;
+    for (int64_t i = 0; i < p.gguf_parts; ++i) {
+      strata::gguf_linear_part(p.gguf_types[i], x, p.gguf_blocks[i], p.bias != nullptr ? p.bias + row : nullptr,
+                               y + row, rows, p.gguf_rows[i], p.in_features, p.out_features, part, parts);
+      row += p.gguf_rows[i];
+    }
+  } else if (p.scale != nullptr) {
     strata::small_linear_int8_part(x, static_cast<const int8_t*>(p.weight), p.scale, p.bias, y, rows,
                                    p.out_features, p.in_features, part, parts);
   } else {

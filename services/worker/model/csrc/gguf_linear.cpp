@@ -138,7 +138,33 @@ int64_t row_bytes(int64_t type, int64_t k) {
 
 int64_t grain(int64_t per_item_bytes) { return std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, per_item_bytes)); }
 
+int64_t tile_count(int64_t n) { return (n + kTileRows - 1) / kTileRows; }
+
+// Weight-row tiles [first, last) on the calling thread: every output element is the float32 kernel's
+// sum over its dequantized row, whichever thread or tile computes it.
+void linear_tiles(int64_t type, const float* x, const uint8_t* w, const float* bias, float* y, int64_t m, int64_t n,
+                  int64_t k, int64_t ldy, int64_t first, int64_t last) {
+  const Dequantize dequantize = dequantizer();
+  const int64_t bytes = row_bytes(type, k);
+  thread_local std::vector<float> buffer;
+  buffer.resize(static_cast<size_t>(kTileRows * k));
+  for (int64_t tile = first; tile < last; ++tile) {
+    const int64_t row = tile * kTileRows;
+    const int64_t rows = std::min(kTileRows, n - row);
+    for (int64_t r = 0; r < rows; ++r) dequantize(type, w + (row + r) * bytes, buffer.data() + r * k, k);
+    strata::small_linear_rows(x, buffer.data(), bias != nullptr ? bias + row : nullptr, y + row, m, rows, k, ldy);
+  }
+}
+
 }  // namespace
+
+void strata::gguf_linear_part(int64_t type, const float* x, const uint8_t* w, const float* bias, float* y,
+                              int64_t m, int64_t n, int64_t k, int64_t ldy, int64_t part, int64_t parts) {
+  int64_t first = 0;
+  int64_t last = 0;
+  strata::share(tile_count(n), part, parts, &first, &last);
+  linear_tiles(type, x, w, bias, y, m, n, k, ldy, first, last);
+}
 
 extern "C" {
 
@@ -161,18 +187,8 @@ void strata_gguf_dequantize(int64_t type, const uint8_t* w, float* y, int64_t n,
 // output this weight's rows fill): y[:, :n] = x . dequant(w)^T + bias.
 void strata_gguf_linear(int64_t type, const float* x, const uint8_t* w, const float* bias, float* y, int64_t m,
                         int64_t n, int64_t k, int64_t ldy) {
-  const Dequantize dequantize = dequantizer();
-  const int64_t bytes = row_bytes(type, k);
-  const int64_t tiles = (n + kTileRows - 1) / kTileRows;
-  at::parallel_for(0, tiles, grain(kTileRows * bytes), [&](int64_t first, int64_t last) {
-    thread_local std::vector<float> buffer;
-    buffer.resize(static_cast<size_t>(kTileRows * k));
-    for (int64_t tile = first; tile < last; ++tile) {
-      const int64_t row = tile * kTileRows;
-      const int64_t rows = std::min(kTileRows, n - row);
-      for (int64_t r = 0; r < rows; ++r) dequantize(type, w + (row + r) * bytes, buffer.data() + r * k, k);
-      strata::small_linear_rows(x, buffer.data(), bias != nullptr ? bias + row : nullptr, y + row, m, rows, k, ldy);
-    }
+  at::parallel_for(0, tile_count(n), grain(kTileRows * row_bytes(type, k)), [&](int64_t first, int64_t last) {
+    linear_tiles(type, x, w, bias, y, m, n, k, ldy, first, last);
   });
 }
 }

@@ -19,6 +19,10 @@ void small_linear_int8_part(const float* x, const int8_t* w, const float* scale,
 void small_linear_rows(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t rows,
                        int64_t k, int64_t ldy);
 
+// strata_gguf_linear for the weight-row tiles of share `part` of `parts` (gguf_linear.cpp).
+void gguf_linear_part(int64_t type, const float* x, const uint8_t* w, const float* bias, float* y, int64_t m,
+                      int64_t n, int64_t k, int64_t ldy, int64_t part, int64_t parts);
+
 // strata_paged_decode_attention for the (sequence, kv head) tasks of share `part` of `parts`.
 void paged_decode_attention_part(const float* q, float* keys, float* values, const int64_t* tables,
                                  const int32_t* lens, float* out, int64_t batch, int64_t q_stride, int64_t heads,
