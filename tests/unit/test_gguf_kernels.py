@@ -2,7 +2,7 @@
 
 Dequantization must equal the gguf package's bit for bit on every type; a projection computed from
 the blocks must equal the float32 kernel on the dequantized weight bit for bit at every batch of at
-most MAX_ROWS rows (so a row's result does not depend on its batch), and torch's product within
+most NATIVE_MAX_ROWS rows (so a row's result does not depend on its batch), and torch's product within
 float32 rounding at larger batches. test_native_kernels.py reruns this file on AVX2 and portable.
 """
 
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.model import native, small_linear
-from services.worker.model.gguf_linear import GgufEmbedding, GgufLinear, supported
+from services.worker.model.gguf_linear import NATIVE_MAX_ROWS, GgufEmbedding, GgufLinear, supported
 from services.worker.model.gguf_weight import GgufWeight
 from tests.gguf_blocks import SERVED_TYPES, T, gguf_weight, reference
 
@@ -26,6 +26,16 @@ def _kernels() -> native.Library:
     kernels = native.library()
     assert kernels is not None
     return kernels
+
+
+def _float_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """strata_small_linear, the float32 kernel, at any number of rows."""
+    out = torch.empty(x.shape[0], weight.shape[0])
+    rows, k = x.shape
+    _kernels().small_linear(
+        x.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(), rows, weight.shape[0], k
+    )
+    return out
 
 
 @pytest.mark.parametrize("qtype", SERVED_TYPES, ids=lambda t: t.name)
@@ -45,11 +55,11 @@ def test_the_projection_from_blocks_is_the_float_kernel_on_the_dequantized_weigh
     bias = torch.randn(37)
     module = GgufLinear(weight, bias)
     dense = reference(weight)
-    x = torch.randn(small_linear.MAX_ROWS, 256)
+    x = torch.randn(NATIVE_MAX_ROWS, 256)
     every_row = module(x)
-    for rows in range(1, small_linear.MAX_ROWS + 1):
+    for rows in (*range(1, small_linear.MAX_ROWS + 1), 23, NATIVE_MAX_ROWS):
         got = module(x[:rows])
-        assert torch.equal(got, small_linear.linear(x[:rows], dense, bias))
+        assert torch.equal(got, _float_kernel(x[:rows], dense, bias))
         # The same bits in a batch of any size: each row is computed alone.
         assert torch.equal(got, every_row[:rows])
     exact = x.double() @ dense.double().T + bias.double()
@@ -69,7 +79,7 @@ def test_a_fused_weight_of_three_types_with_a_bias_at_small_and_large_batches() 
     bias = torch.randn(96)
     module = GgufLinear(fused, bias)
     dense = torch.cat([reference(p) for p in parts])
-    for rows in (3, 40):  # the kernel, then the dequantize-and-GEMM path
+    for rows in (3, NATIVE_MAX_ROWS):  # the kernel, then the dequantize-and-GEMM path (2 x rows)
         x = torch.randn(2, rows, 256)
         torch.testing.assert_close(module(x), F.linear(x, dense, bias), rtol=1e-5, atol=1e-4)
 

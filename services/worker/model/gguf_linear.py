@@ -2,12 +2,15 @@
 
 `GgufLinear` holds a projection's weight as the file stored it (one buffer of blocks per part, a
 part per type: a Q4_K_M file's fused q/k/v may be three) and computes y = x . W^T + bias from the
-blocks. At most small_linear.MAX_ROWS rows (a decode step), the native kernel dequantizes a few
-weight rows at a time into a buffer of its own and multiplies, so only the stored bytes cross the
-memory bus and a row's result does not depend on its batch. Larger batches (prefill chunks) pay one
-dequantization per call into a scratch buffer shared by every layer of the thread, then torch's GEMM
-does the rest. `GgufEmbedding` dequantizes the rows a step looks up. Without the kernels (turned off
-after load) both fall back to the gguf package's numpy dequantization: correct, slow, and only for
+blocks. Up to NATIVE_MAX_ROWS rows (decode steps, and the few rows a step projects to the
+vocabulary), the native kernel dequantizes a few weight rows at a time into a buffer of its own and
+multiplies every row of x by them, so only the stored bytes cross the memory bus and a row's result
+does not depend on its batch. Larger batches (prefill chunks, whose rows of x no longer stay in cache)
+pay one dequantization per call into a scratch buffer shared by every layer of the thread, then
+torch's GEMM does the rest; the vocabulary projection, the largest weight (Qwen's is 545 MB as
+float32), stays below the bound at any decode step of up to 64 sequences and never needs the scratch.
+`GgufEmbedding` dequantizes the rows a step looks up. Without the kernels (turned off after load)
+both fall back to the gguf package's numpy dequantization: correct, slow, and only for
 comparisons. This module owns those modules and their calls; it must not decide which weights are
 kept as stored (gguf_serving.py does) nor read files.
 """
@@ -23,7 +26,9 @@ from torch import Tensor, nn
 
 from services.worker.model import native
 from services.worker.model.gguf_weight import GgufPart, GgufWeight
-from services.worker.model.small_linear import MAX_ROWS
+
+# Above this many rows x leaves the cache while a weight tile is multiplied: dequantize-then-GEMM wins.
+NATIVE_MAX_ROWS = 64
 
 if TYPE_CHECKING:
     from gguf import GGMLQuantizationType
@@ -98,7 +103,7 @@ class GgufLinear(_Stored):
         leading = x.shape[:-1]
         rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
         kernels = native.library()
-        if kernels is not None and 0 < rows.shape[0] <= MAX_ROWS:
+        if kernels is not None and 0 < rows.shape[0] <= NATIVE_MAX_ROWS:
             out = self._native(kernels, rows)
         else:
             weight = self.dequantize_rows(kernels, _scratch_matrix(self.out_features, self.in_features))
