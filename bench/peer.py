@@ -27,7 +27,7 @@ from typing import Any
 
 from bench import peer_llama
 from bench.peer_report import format_summary, summarize
-from bench.peer_rounds import DEFAULT_MAX_REPEATS, DEFAULT_SETTLE_S, QUIET_LOAD, Rounds
+from bench.peer_rounds import DEFAULT_MAX_REPEATS, DEFAULT_SETTLE_S, QUIET_LOAD, Rounds, wait_quiet
 from bench.peer_setup import GGUF_TYPES, Peer, build_info, prepare
 from bench.perplexity import ids_digest, read_text
 from bench.provenance import finish_provenance, start_provenance
@@ -38,6 +38,7 @@ ENGINE_CONTESTANTS = {"engine/float32": None, "engine/int8": "dynamic-int8"}
 # The order of round 1 (later rounds flip it): the sides alternate.
 CONTESTANTS = ["llama.cpp/f32", "engine/float32", "llama.cpp/q8_0", "engine/int8", "llama.cpp/q4_k_m"]
 PERPLEXITY_RECORD = Path("bench/results/perplexity-cpu.json")
+PREPARED_SETTLE_S = 300.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -122,6 +123,9 @@ def progress(done: dict[str, Any], rounds: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     peer = prepare(args.model, GGUF_TYPES)
+    # Preparing may have built and converted the peer for many minutes: the record's start load must
+    # be the machine's, not that build's, whose load decays from the 1-minute average in a few minutes.
+    wait_quiet(lambda: QUIET_LOAD, PREPARED_SETTLE_S)
     provenance = start_provenance(threads=args.threads)
     quality = perplexities(peer, args)
     system_info = next(iter(quality["llama_cpp_detail"].values()))["system_info"]

@@ -55,6 +55,17 @@ def threshold(history: list[Busy], now: float) -> float:
     return QUIET_LOAD + own_load(history, now)
 
 
+def wait_quiet(limit: Callable[[], float], timeout_s: float, clock: Clock | None = None) -> bool:
+    """Wait, at most timeout_s, for the 1-minute load average to fall to `limit()`; whether it did."""
+    clock = clock or Clock()
+    deadline = clock.now() + timeout_s
+    while clock.load()[0] > limit():
+        if clock.now() >= deadline:
+            return False
+        clock.pause(min(SETTLE_POLL_S, max(0.0, deadline - clock.now())))
+    return True
+
+
 def order(contestants: list[str], index: int) -> list[str]:
     """The contestants in round `index`'s order: as given on even rounds, reversed on odd ones."""
     return contestants if index % 2 == 0 else contestants[::-1]
@@ -85,11 +96,7 @@ class Rounds:
 
     def settle(self) -> None:
         """Wait, at most settle_s, for the load to fall to the threshold."""
-        deadline = self.clock.now() + self.settle_s
-        while self.clock.now() < deadline:
-            if self.clock.load()[0] <= threshold(self.history, self.clock.now()):
-                return
-            self.clock.pause(min(SETTLE_POLL_S, max(0.0, deadline - self.clock.now())))
+        wait_quiet(lambda: threshold(self.history, self.clock.now()), self.settle_s, self.clock)
 
     def attempt(self, index: int) -> dict[str, Any]:
         start_load = list(self.clock.load())

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bench.peer_rounds import QUIET_LOAD, Busy, Clock, Rounds, order, own_load, threshold
+from bench.peer_rounds import QUIET_LOAD, Busy, Clock, Rounds, order, own_load, threshold, wait_quiet
 
 
 def test_own_load_is_what_our_runs_leave_in_the_one_minute_average() -> None:
@@ -128,3 +128,21 @@ def test_the_repeat_budget_stops_repeats_that_would_overrun_it() -> None:
     assert len(first["discarded_attempts"]) == 2 and first["flagged"]
     assert second["discarded_attempts"] == [] and second["flagged"]
     assert rounds.repeat_seconds == pytest.approx(40.0)
+
+
+def test_waiting_for_quiet_returns_once_the_load_falls_and_gives_up_at_its_bound() -> None:
+    # What bench.peer does after building the peer: the build's load decays while it waits.
+    script = Script([3.3])
+    decay = script.pause
+
+    def decaying(seconds: float) -> None:
+        decay(seconds)
+        script.reading *= math.exp(-seconds / 60.0)
+
+    clock = Clock(lambda: script.time, lambda: (script.reading, 0.0, 0.0), decaying)
+    assert wait_quiet(lambda: QUIET_LOAD, 300.0, clock)
+    assert script.reading <= QUIET_LOAD and script.paused == pytest.approx(115.0)
+    script.reading = 3.3
+    script.paused = 0.0
+    assert not wait_quiet(lambda: QUIET_LOAD, 30.0, clock)
+    assert script.paused == pytest.approx(30.0)
