@@ -1,9 +1,11 @@
 """The default model's own GGUF file (SmolLM2-135M-Instruct, Q4_1 with Q8_0 embeddings), served as
 stored, against the float32 folder `strata fetch-model` converts from the same file.
 
-The conversion dequantizes with the gguf package, which the kernels equal bit for bit, and every
-product runs through the same float32 kernels or GEMM on the same values, so the two must agree to
-the last bit: a batched prefill's logits, and the greedy tokens of the decode steps after it.
+The conversion dequantizes with the gguf package, which the kernels equal bit for bit. At up to 8
+rows a step both sides multiply with the same float32 kernel on the same values (theirs on the
+converted weight, ours on each dequantized tile), so one prompt of at most 8 tokens and its decode
+steps must give the same logits to the last bit. A batched prefill of more rows runs our kernel
+on one side and torch's GEMM on the other: equal within float32 rounding.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ pytestmark = [
     pytest.mark.real_model,
     pytest.mark.skipif(native.library() is None, reason="the native kernels are not built here"),
 ]
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,7 @@ def gguf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def test_the_gguf_served_as_stored_gives_the_float32_conversions_logits_bit_for_bit(
+def test_the_gguf_served_as_stored_gives_the_float32_conversions_logits(
     gguf_dir: Path, real_model_dir: Path
 ) -> None:
     from transformers import AutoTokenizer
@@ -53,9 +55,14 @@ def test_the_gguf_served_as_stored_gives_the_float32_conversions_logits_bit_for_
     assert isinstance(stored.model.lm_head, GgufLinear)  # tied: the embedding's Q8_0 blocks
     tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
-    stored_logits = prefill_logits(stored.model, prompts)
-    assert torch.equal(stored_logits, prefill_logits(dense.model, prompts))
-    tokens = paged_greedy_generate(stored.model, prompts, max_new_tokens=12)
-    assert tokens == paged_greedy_generate(dense.model, prompts, max_new_tokens=12)
+    for prompt in prompts:
+        assert len(prompt) <= 8, prompt
+        ours: list[torch.Tensor] = []
+        theirs: list[torch.Tensor] = []
+        tokens = paged_greedy_generate(stored.model, [prompt], max_new_tokens=12, step_logits=ours)
+        assert tokens == paged_greedy_generate(dense.model, [prompt], max_new_tokens=12, step_logits=theirs)
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    batched = prefill_logits(stored.model, prompts)
+    torch.testing.assert_close(batched, prefill_logits(dense.model, prompts), rtol=1e-4, atol=1e-3)
     # The file's bytes, not float32's: Q4_1 is 5 bits a weight, the float32 folder 32.
     assert weights_bytes(stored.model) < 0.25 * weights_bytes(dense.model)
