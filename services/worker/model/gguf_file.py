@@ -17,7 +17,6 @@ decide what is dequantized (the loader does).
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,8 +31,6 @@ if TYPE_CHECKING:
 
     from gguf import ReaderTensor
     from torch import Tensor
-
-log = logging.getLogger(__name__)
 
 # Architectures whose q/k rows llama.cpp's converter permutes (Mistral GGUFs say "llama" too).
 _PERMUTED_QK = ("llama",)

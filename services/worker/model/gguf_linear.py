@@ -52,13 +52,23 @@ def _scratch_matrix(rows: int, cols: int) -> Tensor:
     return buffer[: rows * cols].view(rows, cols)
 
 
+def _dequantize_into(
+    kernels: native.Library | None, qtype: GGMLQuantizationType, data: Tensor, out: Tensor
+) -> None:
+    """Rows of blocks `data` into the contiguous float32 rows `out`: the native kernel, or without it
+    the gguf package's numpy dequantization."""
+    if kernels is None:
+        out.copy_(GgufPart(qtype, data).dequantize())
+    else:
+        kernels.gguf_dequantize(int(qtype), data.data_ptr(), out.data_ptr(), data.shape[0], out.shape[1])
+
+
 class _Stored(nn.Module):
     """The parts of one GGUF weight as buffers `part0`, `part1`, ... with their types and rows."""
 
     def __init__(self, weight: GgufWeight) -> None:
         super().__init__()
         self.qtypes = weight.qtypes
-        self.part_rows = tuple(part.rows for part in weight.parts)
         self.in_features = weight.cols
         self.out_features = weight.shape[0]
         for index, part in enumerate(weight.parts):
@@ -78,15 +88,8 @@ class _Stored(nn.Module):
         """Every row of the weight into `out` [out_features, in_features] float32."""
         row = 0
         for qtype, data in self.stored_parts():
-            rows = data.shape[0]
-            target = out[row : row + rows]
-            if kernels is None:
-                target.copy_(GgufPart(qtype, data).dequantize())
-            else:
-                kernels.gguf_dequantize(
-                    int(qtype), data.data_ptr(), target.data_ptr(), rows, self.in_features
-                )
-            row += rows
+            _dequantize_into(kernels, qtype, data, out[row : row + data.shape[0]])
+            row += data.shape[0]
         return out
 
 
@@ -143,10 +146,5 @@ class GgufEmbedding(_Stored):
         qtype, data = self.stored_parts()[0]
         picked = data.index_select(0, ids.reshape(-1)).contiguous()
         out = torch.empty(picked.shape[0], self.in_features, dtype=torch.float32)
-        kernels = native.library()
-        if kernels is None:
-            out.copy_(GgufPart(qtype, picked).dequantize())
-        else:
-            rows = picked.shape[0]
-            kernels.gguf_dequantize(int(qtype), picked.data_ptr(), out.data_ptr(), rows, self.in_features)
+        _dequantize_into(native.library(), qtype, picked, out)
         return out.reshape(*ids.shape, self.in_features)

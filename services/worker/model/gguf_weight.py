@@ -9,13 +9,13 @@ reason, so no family's conversion silently computes on bytes. `dequantize` gives
 through the `gguf` package's own dequantization (the reference every kernel is held to).
 
 This module owns the weight's bytes and their row layout; it must not read files (gguf_file.py does)
-nor decide whether a weight is served quantized or dequantized (the loader does).
+nor decide whether a weight is served as stored or dequantized (gguf_serving.py does).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -54,8 +54,6 @@ class GgufPart:
 class GgufWeight:
     """A [rows, cols] weight of GGUF row blocks (see the module docstring)."""
 
-    _HANDLED: ClassVar[dict[Callable[..., Any], str]] = {}
-
     def __init__(self, parts: Sequence[GgufPart]) -> None:
         if not parts:
             raise ValueError("a GGUF weight needs at least one part")
@@ -73,11 +71,6 @@ class GgufWeight:
     def qtypes(self) -> tuple[GGMLQuantizationType, ...]:
         """Each part's type, in row order."""
         return tuple(part.qtype for part in self.parts)
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes the weight holds as stored."""
-        return sum(int(part.data.numel()) for part in self.parts)
 
     def describe(self) -> str:
         """The types by name, in row order: "Q4_K", or "Q4_K+Q6_K" for a fused weight of two."""
