@@ -98,8 +98,9 @@ bench-outputs: setup model
 bench-prefix-routing: setup model
 	$(BIN)/python -m bench.prefix_routing --json bench/results/prefix-routing-cpu.json
 
-# The engine against llama.cpp on the same weights, 1 and 64 streams: F32/float32, Q8_0/int8 and Q4_K_M
-# against our faster configuration, 5 alternated rounds with their load recorded (loaded rounds repeated),
+# The engine against llama.cpp on the same weights, 1 and 64 streams: F32/float32, Q8_0/int8, Q4_K_M
+# against our faster configuration, and llama.cpp's Q8_0 and Q4_K_M files against our engine serving
+# those files as stored, 5 alternated rounds with their load recorded (loaded rounds repeated),
 # prefill and decode apart, both sides' perplexity on bench/data's text beside every ratio (ours first, in
 # bench/results/perplexity-cpu.json). The first run probes the CPU's usable instruction sets, fetches,
 # builds (12+ minutes on 2 cores) and converts the peer into ~/.cache/strata/peer ($$STRATA_PEER_CACHE);

