@@ -63,6 +63,8 @@ PEER_PAIRS = {
     "float32": "float32 vs F32",
     "int8": "int8 fallback vs Q8_0",
     "fastest-vs-q4_k_m": "our faster vs Q4_K_M",
+    "gguf-q8_0": "llama.cpp's Q8_0 file, both sides",
+    "gguf-q4_k_m": "llama.cpp's Q4_K_M file, both sides",
 }
 
 
@@ -87,9 +89,11 @@ def peer_rows(data: Mapping[str, Any]) -> list[str]:
     rows = []
     for key, entry in summary.items():
         name, _, streams = key.rpartition("@")
-        target = "-" if entry.get("target") is None else f">= {entry['target']}"
+        combined = entry["tok_s"]["ratio_median"]
+        target = "-"
+        if entry.get("target") is not None:
+            target = f">= {entry['target']}: " + ("met" if entry["met"] else "**missed**")
         if entry.get("goal") is not None:
-            combined = entry["tok_s"]["ratio_median"]
             target += f", goal {entry['goal']}: " + ("met" if combined >= entry["goal"] else "**missed**")
         rows.append(
             [
