@@ -104,7 +104,7 @@ def run_engine(
     return result
 
 
-def perplexities(peer: Peer, args: argparse.Namespace) -> dict[str, Any]:
+def perplexities(peer: Peer, folders: dict[str, Path], args: argparse.Namespace) -> dict[str, Any]:
     """Ours from the perplexity record, llama.cpp's measured here on the same text, window and ids."""
     if not args.perplexity_record.exists():
         raise SystemExit(
@@ -118,9 +118,7 @@ def perplexities(peer: Peer, args: argparse.Namespace) -> dict[str, Any]:
     theirs = {kind: peer_llama.perplexity(peer, kind, text, context, args.threads) for kind in peer.models}
     for kind, result in theirs.items():
         print(f"bench.peer: llama-perplexity {kind} {result['perplexity']:.4f}", file=sys.stderr, flush=True)
-    served = {}
-    for kind in GGUF_CONTESTANTS.values():
-        served[kind] = measure(served_folder(args.model, peer.models[kind]), list(GGUF_PATHS), context, text)
+    served = {kind: measure(folder, list(GGUF_PATHS), context, text) for kind, folder in folders.items()}
     stored = {
         f"{kind}-{path}": result["perplexity"]
         for kind, measured in served.items()
@@ -151,11 +149,12 @@ def progress(done: dict[str, Any], rounds: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     peer = prepare(args.model, GGUF_TYPES)
+    folders = {kind: served_folder(args.model, peer.models[kind]) for kind in GGUF_CONTESTANTS.values()}
     # Preparing may have built and converted the peer for many minutes: the record's start load must
     # be the machine's, not that build's, whose load decays from the 1-minute average in a few minutes.
     wait_quiet(lambda: QUIET_LOAD, PREPARED_SETTLE_S)
     provenance = start_provenance(threads=args.threads)
-    quality = perplexities(peer, args)
+    quality = perplexities(peer, folders, args)
     system_info = next(iter(quality["llama_cpp_detail"].values()))["system_info"]
     provenance["versions"]["llama_cpp"] = {**build_info(peer), "system_info": system_info}
     parity: dict[str, Any] = {}
@@ -165,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             kind = LLAMA_CONTESTANTS[name]
             return peer_llama.batched(peer, kind, args.npl, args.prompt_tokens, args.new_tokens, args.threads)
         if name in GGUF_CONTESTANTS:
-            folder = served_folder(args.model, peer.models[GGUF_CONTESTANTS[name]])
-            return dict(run_engine(None, False, args, folder)["streams"])
+            served: dict[str, Any] = run_engine(None, False, args, folders[GGUF_CONTESTANTS[name]])["streams"]
+            return served
         check = not parity and ENGINE_CONTESTANTS[name] is None
         result: dict[str, Any] = run_engine(ENGINE_CONTESTANTS[name], check, args)["streams"]
         if check:

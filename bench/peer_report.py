@@ -25,12 +25,6 @@ COMPARISONS: dict[str, tuple[str | None, str]] = {
     "gguf-q4_k_m": ("engine/gguf-q4_k_m", "llama.cpp/q4_k_m"),
 }
 ENGINE_CONTESTANTS = ("engine/float32", "engine/int8")
-# Which of our perplexity paths (bench/perplexity.py) serve a contestant's tokens at a stream count:
-# up to small_linear.MAX_ROWS rows a step run the weight-only int8 kernel, more the dynamic path.
-SMALL_BATCH_ROWS = 8
-# A GGUF projection runs its block kernels up to gguf_linear.NATIVE_MAX_ROWS rows a step, the
-# dequantize-then-GEMM path above.
-GGUF_NATIVE_ROWS = 64
 # What "done" and the goal mean, engine / llama.cpp combined tok/s at the median.
 TARGETS = {
     "float32@1": (0.9, 1.0),
@@ -48,17 +42,23 @@ def spread(values: list[float]) -> dict[str, Any]:
 
 
 def our_paths(contestant: str, streams: int, prompt_tokens: int) -> dict[str, str]:
-    """Our perplexity paths behind a contestant's workload, by phase."""
+    """Our perplexity paths (bench/perplexity.py) behind a contestant's workload, by phase: the int8
+    fallback runs its weight-only kernel up to small_linear.MAX_ROWS rows a step and the dynamic path
+    above; a GGUF projection its block kernels up to gguf_linear.NATIVE_MAX_ROWS rows, dequantize and
+    GEMM above."""
+    from services.worker.model.gguf_linear import NATIVE_MAX_ROWS
+    from services.worker.model.small_linear import MAX_ROWS
+
     if contestant == "engine/float32":
         return {"prefill": "float32", "decode": "float32"}
     if contestant.startswith("engine/gguf-"):
         kind = contestant.removeprefix("engine/gguf-")
         prefill_rows = prompt_tokens * streams
-        prefill = "small-batch" if prefill_rows <= GGUF_NATIVE_ROWS else "whole-chunk"
-        decode = "small-batch" if streams <= GGUF_NATIVE_ROWS else "whole-chunk"
+        prefill = "small-batch" if prefill_rows <= NATIVE_MAX_ROWS else "whole-chunk"
+        decode = "small-batch" if streams <= NATIVE_MAX_ROWS else "whole-chunk"
         return {"prefill": f"{kind}-stored-{prefill}", "decode": f"{kind}-stored-{decode}"}
-    prefill = "int8-small-batch" if prompt_tokens <= SMALL_BATCH_ROWS else "int8-dynamic"
-    decode = "int8-small-batch" if streams <= SMALL_BATCH_ROWS else "int8-dynamic"
+    prefill = "int8-small-batch" if prompt_tokens <= MAX_ROWS else "int8-dynamic"
+    decode = "int8-small-batch" if streams <= MAX_ROWS else "int8-dynamic"
     return {"prefill": prefill, "decode": decode}
 
 
