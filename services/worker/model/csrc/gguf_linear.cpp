@@ -14,6 +14,7 @@
 #pragma GCC optimize("fp-contract=off")
 
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
