@@ -3,12 +3,13 @@
 `GgufLinear` holds a projection's weight as the file stored it (one buffer of blocks per part, a
 part per type: a Q4_K_M file's fused q/k/v may be three) and computes y = x . W^T + bias from the
 blocks. Up to NATIVE_MAX_ROWS rows (decode steps, and the few rows a step projects to the
-vocabulary), the native kernel dequantizes a few weight rows at a time into a buffer of its own and
-multiplies every row of x by them, so only the stored bytes cross the memory bus and a row's result
-does not depend on its batch. Larger batches (prefill chunks, whose rows of x no longer stay in cache)
-pay one dequantization per call into a scratch buffer shared by every layer of the thread, then
-torch's GEMM does the rest; the vocabulary projection, the largest weight (Qwen's is 545 MB as
-float32), stays below the bound at any decode step of up to 64 sequences and never needs the scratch.
+vocabulary), the native kernel decodes the blocks where they are used (in registers for a few rows,
+a few weight rows at a time into a buffer of its own for more), so only the stored bytes cross the
+memory bus and a row's result does not depend on its batch. Larger batches (prefill chunks, whose
+rows of x no longer stay in cache) pay one dequantization per call into a scratch buffer shared by
+every layer of the thread, then torch's GEMM does the rest; the vocabulary projection, the largest
+weight (Qwen's is 545 MB as float32), stays below the bound at any decode step of up to 64 sequences
+and never needs the scratch.
 `GgufEmbedding` dequantizes the rows a step looks up. Without the kernels (turned off after load)
 both fall back to the gguf package's numpy dequantization: correct, slow, and only for
 comparisons. This module owns those modules and their calls; it must not decide which weights are

@@ -6,8 +6,8 @@
 // dequantization (gguf/quants.py): float16 scales widened exactly, the sub-block scale d * sc as one
 // float32 product, then q * D, then - M or + M as a separate rounding (the file is compiled with
 // floating-point contraction off, so no fused multiply-add merges them). A dequantized weight equals
-// the gguf package's bit for bit, on every instruction set. Each function writes `blocks` blocks'
-// values to y.
+// the gguf package's bit for bit, on every instruction set. Each decoder hands `blocks` blocks' values
+// to a sink (gguf_sinks.h): one stores them, one multiplies them by rows of x where they stand.
 //
 // No include guard: included once per instruction set, on purpose.
 
@@ -55,8 +55,6 @@ inline vi load_i8(const uint8_t* p) {
 
 inline vf to_float(vi q) { return __builtin_convertvector(q, vf); }
 
-inline void store(float* y, vf v) { std::memcpy(y, &v, sizeof v); }
-
 // 0, 1, ..., kLanes - 1, plus `first`.
 inline vi lane_index(int first) {
   vi index;
@@ -64,104 +62,112 @@ inline vi lane_index(int first) {
   return index;
 }
 
-inline void q8_0(const uint8_t* b, float* y, int64_t blocks) {
-  for (int64_t i = 0; i < blocks; ++i, b += 34, y += 32) {
+// Each decoder hands its blocks' values to sink(offset, values): kLanes values starting at `offset`
+// in the row, in increasing offsets, so a sink that accumulates (gguf_sinks.h's Dot) adds them in the
+// float32 kernel's order.
+
+template <class Sink>
+inline void q8_0(const uint8_t* b, Sink& sink, int64_t blocks) {
+  for (int64_t i = 0, base = 0; i < blocks; ++i, b += 34, base += 32) {
     const float d = half_to_float(b);
-    for (int j = 0; j < 32; j += kLanes) store(y + j, to_float(load_i8(b + 2 + j)) * d);
+    for (int j = 0; j < 32; j += kLanes) sink(base + j, to_float(load_i8(b + 2 + j)) * d);
   }
 }
 
 // Q4_0 and Q4_1: 32 nibbles, the low ones first; Q4_0 is d * (q - 8), Q4_1 is d * q + m.
-inline void q4_0(const uint8_t* b, float* y, int64_t blocks) {
-  for (int64_t i = 0; i < blocks; ++i, b += 18, y += 32) {
+template <class Sink>
+inline void q4_0(const uint8_t* b, Sink& sink, int64_t blocks) {
+  for (int64_t i = 0, base = 0; i < blocks; ++i, b += 18, base += 32) {
     const float d = half_to_float(b);
-    for (int j = 0; j < 16; j += kLanes) {
-      const vi v = load_u8(b + 2 + j);
-      store(y + j, to_float((v & 0xF) - 8) * d);
-      store(y + 16 + j, to_float((v >> 4) - 8) * d);
-    }
+    for (int j = 0; j < 16; j += kLanes) sink(base + j, to_float((load_u8(b + 2 + j) & 0xF) - 8) * d);
+    for (int j = 0; j < 16; j += kLanes) sink(base + 16 + j, to_float((load_u8(b + 2 + j) >> 4) - 8) * d);
   }
 }
 
-inline void q4_1(const uint8_t* b, float* y, int64_t blocks) {
-  for (int64_t i = 0; i < blocks; ++i, b += 20, y += 32) {
+template <class Sink>
+inline void q4_1(const uint8_t* b, Sink& sink, int64_t blocks) {
+  for (int64_t i = 0, base = 0; i < blocks; ++i, b += 20, base += 32) {
     const float d = half_to_float(b);
     const float m = half_to_float(b + 2);
-    for (int j = 0; j < 16; j += kLanes) {
-      const vi v = load_u8(b + 4 + j);
-      store(y + j, to_float(v & 0xF) * d + m);
-      store(y + 16 + j, to_float(v >> 4) * d + m);
-    }
+    for (int j = 0; j < 16; j += kLanes) sink(base + j, to_float(load_u8(b + 4 + j) & 0xF) * d + m);
+    for (int j = 0; j < 16; j += kLanes) sink(base + 16 + j, to_float(load_u8(b + 4 + j) >> 4) * d + m);
   }
 }
 
 // Q5_0 and Q5_1: Q4's nibbles with a fifth bit each from a little-endian uint32 (bit j for value j).
-inline void q5_0(const uint8_t* b, float* y, int64_t blocks) {
-  for (int64_t i = 0; i < blocks; ++i, b += 22, y += 32) {
+inline vi fifth_bits(const uint8_t* p) {
+  uint32_t high;
+  std::memcpy(&high, p, 4);
+  return vi{} + static_cast<int32_t>(high);
+}
+
+inline vi q5_low(const uint8_t* qs, vi bits, int j) {
+  return (load_u8(qs + j) & 0xF) | (((bits >> lane_index(j)) & 1) << 4);
+}
+
+inline vi q5_high(const uint8_t* qs, vi bits, int j) {
+  return (load_u8(qs + j) >> 4) | (((bits >> lane_index(16 + j)) & 1) << 4);
+}
+
+template <class Sink>
+inline void q5_0(const uint8_t* b, Sink& sink, int64_t blocks) {
+  for (int64_t i = 0, base = 0; i < blocks; ++i, b += 22, base += 32) {
     const float d = half_to_float(b);
-    uint32_t high;
-    std::memcpy(&high, b + 2, 4);
-    const vi bits = vi{} + static_cast<int32_t>(high);
-    for (int j = 0; j < 16; j += kLanes) {
-      const vi v = load_u8(b + 6 + j);
-      const vi lo = (v & 0xF) | (((bits >> lane_index(j)) & 1) << 4);
-      const vi hi = (v >> 4) | (((bits >> lane_index(16 + j)) & 1) << 4);
-      store(y + j, to_float(lo - 16) * d);
-      store(y + 16 + j, to_float(hi - 16) * d);
-    }
+    const vi bits = fifth_bits(b + 2);
+    for (int j = 0; j < 16; j += kLanes) sink(base + j, to_float(q5_low(b + 6, bits, j) - 16) * d);
+    for (int j = 0; j < 16; j += kLanes) sink(base + 16 + j, to_float(q5_high(b + 6, bits, j) - 16) * d);
   }
 }
 
-inline void q5_1(const uint8_t* b, float* y, int64_t blocks) {
-  for (int64_t i = 0; i < blocks; ++i, b += 24, y += 32) {
+template <class Sink>
+inline void q5_1(const uint8_t* b, Sink& sink, int64_t blocks) {
+  for (int64_t i = 0, base = 0; i < blocks; ++i, b += 24, base += 32) {
     const float d = half_to_float(b);
     const float m = half_to_float(b + 2);
-    uint32_t high;
-    std::memcpy(&high, b + 4, 4);
-    const vi bits = vi{} + static_cast<int32_t>(high);
-    for (int j = 0; j < 16; j += kLanes) {
-      const vi v = load_u8(b + 8 + j);
-      const vi lo = (v & 0xF) | (((bits >> lane_index(j)) & 1) << 4);
-      const vi hi = (v >> 4) | (((bits >> lane_index(16 + j)) & 1) << 4);
-      store(y + j, to_float(lo) * d + m);
-      store(y + 16 + j, to_float(hi) * d + m);
-    }
+    const vi bits = fifth_bits(b + 4);
+    for (int j = 0; j < 16; j += kLanes) sink(base + j, to_float(q5_low(b + 8, bits, j)) * d + m);
+    for (int j = 0; j < 16; j += kLanes) sink(base + 16 + j, to_float(q5_high(b + 8, bits, j)) * d + m);
   }
 }
 
 // Q4_K and Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins; sub-blocks 2c and 2c + 1 share the
 // 32 bytes of chunk c (low nibbles, then high); Q5_K adds bit i of qh[l] to value l of sub-block i.
-inline void q4_k(const uint8_t* b, float* y, int64_t blocks) {
+template <class Sink>
+inline void q4_k(const uint8_t* b, Sink& sink, int64_t blocks) {
   float scale[8];
   float min[8];
-  for (int64_t i = 0; i < blocks; ++i, b += 144, y += 256) {
+  for (int64_t i = 0, base = 0; i < blocks; ++i, b += 144, base += 256) {
     k_scales(b, scale, min);
     const uint8_t* qs = b + 16;
     for (int c = 0; c < 4; ++c) {
-      for (int j = 0; j < 32; j += kLanes) {
-        const vi v = load_u8(qs + c * 32 + j);
-        store(y + (2 * c) * 32 + j, to_float(v & 0xF) * scale[2 * c] - min[2 * c]);
-        store(y + (2 * c + 1) * 32 + j, to_float(v >> 4) * scale[2 * c + 1] - min[2 * c + 1]);
-      }
+      const int lo = 2 * c;
+      const int hi = 2 * c + 1;
+      for (int j = 0; j < 32; j += kLanes)
+        sink(base + lo * 32 + j, to_float(load_u8(qs + c * 32 + j) & 0xF) * scale[lo] - min[lo]);
+      for (int j = 0; j < 32; j += kLanes)
+        sink(base + hi * 32 + j, to_float(load_u8(qs + c * 32 + j) >> 4) * scale[hi] - min[hi]);
     }
   }
 }
 
-inline void q5_k(const uint8_t* b, float* y, int64_t blocks) {
+template <class Sink>
+inline void q5_k(const uint8_t* b, Sink& sink, int64_t blocks) {
   float scale[8];
   float min[8];
-  for (int64_t i = 0; i < blocks; ++i, b += 176, y += 256) {
+  for (int64_t i = 0, base = 0; i < blocks; ++i, b += 176, base += 256) {
     k_scales(b, scale, min);
     const uint8_t* qh = b + 16;
     const uint8_t* qs = b + 48;
     for (int c = 0; c < 4; ++c) {
+      const int lo = 2 * c;
+      const int hi = 2 * c + 1;
       for (int j = 0; j < 32; j += kLanes) {
-        const vi v = load_u8(qs + c * 32 + j);
-        const vi h = load_u8(qh + j);
-        const vi lo = (v & 0xF) | (((h >> (2 * c)) & 1) << 4);
-        const vi hi = (v >> 4) | (((h >> (2 * c + 1)) & 1) << 4);
-        store(y + (2 * c) * 32 + j, to_float(lo) * scale[2 * c] - min[2 * c]);
-        store(y + (2 * c + 1) * 32 + j, to_float(hi) * scale[2 * c + 1] - min[2 * c + 1]);
+        const vi q = (load_u8(qs + c * 32 + j) & 0xF) | (((load_u8(qh + j) >> lo) & 1) << 4);
+        sink(base + lo * 32 + j, to_float(q) * scale[lo] - min[lo]);
+      }
+      for (int j = 0; j < 32; j += kLanes) {
+        const vi q = (load_u8(qs + c * 32 + j) >> 4) | (((load_u8(qh + j) >> hi) & 1) << 4);
+        sink(base + hi * 32 + j, to_float(q) * scale[hi] - min[hi]);
       }
     }
   }
@@ -170,8 +176,9 @@ inline void q5_k(const uint8_t* b, float* y, int64_t blocks) {
 // Q6_K: 256 values in two halves of 128; value s * 64 + l of half h takes its low 4 bits from
 // ql[h * 64 + l] (shifted by 4 s) and its high 2 from qh[h * 32 + l % 32] (shifted by 2 (2 s + l / 32)),
 // minus 32, times d * scales[value / 16].
-inline void q6_k(const uint8_t* b, float* y, int64_t blocks) {
-  for (int64_t i = 0; i < blocks; ++i, b += 210, y += 256) {
+template <class Sink>
+inline void q6_k(const uint8_t* b, Sink& sink, int64_t blocks) {
+  for (int64_t i = 0, base = 0; i < blocks; ++i, b += 210, base += 256) {
     const uint8_t* ql = b;
     const uint8_t* qh = b + 128;
     const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
@@ -183,39 +190,40 @@ inline void q6_k(const uint8_t* b, float* y, int64_t blocks) {
           const vi lo = (load_u8(ql + h * 64 + l) >> (4 * s)) & 0xF;
           const vi hi = (load_u8(qh + h * 32 + l % 32) >> (2 * (2 * s + l / 32))) & 3;
           const float scale = d * static_cast<float>(scales[e / 16]);
-          store(y + e, to_float((lo | (hi << 4)) - 32) * scale);
+          sink(base + e, to_float((lo | (hi << 4)) - 32) * scale);
         }
       }
     }
   }
 }
 
-// One row of `k` values of type `type` (a ggml type id) into y; false for a type without a kernel.
-inline bool dequantize_row(int64_t type, const uint8_t* row, float* y, int64_t k) {
+// One row of `k` values of type `type` (a ggml type id) into `sink`; false for a type without a kernel.
+template <class Sink>
+inline bool decode_row(int64_t type, const uint8_t* row, Sink& sink, int64_t k) {
   switch (type) {
     case kQ4_0:
-      q4_0(row, y, k / 32);
+      q4_0(row, sink, k / 32);
       return true;
     case kQ4_1:
-      q4_1(row, y, k / 32);
+      q4_1(row, sink, k / 32);
       return true;
     case kQ5_0:
-      q5_0(row, y, k / 32);
+      q5_0(row, sink, k / 32);
       return true;
     case kQ5_1:
-      q5_1(row, y, k / 32);
+      q5_1(row, sink, k / 32);
       return true;
     case kQ8_0:
-      q8_0(row, y, k / 32);
+      q8_0(row, sink, k / 32);
       return true;
     case kQ4_K:
-      q4_k(row, y, k / 256);
+      q4_k(row, sink, k / 256);
       return true;
     case kQ5_K:
-      q5_k(row, y, k / 256);
+      q5_k(row, sink, k / 256);
       return true;
     case kQ6_K:
-      q6_k(row, y, k / 256);
+      q6_k(row, sink, k / 256);
       return true;
     default:
       return false;

@@ -1,14 +1,17 @@
 // y[M, N] = x[M, K] . w[N, K]^T (+ bias) for a weight kept as GGUF blocks, and that weight's
 // dequantization.
 //
-// The weight never exists as float32 in memory: each thread takes tiles of kTileRows weight rows,
-// dequantizes a tile into a buffer of its own (a few KiB, in L1 or L2) and multiplies every row of x by
-// it with small_linear.cpp's float32 tiles, so the bytes crossing the memory bus are the file's. Each
-// output element is the float32 kernel's sum over the dequantized row, so the result equals
-// strata_small_linear on the dequantized weight bit for bit, whatever M, the tile or the thread; and
-// the dequantized values equal the gguf package's (gguf_blocks.h). The block decoding is chosen at run
-// time like every kernel here (isa.h): AVX-512, AVX2 or the portable build. Types: Q4_0, Q4_1, Q5_0,
-// Q5_1, Q8_0, Q4_K, Q5_K and Q6_K (ggml's type ids); strata_gguf_supported says which.
+// The weight never exists as float32 in memory, so the bytes crossing the memory bus are the file's.
+// Each thread takes tiles of kTileRows weight rows. Up to kFusedMaxRows rows of x (decode steps) it
+// decodes each weight row in registers and multiplies it by up to four rows of x as the values
+// arrive (gguf_sinks.h); above, it dequantizes a tile into a buffer of its own (a few KiB, in L1 or
+// L2) once and multiplies every row of x by it with small_linear.cpp's float32 tiles, so the decoding
+// is not repeated per few rows. Both give each output element the float32 kernel's sum over the
+// dequantized row, so the result equals strata_small_linear on the dequantized weight bit for bit,
+// whatever M, the path, the tile or the thread; and the dequantized values equal the gguf package's
+// (gguf_blocks.h). The block decoding is chosen at run time like every kernel here (isa.h): AVX-512,
+// AVX2 or the portable build. Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K (ggml's type
+// ids); strata_gguf_supported says which.
 
 // The dequantization must round q * d and + m (or - m) separately, as the gguf package does.
 #pragma GCC optimize("fp-contract=off")
@@ -21,6 +24,7 @@
 #include <cstring>
 #include <vector>
 
+#include "hsum.h"
 #include "isa.h"
 #include "kernels.h"
 
@@ -28,7 +32,8 @@ namespace {
 
 // ggml's type ids (gguf's GGMLQuantizationType).
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
-constexpr int64_t kTileRows = 4;          // weight rows dequantized per tile
+constexpr int64_t kTileRows = 4;          // weight rows per tile
+constexpr int64_t kFusedMaxRows = 8;      // rows of x up to which weight rows are decoded in registers
 constexpr int64_t kGrainBytes = 1 << 15;  // stored weight bytes per parallel chunk, at least
 
 // A float16's exact float32 value (normal, subnormal, zero, infinity and NaN alike).
@@ -73,6 +78,7 @@ inline void k_scales(const uint8_t* b, float* scale, float* min) {
 #define STRATA_GGUF_NS gguf_avx512
 #define STRATA_LANES 16
 #include "gguf_blocks.h"
+#include "gguf_sinks.h"
 #undef STRATA_GGUF_NS
 #undef STRATA_LANES
 #pragma GCC pop_options
@@ -82,6 +88,7 @@ inline void k_scales(const uint8_t* b, float* scale, float* min) {
 #define STRATA_GGUF_NS gguf_avx2
 #define STRATA_LANES 8
 #include "gguf_blocks.h"
+#include "gguf_sinks.h"
 #undef STRATA_GGUF_NS
 #undef STRATA_LANES
 #pragma GCC pop_options
@@ -89,23 +96,30 @@ inline void k_scales(const uint8_t* b, float* scale, float* min) {
 #define STRATA_GGUF_NS gguf_portable
 #define STRATA_LANES 4
 #include "gguf_blocks.h"
+#include "gguf_sinks.h"
 #undef STRATA_GGUF_NS
 #undef STRATA_LANES
 
 namespace {
 
 using Dequantize = bool (*)(int64_t, const uint8_t*, float*, int64_t);
+using DotRows = void (*)(int64_t, const uint8_t*, const float*, int64_t, int64_t, float*);
 
-Dequantize dequantizer() {
+struct Decoders {
+  Dequantize dequantize;
+  DotRows dot_rows;
+};
+
+Decoders decoders() {
   switch (strata::chosen_isa()) {
     case strata::Isa::kAvx512:
-      return gguf_avx512::dequantize_row;
+      return {gguf_avx512::dequantize_row, gguf_avx512::dot_rows};
     case strata::Isa::kAvx2:
-      return gguf_avx2::dequantize_row;
+      return {gguf_avx2::dequantize_row, gguf_avx2::dot_rows};
     case strata::Isa::kPortable:
       break;
   }
-  return gguf_portable::dequantize_row;
+  return {gguf_portable::dequantize_row, gguf_portable::dot_rows};
 }
 
 // (values per block, bytes per block) of a supported type; {0, 0} for any other.
@@ -142,17 +156,27 @@ int64_t grain(int64_t per_item_bytes) { return std::max<int64_t>(1, kGrainBytes 
 int64_t tile_count(int64_t n) { return (n + kTileRows - 1) / kTileRows; }
 
 // Weight-row tiles [first, last) on the calling thread: every output element is the float32 kernel's
-// sum over its dequantized row, whichever thread or tile computes it.
+// sum over its dequantized row, whichever thread, tile or path computes it. Up to kFusedMaxRows rows
+// of x, each weight row is decoded in registers once per few rows of x (gguf_sinks.h's dot_rows);
+// above, a tile is dequantized into a buffer once and the float32 kernel reads it for every row of x.
 void linear_tiles(int64_t type, const float* x, const uint8_t* w, const float* bias, float* y, int64_t m, int64_t n,
                   int64_t k, int64_t ldy, int64_t first, int64_t last) {
-  const Dequantize dequantize = dequantizer();
+  const Decoders decode = decoders();
   const int64_t bytes = row_bytes(type, k);
+  const int64_t end = std::min(n, last * kTileRows);
+  if (m <= kFusedMaxRows) {
+    float dots[kFusedMaxRows];
+    for (int64_t row = first * kTileRows; row < end; ++row) {
+      decode.dot_rows(type, w + row * bytes, x, m, k, dots);
+      for (int64_t i = 0; i < m; ++i) y[i * ldy + row] = bias != nullptr ? dots[i] + bias[row] : dots[i];
+    }
+    return;
+  }
   thread_local std::vector<float> buffer;
   buffer.resize(static_cast<size_t>(kTileRows * k));
-  for (int64_t tile = first; tile < last; ++tile) {
-    const int64_t row = tile * kTileRows;
-    const int64_t rows = std::min(kTileRows, n - row);
-    for (int64_t r = 0; r < rows; ++r) dequantize(type, w + (row + r) * bytes, buffer.data() + r * k, k);
+  for (int64_t row = first * kTileRows; row < end; row += kTileRows) {
+    const int64_t rows = std::min(kTileRows, end - row);
+    for (int64_t r = 0; r < rows; ++r) decode.dequantize(type, w + (row + r) * bytes, buffer.data() + r * k, k);
     strata::small_linear_rows(x, buffer.data(), bias != nullptr ? bias + row : nullptr, y + row, m, rows, k, ldy);
   }
 }
@@ -177,7 +201,7 @@ int strata_gguf_supported(int64_t type, int64_t k) {
 
 // w: n rows of k values of `type` as stored; y [n, k] float32. Call strata_gguf_supported first.
 void strata_gguf_dequantize(int64_t type, const uint8_t* w, float* y, int64_t n, int64_t k) {
-  const Dequantize dequantize = dequantizer();
+  const Dequantize dequantize = decoders().dequantize;
   const int64_t bytes = row_bytes(type, k);
   at::parallel_for(0, n, grain(bytes), [&](int64_t first, int64_t last) {
     for (int64_t row = first; row < last; ++row) dequantize(type, w + row * bytes, y + row * k, k);

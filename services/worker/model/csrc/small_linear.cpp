@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "hsum.h"
 #include "isa.h"
 #include "kernels.h"
 
@@ -96,13 +97,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void tile_avx512(const Prob
     for (int i = 0; i < MB; ++i) p.y[(m0 + i) * p.ldy + row + r] = p.finish(_mm512_reduce_add_ps(acc[r][i]), row + r);
 }
 
-__attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 template <int R, int MB, typename W>
 __attribute__((target("avx2,fma"))) void tile_avx2(const Problem<W>& p, int64_t row, int64_t m0) {
   __m256 acc[R][MB];
@@ -125,7 +119,7 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const Problem<W>& p, int64_t 
     for (int i = 0; i < MB; ++i) {
       float tail = 0.0f;
       for (int64_t j = k; j < p.k; ++j) tail = std::fma(static_cast<float>(w[r * p.k + j]), x[i * p.k + j], tail);
-      p.y[(m0 + i) * p.ldy + row + r] = p.finish(hsum256(acc[r][i]) + tail, row + r);
+      p.y[(m0 + i) * p.ldy + row + r] = p.finish(strata::hsum256(acc[r][i]) + tail, row + r);
     }
   }
 }
