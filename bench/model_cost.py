@@ -43,16 +43,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def fetched_models(names: str | None) -> dict[str, Path]:
-    """fetch-model name -> model folder, for the named (or every fetched) model of the table."""
+    """fetch-model name -> model folder, for the named (or every fetched) model of the table whose
+    folder holds float32 weights (what this bench compares)."""
     from strata.cli.model_fetch import read_manifest
     from strata.cli.model_sources import SOURCES, source
 
     chosen = [source(name) for name in names.split(",")] if names else list(SOURCES.values())
     found = {entry.name: MODELS_ROOT / entry.folder for entry in chosen}
-    missing = [name for name, path in found.items() if read_manifest(path, SOURCES[name]) is None]
+    missing = [name for name, path in found.items() if read_manifest(path, SOURCES[name], "float32") is None]
     if names and missing:
         raise SystemExit(
-            f"bench.model_cost: not fetched: {', '.join(missing)}: run `strata fetch-model NAME`"
+            f"bench.model_cost: not fetched as float32: {', '.join(missing)}: run "
+            "`strata fetch-model --weights float32 NAME`"
         )
     return {name: path for name, path in found.items() if name not in missing}
 

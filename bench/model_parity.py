@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from bench.stats import save_record
+from strata.cli.model_convert import transformers_kwargs
 
 MODELS_ROOT = Path("models")
 DEFAULT_MODELS = "qwen2.5-coder-0.5b-instruct,qwen2.5-coder-1.5b-instruct"
@@ -72,7 +73,10 @@ def measure(model_dir: Path, new_tokens: int) -> dict[str, Any]:
     from services.worker.model.loader import load_model
 
     prompts = prompt_ids(model_dir)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, **transformers_kwargs(model_dir)
+    )
+    hf.eval()
     config = GenerationConfig(
         do_sample=False, max_new_tokens=new_tokens, output_logits=True, return_dict_in_generate=True
     )

@@ -6,7 +6,8 @@ same warm-up (each shape once, untimed, in the same process; bench/peer_llama.py
 bench/peer_engine.py). Each run reports the combined rate (generated tokens over prefill plus decode
 time) and its prefill and decode phases apart. Contestants: llama.cpp F32 against our float32;
 llama.cpp Q8_0 against our int8 fallback (dynamic_int8.py: weight-only int8 at up to 8 rows a step,
-dynamic int8 above); llama.cpp Q4_K_M (made by its own llama-quantize from the F32 file) against the
+dynamic int8 above); llama.cpp Q4_K_M (made by its own llama-quantize from the F32 file, or with
+`--shipped-q4-k-m` the model's own file as shipped) against the
 faster of ours at each stream count; and llama.cpp's Q8_0 and Q4_K_M files each against our engine
 serving that same file as stored (bench/peer_setup.py's served_folder; its perplexity measured here
 by bench/perplexity.py's stored paths). Rounds alternate and flip, their load is read and a loaded
@@ -67,6 +68,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--settle", type=float, default=DEFAULT_SETTLE_S, help="seconds to wait for load")
     p.add_argument("--repeat-budget", type=float, help="seconds all repeats may take together")
     p.add_argument("--perplexity-record", type=Path, default=PERPLEXITY_RECORD)
+    p.add_argument(
+        "--shipped-q4-k-m",
+        type=Path,
+        help="the model's Q4_K_M GGUF as shipped: both sides' Q4_K_M contestants serve it (default: "
+        "llama-quantize's Q4_K_M of the F32 file)",
+    )
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     if args.rounds < 5 and args.json is not None:
@@ -148,7 +155,7 @@ def progress(done: dict[str, Any], rounds: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    peer = prepare(args.model, GGUF_TYPES)
+    peer = prepare(args.model, GGUF_TYPES, args.shipped_q4_k_m)
     folders = {kind: served_folder(args.model, peer.models[kind]) for kind in GGUF_CONTESTANTS.values()}
     # Preparing may have built and converted the peer for many minutes: the record's start load must
     # be the machine's, not that build's, whose load decays from the 1-minute average in a few minutes.

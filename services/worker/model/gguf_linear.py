@@ -108,13 +108,18 @@ class GgufLinear(_Stored):
         rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
         kernels = native.library()
         if kernels is not None and 0 < rows.shape[0] <= NATIVE_MAX_ROWS:
-            out = self._native(kernels, rows)
+            out = self.from_blocks(kernels, rows)
         else:
-            weight = self.dequantize_rows(kernels, _scratch_matrix(self.out_features, self.in_features))
-            out = F.linear(rows, weight, self.bias)
+            out = self.from_dequantized(kernels, rows)
         return out.reshape(*leading, self.out_features)
 
-    def _native(self, kernels: native.Library, x: Tensor) -> Tensor:
+    def from_dequantized(self, kernels: native.Library | None, x: Tensor) -> Tensor:
+        """x [M, K] float32 contiguous times the whole weight dequantized into the thread's scratch."""
+        weight = self.dequantize_rows(kernels, _scratch_matrix(self.out_features, self.in_features))
+        return F.linear(x, weight, self.bias)
+
+    def from_blocks(self, kernels: native.Library, x: Tensor) -> Tensor:
+        """x [M, K] float32 contiguous times the weight through the native kernel, from the blocks."""
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         row = 0
         for qtype, data in self.stored_parts():
