@@ -46,11 +46,17 @@ _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 def git_checkout(tree: Path = REPOSITORY) -> tuple[str, bool]:
-    """The checkout's HEAD commit ("" outside git) and whether its tracked files differ from it."""
+    """The checkout's HEAD commit ("" outside git) and whether its tracked files outside bench/results/
+    differ from it: a record an earlier step of the same make target just wrote (bench-peer's
+    perplexity record, say) is not the code being measured."""
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True, text=True, check=False)
     if head.returncode != 0:
         return "", False
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=tree, check=False).returncode != 0
+    outside_records = ["--", ".", ":(exclude)bench/results"]
+    dirty = (
+        subprocess.run(["git", "diff", "--quiet", "HEAD", *outside_records], cwd=tree, check=False).returncode
+        != 0
+    )
     return head.stdout.strip(), dirty
 
 

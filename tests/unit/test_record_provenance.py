@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from bench.provenance import ISAS, check_provenance, finish_provenance, start_provenance
+from bench.provenance import ISAS, check_provenance, finish_provenance, git_checkout, start_provenance
 from bench.stats import save_record
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
@@ -92,3 +92,23 @@ def test_a_record_without_provenance_fails_and_save_record_fills_the_end(tmp_pat
     assert record["provenance"]["load_average"]["end"] is None
     save_record(record, tmp_path / "record.json")
     assert check_provenance(json.loads((tmp_path / "record.json").read_text())) == []
+
+
+def test_a_record_written_before_the_run_does_not_make_the_checkout_dirty(tmp_path: Path) -> None:
+    """make bench-peer writes the perplexity record, then times the peer: the code measured is still
+    the commit's, so only tracked files outside bench/results/ count as a dirty checkout."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True, check=True)
+        return done.stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "bench" / "results" / "a.json").write_text("{}\n")
+    (tmp_path / "code.py").write_text("one\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    (tmp_path / "bench" / "results" / "a.json").write_text('{"new": 1}\n')
+    assert git_checkout(tmp_path) == (git("rev-parse", "HEAD"), False)
+    (tmp_path / "code.py").write_text("two\n")
+    assert git_checkout(tmp_path)[1] is True
