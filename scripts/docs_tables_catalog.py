@@ -163,6 +163,24 @@ CATALOG: dict[str, Entry] = {
         ),
         target="make bench-peer",
     ),
+    # One stream only: the 64-stream rounds of the 0.5B take most of the hour above.
+    "peer-qwen05-1-stream-cpu.json": Entry(
+        ENGINE,
+        "bench/peer.py",
+        1800,
+        _py(
+            "bench.peer",
+            "--model",
+            "models/float32/Qwen2.5-Coder-0.5B-Instruct",
+            "--shipped-q4-k-m",
+            "models/Qwen2.5-Coder-0.5B-Instruct/Qwen2.5-Coder-0.5B-Instruct.gguf",
+            "--perplexity-record",
+            "bench/results/perplexity-qwen05-cpu.json",
+            "--npl",
+            "1",
+            *_json("peer-qwen05-1-stream-cpu.json"),
+        ),
+    ),
     "serve-peer-cpu.json": Entry(
         STACK,
         "bench/serve_peer.py",
