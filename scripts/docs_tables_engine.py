@@ -227,6 +227,11 @@ TABLES = (
         ("peer-qwen05-cpu.json",),
         lambda records: peer_rows(records["peer-qwen05-cpu.json"].data),
     ),
+    Table(
+        "peer-qwen-one-stream",
+        ("peer-qwen05-1-stream-cpu.json",),
+        lambda records: peer_rows(records["peer-qwen05-1-stream-cpu.json"].data),
+    ),
     Table("facade", ("facade-cpu.json",), facade),
     Table("perplexity", ("perplexity-cpu.json",), perplexity),
     Table("memory-profile", ("memory-profile-cpu.json",), memory_profile),
