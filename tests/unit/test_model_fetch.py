@@ -268,5 +268,9 @@ def test_a_gguf_kept_as_shipped_is_served_from_its_blocks(model_dir: Path, tmp_p
     assert verify_model_dir(kept) == []
     assert read_manifest(kept, weights="float32") is None
     assert not fallback_model_dir(tmp_path).exists()
+    # Asked for no weights in particular (as `strata up` ensures a folder), the GGUF stays.
+    messages: list[str] = []
+    assert fetch_model(tmp_path, progress=messages.append) == kept
+    assert messages == [f"{kept} is complete ({MANIFEST_NAME}, gguf); nothing to do"]
     loaded = load_model(kept)
     assert loaded.weights_format.startswith("GGUF as stored: Q4_1")
