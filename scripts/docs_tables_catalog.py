@@ -48,6 +48,17 @@ def _json(name: str) -> tuple[str, ...]:
     return ("--json", f"bench/results/{name}")
 
 
+# bench.peer on Qwen2.5-Coder-0.5B: its float32 conversion for llama.cpp's converter, its Q4_K_M
+# file as shipped for both sides' Q4_K_M contestants (make bench-peer fetches both).
+QWEN05_PEER = (
+    "--model",
+    "models/float32/Qwen2.5-Coder-0.5B-Instruct",
+    "--shipped-q4-k-m",
+    "models/Qwen2.5-Coder-0.5B-Instruct/Qwen2.5-Coder-0.5B-Instruct.gguf",
+    "--perplexity-record",
+    "bench/results/perplexity-qwen05-cpu.json",
+)
+
 CATALOG: dict[str, Entry] = {
     "engine-cpu.json": Entry(
         ENGINE,
@@ -153,12 +164,7 @@ CATALOG: dict[str, Entry] = {
         3600,
         _py(
             "bench.peer",
-            "--model",
-            "models/float32/Qwen2.5-Coder-0.5B-Instruct",
-            "--shipped-q4-k-m",
-            "models/Qwen2.5-Coder-0.5B-Instruct/Qwen2.5-Coder-0.5B-Instruct.gguf",
-            "--perplexity-record",
-            "bench/results/perplexity-qwen05-cpu.json",
+            *QWEN05_PEER,
             *_json("peer-qwen05-cpu.json"),
         ),
         target="make bench-peer",
@@ -170,12 +176,7 @@ CATALOG: dict[str, Entry] = {
         1800,
         _py(
             "bench.peer",
-            "--model",
-            "models/float32/Qwen2.5-Coder-0.5B-Instruct",
-            "--shipped-q4-k-m",
-            "models/Qwen2.5-Coder-0.5B-Instruct/Qwen2.5-Coder-0.5B-Instruct.gguf",
-            "--perplexity-record",
-            "bench/results/perplexity-qwen05-cpu.json",
+            *QWEN05_PEER,
             "--npl",
             "1",
             *_json("peer-qwen05-1-stream-cpu.json"),
