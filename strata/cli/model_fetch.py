@@ -294,7 +294,7 @@ def _prepare_fallback(dest: Path, progress: Progress) -> None:
         staged.mkdir()
         for name in model_manifest["files"]:
             if name.endswith(".safetensors"):
-                _link_or_copy(source / name, staged / name)
+                link_or_copy(source / name, staged / name)
             else:
                 # Copies, not links: the tokenizer files must stay byte-identical even if one is edited.
                 shutil.copyfile(source / name, staged / name)
@@ -315,7 +315,8 @@ def _prepare_fallback(dest: Path, progress: Progress) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _link_or_copy(source: Path, target: Path) -> None:
+def link_or_copy(source: Path, target: Path) -> None:
+    """``target`` as a hard link to ``source``, or a readable copy where a link cannot be made."""
     try:
         target.hardlink_to(source)
     except OSError:  # another file system, or links not allowed there
