@@ -4,8 +4,9 @@ For SmolLM2-135M's shapes (bench.small_linear's: 30 layers of fused qkv, o, fuse
 plus the vocabulary projection), each weight quantized by the gguf package to each type of
 `--types`, and each M of `--rows`, it times every projection in turn on its own weight (so they
 stream from memory as in a real step) three ways: GgufLinear's native kernel (csrc/gguf_linear.cpp:
-registers up to 8 rows, a tile buffer above), its other path (the whole weight dequantized into the
-thread's scratch, then torch's GEMM), and F.linear on the float32 weight for scale. Contestants
+integer dot products of 8-bit activations up to 8 rows, a tile buffer above), its other path (the
+whole weight dequantized into the thread's scratch, then torch's GEMM), and F.linear on the float32
+weight for scale. Contestants
 alternate within each of `--runs` rounds; medians and min-max are recorded. What it decides is where
 GgufLinear's NATIVE_MAX_ROWS belongs; the module only times and decides nothing.
 """

@@ -116,7 +116,8 @@ LEVERS: tuple[tuple[str, str | None, Figures | str, str], ...] = (
     ),
     ("a second, transposed [K, N] copy for small batches", "small-linear-cpu.json", transposed, "dropped"),
     (
-        "GGUF projections computed from the blocks (decoded in registers up to 8 rows, a tile buffer above)",
+        "GGUF projections computed from the blocks (8-bit activations in integers up to 8 rows, "
+        "a dequantized tile above)",
         "gguf-linear-cpu.json",
         gguf_linear,
         "kept, up to NATIVE_MAX_ROWS rows",

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
     from pathlib import Path
 
 pytest_plugins = ("tests.figures",)
@@ -227,3 +228,21 @@ def tiny_fallback_dir(tiny_serving_dir: Path, tmp_path_factory: pytest.TempPathF
         if (tiny_serving_dir / name).is_file():
             shutil.copyfile(tiny_serving_dir / name, directory / name)
     return directory
+
+
+@pytest.fixture
+def gguf_float32_products() -> Iterator[None]:
+    """The GGUF kernels with their 8-bit activations off for one test: a model served from a GGUF is
+    then the float32 model of the dequantized file, which transformers and the float32 conversion run
+    too, so greedy tokens and logits can be compared exactly."""
+    from services.worker.model import gguf_linear, native
+
+    kernels = native.library()
+    if kernels is None:
+        yield
+        return
+    previous = gguf_linear.set_integer_activations(kernels, False)
+    try:
+        yield
+    finally:
+        gguf_linear.set_integer_activations(kernels, previous)

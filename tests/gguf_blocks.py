@@ -48,3 +48,15 @@ def gguf_weight(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0
 def reference(weight: GgufWeight) -> torch.Tensor:
     """The gguf package's dequantization of every part, as float32."""
     return torch.cat([part.dequantize() for part in weight.parts])
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """float64 [M, K]: x as the kernels' integer path sees it, 8 bits per 32 values
+    (csrc/gguf_activations.h): d = max |x| / 127 and q = x / d rounded to nearest, ties to even, each
+    step in float32 as the kernel takes it; the result is q * d, exact in float64."""
+    blocks = x.numpy().astype(np.float32).reshape(x.shape[0], -1, 32)
+    scale = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+    nonzero = np.where(scale != 0, scale, np.float32(1))
+    inverse = np.where(scale != 0, np.float32(1) / nonzero, np.float32(0)).astype(np.float32)
+    q = np.rint(blocks * inverse)
+    return torch.from_numpy((q.astype(np.float64) * scale.astype(np.float64)).reshape(x.shape))

@@ -1,11 +1,12 @@
 """The default model's own GGUF file (SmolLM2-135M-Instruct, Q4_1 with Q8_0 embeddings), served as
 stored, against the float32 folder `strata fetch-model` converts from the same file.
 
-The conversion dequantizes with the gguf package, which the kernels equal bit for bit. At up to 8
-rows a step both sides multiply with the same float32 kernel on the same values (theirs on the
-converted weight, ours on each dequantized tile), so one prompt of at most 8 tokens and its decode
-steps must give the same logits to the last bit. A batched prefill of more rows runs our kernel
-on one side and torch's GEMM on the other: equal within float32 rounding.
+The conversion dequantizes with the gguf package, which the kernels equal bit for bit. With the
+kernels' 8-bit activations off, at up to 8 rows a step both sides multiply with the same float32
+kernel on the same values (theirs on the converted weight, ours on each dequantized tile), so one
+prompt of at most 8 tokens and its decode steps must give the same logits to the last bit. A batched
+prefill of more rows runs our kernel on one side and torch's GEMM on the other: equal within float32
+rounding.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def gguf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@pytest.mark.usefixtures("gguf_float32_products")
 def test_the_gguf_served_as_stored_gives_the_float32_conversions_logits(
     gguf_dir: Path, real_model_dir: Path
 ) -> None:

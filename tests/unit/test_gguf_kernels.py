@@ -1,23 +1,32 @@
-"""The GGUF kernels (csrc/gguf_linear.cpp, gguf_blocks.h) against the gguf package and the float kernel.
+"""The GGUF kernels (csrc/gguf_linear.cpp, gguf_dots.h, gguf_blocks.h) against the gguf package,
+an exact reference and the float kernel.
 
-Dequantization must equal the gguf package's bit for bit on every type; a projection computed from
-the blocks must equal the float32 kernel on the dequantized weight bit for bit at every batch of at
-most NATIVE_MAX_ROWS rows (so a row's result does not depend on its batch), and torch's product within
-float32 rounding at larger batches. test_native_kernels.py reruns this file on AVX2 and portable.
+Dequantization must equal the gguf package's bit for bit on every type. Up to eight rows a projection
+computed from the blocks must be the exact product of the 8-bit activations with the dequantized
+weight within float32 rounding, and the same bits on every instruction set; from nine to
+NATIVE_MAX_ROWS rows the float32 kernel on the dequantized weight bit for bit; on each path a row's
+result does not depend on its batch; and torch's product within float32 rounding at larger batches.
+test_native_kernels.py reruns this file on AVX2 and portable.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import cast
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker.model import native, small_linear
+from services.worker.model import native
 from services.worker.model.gguf_linear import NATIVE_MAX_ROWS, GgufEmbedding, GgufLinear, supported
 from services.worker.model.gguf_weight import GgufWeight
-from tests.gguf_blocks import SERVED_TYPES, T, gguf_weight, reference
+from tests.gguf_blocks import SERVED_TYPES, T, gguf_weight, quantized_activations, reference
+
+INTEGER_MAX_ROWS = 8  # csrc/gguf_linear.cpp's kIntegerMaxRows
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="the native kernels are not built here")
 
@@ -49,18 +58,74 @@ def test_dequantization_equals_the_gguf_package_bit_for_bit(qtype: T) -> None:
     assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
 
 
+def _relative_error(got: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((got.double() - exact).abs().max() / exact.abs().max())
+
+
 @pytest.mark.parametrize("qtype", SERVED_TYPES, ids=lambda t: t.name)
-def test_the_projection_from_blocks_is_the_float_kernel_on_the_dequantized_weight(qtype: T) -> None:
+def test_up_to_eight_rows_the_projection_is_the_exact_product_of_8_bit_activations(qtype: T) -> None:
+    weight = gguf_weight(qtype, rows=37, cols=512, seed=1)
+    bias = torch.randn(37)
+    module = GgufLinear(weight, bias)
+    dense = reference(weight).double()
+    x = torch.randn(INTEGER_MAX_ROWS, 512)
+    every_row = module(x)
+    for rows in range(1, INTEGER_MAX_ROWS + 1):
+        # The same bits in a batch of any size: each row is computed alone.
+        assert torch.equal(module(x[:rows]), every_row[:rows])
+    on_8_bits = _relative_error(every_row, quantized_activations(x) @ dense.T + bias.double())
+    on_float32 = _relative_error(every_row, x.double() @ dense.T + bias.double())
+    assert on_8_bits < 1e-5
+    # The activations really are rounded to 8 bits: their error dwarfs float32 rounding's.
+    assert 1e-3 < on_float32 < 2e-2
+
+
+def test_a_row_with_an_infinity_gives_nan_and_leaves_the_other_rows_alone() -> None:
+    module = GgufLinear(gguf_weight(T.Q8_0, rows=16, cols=256, seed=2))
+    x = torch.randn(3, 256)
+    alone = module(x)
+    x[1, 40] = float("inf")
+    got = module(x)
+    assert torch.isnan(got[1]).all()
+    assert torch.equal(got[0], alone[0]) and torch.equal(got[2], alone[2])
+
+
+_ON_ANOTHER_ISA = """
+import sys, torch
+from services.worker.model.gguf_linear import GgufLinear
+from tests.gguf_blocks import SERVED_TYPES, gguf_weight
+torch.manual_seed(0)
+x = torch.randn(5, 512)
+outs = [GgufLinear(gguf_weight(t, rows=19, cols=512, seed=3))(x) for t in SERVED_TYPES]
+torch.save(torch.stack(outs), sys.argv[1])
+"""
+
+
+@pytest.mark.skipif("STRATA_NATIVE_ISA" in os.environ, reason="compares this ISA with the portable one")
+def test_the_integer_path_gives_the_same_bits_on_every_instruction_set(tmp_path: Path) -> None:
+    if native.isa() == "portable":
+        pytest.skip("this CPU runs the portable build only: nothing to compare it with")
+    torch.manual_seed(0)
+    x = torch.randn(5, 512)
+    here = torch.stack([GgufLinear(gguf_weight(t, rows=19, cols=512, seed=3))(x) for t in SERVED_TYPES])
+    saved = tmp_path / "portable.pt"
+    env = {**os.environ, "STRATA_NATIVE_ISA": "portable"}
+    root = Path(__file__).parents[2]
+    subprocess.run([sys.executable, "-c", _ON_ANOTHER_ISA, saved], check=True, env=env, cwd=root, timeout=300)
+    assert torch.equal(here.view(torch.int32), torch.load(saved).view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype", SERVED_TYPES, ids=lambda t: t.name)
+def test_from_nine_rows_the_projection_is_the_float_kernel_on_the_dequantized_weight(qtype: T) -> None:
     weight = gguf_weight(qtype, rows=37, cols=256, seed=1)
     bias = torch.randn(37)
     module = GgufLinear(weight, bias)
     dense = reference(weight)
     x = torch.randn(NATIVE_MAX_ROWS, 256)
     every_row = module(x)
-    for rows in (*range(1, small_linear.MAX_ROWS + 1), 23, NATIVE_MAX_ROWS):
+    for rows in (INTEGER_MAX_ROWS + 1, 23, NATIVE_MAX_ROWS):
         got = module(x[:rows])
         assert torch.equal(got, _float_kernel(x[:rows], dense, bias))
-        # The same bits in a batch of any size: each row is computed alone.
         assert torch.equal(got, every_row[:rows])
     exact = x.double() @ dense.double().T + bias.double()
     torch.testing.assert_close(every_row.double(), exact, rtol=1e-4, atol=1e-4)
@@ -79,7 +144,10 @@ def test_a_fused_weight_of_three_types_with_a_bias_at_small_and_large_batches() 
     bias = torch.randn(96)
     module = GgufLinear(fused, bias)
     dense = torch.cat([reference(p) for p in parts])
-    for rows in (3, NATIVE_MAX_ROWS):  # the kernel, then the dequantize-and-GEMM path (2 x rows)
+    x = torch.randn(2, 3, 256)  # the integer path: the exact product of the 8-bit activations
+    exact = quantized_activations(x.reshape(6, 256)) @ dense.double().T + bias.double()
+    torch.testing.assert_close(module(x).reshape(6, 96).double(), exact, rtol=1e-5, atol=1e-4)
+    for rows in (8, NATIVE_MAX_ROWS):  # the float kernel, then the dequantize-and-GEMM path (2 x rows)
         x = torch.randn(2, rows, 256)
         torch.testing.assert_close(module(x), F.linear(x, dense, bias), rtol=1e-5, atol=1e-4)
 
@@ -102,7 +170,7 @@ def test_only_types_with_a_kernel_and_whole_blocks_are_supported() -> None:
 def test_switched_off_the_module_dequantizes_with_the_gguf_package() -> None:
     weight = gguf_weight(T.Q5_K, 8, 256, 6)
     module = GgufLinear(weight)
-    x = torch.randn(2, 256)
+    x = torch.randn(16, 256)  # the float kernel's path: switched off, only the summation order differs
     on = module(x)
     previous = native.set_enabled(False)
     try:

@@ -94,10 +94,12 @@ def _assert_matches_transformers(folder: Path) -> None:
         assert_logits_close(ours_first, ref_first, atol=1e-4 * max(scale, 1.0), context=str(prompt))
 
 
+@pytest.mark.usefixtures("gguf_float32_products")
 def test_a_llama_gguf_matches_transformers_reading_the_same_file(llama_gguf: Path) -> None:
     _assert_matches_transformers(llama_gguf)
 
 
+@pytest.mark.usefixtures("gguf_float32_products")
 def test_a_qwen2_gguf_with_biases_and_tied_embeddings_matches_transformers(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:

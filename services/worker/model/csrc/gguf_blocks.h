@@ -6,8 +6,9 @@
 // dequantization (gguf/quants.py): float16 scales widened exactly, the sub-block scale d * sc as one
 // float32 product, then q * D, then - M or + M as a separate rounding (the file is compiled with
 // floating-point contraction off, so no fused multiply-add merges them). A dequantized weight equals
-// the gguf package's bit for bit, on every instruction set. Each decoder hands `blocks` blocks' values
-// to a sink (gguf_sinks.h): one stores them, one multiplies them by rows of x where they stand.
+// the gguf package's bit for bit, on every instruction set. The model's projections do not read these
+// values (gguf_dots.h computes them from the blocks in integers); embeddings, prefill batches and
+// tests do.
 //
 // No include guard: included once per instruction set, on purpose.
 
@@ -63,8 +64,7 @@ inline vi lane_index(int first) {
 }
 
 // Each decoder hands its blocks' values to sink(offset, values): kLanes values starting at `offset`
-// in the row, in increasing offsets, so a sink that accumulates (gguf_sinks.h's Dot) adds them in the
-// float32 kernel's order.
+// in the row, in increasing offsets.
 
 template <class Sink>
 inline void q8_0(const uint8_t* b, Sink& sink, int64_t blocks) {
@@ -228,6 +228,16 @@ inline bool decode_row(int64_t type, const uint8_t* row, Sink& sink, int64_t k) 
     default:
       return false;
   }
+}
+
+struct Store {
+  float* y;
+  void operator()(int64_t offset, vf v) const { std::memcpy(y + offset, &v, sizeof v); }
+};
+
+inline bool dequantize_row(int64_t type, const uint8_t* row, float* y, int64_t k) {
+  Store sink{y};
+  return decode_row(type, row, sink, k);
 }
 
 }  // namespace STRATA_GGUF_NS

@@ -2,16 +2,16 @@
 // dequantization.
 //
 // The weight never exists as float32 in memory, so the bytes crossing the memory bus are the file's.
-// Each thread takes tiles of kTileRows weight rows. Up to kFusedMaxRows rows of x (decode steps) it
-// decodes each weight row in registers and multiplies it by up to four rows of x as the values
-// arrive (gguf_sinks.h); above, it dequantizes a tile into a buffer of its own (a few KiB, in L1 or
-// L2) once and multiplies every row of x by it with small_linear.cpp's float32 tiles, so the decoding
-// is not repeated per few rows. Both give each output element the float32 kernel's sum over the
-// dequantized row, so the result equals strata_small_linear on the dequantized weight bit for bit,
-// whatever M, the path, the tile or the thread; and the dequantized values equal the gguf package's
-// (gguf_blocks.h). The block decoding is chosen at run time like every kernel here (isa.h): AVX-512,
-// AVX2 or the portable build. Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K (ggml's type
-// ids); strata_gguf_supported says which.
+// x is quantized to 8 bits per 32 values first (gguf_activations.h), then each thread takes tiles of
+// kTileRows weight rows and computes each row's dot products with up to four rows of x at a time
+// from the stored quants, in integers (gguf_dots.h), as ggml does. A row's result is the same bits
+// whatever M, the tile, the thread or the instruction set (AVX2, used by AVX-512 CPUs too, or the
+// portable build, chosen at run time like every kernel here: isa.h), so the decode stack and the
+// layer-by-layer path agree bit for bit. It differs from the float32 product on the dequantized
+// weight by the activations' 8-bit rounding (about 0.4% of a block's largest value per value).
+// Dequantization (embedding rows, batches above the kernel's row bound, tests) equals the gguf
+// package's bit for bit (gguf_blocks.h), with AVX-512, AVX2 or the portable build. Types: Q4_0, Q4_1,
+// Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K (ggml's type ids); strata_gguf_supported says which.
 
 // The dequantization must round q * d and + m (or - m) separately, as the gguf package does.
 #pragma GCC optimize("fp-contract=off")
@@ -20,10 +20,12 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "gguf_activations.h"
 #include "hsum.h"
 #include "isa.h"
 #include "kernels.h"
@@ -33,7 +35,12 @@ namespace {
 // ggml's type ids (gguf's GGMLQuantizationType).
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
 constexpr int64_t kTileRows = 4;          // weight rows per tile
-constexpr int64_t kFusedMaxRows = 8;      // rows of x up to which weight rows are decoded in registers
+// Rows of x up to which the integer dot products run (decode steps: the decode stack's bound). Above,
+// a dequantized tile times x in float32 makes fewer instructions per product than AVX2's integer
+// sequence does, and every row of x reuses the tile. strata_gguf_set_integer_rows sets it to 0 for
+// products equal to the float32 model of the dequantized file (parity checks against transformers).
+constexpr int64_t kIntegerMaxRows = 8;
+std::atomic<int64_t> integer_max_rows{kIntegerMaxRows};
 constexpr int64_t kGrainBytes = 1 << 15;  // stored weight bytes per parallel chunk, at least
 
 // A float16's exact float32 value (normal, subnormal, zero, infinity and NaN alike).
@@ -58,16 +65,24 @@ inline float half_to_float(const uint8_t* p) {
   return value;
 }
 
-// Q4_K's and Q5_K's eight sub-block scales and mins: d * sc and dmin * m, from 12 bytes of 6-bit pairs.
+// Q4_K's and Q5_K's eight 6-bit sub-block scales and mins, from the 12 bytes at s.
+inline void k_scale_bytes(const uint8_t* s, uint8_t* scale, uint8_t* min) {
+  for (int i = 0; i < 8; ++i) {
+    scale[i] = static_cast<uint8_t>(i < 4 ? s[i] & 63 : (s[i + 4] & 0xF) | ((s[i - 4] >> 6) << 4));
+    min[i] = static_cast<uint8_t>(i < 4 ? s[i + 4] & 63 : (s[i + 4] >> 4) | ((s[i] >> 6) << 4));
+  }
+}
+
+// The same as d * sc and dmin * m, each one float32 product.
 inline void k_scales(const uint8_t* b, float* scale, float* min) {
   const float d = half_to_float(b);
   const float dmin = half_to_float(b + 2);
-  const uint8_t* s = b + 4;
+  uint8_t sc[8];
+  uint8_t m[8];
+  k_scale_bytes(b + 4, sc, m);
   for (int i = 0; i < 8; ++i) {
-    const int sc = i < 4 ? s[i] & 63 : (s[i + 4] & 0xF) | ((s[i - 4] >> 6) << 4);
-    const int m = i < 4 ? s[i + 4] & 63 : (s[i + 4] >> 4) | ((s[i] >> 6) << 4);
-    scale[i] = d * static_cast<float>(sc);
-    min[i] = dmin * static_cast<float>(m);
+    scale[i] = d * static_cast<float>(sc[i]);
+    min[i] = dmin * static_cast<float>(m[i]);
   }
 }
 
@@ -78,17 +93,16 @@ inline void k_scales(const uint8_t* b, float* scale, float* min) {
 #define STRATA_GGUF_NS gguf_avx512
 #define STRATA_LANES 16
 #include "gguf_blocks.h"
-#include "gguf_sinks.h"
 #undef STRATA_GGUF_NS
 #undef STRATA_LANES
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #define STRATA_GGUF_NS gguf_avx2
 #define STRATA_LANES 8
 #include "gguf_blocks.h"
-#include "gguf_sinks.h"
+#include "gguf_dots.h"
 #undef STRATA_GGUF_NS
 #undef STRATA_LANES
 #pragma GCC pop_options
@@ -96,14 +110,14 @@ inline void k_scales(const uint8_t* b, float* scale, float* min) {
 #define STRATA_GGUF_NS gguf_portable
 #define STRATA_LANES 4
 #include "gguf_blocks.h"
-#include "gguf_sinks.h"
+#include "gguf_dots.h"
 #undef STRATA_GGUF_NS
 #undef STRATA_LANES
 
 namespace {
 
 using Dequantize = bool (*)(int64_t, const uint8_t*, float*, int64_t);
-using DotRows = void (*)(int64_t, const uint8_t*, const float*, int64_t, int64_t, float*);
+using DotRows = void (*)(int64_t, const uint8_t*, const strata::Activations&, int64_t, int64_t, float*);
 
 struct Decoders {
   Dequantize dequantize;
@@ -113,7 +127,7 @@ struct Decoders {
 Decoders decoders() {
   switch (strata::chosen_isa()) {
     case strata::Isa::kAvx512:
-      return {gguf_avx512::dequantize_row, gguf_avx512::dot_rows};
+      return {gguf_avx512::dequantize_row, gguf_avx2::dot_rows};
     case strata::Isa::kAvx2:
       return {gguf_avx2::dequantize_row, gguf_avx2::dot_rows};
     case strata::Isa::kPortable:
@@ -155,20 +169,23 @@ int64_t grain(int64_t per_item_bytes) { return std::max<int64_t>(1, kGrainBytes 
 
 int64_t tile_count(int64_t n) { return (n + kTileRows - 1) / kTileRows; }
 
-// Weight-row tiles [first, last) on the calling thread: every output element is the float32 kernel's
-// sum over its dequantized row, whichever thread, tile or path computes it. Up to kFusedMaxRows rows
-// of x, each weight row is decoded in registers once per few rows of x (gguf_sinks.h's dot_rows);
-// above, a tile is dequantized into a buffer once and the float32 kernel reads it for every row of x.
-void linear_tiles(int64_t type, const float* x, const uint8_t* w, const float* bias, float* y, int64_t m, int64_t n,
-                  int64_t k, int64_t ldy, int64_t first, int64_t last) {
+// Weight-row tiles [first, last) on the calling thread. With `a` (x quantized, up to kIntegerMaxRows
+// rows): each weight row meets the rows of x four at a time, its blocks decoded once per four rows.
+// Above, each tile is dequantized into a buffer once and the float32 kernel multiplies every row of x
+// by it: each element the float32 kernel's sum over the dequantized row.
+void linear_tiles(int64_t type, const float* x, const strata::Activations* a, const uint8_t* w, const float* bias,
+                  float* y, int64_t m, int64_t n, int64_t k, int64_t ldy, int64_t first, int64_t last) {
   const Decoders decode = decoders();
   const int64_t bytes = row_bytes(type, k);
   const int64_t end = std::min(n, last * kTileRows);
-  if (m <= kFusedMaxRows) {
-    float dots[kFusedMaxRows];
+  if (a != nullptr) {
+    float dots[gguf_avx2::kDotRows];
     for (int64_t row = first * kTileRows; row < end; ++row) {
-      decode.dot_rows(type, w + row * bytes, x, m, k, dots);
-      for (int64_t i = 0; i < m; ++i) y[i * ldy + row] = bias != nullptr ? dots[i] + bias[row] : dots[i];
+      for (int64_t i = 0; i < m; i += gguf_avx2::kDotRows) {
+        const int64_t count = std::min<int64_t>(gguf_avx2::kDotRows, m - i);
+        decode.dot_rows(type, w + row * bytes, *a, i, count, dots);
+        for (int64_t r = 0; r < count; ++r) y[(i + r) * ldy + row] = bias != nullptr ? dots[r] + bias[row] : dots[r];
+      }
     }
     return;
   }
@@ -181,6 +198,14 @@ void linear_tiles(int64_t type, const float* x, const uint8_t* w, const float* b
   }
 }
 
+// x quantized into this thread's activations where the integer path takes m rows; else null.
+const strata::Activations* quantized(const float* x, int64_t m, int64_t k) {
+  if (m > integer_max_rows.load(std::memory_order_relaxed)) return nullptr;
+  thread_local strata::Activations a;
+  strata::quantize_activations(x, m, k, &a);
+  return &a;
+}
+
 }  // namespace
 
 void strata::gguf_linear_part(int64_t type, const float* x, const uint8_t* w, const float* bias, float* y,
@@ -188,10 +213,19 @@ void strata::gguf_linear_part(int64_t type, const float* x, const uint8_t* w, co
   int64_t first = 0;
   int64_t last = 0;
   strata::share(tile_count(n), part, parts, &first, &last);
-  linear_tiles(type, x, w, bias, y, m, n, k, ldy, first, last);
+  // Each thread of the decode stack quantizes x for itself: the same bytes on every thread, and a
+  // few thousand values against its share of the weight's millions.
+  linear_tiles(type, x, quantized(x, m, k), w, bias, y, m, n, k, ldy, first, last);
 }
 
 extern "C" {
+
+// Whether batches of up to eight rows take the integer path (1, the default) or the float32 kernel on
+// dequantized tiles (0); returns the previous setting. A call in flight keeps the path it began on.
+int strata_gguf_set_integer_rows(int on) {
+  const int64_t previous = integer_max_rows.exchange(on != 0 ? kIntegerMaxRows : 0);
+  return previous != 0 ? 1 : 0;
+}
 
 // Whether `type` has a kernel and `k` is a whole number of its blocks.
 int strata_gguf_supported(int64_t type, int64_t k) {
@@ -209,11 +243,13 @@ void strata_gguf_dequantize(int64_t type, const uint8_t* w, float* y, int64_t n,
 }
 
 // x [m, k] float32, w n rows of `type`, bias [n] or null, y [m, ldy] (ldy >= n: the columns of a wider
-// output this weight's rows fill): y[:, :n] = x . dequant(w)^T + bias.
+// output this weight's rows fill): y[:, :n] = x . dequant(w)^T + bias, x rounded to 8 bits per 32
+// values on the integer path.
 void strata_gguf_linear(int64_t type, const float* x, const uint8_t* w, const float* bias, float* y, int64_t m,
                         int64_t n, int64_t k, int64_t ldy) {
+  const strata::Activations* a = quantized(x, m, k);
   at::parallel_for(0, tile_count(n), grain(kTileRows * row_bytes(type, k)), [&](int64_t first, int64_t last) {
-    linear_tiles(type, x, w, bias, y, m, n, k, ldy, first, last);
+    linear_tiles(type, x, a, w, bias, y, m, n, k, ldy, first, last);
   });
 }
 }

@@ -1,5 +1,5 @@
 // The horizontal sum of eight float32 lanes, in one fixed order: small_linear.cpp's AVX2 tiles and
-// gguf_sinks.h's AVX2 dot products both end with it, so their sums agree bit for bit.
+// gguf_dots.h's integer dot products both end with it, so their sums agree bit for bit.
 
 #pragma once
 

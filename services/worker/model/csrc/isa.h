@@ -16,7 +16,9 @@ inline Isa detected_isa() {
   // AVX-512 here means F with BW and VL (masked byte loads), which every AVX-512 server CPU has.
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
     return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+  // AVX2 here comes with FMA and F16C, as on every AVX2 CPU made.
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return Isa::kAvx2;
   return Isa::kPortable;
 }
 
