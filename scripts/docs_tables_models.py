@@ -111,7 +111,31 @@ def run_memory(records: Mapping[str, Record]) -> list[str]:
     ]
 
 
+def generate_cli(records: Mapping[str, Record]) -> list[str]:
+    data = records["generate-cli-cpu.json"].data
+    rows = [
+        [
+            f"`{folder}`",
+            stats(entry["decode_tok_s"]),
+            stats(entry["first_token_ms"], digits=0),
+            "/".join(str(n) for n in entry["new_tokens"]),
+            ratio(entry["vs_last"]),
+        ]
+        for folder, entry in data["folders"].items()
+    ]
+    last = f"`{next(reversed(data['folders']))}`"
+    header = ["model folder", "decode tok/s", "first token, ms", "new tokens per round", f"against {last}"]
+    return [
+        *table(header, rows),
+        "",
+        f"`strata generate --local --chat`, greedy, at most {data['max_new_tokens']} new tokens, one process a "
+        f"run, median (min-max) of {data['rounds']} alternated rounds; the decode rate leaves out the first "
+        "token (prompt and start-up).",
+    ]
+
+
 TABLES = (
+    Table("generate-cli", ("generate-cli-cpu.json",), generate_cli),
     Table("models", ("models-cpu.json",), models),
     Table("model-parity", ("model-parity-cpu.json",), model_parity),
     Table("run-memory", ("run-memory-cpu.json",), run_memory),
