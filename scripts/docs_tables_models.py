@@ -128,9 +128,9 @@ def generate_cli(records: Mapping[str, Record]) -> list[str]:
     return [
         *table(header, rows),
         "",
-        f"`strata generate --local --chat`, greedy, at most {data['max_new_tokens']} new tokens, one process a "
-        f"run, median (min-max) of {data['rounds']} alternated rounds; the decode rate leaves out the first "
-        "token (prompt and start-up).",
+        f"`strata generate --local --chat`, greedy, at most {data['max_new_tokens']} new tokens, one "
+        f"process a run, median (min-max) of {data['rounds']} alternated rounds; the decode rate leaves "
+        "out the first token (prompt and start-up).",
     ]
 
 
