@@ -6,8 +6,8 @@
 // dequantization (gguf/quants.py): float16 scales widened exactly, the sub-block scale d * sc as one
 // float32 product, then q * D, then - M or + M as a separate rounding (the file is compiled with
 // floating-point contraction off, so no fused multiply-add merges them). A dequantized weight equals
-// the gguf package's bit for bit, on every instruction set. The model's projections do not read these
-// values (gguf_dots.h computes them from the blocks in integers); embeddings, prefill batches and
+// the gguf package's bit for bit, on every instruction set. Projections of up to eight rows do not
+// read these values (gguf_dots.h works from the blocks in integers); embeddings, larger batches and
 // tests do.
 //
 // No include guard: included once per instruction set, on purpose.

@@ -2,16 +2,18 @@
 // dequantization.
 //
 // The weight never exists as float32 in memory, so the bytes crossing the memory bus are the file's.
-// x is quantized to 8 bits per 32 values first (gguf_activations.h), then each thread takes tiles of
-// kTileRows weight rows and computes each row's dot products with up to four rows of x at a time
-// from the stored quants, in integers (gguf_dots.h), as ggml does. A row's result is the same bits
-// whatever M, the tile, the thread or the instruction set (AVX2, used by AVX-512 CPUs too, or the
-// portable build, chosen at run time like every kernel here: isa.h), so the decode stack and the
-// layer-by-layer path agree bit for bit. It differs from the float32 product on the dequantized
-// weight by the activations' 8-bit rounding (about 0.4% of a block's largest value per value).
-// Dequantization (embedding rows, batches above the kernel's row bound, tests) equals the gguf
-// package's bit for bit (gguf_blocks.h), with AVX-512, AVX2 or the portable build. Types: Q4_0, Q4_1,
-// Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K (ggml's type ids); strata_gguf_supported says which.
+// Each thread takes tiles of kTileRows weight rows. Up to kIntegerMaxRows rows of x (decode steps),
+// x is first rounded to 8 bits per 32 values (gguf_activations.h) and each weight row's dot products
+// with up to four rows of x at a time come from the stored quants in integers (gguf_dots.h), as ggml
+// computes them: the same bits whatever M (up to the bound), the tile, the thread or the instruction
+// set (AVX2, which AVX-512 CPUs run too, or the portable build), and off the float32 product on the
+// dequantized weight by the activations' rounding only. Above, a tile is dequantized into a buffer of
+// its own once and small_linear.cpp's float32 tiles multiply every row of x by it: each element the
+// float32 kernel's sum over the dequantized row. Either way the decode stack (gguf_linear_part) and
+// the layer-by-layer path agree bit for bit. Dequantization (embedding rows, the tile path, batches
+// above GgufLinear's row bound, tests) equals the gguf package's bit for bit (gguf_blocks.h), with
+// AVX-512, AVX2 or the portable build, chosen at run time like every kernel here (isa.h). Types: Q4_0,
+// Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K (ggml's type ids); strata_gguf_supported says which.
 
 // The dequantization must round q * d and + m (or - m) separately, as the gguf package does.
 #pragma GCC optimize("fp-contract=off")
