@@ -67,9 +67,10 @@ def test_list_models_names_the_family_the_weights_and_the_native_paths_it_takes(
     tiny_serving_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """A Qwen3 model (q/k norms: no native decode stack) says so beside the default Llama one; a GGUF
-    file served through the whole stack names its types as stored."""
+    file and an AWQ checkpoint served through the whole stack name their types as stored."""
     from tests.conftest import build_tiny_model
     from tests.gguf_files import write_gguf
+    from tests.int4_files import Int4Layout, write_int4
     from tests.tiny_tokenizer import write_tiny_tokenizer
 
     qwen3 = write_tiny_tokenizer(
@@ -78,13 +79,19 @@ def test_list_models_names_the_family_the_weights_and_the_native_paths_it_takes(
     checkpoint = build_tiny_model(tmp_path_factory.mktemp("tiny-gguf-source"), "llama", seed=3)
     gguf = write_tiny_tokenizer(tmp_path_factory.mktemp("tiny-gguf-serving"))
     write_gguf(checkpoint, gguf / "tiny.gguf", "llama", lambda name: T.Q4_0 if "mlp" in name else T.Q8_0)
+    awq = tmp_path_factory.mktemp("tiny-awq-serving")
+    write_int4(checkpoint, awq, tmp_path_factory.mktemp("tiny-awq-reference"), Int4Layout("awq", 32))
     llama, qwen, served = listed_model(tiny_serving_dir), listed_model(qwen3), listed_model(gguf)
+    int4 = listed_model(write_tiny_tokenizer(awq))
     assert (llama.model_family, list(llama.native_paths)) == ("llama", ["native decode stack and kernels"])
     assert list(llama.weights_format) == ["float32"]
     assert qwen.model_family == "qwen3"
     assert list(qwen.native_paths) == ["kernels per operator; no native decode stack (q/k norms)"]
     # Per layer (3) the fused q/k/v and o in Q8_0, gate/up and down in Q4_0; embeddings and lm_head Q8_0.
     assert list(served.weights_format) == ["GGUF as stored: Q4_0 x6, Q8_0 x8"]
+    # The four projections of each of 3 layers repacked into Q4_1 blocks; embeddings stay float.
+    assert list(int4.weights_format) == ["AWQ int4 (groups of 32) as stored: Q4_1 x12"]
+    assert list(int4.native_paths) == ["native decode stack and kernels"]
 
 
 def _metrics(announce: Path) -> str:

@@ -181,8 +181,12 @@ def test_unknown_quantization_mode(tiny_llama_dir: Path) -> None:
 
 def test_prequantized_checkpoint_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
     directory = _copy(tiny_llama_dir, tmp_path / "m")
+    _edit_config(directory, quantization_config={"quant_method": "fp8"})
+    with pytest.raises(ModelLoadError, match="quant_method='fp8'"):
+        load_model(directory)
+    # A GPTQ config over float weights is a mislabelled folder, not a float model.
     _edit_config(directory, quantization_config={"quant_method": "gptq", "bits": 4})
-    with pytest.raises(ModelLoadError, match="quant_method='gptq'"):
+    with pytest.raises(ModelLoadError, match="no qweight tensors"):
         load_model(directory)
 
 

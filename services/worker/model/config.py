@@ -181,13 +181,17 @@ def llama_shape(raw: dict[str, Any], architecture: str) -> ModelConfig:
     )
 
 
+SERVED_QUANT_METHODS = ("gguf", "awq", "gptq")
+"""Pre-quantized checkpoints the loader reads: a GGUF export's safetensors are already floats, and
+int4_checkpoint.py repacks AWQ/GPTQ's packed ints (and refuses their variants it does not read)."""
+
+
 def refuse_prequantized(raw: dict[str, Any]) -> None:
     quant = raw.get("quantization_config") or {}
-    # A GGUF export's safetensors are already dequantized floats; any other method stores packed ints.
-    if isinstance(quant, dict) and quant and quant.get("quant_method") != "gguf":
+    if isinstance(quant, dict) and quant and quant.get("quant_method") not in SERVED_QUANT_METHODS:
         raise ModelLoadError(
             f"pre-quantized checkpoints (quant_method={quant.get('quant_method')!r}) are not supported: "
-            "load a float checkpoint and pass quantization='int8' or 'nf4' instead"
+            "load a float, AWQ or GPTQ checkpoint, or a float one with quantization='int8' or 'nf4'"
         )
 
 

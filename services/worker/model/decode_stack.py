@@ -125,6 +125,9 @@ def _gguf_projection(module: GgufLinear, held: list[Tensor]) -> _Projection | No
     bias = module.bias
     if len(parts) > _MAX_GGUF_PARTS or (bias is not None and not bias.is_contiguous()):
         return None
+    if module.input_order is not None:
+        # The native stack hands each projection x as the layer made it; this one reads x reordered.
+        return None
     projection = _Projection(
         None,
         None,

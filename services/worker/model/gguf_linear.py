@@ -110,14 +110,21 @@ class GgufLinear(_Stored):
     """A projection computed from its GGUF blocks (see the module docstring)."""
 
     bias: Tensor | None
+    input_order: Tensor | None
+    """The column order the blocks hold (a GPTQ act-order projection's), or None for their own."""
 
     def __init__(self, weight: GgufWeight, bias: Tensor | None = None) -> None:
         super().__init__(weight)
         self.register_buffer("bias", None if bias is None else bias.to(torch.float32).contiguous())
+        self.register_buffer("input_order", weight.input_order)
+
+    def stored_weight(self) -> GgufWeight:
+        return GgufWeight(super().stored_weight().parts, self.input_order)
 
     def forward(self, x: Tensor) -> Tensor:
         leading = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        rows = x.reshape(-1, self.in_features).to(torch.float32)
+        rows = (rows if self.input_order is None else rows.index_select(1, self.input_order)).contiguous()
         kernels = native.library()
         if kernels is not None and 0 < rows.shape[0] <= NATIVE_MAX_ROWS:
             out = self.from_blocks(kernels, rows)

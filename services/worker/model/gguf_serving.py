@@ -1,4 +1,5 @@
-"""What of a GGUF model is served in its stored types, and what is dequantized at load.
+"""What of a GGUF model (or of an AWQ/GPTQ checkpoint, repacked into ggml blocks) is served in its
+stored types, and what is dequantized at load.
 
 A weight is served as stored where a native kernel computes from its blocks: a decoder projection
 or an untied vocabulary projection becomes a GgufLinear, the token embeddings a GgufEmbedding (and,
@@ -44,10 +45,15 @@ class Served:
 
 
 def serve_stored(
-    model: CausalLM, stored: Mapping[str, Tensor | GgufWeight], dtype: torch.dtype, device: torch.device
+    model: CausalLM,
+    stored: Mapping[str, Tensor | GgufWeight],
+    dtype: torch.dtype,
+    device: torch.device,
+    source: str = "GGUF",
 ) -> Served:
     """Swap in stored-type modules where they apply; return the state dict left for `load_state_dict`
-    (dense tensors, with the swapped modules' own buffers) and the weights' format."""
+    (dense tensors, with the swapped modules' own buffers) and the weights' format, which begins with
+    `source` (the checkpoint's kind: "GGUF", "AWQ int4 (groups of 128)")."""
     kernels = native.library() if device.type == "cpu" and dtype == torch.float32 else None
     dequantized: Counter[str] = Counter()
     kept: Counter[str] = Counter()
@@ -59,7 +65,9 @@ def serve_stored(
             continue
         path = name.removesuffix(".weight")
         current = model.get_submodule(path)
-        servable = isinstance(current, nn.Linear | nn.Embedding)
+        servable = isinstance(current, nn.Linear) or (
+            isinstance(current, nn.Embedding) and value.input_order is None
+        )
         if kernels is not None and servable and supported(value, kernels):
             swapped[path] = _stored_module(current, value, stored.get(f"{path}.bias"))
             kept[value.describe()] += 1
@@ -80,13 +88,14 @@ def serve_stored(
     dense = str(dtype).removeprefix("torch.")
     if dequantized:
         log.warning(
-            "GGUF weights dequantized at load to %s (no native kernel serves them as stored here): %s",
+            "%s weights dequantized at load to %s (no native kernel serves them as stored here): %s",
+            source,
             dense,
             _counts(dequantized),
         )
     described = [f"as stored: {_counts(kept)}"] if kept else []
     described += [f"dequantized to {dense}: {_counts(dequantized)}"] if dequantized else []
-    return Served(weights, "GGUF " + "; ".join(described or ["of float tensors only"]))
+    return Served(weights, f"{source} " + "; ".join(described or ["of float tensors only"]))
 
 
 def _counts(kinds: Counter[str]) -> str:

@@ -1,8 +1,11 @@
 """A 2-D weight as a GGUF file stores it: rows of ggml blocks, kept in their stored type.
 
 `GgufWeight` is a [rows, cols] matrix made of one or more row ranges (`GgufPart`), each of one ggml
-type (F32, F16, Q8_0, Q4_K, ...) holding its rows' blocks as bytes, exactly as read from the file. A
-Q4_K_M file quantizes q, k and v differently, so our fused qkv projection is several parts. It takes
+type (F32, F16, Q8_0, Q4_K, ...) holding its rows' blocks as bytes, exactly as read from the file (or
+as int4_checkpoint.py repacks an AWQ/GPTQ projection). A Q4_K_M file quantizes q, k and v
+differently, so our fused qkv projection is several parts. An `input_order` says the blocks hold the
+columns in that order (a GPTQ act-order checkpoint's): the weight's product is x[:, input_order] times
+the blocks. It takes
 part in a family's state-dict conversion as a tensor-like object (torch's `__torch_function__`
 protocol): `torch.cat` along the rows joins parts, every other torch function is refused with the
 reason, so no family's conversion silently computes on bytes. `dequantize` gives the float tensor
@@ -20,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+from services.worker.model.config import ModelLoadError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -54,7 +59,7 @@ class GgufPart:
 class GgufWeight:
     """A [rows, cols] weight of GGUF row blocks (see the module docstring)."""
 
-    def __init__(self, parts: Sequence[GgufPart]) -> None:
+    def __init__(self, parts: Sequence[GgufPart], input_order: Tensor | None = None) -> None:
         if not parts:
             raise ValueError("a GGUF weight needs at least one part")
         widths = {part.cols() for part in parts}
@@ -62,6 +67,7 @@ class GgufWeight:
             raise ValueError(f"the parts of a GGUF weight have different widths {sorted(widths)}")
         self.parts = tuple(parts)
         self.cols = widths.pop()
+        self.input_order = input_order
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -77,8 +83,13 @@ class GgufWeight:
         return "+".join(dict.fromkeys(q.name for q in self.qtypes))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The weight as a dense [rows, cols] tensor of `dtype`."""
-        return torch.cat([part.dequantize() for part in self.parts]).to(dtype)
+        """The weight as a dense [rows, cols] tensor of `dtype`, its columns in their own order."""
+        stored = torch.cat([part.dequantize() for part in self.parts])
+        if self.input_order is None:
+            return stored.to(dtype)
+        weight = torch.empty_like(stored)
+        weight[:, self.input_order] = stored
+        return weight.to(dtype)
 
     def rows_reordered(self, order: Tensor) -> GgufWeight:
         """The same weight with its rows in `order` (a permutation of range(rows)); one part only,
@@ -86,7 +97,7 @@ class GgufWeight:
         if len(self.parts) != 1:
             raise ValueError("rows of a weight made of several parts cannot be reordered")
         part = self.parts[0]
-        return GgufWeight([GgufPart(part.qtype, part.data[order].contiguous())])
+        return GgufWeight([GgufPart(part.qtype, part.data[order].contiguous())], self.input_order)
 
     def __repr__(self) -> str:
         return f"GgufWeight({self.describe()}, shape={self.shape})"
@@ -112,6 +123,13 @@ class GgufWeight:
 def _cat(tensors: Sequence[GgufWeight], dim: int = 0) -> GgufWeight:
     if dim != 0 or not all(isinstance(t, GgufWeight) for t in tensors):
         raise TypeError("GGUF weights concatenate only with each other and only along the rows (dim 0)")
+    order = tensors[0].input_order
+    if any(not _same_order(order, t.input_order) for t in tensors[1:]):
+        raise ModelLoadError(
+            "projections fused into one (q/k/v or gate/up) were quantized with different act-order "
+            "column orders (g_idx), and one projection reads its input in one order: quantize the "
+            "model again with the same g_idx for projections of one input, or with desc_act=false"
+        )
     parts: list[GgufPart] = []
     for weight in tensors:
         for part in weight.parts:
@@ -120,4 +138,8 @@ def _cat(tensors: Sequence[GgufWeight], dim: int = 0) -> GgufWeight:
                 parts[-1] = GgufPart(part.qtype, torch.cat([parts[-1].data, part.data]))
             else:
                 parts.append(part)
-    return GgufWeight(parts)
+    return GgufWeight(parts, order)
+
+
+def _same_order(a: Tensor | None, b: Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))

@@ -2,7 +2,8 @@
 
 This module owns finding the weight files (one file, or shards named by model.safetensors.index.json,
 or one *.gguf whose metadata is the config: gguf_file.py reads it, gguf_serving.py decides what of
-it is served as stored),
+it is served as stored; an AWQ/GPTQ checkpoint's int4 projections are repacked into ggml blocks by
+int4_checkpoint.py and served the same way),
 checking every tensor the family's config implies is there with the right shape, handing them to
 the family for renaming and fusion (registry.py picks the family; it sees only the CausalLM and
 Family interfaces of family.py), choosing the dtype by device, and optional quantization of the
@@ -24,7 +25,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from services.worker.model.config import ModelLoadError
+from services.worker.model.config import ModelLoadError, read_config
 from services.worker.model.dynamic_int8 import (
     CPU_INT8_MODES,
     DYNAMIC_INT8,
@@ -34,12 +35,14 @@ from services.worker.model.dynamic_int8 import (
 )
 from services.worker.model.gguf_file import find_gguf, read_gguf_config, read_gguf_tensors
 from services.worker.model.gguf_serving import serve_stored
+from services.worker.model.int4_checkpoint import INT4_TENSORS, Int4Scheme, int4_scheme, int4_weight
 from services.worker.model.quant import QUANTIZATION_MODES, import_bitsandbytes, quantize_linears
-from services.worker.model.registry import family_of, load_config
+from services.worker.model.registry import family_of
 
 if TYPE_CHECKING:
     from services.worker.model.config import ModelConfig
     from services.worker.model.family import CausalLM, Family
+    from services.worker.model.gguf_weight import GgufWeight
 
 __all__ = ["LoadedModel", "ModelLoadError", "default_dtype", "load_model"]
 
@@ -87,23 +90,26 @@ def load_model(
     if bitsandbytes and quantization is not None:
         import_bitsandbytes(quantization)
     gguf = _gguf_weights(directory, quantization)
-    if gguf is None:
-        family, config = load_config(directory)
-    else:
-        raw = read_gguf_config(gguf)
-        family = family_of(raw)
-        config = family.config(raw)
+    raw = read_config(directory) if gguf is None else read_gguf_config(gguf)
+    family = family_of(raw)
+    config = family.config(raw)
+    scheme = int4_scheme(raw) if gguf is None else None
+    if scheme is not None and quantization is not None:
+        raise ModelLoadError(
+            f"quantization={quantization!r} on a {scheme.describe()} checkpoint: it is served in the int4 "
+            "it stores; leave quantization unset"
+        )
     # bitsandbytes layers are built from CPU floats, so a float copy never lands on the accelerator.
     staging = torch.device("cpu") if bitsandbytes else target
     with torch.device("meta"):
         model = family.build(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    # GgufWeight takes part in a family's conversion as a tensor-like (torch.cat only).
     if gguf is None:
-        converted = family.state_dict(_read_tensors(directory, family, config, dtype, staging), config)
+        tensors = cast("dict[str, Tensor]", _read_tensors(directory, family, config, dtype, staging, scheme))
     else:
-        # GgufWeight takes part in a family's conversion as a tensor-like (torch.cat only).
         tensors = cast("dict[str, Tensor]", read_gguf_tensors(gguf, family.checkpoint_names(config), dtype))
-        converted = family.state_dict(tensors, config)
+    converted = family.state_dict(tensors, config)
     for name, tensor in converted.items():
         if name not in expected:
             raise ModelLoadError(
@@ -114,11 +120,13 @@ def load_model(
                 f"{directory}: tensor {name} has shape {tuple(tensor.shape)}, its config implies "
                 f"{expected[name]}: the weights do not match the config"
             )
-    if gguf is None:
+    if gguf is None and scheme is None:
         weights = converted
         weights_format = str(dtype).removeprefix("torch.") + (f", {quantization}" if quantization else "")
     else:
-        served = serve_stored(model, converted, dtype, target)
+        served = serve_stored(
+            model, converted, dtype, target, "GGUF" if scheme is None else scheme.describe()
+        )
         weights, weights_format = served.weights, served.format
     model.load_state_dict(weights, strict=True, assign=True)
     if quantization == DYNAMIC_INT8:
@@ -206,11 +214,22 @@ def _weight_files(directory: Path) -> list[Path]:
 
 
 def _read_tensors(
-    directory: Path, family: Family, config: ModelConfig, dtype: torch.dtype, device: torch.device
-) -> dict[str, Tensor]:
+    directory: Path,
+    family: Family,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    scheme: Int4Scheme | None,
+) -> dict[str, Tensor | GgufWeight]:
+    """Every tensor the config names; with an int4 scheme, a `<name>.weight` may be stored as its
+    `<name>.qweight`, `.qzeros`, `.scales` (and `.g_idx`), read as the GgufWeight they pack."""
     names = family.checkpoint_names(config)
     wanted = set(names)
-    found: dict[str, Tensor] = {}
+    packed_names = {
+        f"{n.removesuffix('weight')}{t}": n for n in names if n.endswith(".weight") for t in INT4_TENSORS
+    }
+    found: dict[str, Tensor | GgufWeight] = {}
+    packed: dict[str, dict[str, Tensor]] = {}
     unexpected: list[str] = []
     files = _weight_files(directory)
     for file in files:
@@ -219,10 +238,21 @@ def _read_tensors(
                 for key in handle.keys():  # noqa: SIM118 (safe_open handles are not iterable)
                     if key in wanted:
                         found[key] = handle.get_tensor(key).to(device=device, dtype=dtype)
+                    elif scheme is not None and key in packed_names:
+                        packed.setdefault(packed_names[key], {})[key.rpartition(".")[2]] = handle.get_tensor(
+                            key
+                        )
                     elif key != "lm_head.weight" and not key.endswith(family.ignored_suffixes):
                         unexpected.append(key)
         except (OSError, RuntimeError, ValueError) as err:
             raise ModelLoadError(f"cannot read {file}: {err}: it is corrupt or not safetensors") from err
+    if scheme is not None:
+        if not packed:
+            raise ModelLoadError(
+                f"{directory}: config.json declares {scheme.describe()} weights but the safetensors hold "
+                "no qweight tensors: drop quantization_config from config.json, or use the packed files"
+            )
+        found.update({name: int4_weight(scheme, parts, name) for name, parts in packed.items()})
     missing = [n for n in names if n not in found]
     if missing:
         shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
