@@ -50,11 +50,17 @@ def reference(weight: GgufWeight) -> torch.Tensor:
     return torch.cat([part.dequantize() for part in weight.parts])
 
 
-def quantized_activations(x: torch.Tensor) -> torch.Tensor:
-    """float64 [M, K]: x as the kernels' integer path sees it, 8 bits per 32 values
+def activation_block(qtype: T) -> int:
+    """Values per activation scale on the integer path for weights of `qtype`: 256 for the K types
+    (their super-block), 32 for the others."""
+    return 256 if GGML_QUANT_SIZES[qtype][0] == 256 else 32
+
+
+def quantized_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """float64 [M, K]: x as the kernels' integer path sees it, 8 bits per `block` values
     (csrc/gguf_activations.h): d = max |x| / 127 and q = x / d rounded to nearest, ties to even, each
     step in float32 as the kernel takes it; the result is q * d, exact in float64."""
-    blocks = x.numpy().astype(np.float32).reshape(x.shape[0], -1, 32)
+    blocks = x.numpy().astype(np.float32).reshape(x.shape[0], -1, block)
     scale = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
     nonzero = np.where(scale != 0, scale, np.float32(1))
     inverse = np.where(scale != 0, np.float32(1) / nonzero, np.float32(0)).astype(np.float32)

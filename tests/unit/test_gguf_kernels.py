@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from services.worker.model import native
 from services.worker.model.gguf_linear import NATIVE_MAX_ROWS, GgufEmbedding, GgufLinear, supported
 from services.worker.model.gguf_weight import GgufWeight
-from tests.gguf_blocks import SERVED_TYPES, T, gguf_weight, quantized_activations, reference
+from tests.gguf_blocks import SERVED_TYPES, T, activation_block, gguf_weight, quantized_activations, reference
 
 INTEGER_MAX_ROWS = 8  # csrc/gguf_linear.cpp's kIntegerMaxRows
 
@@ -73,7 +73,8 @@ def test_up_to_eight_rows_the_projection_is_the_exact_product_of_8_bit_activatio
     for rows in range(1, INTEGER_MAX_ROWS + 1):
         # The same bits in a batch of any size: each row is computed alone.
         assert torch.equal(module(x[:rows]), every_row[:rows])
-    on_8_bits = _relative_error(every_row, quantized_activations(x) @ dense.T + bias.double())
+    rounded = quantized_activations(x, activation_block(qtype))
+    on_8_bits = _relative_error(every_row, rounded @ dense.T + bias.double())
     on_float32 = _relative_error(every_row, x.double() @ dense.T + bias.double())
     assert on_8_bits < 1e-5
     # The activations really are rounded to 8 bits: their error dwarfs float32 rounding's.
@@ -145,7 +146,17 @@ def test_a_fused_weight_of_three_types_with_a_bias_at_small_and_large_batches() 
     module = GgufLinear(fused, bias)
     dense = torch.cat([reference(p) for p in parts])
     x = torch.randn(2, 3, 256)  # the integer path: the exact product of the 8-bit activations
-    exact = quantized_activations(x.reshape(6, 256)) @ dense.double().T + bias.double()
+    rows = x.reshape(6, 256)
+    exact = (
+        torch.cat(
+            [
+                quantized_activations(rows, activation_block(p.qtypes[0])) @ reference(p).double().T
+                for p in parts
+            ],
+            dim=1,
+        )
+        + bias.double()
+    )
     torch.testing.assert_close(module(x).reshape(6, 96).double(), exact, rtol=1e-5, atol=1e-4)
     for rows in (8, NATIVE_MAX_ROWS):  # the float kernel, then the dequantize-and-GEMM path (2 x rows)
         x = torch.randn(2, rows, 256)

@@ -5,9 +5,10 @@ part per type: a Q4_K_M file's fused q/k/v may be three) and computes y = x . W^
 blocks. Up to NATIVE_MAX_ROWS rows (decode steps, and the few rows a step projects to the
 vocabulary), the native kernel reads the blocks where they are used, so only the stored bytes cross
 the memory bus: up to eight rows (a decode step of the decode stack) it rounds x to 8 bits per 32
-values and multiplies those with the stored quants in integers, as llama.cpp does (about 0.5% of a
-row's scale from the float32 product; set_integer_activations turns that off); above, it dequantizes
-a few weight rows at a time into a buffer of its own for the float32 kernel. On each path a row's
+values (per 256 for the K types) and multiplies those with the stored quants in integers, as
+llama.cpp does (about 0.5% of a row's scale from the float32 product; set_integer_activations turns
+that off); above, it dequantizes a few weight rows at a time into a buffer of its own for the float32
+kernel. On each path a row's
 result does not depend on its batch. Larger batches (prefill chunks, whose
 rows of x no longer stay in cache) pay one dequantization per call into a scratch buffer shared by
 every layer of the thread, then torch's GEMM does the rest; the vocabulary projection, the largest
@@ -41,10 +42,11 @@ _scratch = threading.local()
 
 
 def set_integer_activations(kernels: native.Library, on: bool) -> bool:
-    """Whether batches of up to eight rows multiply x, rounded to 8 bits per 32 values, with the stored
-    quants in integers (on, the default: llama.cpp's arithmetic, and the fast one), or take the float32
-    kernel on dequantized tiles (off: the float32 model of the dequantized file bit for bit, for
-    parity checks against transformers). Process-wide; returns the previous setting."""
+    """Whether batches of up to eight rows multiply x, rounded to 8 bits per 32 values (per 256 for the
+    K types), with the stored quants in integers (on, the default: llama.cpp's arithmetic, and the fast
+    one), or take the float32 kernel on dequantized tiles (off: the float32 model of the dequantized
+    file bit for bit, for parity checks against transformers). Process-wide; returns the previous
+    setting."""
     previous: int = kernels.gguf_set_integer_rows(int(on))
     return previous == 1
 

@@ -1,17 +1,22 @@
 // Dot products of GGUF weight rows, read from their blocks as stored, with rows of x quantized to 8
-// bits per 32 values (gguf_activations.h): integer products of the stored quants, one float multiply-
-// add per 8 products, as ggml computes them. Included by gguf_linear.cpp once for AVX2 (which the
+// bits per 32 values, or per 256 for the K types (gguf_activations.h): integer products of the stored
+// quants, one float multiply-add per 8 products (per super-block for the K types), as ggml computes
+// them. Included by gguf_linear.cpp once for AVX2 (which the
 // AVX-512 build uses too) and once for the portable build, in each one's namespace and `#pragma GCC
 // target` region, after gguf_blocks.h.
 //
-// Every block of 32 weights meets its block of 32 activations as: 32 byte products summed in eight
-// int32 lanes of four (the AVX2 sequence maddubs then madd, whose int16 pair sums never saturate at
-// these widths: |w| <= 128, |q| <= 127), a sub-block scale folded into the integer sums where the type
-// has one, then lanes += sum * (d_w * d_x) as one fused multiply-add, and a block offset (Q4_1's m,
-// the K types' dmin * min) times the activations' d * sum in a scalar of its own. The sums are
-// exact integers and the floating-point steps are the same operations in the same order in both
-// builds (the portable one spells each instruction out), so a row's result is the same bits on every
-// instruction set, and does not depend on which rows of x share its batch or thread.
+// Every block of 32 weights meets its 32 activations as 32 byte products summed in eight int32 lanes
+// of four (the AVX2 sequence maddubs then madd, whose int16 pair sums never saturate at these widths:
+// |w| <= 128, |q| <= 127), a sub-block scale folded into the integer sums where the type has one. The
+// types of 32-value blocks (activations scaled per 32) then add lanes += sums * (d_w * d_x) as one
+// fused multiply-add per block, and Q4_1's and Q5_1's offset m times the activations' d * sum in a
+// scalar of its own. The K types (activations scaled per 256, as ggml's Q8_K) add a super-block's
+// eight sub-block sums in integers first (under 2^24 per lane, so their float conversion is exact),
+// then one multiply-add by d_w * d_x per super-block, and the mins as -dmin * d_x times the integer
+// sum over sub-blocks of min * (sum of their q). The sums are exact integers and the floating-point
+// steps are the same operations in the same order in both builds (the portable one spells each
+// instruction out), so a row's result is the same bits on every instruction set, and does not depend
+// on which rows of x share its batch or thread.
 //
 // No include guard: included once per instruction set, on purpose.
 
@@ -144,7 +149,9 @@ struct RowDots {
   const int8_t* q[R];
   const float* d[R];
   const float* sum[R];
+  const int32_t* isum[R];
   v8f lanes[R] = {};
+  v8i super_sums[R] = {};
   float offsets[R] = {};
 
   RowDots(const strata::Activations& a, int64_t first) {
@@ -152,6 +159,32 @@ struct RowDots {
       q[r] = a.row_q(first + r);
       d[r] = a.row_d(first + r);
       sum[r] = a.row_sum(first + r);
+      isum[r] = a.row_isum(first + r);
+    }
+  }
+
+  // Sub-block s (32 values) of a K-type super-block, unsigned weights weighted by `scale` in pairs.
+  void add_sub_unsigned(int64_t s, v32u w, v16h scale) {
+    for (int r = 0; r < R; ++r) super_sums[r] += products(w, load_s8x32(q[r] + s * 32), scale);
+  }
+
+  // The same for signed weights.
+  void add_sub_signed(int64_t s, v32s w, v16h scale) {
+    const v32u magnitudes = magnitude(w);
+    for (int r = 0; r < R; ++r)
+      super_sums[r] += products(magnitudes, signed_like(load_s8x32(q[r] + s * 32), w), scale);
+  }
+
+  // Super-block i's integer sums times d_w and its activations' scale; with `min` (its eight sub-block
+  // mins), the offset -dmin * d_x * sum over sub-blocks of min * (sum of their q).
+  void end_super(int64_t i, float d_w, float dmin, const uint8_t* min) {
+    for (int r = 0; r < R; ++r) {
+      lanes[r] = add_scaled(lanes[r], super_sums[r], d_w * d[r][i]);
+      super_sums[r] = v8i{};
+      if (min == nullptr) continue;
+      int32_t weighted = 0;
+      for (int s = 0; s < 8; ++s) weighted += static_cast<int32_t>(min[s]) * isum[r][i * 8 + s];
+      offsets[r] += -(dmin * d[r][i]) * static_cast<float>(weighted);
     }
   }
 
@@ -208,8 +241,8 @@ void q5_1_dots(const uint8_t* b, RowDots<R>& dots, int64_t blocks) {
 }
 
 // Q4_K and Q5_K: sub-block 2c takes the low nibbles of chunk c's 32 bytes, 2c + 1 the high ones; Q5_K
-// adds bit i of qh[l] to value l of sub-block i. Each sub-block's 6-bit scale multiplies the integer
-// sums; its min enters as the offset -dmin * min.
+// adds bit i of qh[l] to value l of sub-block i. Each sub-block's 6-bit scale multiplies its integer
+// sums; its min enters the super-block's offset.
 template <int R, bool kFifthBit>
 void k_quant_dots(const uint8_t* b, RowDots<R>& dots, int64_t blocks) {
   constexpr int64_t kBytes = kFifthBit ? 176 : 144;
@@ -228,9 +261,10 @@ void k_quant_dots(const uint8_t* b, RowDots<R>& dots, int64_t blocks) {
         const int sub = 2 * c + half;
         v32u w = half == 0 ? chunk & 0xF : chunk >> 4;
         if constexpr (kFifthBit) w |= ((high >> sub) & 1) << 4;
-        dots.add_unsigned(i * 8 + sub, w, scale[sub], d, -(dmin * static_cast<float>(min[sub])));
+        dots.add_sub_unsigned(i * 8 + sub, w, v16h{} + static_cast<int16_t>(scale[sub]));
       }
     }
+    dots.end_super(i, d, dmin, min);
   }
 }
 
@@ -249,9 +283,10 @@ void q6_k_dots(const uint8_t* b, RowDots<R>& dots, int64_t blocks) {
         const v32u nibble = j < 2 ? low[j] & 0xF : low[j - 2] >> 4;
         const v32s w = (v32s)((nibble | (((high >> (2 * j)) & 3) << 4)) - 32);
         const int s = h * 8 + 2 * j;
-        dots.add_signed(i * 8 + h * 4 + j, w, scale_pair(scales[s], scales[s + 1]), d);
+        dots.add_sub_signed(i * 8 + h * 4 + j, w, scale_pair(scales[s], scales[s + 1]));
       }
     }
+    dots.end_super(i, d, 0.0f, nullptr);
   }
 }
 

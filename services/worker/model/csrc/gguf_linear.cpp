@@ -3,9 +3,9 @@
 //
 // The weight never exists as float32 in memory, so the bytes crossing the memory bus are the file's.
 // Each thread takes tiles of kTileRows weight rows. Up to kIntegerMaxRows rows of x (decode steps),
-// x is first rounded to 8 bits per 32 values (gguf_activations.h) and each weight row's dot products
-// with up to four rows of x at a time come from the stored quants in integers (gguf_dots.h), as ggml
-// computes them: the same bits whatever M (up to the bound), the tile, the thread or the instruction
+// x is first rounded to 8 bits per 32 values, per 256 for the K types (gguf_activations.h), and each
+// weight row's dot products with up to four rows of x at a time come from the stored quants in
+// integers (gguf_dots.h), as ggml computes them: the same bits whatever M (up to the bound), the tile, the thread or the instruction
 // set (AVX2, which AVX-512 CPUs run too, or the portable build), and off the float32 product on the
 // dequantized weight by the activations' rounding only. Above, a tile is dequantized into a buffer of
 // its own once and small_linear.cpp's float32 tiles multiply every row of x by it: each element the
@@ -200,11 +200,12 @@ void linear_tiles(int64_t type, const float* x, const strata::Activations* a, co
   }
 }
 
-// x quantized into this thread's activations where the integer path takes m rows; else null.
-const strata::Activations* quantized(const float* x, int64_t m, int64_t k) {
+// x quantized for `type` into this thread's activations where the integer path takes m rows; else
+// null. The K types read x scaled per 256 values (their super-block), the others per 32.
+const strata::Activations* quantized(int64_t type, const float* x, int64_t m, int64_t k) {
   if (m > integer_max_rows.load(std::memory_order_relaxed)) return nullptr;
   thread_local strata::Activations a;
-  strata::quantize_activations(x, m, k, &a);
+  strata::quantize_activations(x, m, k, block_shape(type).first == 256 ? 256 : 32, &a);
   return &a;
 }
 
@@ -217,7 +218,7 @@ void strata::gguf_linear_part(int64_t type, const float* x, const uint8_t* w, co
   strata::share(tile_count(n), part, parts, &first, &last);
   // Each thread of the decode stack quantizes x for itself: the same bytes on every thread, and a
   // few thousand values against its share of the weight's millions.
-  linear_tiles(type, x, quantized(x, m, k), w, bias, y, m, n, k, ldy, first, last);
+  linear_tiles(type, x, quantized(type, x, m, k), w, bias, y, m, n, k, ldy, first, last);
 }
 
 extern "C" {
@@ -246,10 +247,10 @@ void strata_gguf_dequantize(int64_t type, const uint8_t* w, float* y, int64_t n,
 
 // x [m, k] float32, w n rows of `type`, bias [n] or null, y [m, ldy] (ldy >= n: the columns of a wider
 // output this weight's rows fill): y[:, :n] = x . dequant(w)^T + bias, x rounded to 8 bits per 32
-// values on the integer path.
+// values (256 for the K types) on the integer path.
 void strata_gguf_linear(int64_t type, const float* x, const uint8_t* w, const float* bias, float* y, int64_t m,
                         int64_t n, int64_t k, int64_t ldy) {
-  const strata::Activations* a = quantized(x, m, k);
+  const strata::Activations* a = quantized(type, x, m, k);
   at::parallel_for(0, tile_count(n), grain(kTileRows * row_bytes(type, k)), [&](int64_t first, int64_t last) {
     linear_tiles(type, x, a, w, bias, y, m, n, k, ldy, first, last);
   });
