@@ -144,13 +144,16 @@ inline v16h scale_pair(int first_half, int second_half) {
 const v16h kOnes = v16h{} + 1;
 
 // The running sums of rows [first, first + R) of the activations with one weight row.
+// Blocks of even index add into `even`, odd ones into `odd`, and a row's dot is total(even + odd):
+// the order gguf_dots512.h's pairs of blocks in one 512-bit register keep too.
 template <int R>
 struct RowDots {
   const int8_t* q[R];
   const float* d[R];
   const float* sum[R];
   const int32_t* isum[R];
-  v8f lanes[R] = {};
+  v8f even[R] = {};
+  v8f odd[R] = {};
   v8i super_sums[R] = {};
   float offsets[R] = {};
 
@@ -179,7 +182,7 @@ struct RowDots {
   // mins), the offset -dmin * d_x * sum over sub-blocks of min * (sum of their q).
   void end_super(int64_t i, float d_w, float dmin, const uint8_t* min) {
     for (int r = 0; r < R; ++r) {
-      lanes[r] = add_scaled(lanes[r], super_sums[r], d_w * d[r][i]);
+      even[r] = add_scaled(even[r], super_sums[r], d_w * d[r][i]);
       super_sums[r] = v8i{};
       if (min == nullptr) continue;
       int32_t weighted = 0;
@@ -193,7 +196,8 @@ struct RowDots {
     const v32u magnitudes = magnitude(w);
     for (int r = 0; r < R; ++r) {
       const v8i sums = products(magnitudes, signed_like(load_s8x32(q[r] + b * 32), w), scale);
-      lanes[r] = add_scaled(lanes[r], sums, d_w * d[r][b]);
+      v8f& lanes = (b & 1) != 0 ? odd[r] : even[r];
+      lanes = add_scaled(lanes, sums, d_w * d[r][b]);
     }
   }
 
@@ -202,13 +206,14 @@ struct RowDots {
     const v16h weights = v16h{} + static_cast<int16_t>(scale);
     for (int r = 0; r < R; ++r) {
       const v8i sums = products(w, load_s8x32(q[r] + b * 32), weights);
-      lanes[r] = add_scaled(lanes[r], sums, d_w * d[r][b]);
+      v8f& lanes = (b & 1) != 0 ? odd[r] : even[r];
+      lanes = add_scaled(lanes, sums, d_w * d[r][b]);
       offsets[r] += offset * sum[r][b];
     }
   }
 
   void store(float* dots) const {
-    for (int r = 0; r < R; ++r) dots[r] = total(lanes[r]) + offsets[r];
+    for (int r = 0; r < R; ++r) dots[r] = total(even[r] + odd[r]) + offsets[r];
   }
 };
 

@@ -5,15 +5,17 @@
 // Each thread takes tiles of kTileRows weight rows. Up to kIntegerMaxRows rows of x (decode steps),
 // x is first rounded to 8 bits per 32 values, per 256 for the K types (gguf_activations.h), and each
 // weight row's dot products with up to four rows of x at a time come from the stored quants in
-// integers (gguf_dots.h), as ggml computes them: the same bits whatever M (up to the bound), the tile, the thread or the instruction
-// set (AVX2, which AVX-512 CPUs run too, or the portable build), and off the float32 product on the
-// dequantized weight by the activations' rounding only. Above, a tile is dequantized into a buffer of
-// its own once and small_linear.cpp's float32 tiles multiply every row of x by it: each element the
-// float32 kernel's sum over the dequantized row. Either way the decode stack (gguf_linear_part) and
-// the layer-by-layer path agree bit for bit. Dequantization (embedding rows, the tile path, batches
-// above GgufLinear's row bound, tests) equals the gguf package's bit for bit (gguf_blocks.h), with
-// AVX-512, AVX2 or the portable build, chosen at run time like every kernel here (isa.h). Types: Q4_0,
-// Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K (ggml's type ids); strata_gguf_supported says which.
+// integers, as ggml computes them (gguf_dots.h; two blocks a step of the 32-value types on AVX-512
+// VNNI, gguf_dots512.h): the same bits whatever M (up to the bound), the tile, the thread or the
+// instruction set (AVX-512 VNNI, AVX2, which AVX-512 CPUs without VNNI run too, or the portable
+// build), and off the float32 product on the dequantized weight by the activations' rounding only.
+// Above, a tile is dequantized into a buffer of its own once and small_linear.cpp's float32 tiles
+// multiply every row of x by it: each element the float32 kernel's sum over the dequantized row.
+// Either way the decode stack (gguf_linear_part) and the layer-by-layer path agree bit for bit.
+// Dequantization (embedding rows, the tile path, batches above GgufLinear's row bound, tests) equals
+// the gguf package's bit for bit (gguf_blocks.h), with AVX-512, AVX2 or the portable build, chosen at
+// run time like every kernel here (isa.h). Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K
+// (ggml's type ids); strata_gguf_supported says which.
 
 // The dequantization must round q * d and + m (or - m) separately, as the gguf package does.
 #pragma GCC optimize("fp-contract=off")
@@ -109,6 +111,11 @@ inline void k_scales(const uint8_t* b, float* scale, float* min) {
 #undef STRATA_LANES
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+#include "gguf_dots512.h"
+#pragma GCC pop_options
+
 #define STRATA_GGUF_NS gguf_portable
 #define STRATA_LANES 4
 #include "gguf_blocks.h"
@@ -126,10 +133,16 @@ struct Decoders {
   DotRows dot_rows;
 };
 
+// AVX-512 CPUs with VNNI (Cascade Lake, Ice Lake and later, Zen 4) take two blocks a step.
+bool has_vnni() {
+  static const bool vnni = __builtin_cpu_supports("avx512vnni");
+  return vnni;
+}
+
 Decoders decoders() {
   switch (strata::chosen_isa()) {
     case strata::Isa::kAvx512:
-      return {gguf_avx512::dequantize_row, gguf_avx2::dot_rows};
+      return {gguf_avx512::dequantize_row, has_vnni() ? gguf_vnni::dot_rows : gguf_avx2::dot_rows};
     case strata::Isa::kAvx2:
       return {gguf_avx2::dequantize_row, gguf_avx2::dot_rows};
     case strata::Isa::kPortable:
