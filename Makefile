@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-prefix-routing bench-peer bench-serve-peer bench-neighbour bench-grammar-libs bench-grammar bench-outputs records reliability chaos images compose-test run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-prefix-routing bench-peer bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar-libs bench-grammar bench-outputs records reliability chaos images compose-test run clean
 
 setup: $(STAMP)
 
@@ -126,6 +126,13 @@ bench-peer: setup model
 # other work on the machine from taking the servers' cores; the record keeps each round's load average.
 bench-serve-peer: setup model
 	nice -n -10 $(BIN)/python -m bench.serve_peer --json bench/results/serve-peer-cpu.json
+
+# The same on one GGUF file both servers read as shipped (bench/serve_peer_qwen.yaml: the Qwen2.5-Coder
+# 0.5B Q4_K_M file, one worker, no fallback): 64x64 tokens at 1, 8 and 64 streams, 5 alternated rounds
+# (about 25 minutes on 2 cores).
+bench-serve-peer-qwen: setup
+	$(BIN)/strata fetch-model qwen2.5-coder-0.5b-instruct
+	nice -n -10 $(BIN)/python -m bench.serve_peer --config bench/serve_peer_qwen.yaml --shapes 64x64 --rounds 5 --json bench/results/serve-peer-qwen05-cpu.json
 
 # One stream of the primary next to a busy int8 fallback, the native decode stack on and off, alternated.
 bench-neighbour: setup model

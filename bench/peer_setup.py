@@ -156,12 +156,12 @@ def plan_build(
     return BuildPlan(groups, ggml_flags(groups), root / f"build-{label(groups)}", found, cap, removed)
 
 
-def dies_quantized(binaries: Path, q8_0: Path) -> bool:
-    """Whether a tiny Q8_0 run of llama-batched-bench is killed by SIGILL: the AMX probe runs its
-    tiles in one short burst, while llama.cpp's AMX kernels keep a tile configuration per thread
+def dies_quantized(binaries: Path, quantized: Path) -> bool:
+    """Whether a tiny run of llama-batched-bench on a quantized file is killed by SIGILL: the AMX probe
+    runs its tiles in one short burst, while llama.cpp's AMX kernels keep a tile configuration per thread
     across a whole run, which some VMs do not keep (seen here: SIGILL at `tilezero` in
     tinygemm_kernel_amx after the probe had passed)."""
-    command = [str(binaries / "llama-batched-bench"), "-m", str(q8_0), "-t", "2", "-c", "256"]
+    command = [str(binaries / "llama-batched-bench"), "-m", str(quantized), "-t", "2", "-c", "256"]
     command += ["-npp", "16", "-ntg", "4", "-npl", "1", "--output-format", "jsonl"]
     done = subprocess.run(command, capture_output=True, check=False, timeout=600)
     return done.returncode == -signal.SIGILL
@@ -314,12 +314,32 @@ def prepare(model_dir: Path, types: tuple[str, ...] = GGUF_TYPES, shipped: Path 
             models[kind] = quantize(binaries, f32, kind)
         else:
             models[kind] = convert(root, source, model_dir.resolve(), kind)
-    if "amx" in plan.groups and dies_quantized(binaries, convert(root, source, model_dir.resolve(), "q8_0")):
-        why = "its probe runs, but llama.cpp's AMX kernels die with SIGILL here (a tiny Q8_0 run)"
-        _log(f"AMX dropped: {why}; building without it")
-        plan = plan_build(root, plan.probes, {"amx": why})
-        binaries = build(source, plan)
+    plan, binaries = _without_failing_amx(
+        root, source, plan, binaries, convert(root, source, model_dir.resolve(), "q8_0")
+    )
     return Peer(source, plan, binaries, models)
+
+
+def prepare_file(gguf: Path) -> Peer:
+    """The peer built to serve one GGUF file as it is (its model "gguf"), for a model folder that holds
+    a GGUF rather than a float checkpoint."""
+    root = cache_root()
+    source = extract(root, fetch_sdist(root))
+    plan = plan_build(root)
+    plan, binaries = _without_failing_amx(root, source, plan, build(source, plan), gguf.resolve())
+    return Peer(source, plan, binaries, {"gguf": gguf.resolve()})
+
+
+def _without_failing_amx(
+    root: Path, source: Path, plan: BuildPlan, binaries: Path, quantized: Path
+) -> tuple[BuildPlan, Path]:
+    """The plan and binaries, rebuilt without AMX when its kernels die on a quantized file here."""
+    if "amx" not in plan.groups or not dies_quantized(binaries, quantized):
+        return plan, binaries
+    why = "its probe runs, but llama.cpp's AMX kernels die with SIGILL here (a tiny quantized run)"
+    _log(f"AMX dropped: {why}; building without it")
+    plan = plan_build(root, plan.probes, {"amx": why})
+    return plan, build(source, plan)
 
 
 def build_info(peer: Peer) -> dict[str, object]:

@@ -2,8 +2,10 @@
 llama-server on the same weights, driven by the same client.
 
 Strata is the stack of `--config` (bench/serve_peer.yaml: configs/local.yaml, what `make run`
-starts, with a route that admits a 64-request burst and never falls back), on free ports. llama.cpp
-is llama-server on our float32 checkpoint converted to GGUF F32 by llama.cpp's own converter
+starts, with a route that admits a 64-request burst and never falls back; or
+bench/serve_peer_qwen.yaml, the Qwen2.5-Coder-0.5B Q4_K_M file as shipped), on free ports. llama.cpp
+is llama-server on the same weights: the config's first worker's GGUF file when its folder holds
+one, else its float32 checkpoint converted to GGUF F32 by llama.cpp's own converter
 (bench/peer_setup.py builds and converts, once, into its cache), with `-np` = the largest
 concurrency, `-c` = slots x (largest prompt + new tokens), continuous batching, and our worker's
 thread count for `-t` and `-tb` (bench/serve_peer_llama.py). Both get /v1/completions requests of
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import httpx2
 import psutil
 
-from bench.peer_setup import build_info, prepare
+from bench.peer_setup import build_info, prepare, prepare_file
 from bench.provenance import REPOSITORY, finish_provenance, start_provenance
 from bench.serve_peer_llama import LlamaServer, ServerOptions, probe_system_info, version
 from bench.serve_peer_plan import LLAMA, STRATA, Level, Shape, plan_levels, prompt_seed, slot_tokens
@@ -37,6 +39,7 @@ from bench.serve_peer_run import Outcome, Runner, Target, run
 from bench.session import spawned
 from bench.stack_prompts import build_prompts, load_tokenizer
 from bench.stats import save_record
+from services.worker.model.gguf_file import find_gguf
 from strata.settings import read_config
 
 if TYPE_CHECKING:
@@ -125,10 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     print("bench.serve_peer: building the prompts", file=sys.stderr, flush=True)
     prompts = Prompts(load_tokenizer(model_dir))
     prompts.prebuild(args.levels, args.rounds, args.warmup_streams)
-    peer = prepare(model_dir, ("f32",))
+    gguf = find_gguf(model_dir)
+    peer = prepare(model_dir, ("f32",)) if gguf is None else prepare_file(gguf)
     options = ServerOptions(
         peer.tool("llama-server"),
-        peer.models["f32"],
+        peer.models["f32" if gguf is None else "gguf"],
         threads,
         max(level.concurrency for level in args.levels),
         slot_tokens(args.shape_list),

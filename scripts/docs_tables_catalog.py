@@ -189,6 +189,22 @@ CATALOG: dict[str, Entry] = {
         _py("bench.serve_peer", *_json("serve-peer-cpu.json")),
         target="make bench-serve-peer",
     ),
+    "serve-peer-qwen05-cpu.json": Entry(
+        STACK,
+        "bench/serve_peer.py",
+        1500,
+        _py(
+            "bench.serve_peer",
+            "--config",
+            "bench/serve_peer_qwen.yaml",
+            "--shapes",
+            "64x64",
+            "--rounds",
+            "5",
+            *_json("serve-peer-qwen05-cpu.json"),
+        ),
+        target="make bench-serve-peer-qwen",
+    ),
     "small-linear-cpu.json": Entry(
         KERNELS, "bench/small_linear.py", 240, _py("bench.small_linear", *_json("small-linear-cpu.json"))
     ),

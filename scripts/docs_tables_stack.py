@@ -253,6 +253,40 @@ def containers(records: Mapping[str, Record]) -> list[str]:
     ]
 
 
+def serve_peer(records: Mapping[str, Record], name: str) -> list[str]:
+    """One row per level: both servers' tokens/s and the ratio, time to first token and the gap between
+    tokens at p50 (medians over rounds)."""
+    data = records[name].data
+    rows = []
+    for key, row in data["summary"].items():
+        ours, theirs = row["strata"], row["llama.cpp"]
+        per_round = [r for r in row["strata_vs_llama_cpp_tok_s_per_round"] if r is not None]
+        rows.append(
+            [
+                key.replace("@", " tokens, streams: "),
+                spread(
+                    ours["output_tok_s"]["median"], [ours["output_tok_s"]["min"], ours["output_tok_s"]["max"]]
+                ),
+                spread(
+                    theirs["output_tok_s"]["median"],
+                    [theirs["output_tok_s"]["min"], theirs["output_tok_s"]["max"]],
+                ),
+                f"{ratio(row['strata_vs_llama_cpp_tok_s'])} ({min(per_round):.2f}-{max(per_round):.2f})",
+                f"{ours['ttft_ms_p50']['median']:.0f} / {theirs['ttft_ms_p50']['median']:.0f} ms",
+                f"{ours['itl_ms_p50']['median']:.0f} / {theirs['itl_ms_p50']['median']:.0f} ms",
+            ]
+        )
+    header = ["level", "Strata tok/s", "llama-server tok/s", "ratio", "TTFT p50 (S / L)", "ITL p50 (S / L)"]
+    llama = data["llama_cpp"]
+    return [
+        *table(header, rows),
+        "",
+        f"`/v1/completions`, streamed, greedy, EOS ignored, median (min-max) of {data['workload']['rounds']} "
+        f"alternated rounds; llama-server on `{llama['gguf']}`, {llama['slots']} slots, "
+        f"{llama['threads']} threads; Strata from `{data['strata']['config']}`.",
+    ]
+
+
 TABLES = (
     stack_table("stack", "stack-cpu.json"),
     stack_table("stack-one-stream", "stack-1-stream-cpu.json"),
@@ -264,6 +298,12 @@ TABLES = (
         lambda records: fallback(records, "stack-rate-qwen-cpu.json"),
     ),
     Table("tenants", ("tenants-cpu.json",), tenants),
+    Table("serve-peer", ("serve-peer-cpu.json",), lambda records: serve_peer(records, "serve-peer-cpu.json")),
+    Table(
+        "serve-peer-qwen",
+        ("serve-peer-qwen05-cpu.json",),
+        lambda records: serve_peer(records, "serve-peer-qwen05-cpu.json"),
+    ),
     Table("http-vs-grpc", ("http-vs-grpc-cpu.json",), http_vs_grpc),
     Table("trace-overhead", ("trace-overhead-cpu.json",), trace_overhead),
     Table("containers", ("images-cpu.json", "compose-cpu.json"), containers),

@@ -27,6 +27,7 @@ from bench.serve_peer_report import level_figures, summarize_levels, table
 from bench.stack_prompts import Prompt
 from strata.settings import DEFAULT_CONFIG, read_config
 
+QWEN_CONFIG = Path(CONFIG).with_name("serve_peer_qwen.yaml")
 SMALL = Shape(64, 64)
 LARGE = Shape(512, 128)
 
@@ -96,6 +97,27 @@ def test_the_benchmark_config_is_make_runs_stack_with_a_route_that_admits_the_bu
     # sent to the int8 fallback, admission itself left on.
     assert route["ttft_slo_ms"] >= 60_000 and route["fallback_enabled"] is False
     assert Path(CONFIG).parent.name == "bench"
+
+
+def test_the_qwen_config_serves_the_shipped_gguf_alone_with_a_route_that_admits_the_burst() -> None:
+    """One worker on the folder configs/qwen.yaml's 0.5B fallback serves (where fetch-model keeps the
+    Q4_K_M file as shipped, which llama-server then reads too), with room for 64 streams, and a route
+    with no fallback whose SLO admits the burst."""
+    ours, qwen = read_config(QWEN_CONFIG), read_config(Path(DEFAULT_CONFIG).parent / "qwen.yaml")
+    (worker,) = ours["workers"]
+    same = next(w for w in qwen["workers"] if w["model_name"] == worker["model_name"])
+    assert worker["model_path"] == same["model_path"]
+    assert ours["tokenizer"]["models"] == {worker["model_name"]: worker["model_path"]}
+    assert worker["max_requests"] == worker["engine"]["max_num_seqs"] == 64
+    assert {
+        k: v for k, v in worker["engine"].items() if k not in ("max_num_seqs", "kv_cache_memory_bytes")
+    } == {k: v for k, v in same["engine"].items() if k not in ("max_num_seqs", "kv_cache_memory_bytes")}
+    # 64 streams of 64 + 64 tokens at 24 KiB a token fit the cache.
+    assert worker["engine"]["kv_cache_memory_bytes"] >= 64 * 128 * 24 * 1024
+    (route,) = ours["gateway"]["routes"]
+    assert route["model"] == ours["gateway"]["default_model"] == worker["model_name"]
+    assert route["ttft_slo_ms"] >= 60_000 and not route.get("fallback")
+    assert ours["telemetry"] == read_config(DEFAULT_CONFIG)["telemetry"]
 
 
 def test_fewer_than_three_rounds_need_smoke() -> None:
