@@ -239,9 +239,8 @@ def _read_tensors(
                     if key in wanted:
                         found[key] = handle.get_tensor(key).to(device=device, dtype=dtype)
                     elif scheme is not None and key in packed_names:
-                        packed.setdefault(packed_names[key], {})[key.rpartition(".")[2]] = handle.get_tensor(
-                            key
-                        )
+                        kind = key.rpartition(".")[2]  # qweight, qzeros, scales or g_idx
+                        packed.setdefault(packed_names[key], {})[kind] = handle.get_tensor(key)
                     elif key != "lm_head.weight" and not key.endswith(family.ignored_suffixes):
                         unexpected.append(key)
         except (OSError, RuntimeError, ValueError) as err:
