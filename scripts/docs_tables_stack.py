@@ -261,9 +261,10 @@ def serve_peer(records: Mapping[str, Record], name: str) -> list[str]:
     for key, row in data["summary"].items():
         ours, theirs = row["strata"], row["llama.cpp"]
         per_round = [r for r in row["strata_vs_llama_cpp_tok_s_per_round"] if r is not None]
+        shape, streams = key.split("@")
         rows.append(
             [
-                key.replace("@", " tokens, streams: "),
+                f"{shape} tokens, {streams} stream{'' if streams == '1' else 's'}",
                 spread(
                     ours["output_tok_s"]["median"], [ours["output_tok_s"]["min"], ours["output_tok_s"]["max"]]
                 ),
@@ -278,13 +279,23 @@ def serve_peer(records: Mapping[str, Record], name: str) -> list[str]:
         )
     header = ["level", "Strata tok/s", "llama-server tok/s", "ratio", "TTFT p50 (S / L)", "ITL p50 (S / L)"]
     llama = data["llama_cpp"]
-    return [
+    lines = [
         *table(header, rows),
         "",
         f"`/v1/completions`, streamed, greedy, EOS ignored, median (min-max) of {data['workload']['rounds']} "
         f"alternated rounds; llama-server on `{llama['gguf']}`, {llama['slots']} slots, "
         f"{llama['threads']} threads; Strata from `{data['strata']['config']}`.",
     ]
+    if not data["valid"]:
+        kinds = sorted(
+            {kind for run in data["rounds"] for level in run["levels"] for kind in level["error_kinds"]}
+        )
+        failed = ", ".join(f"{name} {count}" for name, count in data["errors"].items() if count)
+        lines.append(
+            f"The record is marked not valid: failed requests ({failed}: {'; '.join(kinds)}); each level's "
+            "rate counts the requests that completed."
+        )
+    return lines
 
 
 TABLES = (
