@@ -5,11 +5,10 @@ type (F32, F16, Q8_0, Q4_K, ...) holding its rows' blocks as bytes, exactly as r
 as int4_checkpoint.py repacks an AWQ/GPTQ projection). A Q4_K_M file quantizes q, k and v
 differently, so our fused qkv projection is several parts. An `input_order` says the blocks hold the
 columns in that order (a GPTQ act-order checkpoint's): the weight's product is x[:, input_order] times
-the blocks. It takes
-part in a family's state-dict conversion as a tensor-like object (torch's `__torch_function__`
-protocol): `torch.cat` along the rows joins parts, every other torch function is refused with the
-reason, so no family's conversion silently computes on bytes. `dequantize` gives the float tensor
-through the `gguf` package's own dequantization (the reference every kernel is held to).
+the blocks. It takes part in a family's state-dict conversion as a tensor-like object (torch's
+`__torch_function__` protocol): `torch.cat` along the rows joins parts, every other torch function is
+refused with the reason, so no family's conversion silently computes on bytes. `dequantize` gives the
+float tensor through the `gguf` package's own dequantization (the reference every kernel is held to).
 
 This module owns the weight's bytes and their row layout; it must not read files (gguf_file.py does)
 nor decide whether a weight is served as stored or dequantized (gguf_serving.py does).
