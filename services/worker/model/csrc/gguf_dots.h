@@ -1,9 +1,10 @@
 // Dot products of GGUF weight rows, read from their blocks as stored, with rows of x quantized to 8
 // bits per 32 values, or per 256 for the K types (gguf_activations.h): integer products of the stored
 // quants, one float multiply-add per 8 products (per super-block for the K types), as ggml computes
-// them. Included by gguf_linear.cpp once for AVX2 (which the
-// AVX-512 build uses too) and once for the portable build, in each one's namespace and `#pragma GCC
-// target` region, after gguf_blocks.h.
+// them. Included by gguf_linear.cpp once for AVX2 and once for the portable build, in each one's
+// namespace and `#pragma GCC target` region, after gguf_blocks.h. AVX-512 CPUs run the AVX2 build too:
+// for every type without VNNI; with it, for the K types and one row of x of the 4/5-bit types, while
+// gguf_dots512.h takes the rest two blocks a step.
 //
 // Every block of 32 weights meets its 32 activations as 32 byte products summed in eight int32 lanes
 // of four (the AVX2 sequence maddubs then madd, whose int16 pair sums never saturate at these widths:
