@@ -128,12 +128,12 @@ def write_int4(checkpoint: Path, out: Path, reference: Path, layout: Int4Layout,
         folder.mkdir(parents=True, exist_ok=True)
         save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
         shutil.copyfile(checkpoint / "config.json", folder / "config.json")
-    config["quantization_config"] = _quantization_config(layout)
+    config["quantization_config"] = quantization_config(layout)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
 
-def _quantization_config(layout: Int4Layout) -> dict[str, object]:
+def quantization_config(layout: Int4Layout) -> dict[str, object]:
     if layout.method == "awq":
         return {
             "quant_method": "awq",

@@ -22,10 +22,10 @@ from services.worker.engine.memory_profile import weights_bytes
 from services.worker.model import native
 from services.worker.model.config import ModelLoadError
 from services.worker.model.gguf_linear import GgufLinear
-from services.worker.model.int4_checkpoint import int4_scheme, int4_weight
+from services.worker.model.int4_checkpoint import Int4Scheme, int4_scheme, int4_weight
 from services.worker.model.loader import load_model
 from tests.conftest import build_tiny_model
-from tests.int4_files import Int4Layout, quantize, write_int4
+from tests.int4_files import Int4Layout, quantization_config, quantize, write_int4
 from tests.native_calls import count_decode_stack_calls
 from tests.parity import assert_logits_close, paged_greedy_generate, prefill_logits
 
@@ -48,10 +48,10 @@ LAYOUTS = {
 }
 
 
-def _scheme(layout: Int4Layout) -> Any:
-    from tests.int4_files import _quantization_config
-
-    return int4_scheme({"quantization_config": _quantization_config(layout)})
+def _scheme(layout: Int4Layout) -> Int4Scheme:
+    scheme = int4_scheme({"quantization_config": quantization_config(layout)})
+    assert scheme is not None
+    return scheme
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

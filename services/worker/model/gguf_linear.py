@@ -8,9 +8,8 @@ the memory bus: up to eight rows (a decode step of the decode stack) it rounds x
 values (per 256 for the K types) and multiplies those with the stored quants in integers, as
 llama.cpp does (about 0.5% of a row's scale from the float32 product; set_integer_activations turns
 that off); above, it dequantizes a few weight rows at a time into a buffer of its own for the float32
-kernel. On each path a row's
-result does not depend on its batch. Larger batches (prefill chunks, whose
-rows of x no longer stay in cache) pay one dequantization per call into a scratch buffer shared by
+kernel. On each path a row's result does not depend on its batch. Larger batches (prefill chunks,
+whose rows of x no longer stay in cache) pay one dequantization per call into a scratch buffer shared by
 every layer of the thread, then torch's GEMM does the rest; the vocabulary projection, the largest
 weight (Qwen's is 545 MB as float32), stays below the bound at any decode step of up to 64 sequences
 and never needs the scratch.

@@ -138,16 +138,11 @@ struct Decoders {
   DotRows dot_rows;
 };
 
-// AVX-512 CPUs with VNNI (Cascade Lake, Ice Lake and later, Zen 4) take two blocks a step.
-bool has_vnni() {
-  static const bool vnni = __builtin_cpu_supports("avx512vnni");
-  return vnni;
-}
-
 Decoders decoders() {
   switch (strata::chosen_isa()) {
     case strata::Isa::kAvx512:
-      return {gguf_avx512::dequantize_row, has_vnni() ? gguf_vnni::dot_rows : gguf_avx2::dot_rows};
+      // With VNNI, the 32-value types take two blocks a step (gguf_dots512.h).
+      return {gguf_avx512::dequantize_row, strata::has_avx512_vnni() ? gguf_vnni::dot_rows : gguf_avx2::dot_rows};
     case strata::Isa::kAvx2:
       return {gguf_avx2::dequantize_row, gguf_avx2::dot_rows};
     case strata::Isa::kPortable:

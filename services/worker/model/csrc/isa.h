@@ -34,4 +34,11 @@ inline Isa chosen_isa() {
   return isa;
 }
 
+// Whether the CPU has AVX-512 VNNI (dpbusd: Cascade Lake, Ice Lake and later, Zen 4), which kernels
+// of the AVX-512 instruction set may use beside it.
+inline bool has_avx512_vnni() {
+  static const bool vnni = __builtin_cpu_supports("avx512vnni");
+  return vnni;
+}
+
 }  // namespace strata
