@@ -1,13 +1,16 @@
 // Dot products of GGUF weight rows of the 32-value block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with
-// AVX-512 VNNI: two blocks a step in one 512-bit register, the even block in its low half and the odd
-// one in its high half, each block's 32 byte products summed by one dpbusd into eight int32 lanes of
-// four, the same integers as gguf_dots.h's maddubs + madd sequence (which never saturates here). Each
-// half then takes lanes += sums * (d_w * d_x) as one fused multiply-add, the offsets of Q4_1 and Q5_1
-// add in block order, and a row's dot is hsum256(low + high): gguf_dots.h's even and odd
-// accumulators, operation for operation, so a row's result is the same bits as on AVX2 and the
-// portable build. The K types keep gguf_dots.h's AVX2 build, and so does one row of x against the
-// 4- and 5-bit types. Included by gguf_linear.cpp once, in its AVX-512 VNNI region, after
-// gguf_dots.h's AVX2 build, whose helpers it uses.
+// AVX-512 VNNI. Two to four rows of x, and one row against Q8_0, take two blocks a step in one 512-bit
+// register, the even block in its low half and the odd one in its high half; one row of x against the
+// 4- and 5-bit types takes one block a step in 256 bits (there decoding the weights, in 256-bit halves
+// either way, is the cost, and pairs of it measured slower). Each block's 32 byte products are summed
+// by one dpbusd into eight int32 lanes of four, the same integers as gguf_dots.h's maddubs + madd
+// sequence (which never saturates here); Q5's fifth bits enter as a byte mask (one masked add)
+// instead of AVX2's shuffle and compare. Each block then takes lanes += sums * (d_w * d_x) as one
+// fused multiply-add into the even or odd blocks' lanes, the offsets of Q4_1 and Q5_1 add in block
+// order, and a row's dot is hsum256(even + odd): gguf_dots.h's accumulators, operation for operation,
+// so a row's result is the same bits as on AVX2 and the portable build. The K types keep gguf_dots.h's
+// AVX2 build. Included by gguf_linear.cpp once, in its AVX-512 VNNI region, after gguf_dots.h's AVX2
+// build, whose helpers (the weights' prefetch among them) it uses.
 
 #pragma once
 
@@ -18,6 +21,81 @@ using avx2::v32u;
 
 inline __m512i pair(v32u low, v32u high) {
   return _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)low), (__m256i)high, 1);
+}
+
+inline uint32_t fifth_bits(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  return bits;
+}
+
+// 32 values: Q5's nibbles at p plus 16 where their fifth bit (the uint32 at `bits`) is set.
+inline __m256i five_bits(const uint8_t* p, const uint8_t* bits) {
+  const __m256i low = (__m256i)avx2::nibbles(p);
+  return _mm256_mask_add_epi8(low, _cvtu32_mask32(fifth_bits(bits)), low, _mm256_set1_epi8(16));
+}
+
+// Two blocks' five_bits, the block at p0 in the low half.
+inline __m512i five_bits_pair(const uint8_t* p0, const uint8_t* p1, const uint8_t* bits0, const uint8_t* bits1) {
+  const __m512i low = pair(avx2::nibbles(p0), avx2::nibbles(p1));
+  const uint64_t bits = fifth_bits(bits0) | static_cast<uint64_t>(fifth_bits(bits1)) << 32;
+  return _mm512_mask_add_epi8(low, _cvtu64_mask64(bits), low, _mm512_set1_epi8(16));
+}
+
+// One row of x against a row of kBytes blocks, one block a step; weights(p) gives block p's 32 weights.
+template <bool kSigned, int64_t kBytes, typename Weights>
+[[gnu::always_inline]] inline float one_row(const uint8_t* b, const strata::Activations& a, int64_t first,
+                                            Weights weights) {
+  const int8_t* q = a.row_q(first);
+  const float* d = a.row_d(first);
+  const float* sum = a.row_sum(first);
+  __m256 even = _mm256_setzero_ps();
+  __m256 odd = _mm256_setzero_ps();
+  float offset = 0.0f;
+  const auto block = [&](int64_t i, const uint8_t* p, __m256 lanes) {
+    __m256i w = weights(p);
+    __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * 32));
+    if constexpr (kSigned) {
+      x = _mm256_sign_epi8(x, w);
+      w = _mm256_abs_epi8(w);
+    }
+    const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+    if constexpr (!kSigned) offset += avx2::scale_at(p + 2) * sum[i];
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(avx2::scale_at(p) * d[i]), lanes);
+  };
+  const int64_t blocks = a.k / 32;
+  int64_t i = 0;
+  for (; i + 1 < blocks; i += 2, b += 2 * kBytes) {
+    avx2::prefetch(b, 2 * kBytes);
+    even = block(i, b, even);
+    odd = block(i + 1, b + kBytes, odd);
+  }
+  if (i < blocks) even = block(i, b, even);
+  return strata::hsum256(_mm256_add_ps(even, odd)) + offset;
+}
+
+inline void one_row_dots(int64_t type, const uint8_t* row, const strata::Activations& a, int64_t first,
+                         float* out) {
+  switch (type) {
+    case kQ4_0:
+      *out = one_row<true, 18>(row, a, first, [](const uint8_t* p) {
+        return _mm256_sub_epi8((__m256i)avx2::nibbles(p + 2), _mm256_set1_epi8(8));
+      });
+      break;
+    case kQ4_1:
+      *out = one_row<false, 20>(row, a, first, [](const uint8_t* p) { return (__m256i)avx2::nibbles(p + 4); });
+      break;
+    case kQ5_0:
+      *out = one_row<true, 22>(row, a, first, [](const uint8_t* p) {
+        return _mm256_sub_epi8(five_bits(p + 6, p + 2), _mm256_set1_epi8(16));
+      });
+      break;
+    case kQ5_1:
+      *out = one_row<false, 24>(row, a, first, [](const uint8_t* p) { return five_bits(p + 8, p + 4); });
+      break;
+    default:
+      break;
+  }
 }
 
 // The rows [first, first + R) of the activations against one weight row, two blocks at a time.
@@ -72,13 +150,21 @@ struct PairDots {
   }
 };
 
-// A row's blocks of kBytes each, two a step; weights(p) gives block p's 32 weights as bytes.
+// A row's blocks of kBytes each, two a step; weights(p0, p1) gives blocks p0's and p1's 64 weights.
 template <int R, bool kSigned, int64_t kBytes, typename Weights>
-void pairs(const uint8_t* b, PairDots<R>& dots, int64_t blocks, Weights weights) {
+[[gnu::always_inline]] inline void pairs(const uint8_t* b, PairDots<R>& dots, int64_t blocks, Weights weights) {
   int64_t i = 0;
-  for (; i + 1 < blocks; i += 2, b += 2 * kBytes)
-    dots.template add<kSigned>(i, pair(weights(b), weights(b + kBytes)), b, b + kBytes, false);
-  if (i < blocks) dots.template add<kSigned>(i, pair(weights(b), v32u{}), b, b, true);
+  for (; i + 1 < blocks; i += 2, b += 2 * kBytes) {
+    avx2::prefetch(b, 2 * kBytes);
+    dots.template add<kSigned>(i, weights(b, b + kBytes), b, b + kBytes, false);
+  }
+  if (i < blocks) dots.template add<kSigned>(i, _mm512_maskz_mov_epi8(0xFFFFFFFFull, weights(b, b)), b, b, true);
+}
+
+// One block's 32 weights in both halves, for the types whose decoding is per 256 bits.
+template <typename Block>
+auto both(Block block) {
+  return [block](const uint8_t* p0, const uint8_t* p1) { return pair(block(p0), block(p1)); };
 }
 
 template <int R>
@@ -87,23 +173,23 @@ void row_dots(int64_t type, const uint8_t* row, const strata::Activations& a, in
   const int64_t blocks = a.k / 32;
   switch (type) {
     case kQ4_0:
-      pairs<R, true, 18>(row, dots, blocks, [](const uint8_t* p) { return avx2::nibbles(p + 2) - 8; });
+      pairs<R, true, 18>(row, dots, blocks, both([](const uint8_t* p) { return avx2::nibbles(p + 2) - 8; }));
       break;
     case kQ4_1:
-      pairs<R, false, 20>(row, dots, blocks, [](const uint8_t* p) { return avx2::nibbles(p + 4); });
+      pairs<R, false, 20>(row, dots, blocks, both([](const uint8_t* p) { return avx2::nibbles(p + 4); }));
       break;
     case kQ5_0:
-      pairs<R, true, 22>(row, dots, blocks, [](const uint8_t* p) {
-        return (avx2::nibbles(p + 6) | avx2::fifth_bit_values(p + 2)) - 16;
+      pairs<R, true, 22>(row, dots, blocks, [](const uint8_t* p0, const uint8_t* p1) {
+        return _mm512_sub_epi8(five_bits_pair(p0 + 6, p1 + 6, p0 + 2, p1 + 2), _mm512_set1_epi8(16));
       });
       break;
     case kQ5_1:
-      pairs<R, false, 24>(row, dots, blocks, [](const uint8_t* p) {
-        return avx2::nibbles(p + 8) | avx2::fifth_bit_values(p + 4);
+      pairs<R, false, 24>(row, dots, blocks, [](const uint8_t* p0, const uint8_t* p1) {
+        return five_bits_pair(p0 + 8, p1 + 8, p0 + 4, p1 + 4);
       });
       break;
     case kQ8_0:
-      pairs<R, true, 34>(row, dots, blocks, [](const uint8_t* p) { return avx2::load_u8x32(p + 2); });
+      pairs<R, true, 34>(row, dots, blocks, both([](const uint8_t* p) { return avx2::load_u8x32(p + 2); }));
       break;
     default:
       return;
@@ -114,10 +200,13 @@ void row_dots(int64_t type, const uint8_t* row, const strata::Activations& a, in
 // gguf_avx2::dot_rows's contract: out[i] = row . (rows first + i of the activations), count <= kDotRows.
 inline void dot_rows(int64_t type, const uint8_t* row, const strata::Activations& a, int64_t first, int64_t count,
                      float* out) {
-  // One row of x against 4- or 5-bit weights is faster with AVX2's one block a step (measured: the
-  // weights' decoding, in 256-bit halves, then costs more than the pair saves); the bits are the same.
-  if (a.block != 32 || (count == 1 && type != kQ8_0)) {
+  if (a.block != 32) {
     avx2::dot_rows(type, row, a, first, count, out);
+    return;
+  }
+  // One row of Q8_0 keeps the pairs: its weights need no decoding, and one block a step measured slower.
+  if (count == 1 && type != kQ8_0) {
+    one_row_dots(type, row, a, first, out);
     return;
   }
   switch (count) {

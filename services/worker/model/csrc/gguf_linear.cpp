@@ -5,8 +5,8 @@
 // Each thread takes tiles of kTileRows weight rows. Up to kIntegerMaxRows rows of x (decode steps),
 // x is first rounded to 8 bits per 32 values, per 256 for the K types (gguf_activations.h), and each
 // weight row's dot products with up to four rows of x at a time come from the stored quants in
-// integers, as ggml computes them (gguf_dots.h; two blocks a step of the 32-value types on AVX-512
-// VNNI, gguf_dots512.h): the same bits whatever M (up to the bound), the tile, the thread or the
+// integers, as ggml computes them (gguf_dots.h; the 32-value types on AVX-512 VNNI,
+// gguf_dots512.h): the same bits whatever M (up to the bound), the tile, the thread or the
 // instruction set (AVX-512 VNNI, AVX2, which AVX-512 CPUs without VNNI run too, or the portable
 // build), and off the float32 product on the dequantized weight by the activations' rounding only.
 // Above, a tile is dequantized into a buffer of its own once and small_linear.cpp's float32 tiles
