@@ -10,9 +10,11 @@ one, else its float32 checkpoint converted to GGUF F32 by llama.cpp's own conver
 concurrency, `-c` = slots x (largest prompt + new tokens), continuous batching, and our worker's
 thread count for `-t` and `-tb` (bench/serve_peer_llama.py). Both get /v1/completions requests of
 text prompts of exactly the shape's token count under our tokenizer (bench/stack_prompts.py), greedy,
-EOS ignored, streamed, through bench/http_driver.py's one httpx2 client from this process; the plan
-(shapes, concurrencies, alternation) is bench/serve_peer_plan.py's, the run bench/serve_peer_run.py's,
-the figures bench/serve_peer_report.py's. All prompts are built before either server starts.
+EOS ignored, streamed, through bench/http_driver.py's one httpx2 client from this process, a fresh
+connection per request (llama-server closes a connection idle for 5 s, and one it closed as the
+client took it from the pool failed the request: both sides now pay the same loopback connect
+instead); the plan (shapes, concurrencies, alternation) is bench/serve_peer_plan.py's, the run
+bench/serve_peer_run.py's, the figures bench/serve_peer_report.py's. All prompts are built before either server starts.
 The record (bench/results/serve-peer-cpu.json) carries bench/provenance.py's block, with llama.cpp's
 version, build flags and system_info under provenance.versions.llama_cpp. This module wires the
 parts and writes the record; it must not time requests itself.
@@ -108,7 +110,7 @@ def strata_pids(llama_pid: int) -> list[int]:
 
 async def _drive(targets: dict[str, Target], args: argparse.Namespace, prompts: Prompts) -> Outcome:
     most = max(level.concurrency for level in args.levels)
-    limits = httpx2.Limits(max_connections=2 * most + 8, max_keepalive_connections=2 * most + 8)
+    limits = httpx2.Limits(max_connections=2 * most + 8, max_keepalive_connections=0)
     async with httpx2.AsyncClient(limits=limits) as client:
         runner = Runner(client, targets, args.timeout)
         return await run(runner, args.levels, args.rounds, prompts, args.warmup_streams)
