@@ -14,10 +14,10 @@ EOS ignored, streamed, through bench/http_driver.py's one httpx2 client from thi
 connection per request (llama-server closes a connection idle for 5 s, and one it closed as the
 client took it from the pool failed the request: both sides now pay the same loopback connect
 instead); the plan (shapes, concurrencies, alternation) is bench/serve_peer_plan.py's, the run
-bench/serve_peer_run.py's, the figures bench/serve_peer_report.py's. All prompts are built before either server starts.
-The record (bench/results/serve-peer-cpu.json) carries bench/provenance.py's block, with llama.cpp's
-version, build flags and system_info under provenance.versions.llama_cpp. This module wires the
-parts and writes the record; it must not time requests itself.
+bench/serve_peer_run.py's, the figures bench/serve_peer_report.py's. All prompts are built before
+either server starts. The record (bench/results/serve-peer-cpu.json) carries bench/provenance.py's
+block, with llama.cpp's version, build flags and system_info under provenance.versions.llama_cpp.
+This module wires the parts and writes the record; it must not time requests itself.
 """
 
 from __future__ import annotations
