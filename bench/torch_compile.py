@@ -66,7 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(model.compute_logits(hidden)[-1].argmax())
 
     def decode(forward: Any, kernels: bool) -> tuple[list[float], list[int]]:
-        cache = KVCache(tuple(k.clone() for k in prefilled.keys), tuple(v.clone() for v in prefilled.values))
+        cache = KVCache(
+            tuple(k.clone() for k in prefilled.keys),
+            tuple(v.clone() for v in prefilled.values),
+            prefilled.format,
+        )
         previous = native.set_enabled(kernels)
         seconds, tokens, token = [], [], first
         try:

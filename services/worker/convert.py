@@ -176,6 +176,7 @@ def memory_budget(budget: MemoryBudget) -> common_pb2.MemoryBudget:
         kv_tokens=budget.kv_tokens,
         largest_context=budget.largest_context,
         sized_by=budget.sized_by,
+        kv_cache_dtype=budget.kv_cache_dtype,
     )
 
 

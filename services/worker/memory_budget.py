@@ -63,6 +63,8 @@ class CacheRequest:
     memory_utilization: float
     num_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "float32"
+    """The cache rows' format (kv_format.py's names), which bytes_per_block already counts."""
 
     @property
     def blocks_per_request(self) -> int:
@@ -85,6 +87,8 @@ class MemoryBudget:
     sized_by: str
     """"memory_utilization", MOST_USEFUL (the budget holds more), "num_blocks" or
     "kv_cache_memory_bytes"."""
+    kv_cache_dtype: str
+    """The cache rows' format: float32, bfloat16, int8 (scales included in bytes_per_block), fp8_e4m3."""
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -117,7 +121,8 @@ class MemoryBudget:
             f"memory: limit {self.limit.describe()}; memory_utilization {self.memory_utilization:g} -> "
             f"budget {human(self.budget_bytes)}: weights {human(p.weights_bytes)}, runtime "
             f"{human(p.runtime_bytes)}, activation peak {human(p.activation_bytes)} (measured by {p.method} "
-            f"over {p.step}), KV cache {human(self.kv_cache_bytes)} = {self.num_blocks} blocks = "
+            f"over {p.step}), KV cache {human(self.kv_cache_bytes)} in {self.kv_cache_dtype} = "
+            f"{self.num_blocks} blocks = "
             f"{self.kv_tokens} tokens (sized by {self.sized_by}); largest context that fits "
             f"{self.largest_context} tokens, {full} requests of max_model_len={self.max_model_len} at once"
         )
@@ -138,7 +143,7 @@ def plan(limit: MemoryLimit, profile: MemoryProfile, request: CacheRequest) -> M
     sized_by = "memory_utilization" if fits <= most_useful else MOST_USEFUL
     return MemoryBudget(
         limit, request.memory_utilization, budget, profile, blocks, request.block_size, per_block,
-        request.max_model_len, sized_by,
+        request.max_model_len, sized_by, request.kv_cache_dtype,
     )  # fmt: skip
 
 
@@ -169,7 +174,7 @@ def _explicit(limit: MemoryLimit, profile: MemoryProfile, request: CacheRequest,
         )
     return MemoryBudget(
         limit, request.memory_utilization, budget, profile, blocks, request.block_size, per_block,
-        request.max_model_len, name,
+        request.max_model_len, name, request.kv_cache_dtype,
     )  # fmt: skip
 
 

@@ -262,6 +262,8 @@ def _models(args: argparse.Namespace) -> int:
         name = model.name + (" *" if model.name == reply.default_model else "")
         workers = f"{model.ready_workers}/{model.configured_workers} ready"
         kv = str(model.kv_cache_tokens)
+        if model.memory.kv_cache_dtype:
+            kv += f" ({model.memory.kv_cache_dtype})"
         kernels = "; ".join([*model.native_kernels, *model.native_paths]) or "-"
         family = model.model_family or "-"
         weights = "; ".join(model.weights_format) or "-"

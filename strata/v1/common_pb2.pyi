@@ -452,6 +452,7 @@ class MemoryBudget(_message.Message):
     KV_TOKENS_FIELD_NUMBER: _builtins.int
     LARGEST_CONTEXT_FIELD_NUMBER: _builtins.int
     SIZED_BY_FIELD_NUMBER: _builtins.int
+    KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
     limit_bytes: _builtins.int
     """The most memory the worker may hold, in bytes: the smallest of the machine's available memory and
     its cgroup limit on the CPU, of the device's total and free memory on a GPU.
@@ -480,6 +481,10 @@ class MemoryBudget(_message.Message):
     """What set the cache's size: "memory_utilization", "max_num_seqs x max_model_len" (the budget held
     more than every running sequence at full length could use), "num_blocks" or "kv_cache_memory_bytes".
     """
+    kv_cache_dtype: _builtins.str
+    """How the cache stores keys and values (engine.kv_cache_dtype, "auto" resolved): "float32",
+    "bfloat16", "int8" (a float32 scale per token and KV head, counted in kv_cache_bytes) or "fp8_e4m3".
+    """
     def __init__(
         self,
         *,
@@ -495,10 +500,11 @@ class MemoryBudget(_message.Message):
         kv_tokens: _builtins.int = ...,
         largest_context: _builtins.int = ...,
         sized_by: _builtins.str = ...,
+        kv_cache_dtype: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["activation_peak_bytes", b"activation_peak_bytes", "budget_bytes", b"budget_bytes", "kv_blocks", b"kv_blocks", "kv_cache_bytes", b"kv_cache_bytes", "kv_tokens", b"kv_tokens", "largest_context", b"largest_context", "limit_bytes", b"limit_bytes", "limit_source", b"limit_source", "memory_utilization", b"memory_utilization", "runtime_bytes", b"runtime_bytes", "sized_by", b"sized_by", "weights_bytes", b"weights_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["activation_peak_bytes", b"activation_peak_bytes", "budget_bytes", b"budget_bytes", "kv_blocks", b"kv_blocks", "kv_cache_bytes", b"kv_cache_bytes", "kv_cache_dtype", b"kv_cache_dtype", "kv_tokens", b"kv_tokens", "largest_context", b"largest_context", "limit_bytes", b"limit_bytes", "limit_source", b"limit_source", "memory_utilization", b"memory_utilization", "runtime_bytes", b"runtime_bytes", "sized_by", b"sized_by", "weights_bytes", b"weights_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -127,8 +127,8 @@ def test_models_lists_the_route(gateway: str) -> None:
     done = strata("models", "--address", gateway)
     assert done.returncode == 0, done.stderr
     row = next(line for line in done.stdout.splitlines() if line.startswith("tiny"))
-    # KV TOKENS: the tiny config's 128 blocks of 16 tokens.
-    assert row.split()[:7] == ["tiny", "*", "llama", "256", "2048", "1/1", "ready"]
+    # KV TOKENS: the tiny config's 128 blocks of 16 tokens, and the cache's format.
+    assert row.split()[:8] == ["tiny", "*", "llama", "256", "2048", "(float32)", "1/1", "ready"]
     header = done.stdout.splitlines()[0]
     assert header.rstrip().endswith("NATIVE KERNELS")
     # The worker is a process of this machine, started with this environment: its kernels' state is

@@ -27,7 +27,7 @@ from services.worker.engine.engine import LLMEngine
 from services.worker.memory_budget import MOST_USEFUL, MemoryBudgetError
 from services.worker.memory_limit import cpu_limit
 from services.worker.model.loader import load_model
-from strata.v1 import gateway_pb2, gateway_pb2_grpc
+from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.cgroup_files import fake_cgroups
 from tests.integration.tiny_stack import tiny_stack
 
@@ -171,3 +171,25 @@ def test_the_budget_appears_in_the_log_the_metrics_and_list_models(
         assert (
             REGISTRY.get_sample_value("strata_memory_budget_bytes", {"model": "tiny", "part": part}) == value
         )
+
+
+def test_a_worker_with_an_int8_cache_reports_its_format_and_serves(tiny_serving_dir: Path) -> None:
+    """engine.kv_cache_dtype=int8 reaches GetWorkerInfo and ListModels, and a request through the
+    gateway decodes over the int8 cache to its length."""
+
+    async def main() -> tuple[gateway_pb2.ListModelsResponse, gateway_pb2.GenerateResponse]:
+        async with tiny_stack(tiny_serving_dir, worker={"engine": {"kv_cache_dtype": "int8"}}) as stack:
+            assert stack.worker.host.engine.engine.runner.cache.keys[0].dtype == torch.int8
+            async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+                stub = gateway_pb2_grpc.GatewayStub(channel)
+                listed = await stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=10)
+                request = gateway_pb2.GenerateRequest(
+                    prompt="hello there",
+                    sampling=common_pb2.SamplingParams(max_new_tokens=24, ignore_eos=True),
+                )
+                return listed, await stub.Generate(request, timeout=60)
+
+    listed, reply = asyncio.run(main())
+    (model,) = listed.models
+    assert model.memory.kv_cache_dtype == "int8"
+    assert reply.usage.output_tokens == 24

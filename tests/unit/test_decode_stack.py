@@ -1,6 +1,7 @@
 """The native decode stack (one call for every layer of a small decode-only step) against the
 per-operator path it replaces: the same bits, on float32 and int8 weights, GQA, MQA and biased
-projections; and the steps it must leave to that path (prefills, mixed steps, more than MAX_ROWS).
+projections, over a float32 or an int8 KV cache; and the steps it must leave to that path (prefills,
+mixed steps, more than MAX_ROWS).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from services.worker.model import decode_stack, native
+from services.worker.model import decode_stack, kv_format, native
 from services.worker.model.attention import AttentionMetadata
 from services.worker.model.kv_cache import KVCache
 from services.worker.model.loader import load_model
@@ -30,10 +31,13 @@ def _native_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(native, "_enabled", True)
 
 
-def _prefilled(loaded: LoadedModel, lengths: list[int]) -> tuple[KVCache, list[list[int]]]:
+def _prefilled(
+    loaded: LoadedModel, lengths: list[int], cache_dtype: str = "float32"
+) -> tuple[KVCache, list[list[int]]]:
     """A cache holding one prompt of each length, prefilled through the per-operator path."""
     blocks_each = -(-(max(lengths) + 4) // BLOCK)
-    cache = KVCache.allocate(loaded.config, blocks_each * len(lengths), BLOCK, torch.float32, "cpu")
+    fmt = kv_format.resolve(cache_dtype, torch.float32, "cpu")
+    cache = KVCache.allocate(loaded.config, blocks_each * len(lengths), BLOCK, fmt, "cpu")
     tables = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(len(lengths))]
     gen = torch.Generator().manual_seed(sum(lengths))
     with torch.inference_mode():
@@ -55,9 +59,10 @@ def _decode(loaded: LoadedModel, cache: KVCache, tables: list[list[int]], length
 
 
 def _copy(cache: KVCache) -> KVCache:
-    return KVCache(tuple(k.clone() for k in cache.keys), tuple(v.clone() for v in cache.values))
+    return KVCache(tuple(k.clone() for k in cache.keys), tuple(v.clone() for v in cache.values), cache.format)
 
 
+@pytest.mark.parametrize("cache_dtype", ["float32", "int8"])
 @pytest.mark.parametrize("quantization", [None, "dynamic-int8"])
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_llama_linear_mqa_dir", "tiny_qwen2_dir"])
 @pytest.mark.parametrize("lengths", [[5], [17, 3, 40], [9] * MAX_ROWS])
@@ -65,6 +70,7 @@ def test_the_stack_gives_the_per_operator_paths_bits(
     fixture: str,
     quantization: str | None,
     lengths: list[int],
+    cache_dtype: str,
     request: pytest.FixtureRequest,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -72,7 +78,7 @@ def test_the_stack_gives_the_per_operator_paths_bits(
     path; the stack must have run (a counted call), and the reference must not have."""
     model_dir: Path = request.getfixturevalue(fixture)
     loaded = load_model(model_dir, quantization=quantization)
-    cache, tables = _prefilled(loaded, lengths)
+    cache, tables = _prefilled(loaded, lengths, cache_dtype)
     reference_cache = _copy(cache)
     calls = count_decode_stack_calls(monkeypatch)
     fused = _decode(loaded, cache, tables, lengths)

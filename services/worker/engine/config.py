@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 # Where an operator overrides engine settings; the worker's settings model maps these onto the fields.
 ENV_PREFIX = "STRATA_WORKER_ENGINE__"
+# engine.kv_cache_dtype's values (services/worker/model/kv_format.py owns what each stores).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")
 
 
 def _invalid(name: str, value: object, rule: str, example: str) -> ValueError:
@@ -31,6 +33,11 @@ class EngineConfig(BaseModel):
     """KV cache blocks; None sizes the cache from kv_cache_memory_bytes, or else memory_utilization."""
     kv_cache_memory_bytes: int | None = None
     """Bytes of KV cache when num_blocks is None; None sizes the cache from memory_utilization."""
+    kv_cache_dtype: str = "auto"
+    """How the KV cache stores keys and values: "auto" (the model's dtype: float32 on the CPU),
+    "float32", "bfloat16", "int8" (one float32 scale per token and KV head; about 3.8x the tokens of
+    float32 in the same memory at head_dim 64), or "fp8_e4m3" (CUDA only). docs/engine.md says what
+    each costs."""
     memory_utilization: float = 0.8
     """Fraction of the memory the worker may use (the smallest of the machine's available memory and
     its cgroup limit, or the GPU's) that it plans to use in all: weights, the measured peak of the
@@ -84,6 +91,13 @@ class EngineConfig(BaseModel):
             raise _invalid(
                 "kv_cache_memory_bytes", value, "must be >= 1, or unset to size it from memory", "536870912"
             )
+        return value
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _cache_dtype(cls, value: str) -> str:
+        if value not in KV_CACHE_DTYPES:
+            raise _invalid("kv_cache_dtype", value, f"must be one of {', '.join(KV_CACHE_DTYPES)}", "int8")
         return value
 
     @field_validator("memory_utilization")

@@ -52,9 +52,11 @@ class EngineStats(SchedulerStats):
     """Sequences of the last step that decoded one token (the rest of its tokens were prefill)."""
 
 
-def model_fingerprint(loaded: LoadedModel) -> str:
-    """What besides the tokens decides a block's K/V: the weights, their dtype and quantization."""
-    return f"{weights_fingerprint(loaded.path)}:{loaded.dtype}:{loaded.quantization or 'none'}"
+def model_fingerprint(loaded: LoadedModel, kv_cache_dtype: str) -> str:
+    """What besides the tokens decides a block's K/V: the weights, their dtype and quantization, and
+    the cache's format (an int8 block's bytes are not a float32 block's)."""
+    quantization = loaded.quantization or "none"
+    return f"{weights_fingerprint(loaded.path)}:{loaded.dtype}:{quantization}:{kv_cache_dtype}"
 
 
 class LLMEngine:
@@ -86,12 +88,13 @@ class LLMEngine:
             use_cuda_graphs=config.cuda_graphs,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         self.block_manager = BlockManager(
             num_blocks,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
-            model_fingerprint=model_fingerprint(loaded),
+            model_fingerprint=model_fingerprint(loaded, self.memory.kv_cache_dtype),
         )
         self.scheduler = Scheduler(
             config,

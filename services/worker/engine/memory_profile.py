@@ -25,6 +25,7 @@ from services.worker.engine.params import SamplingParams
 from services.worker.engine.sequence import ScheduledBatch, ScheduledEntry, Sequence
 from services.worker.memory_budget import CacheRequest, MemoryBudget, MemoryProfile, plan
 from services.worker.memory_limit import MemoryLimit, memory_limit
+from services.worker.model import kv_format
 from services.worker.model.kv_cache import KVCache
 
 if TYPE_CHECKING:
@@ -51,14 +52,16 @@ def size_kv_cache(
     """Profile the largest step, then plan the KV cache within `limit(device)` (memory_limit's by
     default); raises MemoryBudgetError."""
     profile = profile_largest_step(loaded, config, max_model_len)
+    fmt = kv_format.resolve(config.kv_cache_dtype, loaded.dtype, loaded.device)
     request = CacheRequest(
         block_size=config.block_size,
-        bytes_per_block=KVCache.bytes_per_block(loaded.config, config.block_size, loaded.dtype),
+        bytes_per_block=KVCache.bytes_per_block(loaded.config, config.block_size, fmt),
         max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs,
         memory_utilization=config.memory_utilization,
         num_blocks=config.num_blocks,
         kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+        kv_cache_dtype=fmt.name,
     )
     # Measured after loading and profiling: what others took meanwhile is no longer available.
     found = (memory_limit if limit is None else limit)(str(loaded.device))
@@ -71,9 +74,8 @@ def explicit_num_blocks(loaded: LoadedModel, config: EngineConfig) -> int | None
         return config.num_blocks
     if config.kv_cache_memory_bytes is None:
         return None
-    return config.kv_cache_memory_bytes // KVCache.bytes_per_block(
-        loaded.config, config.block_size, loaded.dtype
-    )
+    fmt = kv_format.resolve(config.kv_cache_dtype, loaded.dtype, loaded.device)
+    return config.kv_cache_memory_bytes // KVCache.bytes_per_block(loaded.config, config.block_size, fmt)
 
 
 def profile_largest_step(loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> MemoryProfile:
@@ -116,7 +118,9 @@ def _sequence(request_id: str, length: int, blocks: int) -> Sequence:
 
 
 def _run(loaded: LoadedModel, config: EngineConfig, step: ScheduledBatch, *, graphs: bool) -> None:
-    runner = ModelRunner(loaded, 1, config.block_size, use_cuda_graphs=graphs)
+    runner = ModelRunner(
+        loaded, 1, config.block_size, use_cuda_graphs=graphs, kv_cache_dtype=config.kv_cache_dtype
+    )
     runner.run(step)
 
 
@@ -195,6 +199,7 @@ def _graph_pool_bytes(loaded: LoadedModel, config: EngineConfig, max_model_len: 
         use_cuda_graphs=True,
         max_num_seqs=config.max_num_seqs,
         max_model_len=max_model_len,
+        kv_cache_dtype=config.kv_cache_dtype,
     )
     torch.cuda.synchronize(device)
     held = torch.cuda.memory_reserved(device) - before

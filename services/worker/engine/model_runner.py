@@ -18,6 +18,7 @@ import torch
 from services.worker.engine.logits_processors import banned_until_min_tokens
 from services.worker.engine.logprobs import prompt_logprobs, token_logprobs
 from services.worker.engine.sampler import Sampler, SampleRow
+from services.worker.model import kv_format
 from services.worker.model.attention import AttentionMetadata
 from services.worker.model.kv_cache import KVCache
 
@@ -54,8 +55,10 @@ class ModelRunner:
         use_cuda_graphs: bool = True,
         max_num_seqs: int | None = None,
         max_model_len: int | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
-        """max_num_seqs and max_model_len bound the CUDA graphs captured here, before any request."""
+        """max_num_seqs and max_model_len bound the CUDA graphs captured here, before any request;
+        kv_cache_dtype is engine.kv_cache_dtype (kv_format.resolve)."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = torch.device(loaded.device)
@@ -74,7 +77,8 @@ class ModelRunner:
                 log.info("no CUDA graphs: %s has sliding-window layers; decodes run eagerly", loaded.family)
         # Graph padding rows need one scratch block that the block manager never hands out.
         total_blocks = num_blocks + 1 if graphs else num_blocks
-        self.cache = KVCache.allocate(loaded.config, total_blocks, block_size, loaded.dtype, self.device)
+        fmt = kv_format.resolve(kv_cache_dtype, loaded.dtype, self.device)
+        self.cache = KVCache.allocate(loaded.config, total_blocks, block_size, fmt, self.device)
         if graphs:
             from services.worker.engine.cuda_graphs import BATCH_BUCKETS, CudaGraphRunner
 

@@ -3,9 +3,11 @@
 This module owns the per-step attention metadata (built once per engine step, shared by every
 layer) and the attention backend interface with its portable implementation (sliding windows
 included): `TorchAttention`
-attends decodes in place on the CPU in float32 (the native kernel of csrc/paged_attention.cpp reads
-each sequence's blocks where they lie), and elsewhere gathers each sequence's blocks and calls
-torch's scaled_dot_product_attention, on CPU or CUDA, as it does for prefill chunks. A
+attends decodes in place on the CPU from a float32 or int8 cache (the native kernel of
+csrc/paged_attention.cpp reads each sequence's blocks where they lie, int8 rows dequantized in
+registers), and elsewhere gathers each sequence's blocks, converts them from the cache's format
+(kv_format.py) to the step's dtype and calls torch's scaled_dot_product_attention, on CPU or CUDA, as
+it does for prefill chunks. The cache's format is its tensors' dtype's (kv_format.stored_in). A
 fused paged-attention GPU kernel replaces it by implementing `AttentionBackend` against the same
 metadata. It must not decide which blocks a sequence owns (the engine does) nor touch weights.
 
@@ -16,13 +18,16 @@ prefill chunk contributes its `query_len` consecutive tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from services.worker.model import native
+from services.worker.model import kv_format, native
+
+if TYPE_CHECKING:
+    from services.worker.model.kv_format import KVFormat
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,8 +223,9 @@ class TorchAttention:
         window: int | None = None,
     ) -> Tensor:
         key_cache, value_cache = layer_cache
-        _, _, kv_heads, head_dim = key_cache.shape
-        heads = q.shape[1]
+        fmt = kv_format.stored_in(key_cache.dtype)
+        kv_heads, width = key_cache.shape[2], key_cache.shape[3]
+        heads, head_dim = q.shape[1], q.shape[2]
         parts: list[Tensor] = []
         decodes = meta.num_decodes
         # A window no decode's context reaches changes nothing: the kernel's full attention is exact.
@@ -233,17 +239,20 @@ class TorchAttention:
             and v.stride() == k.stride()
         )
         if not fused_write:
-            key_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-            value_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+            _write(key_cache.view(-1, kv_heads, width), meta.slot_mapping, fmt.pack(k))
+            _write(value_cache.view(-1, kv_heads, width), meta.slot_mapping, fmt.pack(v))
         if kernels is not None:
             new_kv = (k, v) if fused_write else None
-            parts.append(_paged_decode(kernels, q[:decodes], key_cache, value_cache, meta, scale, new_kv))
+            parts.append(
+                _paged_decode(kernels, q[:decodes], key_cache, value_cache, meta, scale, new_kv, fmt)
+            )
         elif meta.decode_block_ids is not None:
             # GQA without copying K/V per query head: each kv head's query-head group becomes the
             # query-length axis of one SDPA row, which the [B, 1, 1, L] padding mask broadcasts over.
             key_rows, value_rows = self._buffers(key_cache, meta.decode_block_ids.shape[0])
             keys = _gather(key_cache, meta.decode_block_ids, decodes, meta.decode_kv_len, key_rows)
             values = _gather(value_cache, meta.decode_block_ids, decodes, meta.decode_kv_len, value_rows)
+            keys, values = fmt.unpack(keys, q.dtype), fmt.unpack(values, q.dtype)
             grouped = q[:decodes].view(decodes, kv_heads, heads // kv_heads, head_dim)
             mask = self._decode_mask(meta, window)
             attended = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
@@ -257,6 +266,7 @@ class TorchAttention:
                 key_rows, value_rows = self._buffers(key_cache, chunk.block_ids.shape[0])
                 keys = _gather(key_cache, chunk.block_ids, 1, chunk.context_len, key_rows)
                 values = _gather(value_cache, chunk.block_ids, 1, chunk.context_len, value_rows)
+                keys, values = fmt.unpack(keys, q.dtype), fmt.unpack(values, q.dtype)
             if window is None:
                 attended = F.scaled_dot_product_attention(
                     query,
@@ -305,10 +315,11 @@ def _chunk_mask(query_len: int, context_len: int, window: int | None, device: to
 
 def _reads_in_place(rows: Tensor, cache: Tensor) -> bool:
     """Whether the native kernel can read these [tokens, heads, dim] rows (q, or the new k and v) and
-    this cache: float32 on the CPU, each token's heads dense."""
+    this cache: float32 rows on the CPU, each token's heads dense, and a float32 or int8 cache."""
     return (
         rows.device.type == "cpu"
-        and rows.dtype == cache.dtype == torch.float32
+        and rows.dtype == torch.float32
+        and kv_format.stored_in(cache.dtype).native_id is not None
         and rows.stride(2) == 1
         and rows.stride(1) == rows.shape[2]
         and cache.is_contiguous()
@@ -323,9 +334,11 @@ def _paged_decode(
     meta: AttentionMetadata,
     scale: float,
     new_kv: tuple[Tensor, Tensor] | None,
+    fmt: KVFormat,
 ) -> Tensor:
     """The decodes' attention [decodes, heads * head_dim], reading their blocks where they lie; with
-    `new_kv` (the step's k and v, decodes only) the kernel first writes them at their slots."""
+    `new_kv` (the step's k and v, decodes only) the kernel first writes them at their slots, in the
+    cache's format."""
     decodes, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = key_cache.shape
     out = torch.empty(decodes, heads * head_dim, dtype=q.dtype)
@@ -349,13 +362,24 @@ def _paged_decode(
         new_v.data_ptr() if new_v is not None else None,
         new_k.stride(0) if new_k is not None else 0,
         meta.slot_mapping.data_ptr(),
+        fmt.native_id,
     )
     return out
 
 
+def _write(cache_rows: Tensor, slots: Tensor, rows: Tensor) -> None:
+    """cache_rows[slots] = rows, as bytes for the one-byte floats (float8 has no index_copy_)."""
+    if cache_rows.dtype == torch.float8_e4m3fn:
+        cache_rows, rows = cache_rows.view(torch.uint8), rows.view(torch.uint8)
+    cache_rows.index_copy_(0, slots, rows)
+
+
 def _gather(cache: Tensor, block_ids: Tensor, sequences: int, length: int, out: Tensor | None) -> Tensor:
-    """Blocks of `sequences` sequences as [sequences, kv_heads, length, head_dim] (a strided view)."""
-    num_blocks, _, kv_heads, head_dim = cache.shape
+    """Blocks of `sequences` sequences as stored, [sequences, kv_heads, length, row_width] (a strided
+    view)."""
+    num_blocks, _, kv_heads, width = cache.shape
     flat = cache.view(num_blocks, -1)
+    if flat.dtype == torch.float8_e4m3fn:
+        flat, out = flat.view(torch.uint8), out.view(torch.uint8) if out is not None else None
     rows = flat.index_select(0, block_ids) if out is None else torch.index_select(flat, 0, block_ids, out=out)
-    return rows.view(sequences, -1, kv_heads, head_dim)[:, :length].transpose(1, 2)
+    return rows.view(cache.dtype).view(sequences, -1, kv_heads, width)[:, :length].transpose(1, 2)

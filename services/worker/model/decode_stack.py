@@ -1,15 +1,15 @@
 """A decode-only step at a few rows through every decoder layer in one native call (csrc/decode_stack.cpp).
 
 At one to small_linear.MAX_ROWS decodes on the CPU in float32, a step's kernels read the weights at
-the memory's bandwidth, and what is left is Python: about ten calls, allocations and ctypes crossings
-per layer. This module owns the choice to skip them (a decode-only step of at most MAX_ROWS rows, on
-a model whose every layer the native path can run, its projections float32, int8 copies or GGUF
-blocks: the model's `stack_layers` gives them in Llama's
-shape, or None) and the ctypes views of the layers' weights and
-cache it passes, built once per model and cache and reused every step. The views hold a reference to
-every tensor they point to, so none can be freed (and its address reused) under them; a model's
-weights must not be replaced after its first step. The native stack calls the same kernels in the
-same order as the per-operator path in layers.py, so both give the same bits; it must not change any
+the memory's bandwidth, and what is left is Python: about ten calls, allocations and ctypes
+crossings per layer. This module owns the choice to skip them (a decode-only step of at most
+MAX_ROWS rows, on a model whose every layer the native path can run, its projections float32, int8
+copies or GGUF blocks: the model's `stack_layers` gives them in Llama's shape, or None; its KV cache
+float32 or int8, kv_format.py's rows) and the ctypes views of the layers' weights and cache it
+passes, built once per model and cache and reused every step. The views hold a reference to every
+tensor they point to, so none can be freed (and its address reused) under them; a model's weights
+must not be replaced after its first step. The native stack calls the same kernels in the same order
+as the per-operator path in layers.py, so both give the same bits; it must not change any
 arithmetic.
 """
 
@@ -84,6 +84,7 @@ class _Step(ctypes.Structure):
         *((name, _P) for name in ("cos", "sin", "block_tables", "seq_lens", "slots")),
         ("table_width", _I64),
         ("block_size", _I64),
+        ("kv_format", _I64),
     )
 
 
@@ -160,17 +161,19 @@ class NativeDecodeStack:
     """The native views of one model's layers over one KV cache, and the tensors they point to."""
 
     def __init__(
-        self, config: ModelConfig, layers: list[_Layer], final_norm: int, held: list[Tensor]
+        self, config: ModelConfig, layers: list[_Layer], final_norm: int, held: list[Tensor], kv_format: int
     ) -> None:
         self.config = config
         self.layers = (_Layer * len(layers))(*layers)
         self.final_norm = final_norm
         self.held = held
+        self.kv_format = kv_format  # the cache rows' csrc/paged_attention.cpp id
 
     @classmethod
     def build(cls, model: CausalLM, cache: KVCache) -> NativeDecodeStack | None:
         """The views of `model` over `cache`, or None when some layer is not one the native stack runs."""
-        if cache.dtype != torch.float32 or cache.device.type != "cpu" or not len(model.layers):
+        kv_format = cache.format.native_id
+        if kv_format is None or cache.device.type != "cpu" or not len(model.layers):
             return None
         if not all(t.is_contiguous() for t in (*cache.keys, *cache.values)):
             return None
@@ -190,7 +193,7 @@ class NativeDecodeStack:
             layers.append(_Layer(*norms, *projections, keys.data_ptr(), values.data_ptr()))
         if final_norm is None:
             return None
-        return cls(model.config, layers, final_norm, held)
+        return cls(model.config, layers, final_norm, held, kv_format)
 
     def run(
         self, kernels: native.Library, residual: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata
@@ -214,6 +217,7 @@ class NativeDecodeStack:
             meta.slot_mapping.data_ptr(),
             meta.block_tables.shape[1],
             meta.block_size,
+            self.kv_format,
         )
         widths = c.q_size + 2 * c.kv_size + c.q_size + 3 * c.intermediate_size + 2 * c.hidden_size
         scratch = torch.empty(rows * widths, dtype=torch.float32)

@@ -2,9 +2,10 @@
 
 This module owns the tensors and their size arithmetic, so the engine can size `num_blocks` from a
 memory budget before allocating. Each layer's tensors have shape
-[num_blocks, block_size, num_kv_heads, head_dim]; a token lives at slot block_id * block_size + offset.
-It must not decide which blocks belong to which sequence (the engine's block manager does) nor read
-or write them (the attention backend does).
+[num_blocks, block_size, num_kv_heads, row_width], a row being one token's one KV head in the cache's
+format (kv_format.py: head_dim values, and for int8 their scale's 4 bytes); a token lives at slot
+block_id * block_size + offset. It must not decide which blocks belong to which sequence (the
+engine's block manager does) nor read or write them (the attention backend does).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+from services.worker.model.kv_format import KVFormat, plain
 
 if TYPE_CHECKING:
     from services.worker.model.config import ModelConfig
@@ -25,6 +28,7 @@ class KVCache:
 
     keys: tuple[Tensor, ...]
     values: tuple[Tensor, ...]
+    format: KVFormat
 
     @classmethod
     def allocate(
@@ -32,23 +36,25 @@ class KVCache:
         config: ModelConfig,
         num_blocks: int,
         block_size: int,
-        dtype: torch.dtype,
+        dtype: torch.dtype | KVFormat,
         device: str | torch.device,
     ) -> KVCache:
-        """Allocate zeroed blocks for every layer (zeros: padding a backend reads is finite)."""
+        """Allocate zeroed blocks for every layer (zeros: padding a backend reads is finite, and an
+        int8 row of zeros has scale 0). A dtype means rows stored as computed, in that dtype."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must both be positive")
-        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        fmt = dtype if isinstance(dtype, KVFormat) else plain(dtype)
+        shape = (num_blocks, block_size, config.num_key_value_heads, fmt.row_width(config.head_dim))
         layers = range(config.num_hidden_layers)
-        keys = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in layers)
-        values = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in layers)
-        return cls(keys=keys, values=values)
+        keys = tuple(torch.zeros(shape, dtype=fmt.storage, device=device) for _ in layers)
+        values = tuple(torch.zeros(shape, dtype=fmt.storage, device=device) for _ in layers)
+        return cls(keys=keys, values=values, format=fmt)
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block costs across all layers, keys and values together."""
-        element = torch.empty((), dtype=dtype).element_size()
-        per_layer = 2 * block_size * config.num_key_value_heads * config.head_dim * element
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype | KVFormat) -> int:
+        """Bytes one block costs across all layers, keys and values together (int8 scales included)."""
+        fmt = dtype if isinstance(dtype, KVFormat) else plain(dtype)
+        per_layer = 2 * block_size * config.num_key_value_heads * fmt.row_bytes(config.head_dim)
         return per_layer * config.num_hidden_layers
 
     @property
@@ -62,10 +68,6 @@ class KVCache:
     @property
     def num_layers(self) -> int:
         return len(self.keys)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.keys[0].dtype
 
     @property
     def device(self) -> torch.device:

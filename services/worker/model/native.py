@@ -162,7 +162,21 @@ class Library:
         self.small_linear_int8.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64]
         self.paged_decode_attention = library.strata_paged_decode_attention
         self.paged_decode_attention.restype = None
-        self.paged_decode_attention.argtypes = [_P, _P, _P, _P, _P, _P, *([_I64] * 7), _F32, _P, _P, _I64, _P]
+        self.paged_decode_attention.argtypes = [
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            *([_I64] * 7),
+            _F32,
+            _P,
+            _P,
+            _I64,
+            _P,
+            _I64,
+        ]
         self.rms_norm = library.strata_rms_norm
         self.rms_norm.restype = None
         self.rms_norm.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _F32]

@@ -55,8 +55,8 @@ struct Layer {
   const float* input_norm;
   const float* post_attention_norm;
   Projection qkv, o, gate_up, down;
-  float* keys;
-  float* values;
+  void* keys;    // cache rows in the step's kv_format
+  void* values;
 };
 
 // The step's shape and its attention metadata, shared by every layer.
@@ -69,6 +69,7 @@ struct Step {
   const int32_t* seq_lens;
   const int64_t* slots;
   int64_t table_width, block_size;
+  int64_t kv_format;  // paged_attention.cpp's row format: float32 or int8
 };
 
 // The team's barrier between two kernels: spin (the wait is microseconds, less than a futex wake
@@ -172,7 +173,7 @@ void strata_decode_stack(const Layer* layers, int64_t num_layers, const Step* st
       strata::paged_decode_attention_part(qkv, layer.keys, layer.values, s.block_tables, s.seq_lens, attended, rows,
                                           qkv_width, s.heads, s.kv_heads, s.head_dim, s.block_size, s.table_width,
                                           s.attention_scale, qkv + q_width, qkv + q_width + kv_width, qkv_width,
-                                          s.slots, part, parts);
+                                          s.slots, s.kv_format, part, parts);
       barrier.wait();
       project(layer.o, attended, delta, rows, part, parts);
       barrier.wait();

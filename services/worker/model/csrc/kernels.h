@@ -24,11 +24,11 @@ void gguf_linear_part(int64_t type, const float* x, const uint8_t* w, const floa
                       int64_t n, int64_t k, int64_t ldy, int64_t part, int64_t parts);
 
 // strata_paged_decode_attention for the (sequence, kv head) tasks of share `part` of `parts`.
-void paged_decode_attention_part(const float* q, float* keys, float* values, const int64_t* tables,
+void paged_decode_attention_part(const float* q, void* keys, void* values, const int64_t* tables,
                                  const int32_t* lens, float* out, int64_t batch, int64_t q_stride, int64_t heads,
                                  int64_t kv_heads, int64_t dim, int64_t block_size, int64_t table_width, float scale,
                                  const float* new_k, const float* new_v, int64_t new_stride, const int64_t* slots,
-                                 int64_t part, int64_t parts);
+                                 int64_t format, int64_t part, int64_t parts);
 
 // The [begin, end) of share `part` when `count` items are cut into `parts` near-equal shares.
 inline void share(int64_t count, int64_t part, int64_t parts, int64_t* begin, int64_t* end) {
