@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-prefix-routing bench-peer bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar-libs bench-grammar bench-outputs records reliability chaos images compose-test run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-prefix-routing bench-peer bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar-libs bench-grammar bench-outputs records reliability chaos images compose-test run clean
 
 setup: $(STAMP)
 
@@ -88,6 +88,11 @@ bench-tracing: setup model
 # Prefix caching on against off: a shared system prompt, multi-turn chat, and one stream with a long cached prefix.
 bench-prefix: setup model
 	$(BIN)/python -m bench.prefix_cache --json bench/results/prefix-cache-cpu.json
+
+# The int8 KV cache against float32: capacity at one budget, 64 x 1024+128 and 1 x 64+64 tokens/s,
+# perplexity and greedy agreement, and how many full-context sequences one budget runs at once.
+bench-kv: setup model
+	$(BIN)/python -m bench.kv_cache --json bench/results/kv-cache-cpu.json
 
 # Log probabilities' cost at 64 streams, and n = 8 samples against 8 separate requests of one prompt.
 bench-outputs: setup model

@@ -274,6 +274,13 @@ CATALOG: dict[str, Entry] = {
     "trace-overhead-cpu.json": Entry(
         STACK, "bench/trace_overhead.py", 420, _py("bench.trace_overhead", *_json("trace-overhead-cpu.json"))
     ),
+    "kv-cache-cpu.json": Entry(
+        ENGINE,
+        "bench/kv_cache.py",
+        1500,
+        _py("bench.kv_cache", *_json("kv-cache-cpu.json")),
+        target="make bench-kv",
+    ),
     "prefix-cache-cpu.json": Entry(
         ENGINE, "bench/prefix_cache.py", 900, _py("bench.prefix_cache", *_json("prefix-cache-cpu.json"))
     ),

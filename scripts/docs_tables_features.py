@@ -1,4 +1,5 @@
-"""The features' tables: prefix caching and routing, log probabilities and n samples, structured output.
+"""The features' tables: the int8 KV cache, prefix caching and routing, log probabilities and n samples,
+structured output.
 
 Each function turns quotable records (by file name) into markdown lines for docs/benchmarks.md and
 docs/structured-output.md; `TABLES` declares which record each reads. This module must not read
@@ -235,7 +236,17 @@ def grammar_libs(records: Mapping[str, Record]) -> list[str]:
     return table(header, rows)
 
 
+def kv_cache(records: Mapping[str, Record]) -> list[str]:
+    """The int8 KV cache's targets, one row each, as bench/kv_report.py judged them in the record."""
+    data = records["kv-cache-cpu.json"].data
+    return table(
+        ["target", "measured", ""],
+        [[line["target"], line["figure"], met(line["met"])] for line in data["targets"]],
+    )
+
+
 TABLES = (
+    Table("kv-cache", ("kv-cache-cpu.json",), kv_cache),
     Table("prefix-cache", ("prefix-cache-cpu.json",), prefix_cache),
     Table("prefix-routing", ("prefix-routing-cpu.json",), prefix_routing),
     Table("outputs-logprobs", ("outputs-logprobs-cpu.json",), logprobs),
