@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +107,7 @@ def speed(
                 flush=True,
             )
         found[f"{streams}x{prompt}+{new}"] = {
-            name: {key: summarize([r[key] for r in runs[name]]).__dict__ for key in ("tok_s", "decode_tok_s")}
+            name: {key: asdict(summarize([r[key] for r in runs[name]])) for key in ("tok_s", "decode_tok_s")}
             | {"runs": runs[name]}
             for name in FORMATS
         }
