@@ -3,11 +3,11 @@
 // Each decode token's query heads attend to their sequence's cached keys and values where they lie,
 // block by block through its block table. One task per (sequence, kv head) computes the scores of
 // that kv head's query-head group against every cached key, a float32 softmax (max subtracted, as
-// torch's SDPA does), and the weighted sum of the values. A cache row (one token's one kv head) is
-// float32, or int8 (kv_format.py's rows: dim int8 values, then their float32 scale): an int8 key's
-// score is (q . its values) * its scale, a value adds (weight * its scale) * its values, the int8
-// values widened to float32 in registers; a decode's own new k/v are quantized here as kv_format.py
-// quantizes them, to the bit. The instruction set is chosen at run time (AVX-512, else portable C++
+// torch's SDPA does), and the weighted sum of the values, reading each cached row once for the whole
+// group. A cache row (one token's one kv head) is float32, or int8 (kv_format.py's rows: dim int8
+// values, then their float32 scale): an int8 row is widened to float32 once into an L1 buffer, a
+// key's score is (q . its values) * its scale, a value adds (weight * its scale) * its values; a
+// decode's own new k/v are quantized here as kv_format.py quantizes them, to the bit. The instruction set is chosen at run time (AVX-512, else portable C++
 // that the compiler vectorises for the baseline ISA). Threads come from ATen's pool. Called through
 // ctypes (extern "C"): no Python types here.
 
@@ -92,27 +92,14 @@ __attribute__((target("avx512f"))) void axpy_avx512(float a, const float* x, flo
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
-// a . b for int8 b, widened to float32 16 at a time.
-__attribute__((target("avx512f"))) float dot_int8_avx512(const float* a, const int8_t* b, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
+// y = float(x) for int8 x, 16 at a time.
+__attribute__((target("avx512f"))) void widen_avx512(const int8_t* x, float* y, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 wide = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i))));
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), wide, acc);
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
+    _mm512_storeu_ps(y + i, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
   }
-  float sum = _mm512_reduce_add_ps(acc);
-  for (; i < n; ++i) sum += a[i] * static_cast<float>(b[i]);
-  return sum;
-}
-
-__attribute__((target("avx512f"))) void axpy_int8_avx512(float a, const int8_t* x, float* y, int64_t n) {
-  const __m512 av = _mm512_set1_ps(a);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 wide = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
-    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, wide, _mm512_loadu_ps(y + i)));
-  }
-  for (; i < n; ++i) y[i] += a * static_cast<float>(x[i]);
+  for (; i < n; ++i) y[i] = static_cast<float>(x[i]);
 }
 
 float dot_portable(const float* a, const float* b, int64_t n) {
@@ -125,45 +112,34 @@ void axpy_portable(float a, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-float dot_int8_portable(const float* a, const int8_t* b, int64_t n) {
-  float sum = 0.0f;
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * static_cast<float>(b[i]);
-  return sum;
-}
-
-void axpy_int8_portable(float a, const int8_t* x, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += a * static_cast<float>(x[i]);
+void widen_portable(const int8_t* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<float>(x[i]);
 }
 
 struct Ops {
   float (*dot)(const float*, const float*, int64_t);
   void (*axpy)(float, const float*, float*, int64_t);
-  float (*dot_int8)(const float*, const int8_t*, int64_t);
-  void (*axpy_int8)(float, const int8_t*, float*, int64_t);
+  void (*widen)(const int8_t*, float*, int64_t);
 };
 
 const Ops& ops() {
   static const Ops chosen = [] {
-    if (strata::chosen_isa() == strata::Isa::kAvx512)
-      return Ops{dot_avx512, axpy_avx512, dot_int8_avx512, axpy_int8_avx512};
-    return Ops{dot_portable, axpy_portable, dot_int8_portable, axpy_int8_portable};
+    if (strata::chosen_isa() == strata::Isa::kAvx512) return Ops{dot_avx512, axpy_avx512, widen_avx512};
+    return Ops{dot_portable, axpy_portable, widen_portable};
   }();
   return chosen;
 }
 
-// q . key row, the key float32 or int8 (then times its scale).
-inline float key_dot(const Decode& d, const Ops& f, const float* q, const uint8_t* row) {
-  if (d.format == kInt8Rows) return f.dot_int8(q, reinterpret_cast<const int8_t*>(row), d.dim) * row_scale(row, d.dim);
-  return f.dot(q, reinterpret_cast<const float*>(row), d.dim);
-}
-
-// out += weight * value row, the value float32 or int8 (then its scale folded into the weight).
-inline void add_value(const Decode& d, const Ops& f, float weight, const uint8_t* row, float* out) {
-  if (d.format == kInt8Rows) {
-    f.axpy_int8(weight * row_scale(row, d.dim), reinterpret_cast<const int8_t*>(row), out, d.dim);
-  } else {
-    f.axpy(weight, reinterpret_cast<const float*>(row), out, d.dim);
+// A cached row's values as float32 (itself, or an int8 row widened into `buffer`) and the factor
+// its products take: 1 for float32, the int8 row's scale.
+inline const float* row_values(const Decode& d, const Ops& f, const uint8_t* row, float* buffer, float* factor) {
+  if (d.format != kInt8Rows) {
+    *factor = 1.0f;
+    return reinterpret_cast<const float*>(row);
   }
+  f.widen(reinterpret_cast<const int8_t*>(row), buffer, d.dim);
+  *factor = row_scale(row, d.dim);
+  return buffer;
 }
 
 // A decode's new k or v row into the cache, in its format.
@@ -175,7 +151,8 @@ inline void store_row(const Decode& d, const float* src, uint8_t* row) {
   }
 }
 
-void one_group(const Decode& d, const Ops& f, int64_t seq, int64_t kv_head, std::vector<float>& scores) {
+void one_group(const Decode& d, const Ops& f, int64_t seq, int64_t kv_head, std::vector<float>& scores,
+               std::vector<float>& buffer) {
   const int64_t group = d.heads / d.kv_heads;
   const int64_t len = d.lens[seq];
   const int64_t token_bytes = d.kv_heads * d.row_bytes;
@@ -188,28 +165,40 @@ void one_group(const Decode& d, const Ops& f, int64_t seq, int64_t kv_head, std:
     store_row(d, d.new_v + seq * d.new_stride + kv_head * d.dim, d.values + at);
   }
   scores.resize(static_cast<size_t>(group * len));
-  for (int64_t g = 0; g < group; ++g) {
-    const float* q = d.q + seq * d.q_stride + (kv_head * group + g) * d.dim;
-    float* row = scores.data() + g * len;
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < len; ++t) {
-      const int64_t block = table[t / d.block_size];
-      const uint8_t* k = d.keys + (block * d.block_size + t % d.block_size) * token_bytes + head_offset;
-      row[t] = key_dot(d, f, q, k) * d.scale;
-      top = std::max(top, row[t]);
+  buffer.resize(static_cast<size_t>(d.dim));
+  const float* q = d.q + seq * d.q_stride + kv_head * group * d.dim;
+  // Each cached row is read (and an int8 one widened) once for the group's query heads.
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t block = table[t / d.block_size];
+    const uint8_t* k = d.keys + (block * d.block_size + t % d.block_size) * token_bytes + head_offset;
+    float factor = 1.0f;
+    const float* key = row_values(d, f, k, buffer.data(), &factor);
+    for (int64_t g = 0; g < group; ++g) {
+      const float dot = f.dot(q + g * d.dim, key, d.dim);
+      scores[g * len + t] = (d.format == kInt8Rows ? dot * factor : dot) * d.scale;
     }
+  }
+  float* out = d.out + (seq * d.heads + kv_head * group) * d.dim;
+  std::fill(out, out + group * d.dim, 0.0f);
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores.data() + g * len;
+    const float top = *std::max_element(row, row + len);
     float total = 0.0f;
     for (int64_t t = 0; t < len; ++t) {
       row[t] = std::exp(row[t] - top);
       total += row[t];
     }
-    float* out = d.out + (seq * d.heads + kv_head * group + g) * d.dim;
-    std::fill(out, out + d.dim, 0.0f);
     const float inverse = 1.0f / total;
-    for (int64_t t = 0; t < len; ++t) {
-      const int64_t block = table[t / d.block_size];
-      const uint8_t* v = d.values + (block * d.block_size + t % d.block_size) * token_bytes + head_offset;
-      add_value(d, f, row[t] * inverse, v, out);
+    for (int64_t t = 0; t < len; ++t) row[t] *= inverse;
+  }
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t block = table[t / d.block_size];
+    const uint8_t* v = d.values + (block * d.block_size + t % d.block_size) * token_bytes + head_offset;
+    float factor = 1.0f;
+    const float* value = row_values(d, f, v, buffer.data(), &factor);
+    for (int64_t g = 0; g < group; ++g) {
+      const float weight = scores[g * len + t];
+      f.axpy(d.format == kInt8Rows ? weight * factor : weight, value, out + g * d.dim, d.dim);
     }
   }
 }
@@ -217,7 +206,9 @@ void one_group(const Decode& d, const Ops& f, int64_t seq, int64_t kv_head, std:
 void task_range(const Decode& d, int64_t first, int64_t last) {
   const Ops& f = ops();
   std::vector<float> scores;
-  for (int64_t task = first; task < last; ++task) one_group(d, f, task / d.kv_heads, task % d.kv_heads, scores);
+  std::vector<float> buffer;
+  for (int64_t task = first; task < last; ++task)
+    one_group(d, f, task / d.kv_heads, task % d.kv_heads, scores, buffer);
 }
 
 }  // namespace
