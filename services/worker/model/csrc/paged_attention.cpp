@@ -7,9 +7,9 @@
 // group. A cache row (one token's one kv head) is float32, or int8 (kv_format.py's rows: dim int8
 // values, then their float32 scale): an int8 row is widened to float32 once into an L1 buffer, a
 // key's score is (q . its values) * its scale, a value adds (weight * its scale) * its values; a
-// decode's own new k/v are quantized here as kv_format.py quantizes them, to the bit. The instruction set is chosen at run time (AVX-512, else portable C++
-// that the compiler vectorises for the baseline ISA). Threads come from ATen's pool. Called through
-// ctypes (extern "C"): no Python types here.
+// decode's own new k/v are quantized here as kv_format.py quantizes them, to the bit. The instruction
+// set is chosen at run time (AVX-512, else portable C++ that the compiler vectorises for the baseline
+// ISA). Threads come from ATen's pool. Called through ctypes (extern "C"): no Python types here.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
