@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from services.worker.engine.config import EngineConfig
+from services.worker.engine.config import KV_CACHE_DTYPES, EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.params import SamplingParams
 from services.worker.model import kv_format, native
@@ -119,6 +119,10 @@ def test_a_setting_that_cannot_be_served_names_itself_and_the_fix() -> None:
     ):
         EngineConfig(kv_cache_dtype="int4")
     assert kv_format.resolve("auto", torch.bfloat16, "cpu") == kv_format.plain(torch.bfloat16)
+    # Every name the settings accept is a format here (fp8_e4m3 on CUDA only, above).
+    for name in KV_CACHE_DTYPES:
+        if name not in ("auto", "fp8_e4m3"):
+            assert kv_format.resolve(name, torch.float32, "cpu").name == name
 
 
 def test_an_int8_cache_holds_what_its_rows_cost_at_one_budget(tiny_llama_dir: Path) -> None:

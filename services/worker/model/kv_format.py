@@ -3,8 +3,9 @@
 
 A float32, bfloat16 or float16 row is the head_dim values in that dtype. An fp8_e4m3 row (CUDA) is
 them cast to float8_e4m3fn, clamped to its finite range first (the cast has no infinity). An int8
-row is head_dim int8 values and then one float32 scale in its last 4 bytes: scale = max |x| / 127,
-q = x / scale rounded to nearest, ties to even (0 where the row is all zeros), x ~ q * scale. A row
+row is head_dim int8 values and then one float32 scale in its last 4 bytes: scale = max |x| times
+float32's 1/127, q = x / scale rounded to nearest, ties to even (0 where the row is all zeros, or
+where x is infinite), x ~ q * scale. A row
 carries its own scale, so a block is quantized once, when its tokens are written (prefill and decode
 alike), and never again; the block manager's moves (prefix sharing, preemption, failover replays)
 stay byte copies of whole blocks. csrc/paged_attention.cpp writes and reads the same int8 rows, and
