@@ -151,6 +151,11 @@ inline void store_row(const Decode& d, const float* src, uint8_t* row) {
   }
 }
 
+// Position t's token in a sequence's cache rows (keys or values), through its block table.
+inline const uint8_t* cached_row(const Decode& d, const uint8_t* rows, const int64_t* table, int64_t t) {
+  return rows + (table[t / d.block_size] * d.block_size + t % d.block_size) * d.kv_heads * d.row_bytes;
+}
+
 void one_group(const Decode& d, const Ops& f, int64_t seq, int64_t kv_head, std::vector<float>& scores,
                std::vector<float>& buffer) {
   const int64_t group = d.heads / d.kv_heads;
@@ -169,10 +174,8 @@ void one_group(const Decode& d, const Ops& f, int64_t seq, int64_t kv_head, std:
   const float* q = d.q + seq * d.q_stride + kv_head * group * d.dim;
   // Each cached row is read (and an int8 one widened) once for the group's query heads.
   for (int64_t t = 0; t < len; ++t) {
-    const int64_t block = table[t / d.block_size];
-    const uint8_t* k = d.keys + (block * d.block_size + t % d.block_size) * token_bytes + head_offset;
     float factor = 1.0f;
-    const float* key = row_values(d, f, k, buffer.data(), &factor);
+    const float* key = row_values(d, f, cached_row(d, d.keys, table, t) + head_offset, buffer.data(), &factor);
     for (int64_t g = 0; g < group; ++g) {
       const float dot = f.dot(q + g * d.dim, key, d.dim);
       scores[g * len + t] = (d.format == kInt8Rows ? dot * factor : dot) * d.scale;
@@ -192,10 +195,8 @@ void one_group(const Decode& d, const Ops& f, int64_t seq, int64_t kv_head, std:
     for (int64_t t = 0; t < len; ++t) row[t] *= inverse;
   }
   for (int64_t t = 0; t < len; ++t) {
-    const int64_t block = table[t / d.block_size];
-    const uint8_t* v = d.values + (block * d.block_size + t % d.block_size) * token_bytes + head_offset;
     float factor = 1.0f;
-    const float* value = row_values(d, f, v, buffer.data(), &factor);
+    const float* value = row_values(d, f, cached_row(d, d.values, table, t) + head_offset, buffer.data(), &factor);
     for (int64_t g = 0; g < group; ++g) {
       const float weight = scores[g * len + t];
       f.axpy(d.format == kInt8Rows ? weight * factor : weight, value, out + g * d.dim, d.dim);
