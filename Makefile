@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-prefix-routing bench-peer bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar-libs bench-grammar bench-outputs records reliability chaos images compose-test run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-prefix-routing bench-peer bench-peer-avx2 bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar-libs bench-grammar bench-outputs records reliability chaos images compose-test run clean
 
 setup: $(STAMP)
 
@@ -123,6 +123,15 @@ bench-peer: setup model
 	$(BIN)/strata fetch-model qwen2.5-coder-0.5b-instruct
 	$(BIN)/python -m bench.peer --model $(QWEN05_FLOAT32) --shipped-q4-k-m models/Qwen2.5-Coder-0.5B-Instruct/Qwen2.5-Coder-0.5B-Instruct.gguf --perplexity-record bench/results/perplexity-qwen05-cpu.json --json bench/results/peer-qwen05-cpu.json
 	$(BIN)/python -m bench.generate_cli --json bench/results/generate-cli-cpu.json
+
+# The same two peers as a machine without AVX-512 runs them: --native-isa avx2 caps our kernels
+# (STRATA_NATIVE_ISA) and builds llama.cpp with AVX2 flags and no AVX-512, in its own build directory;
+# our perplexity, bench.peer and bench.serve_peer into their -avx2 records (about 50 minutes on 2
+# cores, and 12+ more the first time, for the AVX2 build).
+bench-peer-avx2: setup model
+	$(BIN)/python -m bench.perplexity --native-isa avx2 --json bench/results/perplexity-avx2-cpu.json
+	$(BIN)/python -m bench.peer --native-isa avx2 --perplexity-record bench/results/perplexity-avx2-cpu.json --json bench/results/peer-avx2-cpu.json
+	nice -n -10 $(BIN)/python -m bench.serve_peer --native-isa avx2 --json bench/results/serve-peer-avx2-cpu.json
 
 # Strata's HTTP API (bench/serve_peer.yaml: make run's stack, a route that admits a 64-request burst)
 # against llama.cpp's llama-server on the same F32 weights, one client for both: 64x64 and 512x128

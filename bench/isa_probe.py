@@ -13,12 +13,17 @@ time anything.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import argparse
 
 # AMX's permission request needs the syscall headers; the other programs include them unused.
 _MAIN = (
@@ -113,6 +118,25 @@ REQUIRES = {
 # STRATA_NATIVE_ISA caps (services/worker/model/csrc/isa.h): the groups the peer may use under each,
 # so both sides run the same instruction set. No cap: whatever runs.
 CAPS: dict[str, frozenset[str]] = {"portable": frozenset(), "avx2": frozenset({"avx2"})}
+
+
+CAP_ENV = "STRATA_NATIVE_ISA"
+
+
+def add_cap_option(parser: argparse.ArgumentParser) -> None:
+    """`--native-isa`, so a record of a capped run stores the cap in its command and reruns capped."""
+    parser.add_argument(
+        "--native-isa",
+        choices=sorted(CAPS),
+        help=f"cap both sides' instruction set ({CAP_ENV}): avx2 measures a machine without AVX-512",
+    )
+
+
+def apply_cap(cap: str | None) -> None:
+    """Set the cap for this process and every process it starts: our kernels read it when they load,
+    the peer's build plan when it is made, so call this before either."""
+    if cap is not None:
+        os.environ[CAP_ENV] = cap
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import peer_llama
+from bench.isa_probe import add_cap_option, apply_cap
 from bench.peer_report import format_summary, summarize
 from bench.peer_rounds import DEFAULT_MAX_REPEATS, DEFAULT_SETTLE_S, QUIET_LOAD, Rounds, wait_quiet
 from bench.peer_setup import GGUF_TYPES, Peer, build_info, prepare, served_folder
@@ -75,6 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "llama-quantize's Q4_K_M of the F32 file)",
     )
     p.add_argument("--json", type=Path)
+    add_cap_option(p)
     args = p.parse_args(argv)
     if args.rounds < 5 and args.json is not None:
         p.error("--rounds must be >= 5 for a record (medians and spread); fewer only without --json")
@@ -155,6 +157,7 @@ def progress(done: dict[str, Any], rounds: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    apply_cap(args.native_isa)
     peer = prepare(args.model, GGUF_TYPES, args.shipped_q4_k_m)
     folders = {kind: served_folder(args.model, peer.models[kind]) for kind in GGUF_CONTESTANTS.values()}
     # Preparing may have built and converted the peer for many minutes: the record's start load must

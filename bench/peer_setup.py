@@ -30,7 +30,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.isa_probe import Probe, ggml_flags, label, probe_all, usable_groups
+from bench.isa_probe import CAP_ENV, Probe, ggml_flags, label, probe_all, usable_groups
 from strata.cli.model_download import sha256_file
 from strata.cli.model_fetch import link_or_copy
 
@@ -150,7 +150,7 @@ def plan_build(
     less the `dropped` groups (group: why); each flag set builds in a directory of its own, so a
     capped build never overwrites the full one."""
     found = probe_all() if probes is None else probes
-    cap = os.environ.get("STRATA_NATIVE_ISA") or None
+    cap = os.environ.get(CAP_ENV) or None
     removed = dropped or {}
     groups = usable_groups(found, cap) - frozenset(removed)
     return BuildPlan(groups, ggml_flags(groups), root / f"build-{label(groups)}", found, cap, removed)

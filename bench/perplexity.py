@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from bench.isa_probe import add_cap_option, apply_cap
 from bench.stats import DEFAULT_MODEL, save_record
 
 TEXT = Path(__file__).parent / "data" / "perplexity-text.txt"
@@ -161,6 +162,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--paths", default="float32,int8-small-batch,int8-dynamic")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", type=Path)
+    add_cap_option(p)
     args = p.parse_args(argv)
     args.paths = args.paths.split(",")
     unknown = [name for name in args.paths if name not in paths()]
@@ -171,6 +173,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    apply_cap(args.native_isa)
     if args.threads:
         torch.set_num_threads(args.threads)
     from bench.provenance import finish_provenance, start_provenance

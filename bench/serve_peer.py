@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import httpx2
 import psutil
 
+from bench.isa_probe import add_cap_option, apply_cap
 from bench.peer_setup import build_info, prepare, prepare_file
 from bench.provenance import REPOSITORY, finish_provenance, start_provenance
 from bench.serve_peer_llama import LlamaServer, ServerOptions, probe_system_info, version
@@ -66,6 +67,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--log-dir", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="allow --rounds 1; the record is not valid")
+    add_cap_option(parser)
     args = parser.parse_args(argv)
     if args.rounds < 3 and not args.smoke:
         parser.error(f"--rounds {args.rounds}: at least 3 rounds (bench/README.md), or --smoke")
@@ -118,6 +120,7 @@ async def _drive(targets: dict[str, Target], args: argparse.Namespace, prompts: 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    apply_cap(args.native_isa)
     import torch
 
     from services.worker.settings import WorkerSettings

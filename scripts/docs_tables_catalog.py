@@ -50,6 +50,7 @@ def _json(name: str) -> tuple[str, ...]:
 
 # bench.peer on Qwen2.5-Coder-0.5B: its float32 conversion for llama.cpp's converter, its Q4_K_M
 # file as shipped for both sides' Q4_K_M contestants (make bench-peer fetches both).
+AVX2 = ("--native-isa", "avx2")
 QWEN05_PEER = (
     "--model",
     "models/float32/Qwen2.5-Coder-0.5B-Instruct",
@@ -188,6 +189,34 @@ CATALOG: dict[str, Entry] = {
         900,
         _py("bench.serve_peer", *_json("serve-peer-cpu.json")),
         target="make bench-serve-peer",
+    ),
+    # make bench-peer-avx2: the three runs of a machine without AVX-512, capped on this one.
+    "perplexity-avx2-cpu.json": Entry(
+        ENGINE,
+        "bench/perplexity.py",
+        300,
+        _py("bench.perplexity", *AVX2, *_json("perplexity-avx2-cpu.json")),
+        target="make bench-peer-avx2",
+    ),
+    "peer-avx2-cpu.json": Entry(
+        ENGINE,
+        "bench/peer.py",
+        1200,
+        _py(
+            "bench.peer",
+            *AVX2,
+            "--perplexity-record",
+            "bench/results/perplexity-avx2-cpu.json",
+            *_json("peer-avx2-cpu.json"),
+        ),
+        target="make bench-peer-avx2",
+    ),
+    "serve-peer-avx2-cpu.json": Entry(
+        STACK,
+        "bench/serve_peer.py",
+        900,
+        _py("bench.serve_peer", *AVX2, *_json("serve-peer-avx2-cpu.json")),
+        target="make bench-peer-avx2",
     ),
     "serve-peer-qwen05-cpu.json": Entry(
         STACK,

@@ -223,6 +223,9 @@ TABLES = (
     engine_table("engine-one-team", "engine-cpu-one-team.json"),
     Table("peer", ("peer-cpu.json",), lambda records: peer_rows(records["peer-cpu.json"].data)),
     Table(
+        "peer-avx2", ("peer-avx2-cpu.json",), lambda records: peer_rows(records["peer-avx2-cpu.json"].data)
+    ),
+    Table(
         "peer-qwen",
         ("peer-qwen05-cpu.json",),
         lambda records: peer_rows(records["peer-qwen05-cpu.json"].data),

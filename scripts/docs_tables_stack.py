@@ -311,6 +311,11 @@ TABLES = (
     Table("tenants", ("tenants-cpu.json",), tenants),
     Table("serve-peer", ("serve-peer-cpu.json",), lambda records: serve_peer(records, "serve-peer-cpu.json")),
     Table(
+        "serve-peer-avx2",
+        ("serve-peer-avx2-cpu.json",),
+        lambda records: serve_peer(records, "serve-peer-avx2-cpu.json"),
+    ),
+    Table(
         "serve-peer-qwen",
         ("serve-peer-qwen05-cpu.json",),
         lambda records: serve_peer(records, "serve-peer-qwen05-cpu.json"),

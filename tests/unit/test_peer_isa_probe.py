@@ -7,6 +7,7 @@ what the interpreter itself runs on (x86-64 with AVX2 on every machine this proj
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 import signal
@@ -19,6 +20,7 @@ from bench.isa_probe import (
     PROGRAMS,
     REFUSED_EXIT,
     Probe,
+    apply_cap,
     ggml_flags,
     label,
     outcome,
@@ -26,7 +28,9 @@ from bench.isa_probe import (
     probe_all,
     usable_groups,
 )
+from bench.peer import parse_args as peer_args
 from bench.peer_setup import plan_build
+from bench.serve_peer import parse as serve_peer_args
 
 
 def _found(*usable: str) -> dict[str, Probe]:
@@ -80,6 +84,22 @@ def test_the_avx2_cap_matches_our_kernels_and_gets_its_own_build_dir(
     assert label(frozenset()) == "portable"
     with pytest.raises(SystemExit, match="avx3"):
         usable_groups(found, "avx3")
+
+
+def test_the_native_isa_option_caps_the_peer_build_and_what_the_run_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The option, not the environment, carries the cap, so a record's stored command reruns capped.
+    monkeypatch.delenv("STRATA_NATIVE_ISA", raising=False)
+    found = _found(*PROGRAMS)
+    assert peer_args([]).native_isa is None
+    apply_cap(peer_args([]).native_isa)
+    assert plan_build(tmp_path, found).cap is None
+    apply_cap(serve_peer_args(["--native-isa", "avx2"]).native_isa)
+    assert os.environ["STRATA_NATIVE_ISA"] == "avx2"
+    assert plan_build(tmp_path, found).directory == tmp_path / "build-avx2"
+    with pytest.raises(SystemExit):
+        peer_args(["--native-isa", "avx3"])
 
 
 @pytest.mark.skipif(
