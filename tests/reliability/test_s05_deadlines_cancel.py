@@ -1,4 +1,5 @@
-"""Scenario 5: deadlines end requests at the deadline, and a cancel frees the KV blocks within a step.
+"""Scenario 5: deadlines end requests at the deadline, and a cancel frees the KV blocks within a step of
+its delivery to the gateway.
 
 A real stack (separate processes) whose worker sleeps STEP_DELAY_S before every engine step, so a
 step is long next to a cancel's trip from client to gateway to worker (milliseconds), and steps can
@@ -12,12 +13,19 @@ whenever it goes idle; the `steps` counter counts steps begun. Read just before 
 snapshot shows step N done while step N+1 (holding the request) may already run. Alone on the worker,
 the request's blocks show free in the snapshot taken when the engine goes idle after step N+1: at
 most 1 step later. With another request running, the first snapshot after the free is the one after
-step N+2, the step that ran without the request: at most 2 later. The test asserts those bounds.
+step N+2, the step that ran without the request: at most 2 later. The test asserts those bounds,
+with the one step of slack below.
 
-Those step counts hold only while the cancel's trip (client to gateway to worker inbox, expected a
-few milliseconds: the deadline lateness figure measures the same hops) is shorter than one step, so a
-step is made STEP_DELAY_S = 0.2 s long, far more than 5x that trip; and the time from the cancel to
-the free is asserted under 5x its expected value (one step alone, two next to another request).
+Those step counts hold while the cancel's trip (client to gateway to worker inbox, a few
+milliseconds: the deadline lateness figure measures the same hops) is shorter than one step, so a
+step is made STEP_DELAY_S = 0.2 s long. One hop can take a step more, and it is gRPC's: the client's
+RST_STREAM reaches the gateway's transport within a millisecond (GRPC_TRACE=http shows it), but for
+a server-streaming call, whose request half the client has already closed, gRPC's asyncio server
+sometimes cancels the handler only when the gateway writes the stream's next message, the token of
+the step after. Seen on one core in about one cancel of four, so each bound allows that one step
+(2 alone, 3 next to another request); that the engine frees an aborted request's blocks by its next
+step is tests/unit/test_async_engine.py's. The time from the cancel to the free is asserted under 5x
+its expected value (two steps alone, three next to another request, the late delivery counted).
 
 What is freed is counted in blocks of BLOCK_SIZE tokens, pinned in the engine config. The cancelled
 request's prompt fills several blocks (`own`, from its token count), so that a cancel that leaves
@@ -120,7 +128,7 @@ def test_deadline_exceeded_at_the_deadline_and_freed_on_the_worker(
 
 
 @pytest.mark.parametrize("companion", [False, True], ids=["alone", "with-another-request"])
-def test_cancel_frees_the_kv_blocks_within_one_step(
+def test_cancel_frees_the_kv_blocks_within_a_step_of_its_delivery(
     stack: Stack, companion: bool, full: bool, figure: Figure
 ) -> None:
     worker = stack.addresses.workers[0]
@@ -182,7 +190,8 @@ def test_cancel_frees_the_kv_blocks_within_one_step(
     mode = "with another request running" if companion else "alone"
     figure(5, f"cancel {mode}: engine steps from cancel to free, max", max(deltas), f"over {rounds} cancels")
     figure(5, f"cancel {mode}: KV blocks freed after the cancel, max", max(freed_ms), "ms")
-    steps = 2 if companion else 1
+    # One step more than the engine needs: gRPC may hand the gateway the cancel with the next token.
+    steps = (2 if companion else 1) + 1
     assert max(deltas) <= steps, deltas
     # Expected: freed within `steps` steps of STEP_DELAY_S each (plus milliseconds); bound 5x that.
     assert max(freed_ms) < 5 * steps * STEP_DELAY_S * 1000, freed_ms

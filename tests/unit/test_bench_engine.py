@@ -11,7 +11,7 @@ import torch
 from bench.ceiling import nominal_step_log
 from bench.engine import main
 from bench.engine_options import parse_args
-from bench.provenance import check_provenance
+from bench.provenance import schema_problems
 from bench.stats import PARITY_TOP2_GAP, Reference, check_parity, make_prompts, summarize
 from tests.parity import TIE_GAP
 
@@ -58,7 +58,7 @@ def test_smoke_run_checks_every_contestant_and_writes_the_record(tmp_path: Path)
     assert record["engine_asyncio"]["probe_ticks"] > 0
     low, high = record["engine_spread"]
     assert low <= record["engine_tok_s"] <= high
-    assert record["provenance"]["machine"]["threads"] == 1 and check_provenance(record) == []
+    assert record["provenance"]["machine"]["threads"] == 1 and schema_problems(record) == []
 
 
 def test_fewer_than_three_runs_need_smoke(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from bench.fairness import jain_index, normalized_throughputs, water_fill
 from bench.plots import write_tenant_plot
-from bench.provenance import check_provenance, start_provenance
+from bench.provenance import schema_problems, start_provenance
 from bench.tenant_phase import aggregate_contestant, fairness, summarize_round, summarize_tenant
 from bench.tenant_report import build_record, format_report, judge
 from bench.tenants import DEFAULT_JSON, build_parser, main, resolve
@@ -191,7 +191,7 @@ def test_the_record_table_and_plot_hold_both_contestants_and_errors_void_it(tmp_
     assert {"provenance", "config", "capacity", "rates", "phases", "contestants", "target", "notes"} <= set(
         record
     )
-    assert record["config"]["noisy_factor"] == 5.0 and check_provenance(record) == []
+    assert record["config"]["noisy_factor"] == 5.0 and schema_problems(record) == []
 
     table = format_report(record)
     assert "noisy: 8-token prompts at 10.00 req/s = 5 x capacity 2.00 req/s" in table
