@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-prefix-routing bench-peer bench-peer-avx2 bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar-libs bench-grammar bench-outputs records reliability chaos images compose-test run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-kv-schemes bench-prefix-routing bench-peer bench-peer-avx2 bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar-libs bench-grammar bench-outputs records reliability chaos images compose-test run clean
 
 setup: $(STAMP)
 
@@ -93,6 +93,11 @@ bench-prefix: setup model
 # perplexity and greedy agreement, and how many full-context sequences one budget runs at once.
 bench-kv: setup model
 	$(BIN)/python -m bench.kv_cache --json bench/results/kv-cache-cpu.json
+
+# Which rounding of the cache keeps greedy output (int8 keys or values alone, Hadamard-rotated, per
+# 32 values, bfloat16), simulated on the Python attention path before a kernel is written (5 minutes).
+bench-kv-schemes: setup model
+	$(BIN)/python -m bench.kv_schemes --json bench/results/kv-schemes-cpu.json
 
 # Log probabilities' cost at 64 streams, and n = 8 samples against 8 separate requests of one prompt.
 bench-outputs: setup model

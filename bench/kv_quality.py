@@ -69,10 +69,18 @@ def greedy_agreement(engines: dict[str, Any], prompts: list[list[int]], new_toke
     from services.worker.engine.params import SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, logprobs=2)
-    reference = _run(engines["float32"], prompts, params)
-    ours = _run(engines["int8"], prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    reference = run_greedy(engines["float32"], prompts, params)
+    ours = run_greedy(engines["int8"], prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    return agreement(reference, [tokens for tokens, _ in ours], new_tokens)
+
+
+def agreement(
+    reference: list[tuple[list[int], list[Any]]], outputs: list[list[int]], new_tokens: int
+) -> dict[str, Any]:
+    """Each output against its reference run (tokens, and their top-2 log-probabilities): the tokens
+    before the first divergence, and whether that divergence is a near tie under the parity rule."""
     per_prompt = []
-    for (ref_tokens, ref_logprobs), (got, _) in zip(reference, ours, strict=True):
+    for (ref_tokens, ref_logprobs), got in zip(reference, outputs, strict=True):
         step = next((i for i, (a, b) in enumerate(zip(ref_tokens, got, strict=True)) if a != b), None)
         entry: dict[str, Any] = {"agreeing": new_tokens if step is None else step, "diverged_at": step}
         if step is not None:
@@ -82,17 +90,17 @@ def greedy_agreement(engines: dict[str, Any], prompts: list[list[int]], new_toke
         per_prompt.append(entry)
     agreeing = sum(entry["agreeing"] for entry in per_prompt)
     return {
-        "prompts": len(prompts),
+        "prompts": len(outputs),
         "new_tokens": new_tokens,
         "tokens_before_first_divergence": agreeing,
-        "agreement": agreeing / (len(prompts) * new_tokens),
+        "agreement": agreeing / (len(outputs) * new_tokens),
         "divergences": sum(1 for entry in per_prompt if entry["diverged_at"] is not None),
         "every_divergence_a_near_tie": all(entry.get("near_tie", True) for entry in per_prompt),
         "per_prompt": per_prompt,
     }
 
 
-def _run(engine: Any, prompts: list[list[int]], params: Any) -> list[tuple[list[int], list[Any]]]:
+def run_greedy(engine: Any, prompts: list[list[int]], params: Any) -> list[tuple[list[int], list[Any]]]:
     """Each prompt's greedy tokens and, when params asks, their log probabilities."""
     ids = [f"quality-{i}" for i in range(len(prompts))]
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}

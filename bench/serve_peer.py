@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx2
 import psutil
 
 from bench.isa_probe import add_cap_option, apply_cap
@@ -38,7 +37,7 @@ from bench.provenance import REPOSITORY, finish_provenance, start_provenance
 from bench.serve_peer_llama import LlamaServer, ServerOptions, probe_system_info, version
 from bench.serve_peer_plan import LLAMA, STRATA, Level, Shape, plan_levels, prompt_seed, slot_tokens
 from bench.serve_peer_report import summarize_levels, table
-from bench.serve_peer_run import Outcome, Runner, Target, run
+from bench.serve_peer_run import Outcome, Runner, Target, fresh_connection_client, run
 from bench.session import spawned
 from bench.stack_prompts import build_prompts, load_tokenizer
 from bench.stats import save_record
@@ -112,8 +111,7 @@ def strata_pids(llama_pid: int) -> list[int]:
 
 async def _drive(targets: dict[str, Target], args: argparse.Namespace, prompts: Prompts) -> Outcome:
     most = max(level.concurrency for level in args.levels)
-    limits = httpx2.Limits(max_connections=2 * most + 8, max_keepalive_connections=0)
-    async with httpx2.AsyncClient(limits=limits) as client:
+    async with fresh_connection_client(most) as client:
         runner = Runner(client, targets, args.timeout)
         return await run(runner, args.levels, args.rounds, prompts, args.warmup_streams)
 

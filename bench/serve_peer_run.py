@@ -33,6 +33,15 @@ if TYPE_CHECKING:
     from bench.stack_prompts import Prompt
 
 
+def fresh_connection_client(concurrency: int) -> httpx2.AsyncClient:
+    """The one client for both servers: a fresh connection per request (none kept alive), since
+    llama-server closes idle connections and one it closed as the pool handed it out failed the
+    request; `concurrency` streams at once, with room for the checks beside them."""
+    return httpx2.AsyncClient(
+        limits=httpx2.Limits(max_connections=2 * concurrency + 8, max_keepalive_connections=0)
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Target:
     """One contestant's /v1/completions URL, the model name it is asked for, and its process ids."""

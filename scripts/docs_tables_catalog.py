@@ -310,6 +310,9 @@ CATALOG: dict[str, Entry] = {
         _py("bench.kv_cache", *_json("kv-cache-cpu.json")),
         target="make bench-kv",
     ),
+    "kv-schemes-cpu.json": Entry(
+        ENGINE, "bench/kv_schemes.py", 300, _py("bench.kv_schemes", *_json("kv-schemes-cpu.json"))
+    ),
     "prefix-cache-cpu.json": Entry(
         ENGINE, "bench/prefix_cache.py", 900, _py("bench.prefix_cache", *_json("prefix-cache-cpu.json"))
     ),

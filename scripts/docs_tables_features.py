@@ -245,8 +245,47 @@ def kv_cache(records: Mapping[str, Record]) -> list[str]:
     )
 
 
+# What each rounding of bench/kv_schemes.py keeps of the keys and values: the reader's key to its rows.
+KV_SCHEMES = {
+    "int8": "int8 keys and values, one scale per row (the cache's int8)",
+    "int8-keys": "int8 keys, values unrounded",
+    "int8-values": "int8 values, keys unrounded",
+    "int8-hadamard": "int8 keys and values, each row Hadamard-rotated first",
+    "int8-group32": "int8 keys and values, one scale per 32 values",
+    "bfloat16": "bfloat16 keys and values",
+}
+
+
+def kv_schemes(records: Mapping[str, Record]) -> list[str]:
+    """Greedy agreement of each simulated cache rounding with the float32 cache."""
+    data = records["kv-schemes-cpu.json"].data
+    workload = data["workload"]
+    rows = [
+        [
+            KV_SCHEMES.get(name, name),
+            f"{found['agreement']:.1%}",
+            f"{found['divergences']} of {found['prompts']}",
+            "yes" if found["every_divergence_a_near_tie"] else "no",
+        ]
+        for name, found in data["schemes"].items()
+    ]
+    note = (
+        f"{workload['prompts']} prompts ({workload['parity_prompts']} of the parity test, the rest "
+        f"{workload['text_prompt_tokens']} tokens of bench/data's text), {workload['new_tokens']} greedy "
+        "tokens each, the Python attention path over a float32 cache whose rows are rounded on the way in."
+    )
+    return [
+        *table(
+            ["rounding", "tokens before the first divergence", "prompts that diverge", "near ties only"], rows
+        ),
+        "",
+        note,
+    ]
+
+
 TABLES = (
     Table("kv-cache", ("kv-cache-cpu.json",), kv_cache),
+    Table("kv-schemes", ("kv-schemes-cpu.json",), kv_schemes),
     Table("prefix-cache", ("prefix-cache-cpu.json",), prefix_cache),
     Table("prefix-routing", ("prefix-routing-cpu.json",), prefix_routing),
     Table("outputs-logprobs", ("outputs-logprobs-cpu.json",), logprobs),

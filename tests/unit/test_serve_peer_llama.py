@@ -14,7 +14,6 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import httpx2
 import pytest
 
 from bench.peer_setup import cache_root
@@ -27,7 +26,7 @@ from bench.serve_peer_llama import (
     system_info,
 )
 from bench.serve_peer_plan import LLAMA, STRATA, Level, Shape
-from bench.serve_peer_run import Runner, Target
+from bench.serve_peer_run import Runner, Target, fresh_connection_client
 from bench.stack_prompts import build_prompts, load_tokenizer
 from bench.stats import DEFAULT_MODEL
 
@@ -84,7 +83,8 @@ def test_the_real_server_starts_streams_what_the_benchmark_counts_and_stops_clea
         }
 
         async def go() -> tuple[dict[str, Any], dict[str, Any]]:
-            async with httpx2.AsyncClient() as client:
+            # The benchmark's client: a pooled connection llama-server closed fails the next request.
+            async with fresh_connection_client(level.concurrency) as client:
                 runner = Runner(client, targets, 60.0)
                 figures, _ = await runner.level(LLAMA, level, prompts)
                 return figures, await runner.prompt_check(LLAMA, prompts[0])

@@ -1,0 +1,199 @@
+"""`python -m bench.kv_schemes` (`make bench-kv-schemes`): which rounding of the KV cache keeps greedy
+output, tried before any kernel is written for it.
+
+The int8 cache (engine.kv_cache_dtype: int8) keeps perplexity within 0.1% of float32 yet changes
+greedy tokens on some prompts (bench/results/kv-cache-cpu.json). This asks where that comes from and
+what would mend it, on the engine's own model, scheduler and Python attention path
+(STRATA_NATIVE_KERNELS=off): the engine runs with a float32 cache, and every row written to it is
+first rounded as the scheme would store it and read back ("fake quantization"; bench-only, through
+a patch of kv_format.KVFormat.pack for the run, never in the product). The schemes:
+- `int8`: kv_format's own int8 rows (per token and KV head, scale = max |x| / 127), keys and values;
+- `int8-keys`, `int8-values`: the same on keys alone, values alone;
+- `int8-hadamard`: each head's row rotated by the normalized Walsh-Hadamard matrix before the int8
+  rounding and back after, which is what a kernel that rotates q, k and v (and the output back)
+  would compute: it spreads a row's outlying channels over all of them;
+- `int8-group32`: one scale per 32 values instead of per row;
+- `bfloat16`: the values rounded to bfloat16.
+Each runs the prompts with greedy decoding (EOS ignored) and is judged by bench/kv_quality.py's
+agreement against the unrounded float32 run: tokens before the first divergence, and whether each
+divergence is a near tie. Prompts: the real-model parity test's eight, and `--text-prompts` more
+cut from bench/data's fixed text. It writes bench/results/kv-schemes-cpu.json with bench/provenance.py's
+block (it times nothing). This module measures; it must not change the product's formats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from unittest import mock
+
+import torch
+
+from bench.kv_quality import agreement, run_greedy
+from bench.model_parity import prompt_ids
+from bench.perplexity import read_text, token_ids
+from bench.provenance import finish_provenance, start_provenance
+from bench.stats import DEFAULT_MODEL, save_record
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from torch import Tensor
+
+SCHEMES = ("int8", "int8-keys", "int8-values", "int8-hadamard", "int8-group32", "bfloat16")
+TEXT_PROMPT_TOKENS = 48
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.kv_schemes", description=__doc__.split("\n")[0])
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--text-prompts", type=int, default=16, help="prompts cut from bench/data's text")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--json", type=Path)
+    return p.parse_args(argv)
+
+
+def int8_rows(rows: Tensor) -> Tensor:
+    """kv_format's int8 rounding, stored and read back."""
+    from services.worker.model import kv_format
+
+    return kv_format.dequantize_int8(kv_format.quantize_int8(rows), torch.float32)
+
+
+def grouped_int8(rows: Tensor, group: int) -> Tensor:
+    """int8 rounding with one scale per `group` consecutive values."""
+    grouped = rows.reshape(*rows.shape[:-1], rows.shape[-1] // group, group)
+    return int8_rows(grouped).reshape(rows.shape)
+
+
+def hadamard(size: int) -> Tensor:
+    """The normalized Walsh-Hadamard matrix (orthogonal, symmetric) of a power-of-two size."""
+    if size & (size - 1):
+        raise SystemExit(f"bench.kv_schemes: head_dim {size} is not a power of two: no Hadamard rotation")
+    matrix = torch.ones(1, 1)
+    while matrix.shape[0] < size:
+        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
+    return matrix / math.sqrt(size)
+
+
+def roundings(head_dim: int) -> dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]]:
+    """Each scheme's (keys, values) rounding."""
+    rotation = hadamard(head_dim)
+
+    def same(rows: Tensor) -> Tensor:
+        return rows
+
+    def rotated(rows: Tensor) -> Tensor:
+        return int8_rows(rows @ rotation) @ rotation.T
+
+    def group32(rows: Tensor) -> Tensor:
+        return grouped_int8(rows, 32)
+
+    def bf16(rows: Tensor) -> Tensor:
+        return rows.to(torch.bfloat16).float()
+
+    return {
+        "int8": (int8_rows, int8_rows),
+        "int8-keys": (int8_rows, same),
+        "int8-values": (same, int8_rows),
+        "int8-hadamard": (rotated, rotated),
+        "int8-group32": (group32, group32),
+        "bfloat16": (bf16, bf16),
+    }
+
+
+def rounded_outputs(
+    engine: Any,
+    prompts: list[list[int]],
+    params: Any,
+    keys: Callable[[Tensor], Tensor],
+    values: Callable[[Tensor], Tensor],
+) -> list[list[int]]:
+    """Greedy tokens with every cache row rounded on its way in. The attention layer packs a layer's
+    keys, then its values (model/attention.py), so the pack calls alternate keys and values."""
+    from services.worker.model import kv_format
+
+    original = kv_format.KVFormat.pack
+    calls = [0]
+
+    def pack(self: kv_format.KVFormat, rows: Tensor) -> Tensor:
+        rounding = keys if calls[0] % 2 == 0 else values
+        calls[0] += 1
+        return original(self, rounding(rows.to(torch.float32)))
+
+    with mock.patch.object(kv_format.KVFormat, "pack", pack):
+        outputs = [tokens for tokens, _ in run_greedy(engine, prompts, params)]
+    if calls[0] == 0 or calls[0] % 2:
+        raise SystemExit(
+            f"bench.kv_schemes: {calls[0]} cache writes went through KVFormat.pack: the rounding did not "
+            "see every key and value row (a native path wrote the cache?)"
+        )
+    return outputs
+
+
+def text_prompts(model: Path, count: int) -> list[list[int]]:
+    """`count` prompts of TEXT_PROMPT_TOKENS tokens, evenly spaced through the fixed text."""
+    ids, _ = token_ids(model, read_text())
+    stride = max(TEXT_PROMPT_TOKENS, (len(ids) - TEXT_PROMPT_TOKENS) // max(count, 1))
+    starts = range(0, len(ids) - TEXT_PROMPT_TOKENS, stride)
+    return [ids[start : start + TEXT_PROMPT_TOKENS] for start in starts][:count]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # Before the model loads: the Python attention path is the one every scheme goes through.
+    os.environ["STRATA_NATIVE_KERNELS"] = "off"
+    torch.set_num_threads(args.threads)
+    from bench.kv_cache import engine
+    from services.worker.engine.params import SamplingParams
+    from services.worker.model import native
+    from services.worker.model.loader import load_model
+
+    if native.library() is not None:
+        raise SystemExit("bench.kv_schemes: the native kernels loaded although STRATA_NATIVE_KERNELS=off")
+
+    provenance = start_provenance(threads=args.threads)
+    loaded = load_model(args.model)
+    parity = prompt_ids(args.model)
+    prompts = parity + text_prompts(args.model, args.text_prompts)
+    longest = max(len(prompt) for prompt in prompts) + args.new_tokens
+    run = engine(loaded, "float32", 1 << 30, len(prompts), max(longest, 512))
+    reference = run_greedy(
+        run, prompts, SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True, logprobs=2)
+    )
+    plain = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    schemes: dict[str, Any] = {}
+    for name, (keys, values) in roundings(loaded.config.head_dim).items():
+        found = agreement(reference, rounded_outputs(run, prompts, plain, keys, values), args.new_tokens)
+        schemes[name] = found
+        print(
+            f"bench.kv_schemes: {name}: {found['agreement']:.1%} of tokens before the first divergence, "
+            f"{found['divergences']} divergences, near ties only: {found['every_divergence_a_near_tie']}",
+            file=sys.stderr,
+            flush=True,
+        )
+    record = {
+        "benchmark": "kv-schemes",
+        "timed": False,
+        "provenance": finish_provenance(provenance),
+        "workload": {
+            "model": str(args.model),
+            "prompts": len(prompts),
+            "parity_prompts": len(parity),
+            "text_prompt_tokens": TEXT_PROMPT_TOKENS,
+            "new_tokens": args.new_tokens,
+            "attention": "python (STRATA_NATIVE_KERNELS=off), float32 cache, rows rounded by the scheme",
+        },
+        "schemes": schemes,
+    }
+    save_record(record, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
