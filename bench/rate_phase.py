@@ -64,7 +64,8 @@ _SUMMED = ("refusals", "refusal_reasons", "served_by", "errors", "fallback_reaso
 _REASON_PATTERNS = (
     ("queue_full", re.compile(r"queue[ _]full", re.IGNORECASE)),
     ("token_budget", re.compile(r"token[ _]budget", re.IGNORECASE)),
-    ("ttft_slo", re.compile(r"ttft|time to first token|\bslo\b", re.IGNORECASE)),
+    # The gateway counts a cold start's refusal (no step reported to forecast from) as ttft_slo too.
+    ("ttft_slo", re.compile(r"ttft|time to first token|\bslo\b|reported a step yet", re.IGNORECASE)),
     ("predicted_wait", re.compile(r"predicted[ _]wait|deadline", re.IGNORECASE)),
     ("shed", re.compile(r"\bshed\b", re.IGNORECASE)),
     ("no_credit", re.compile(r"capacity|credit", re.IGNORECASE)),

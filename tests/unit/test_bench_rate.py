@@ -78,6 +78,11 @@ def test_arrivals_per_phase_come_from_rate_and_duration_unless_given() -> None:
         ("batch request shed under overload", "shed"),
         ("every worker for model 'x' is at capacity; retry shortly", "no_credit"),
         ("reason=queue_full", "queue_full"),
+        (
+            "model 'p' is overloaded: no worker has reported a step yet to forecast a wait from: "
+            "only requests that start at once; retry in 1.0 s",
+            "ttft_slo",
+        ),
         ("something else entirely", "other"),
     ],
 )
