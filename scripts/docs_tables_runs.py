@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from docs_tables_catalog import CATALOG, LONG_RUNS
 from docs_tables_common import RESULTS, ROOT, Record, Table, load, table
+from records_log import LOG_NAME, read_log, summary
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
@@ -34,7 +35,8 @@ def quoted_records(tables: Iterable[Table], root: Path = ROOT) -> list[str]:
     names = {name for spec in tables for name in spec.records}
     for page in pages(root):
         for name in NAMED.findall(page.read_text()):
-            if name in CATALOG or (RESULTS / name).exists():
+            # The run log is make records' own bookkeeping, not a record it reruns.
+            if name != LOG_NAME and (name in CATALOG or (RESULTS / name).exists()):
                 names.add(name)
     ordered = [name for name in CATALOG if name in names]
     return ordered + sorted(names - set(ordered))
@@ -90,8 +92,8 @@ def last_runs(names: list[str]) -> list[str]:
     return [
         *table(["record", "last run", "commit", "estimated run time", "rerun by"], rows),
         "",
-        f"`make records` reruns those marked so, one at a time: about {total / 60:.0f} minutes in all. "
-        "That is the total of the estimates above: `make records` has not yet been run whole.",
+        f"`make records` reruns those marked so, one at a time: about {total / 60:.0f} minutes in all "
+        f"by the estimates above. {summary(read_log())}",
     ]
 
 

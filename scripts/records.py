@@ -14,7 +14,10 @@ record names the commit it measured) or on a busy machine (the figures would mea
 
 `--list` prints what it would run and each record's estimated run time; `--only NAME[,NAME...]` runs
 those, in the order given (the most quoted first, when a session has less time than the whole list);
-`--stale` lists the records more than 50 commits behind HEAD in the paths they measure. A record
+`--stale` lists the records more than 50 commits behind HEAD in the paths they measure. A run of the
+whole list keeps its log (scripts/records_log.py) after each record; `--resume` continues it in a
+later sitting while the code is the same, and `--minutes N` starts no record whose estimate would
+end it past N minutes, so a sitting ends between records. A record
 with a target of its own is left to it (`grammar-libs-cpu.json`: `make bench-grammar-libs`); the
 reliability report and the chaos soak have targets of their own (`make reliability`, `make chaos`).
 This module runs the benchmarks' own commands and must not time or judge anything itself.
@@ -34,11 +37,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 import docs_tables
 from docs_tables_catalog import CATALOG
 from docs_tables_changes import changes, read
 from docs_tables_common import ROOT
 from docs_tables_runs import STALE_AFTER, behind, minutes, quoted_records, rerunnable
+from records_log import LOG_NAME, RunLog, run_log, write_log
+
+from bench.provenance import finish_provenance, start_provenance
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -173,21 +180,34 @@ def stale_lines(names: list[str]) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--list", action="store_true", help="print what would run, with estimated run times")
     parser.add_argument(
         "--only",
         metavar="NAME[,NAME...]",
-        help="rerun these records, in this order (file names under bench/results/)",
+        help="rerun these records, in this order (file names under bench/results/); keeps no run log",
     )
     parser.add_argument(
         "--stale", action="store_true", help=f"list records more than {STALE_AFTER} commits behind HEAD"
     )
     parser.add_argument(
+        "--resume", action="store_true", help=f"continue the run bench/results/{LOG_NAME} logs"
+    )
+    parser.add_argument(
+        "--minutes", type=float, help="start no record whose estimate would end past this many minutes"
+    )
+    parser.add_argument(
         "--max-load", type=float, default=DEFAULT_MAX_LOAD, help="refuse above this 1-minute load average"
     )
     args = parser.parse_args(argv)
+    if args.resume and args.only:
+        parser.error("--resume continues the whole list's run; --only runs records outside it")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     quoted = quoted_records(docs_tables.RECORD_TABLES)
     names = rerunnable(quoted)
     if args.only:
@@ -214,24 +234,48 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"make records: not started: {reason}", file=sys.stderr)
         return 2
+    log = None if args.only else run_log(names, args.resume, ROOT, ROOT / "bench" / "results")
+    if log is not None:
+        names = log.remaining()
+    return run_records(names, log, args)
+
+
+def run_records(names: list[str], log: RunLog | None, args: argparse.Namespace) -> int:
+    """Rerun `names` one at a time, logging each in `log` (None: keep no log); then the summary."""
     summary: dict[str, list[str]] = {}
     failed: list[str] = []
     started = time.monotonic()
+    provenance = start_provenance()
     with head_checkout(ROOT) as tree:
         for index, name in enumerate(names, 1):
             if index > 1:
                 settle(args.max_load)
+            spent = time.monotonic() - started
+            if args.minutes is not None and spent + estimate(name) > args.minutes * 60:
+                print(
+                    f"stopped before {name} (about {minutes(estimate(name))}): it would end past "
+                    f"--minutes {args.minutes:g}; {len(names) - index + 1} records remain for "
+                    "`make records RECORDS_ARGS=--resume`",
+                    flush=True,
+                )
+                break
             argv_run = command(name)
             progress = f"[{index}/{len(names)}] {name}"
             print(f"{progress}: {' '.join(argv_run)} (about {minutes(estimate(name))})", flush=True)
             old = read(name)
+            date = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
             begin, before = time.monotonic(), snapshot(tree)
             code = run_in(tree, argv_run)
             copied = copy_back(tree, ROOT, before)
             restore(tree)
-            took = minutes(int(time.monotonic() - begin))
+            seconds = int(time.monotonic() - begin)
             outcome = "done" if code == 0 else f"FAILED (exit {code})"
-            print(f"{progress}: {outcome} in {took}; wrote {', '.join(copied) or 'nothing'}", flush=True)
+            wrote = ", ".join(copied) or "nothing"
+            print(f"{progress}: {outcome} in {minutes(seconds)}; wrote {wrote}", flush=True)
+            if log is not None:
+                log.add(name, provenance["commit"], date, seconds, code)
+                log.provenance = finish_provenance(provenance)
+                write_log(log, ROOT / "bench" / "results")
             if code != 0:
                 failed.append(name)
             summary[name] = (
