@@ -1,6 +1,8 @@
 """`python -m bench.model_cost`: each fetched model's cost per token and its quality, side by side.
 
-For every model of fetch-model's table that is fetched (or those `--models` names), in one run:
+For every model of fetch-model's table (or those `--models` names), each fetched as float32 under
+models/ or, for a model fetched as shipped there, models/float32/ (where `make bench-peer` puts its
+conversion), in one run:
 decode and prefill rates of our engine in float32 at one stream and at `--streams` streams
 (bench/peer_engine.py's workload and timing, one process per run: `--prompt-tokens` seeded prompt
 tokens, `--new-tokens` greedy tokens, EOS ignored, the same warm-up), in `--rounds` rounds whose order
@@ -24,11 +26,13 @@ from typing import Any
 from bench.stats import save_record, summarize
 
 MODELS_ROOT = Path("models")
+# Where a float32 conversion lives when models/ holds the model as shipped (a GGUF folder).
+FLOAT32_ROOT = MODELS_ROOT / "float32"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.model_cost", description=__doc__.split("\n")[0])
-    p.add_argument("--models", help="comma-separated fetch-model names (default: every fetched one)")
+    p.add_argument("--models", help="comma-separated fetch-model names (default: every model of the table)")
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32)
@@ -43,20 +47,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def fetched_models(names: str | None) -> dict[str, Path]:
-    """fetch-model name -> model folder, for the named (or every fetched) model of the table whose
-    folder holds float32 weights (what this bench compares)."""
+    """fetch-model name -> its float32 folder, for the named (or every) model of the table; refused,
+    naming the fetch, when one is not fetched as float32: a rerun that quietly measured fewer models
+    would shrink the docs' table."""
     from strata.cli.model_fetch import read_manifest
     from strata.cli.model_sources import SOURCES, source
 
     chosen = [source(name) for name in names.split(",")] if names else list(SOURCES.values())
-    found = {entry.name: MODELS_ROOT / entry.folder for entry in chosen}
-    missing = [name for name, path in found.items() if read_manifest(path, SOURCES[name], "float32") is None]
-    if names and missing:
+    found: dict[str, Path] = {}
+    missing: list[str] = []
+    for entry in chosen:
+        folders = (MODELS_ROOT / entry.folder, FLOAT32_ROOT / entry.folder)
+        held = [path for path in folders if read_manifest(path, SOURCES[entry.name], "float32") is not None]
+        if held:
+            found[entry.name] = held[0]
+        else:
+            missing.append(entry.name)
+    if missing:
         raise SystemExit(
-            f"bench.model_cost: not fetched as float32: {', '.join(missing)}: run "
-            "`strata fetch-model --weights float32 NAME`"
+            f"bench.model_cost: not fetched as float32 under {MODELS_ROOT}/ or {FLOAT32_ROOT}/: "
+            f"{', '.join(missing)}: run `strata fetch-model --weights float32 --dest {FLOAT32_ROOT} "
+            f"{' '.join(missing)}`, or name fewer with --models"
         )
-    return {name: path for name, path in found.items() if name not in missing}
+    return found
 
 
 def run_engine(model: Path, args: argparse.Namespace) -> dict[str, Any]:
