@@ -46,14 +46,31 @@ class Record:
     def path(self) -> str:
         return f"bench/results/{self.name}"
 
+    @property
+    def cpu(self) -> str:
+        """The CPU it ran on: figures of two records compare only when it is the same."""
+        machine = self.provenance.get("machine")
+        if not isinstance(machine, dict) or not machine.get("cpu_model"):
+            return "machine not recorded"
+        return str(machine["cpu_model"])
+
+    @property
+    def machine(self) -> str:
+        """The CPU and the instruction set our kernels ran, as `AMD EPYC, native kernels avx512`."""
+        machine = self.provenance.get("machine")
+        isa = machine.get("isa") if isinstance(machine, dict) else None
+        return f"{self.cpu}, native kernels {isa}" if isa else self.cpu
+
     def source_line(self) -> str:
-        """`Record: path, commit abc1234, date, load average 1.2 at start and 1.9 at end.`"""
+        """`Record: path, commit abc1234, date, on AMD EPYC, native kernels avx512, load average 1.2 at
+        start and 1.9 at end.`"""
         dirty = " (tracked files differed from it)" if self.provenance.get("dirty") else ""
         load = self.provenance.get("load_average")
         busy = ""
         if isinstance(load, dict) and load.get("start") and load.get("end"):
             busy = f", load average {load['start'][0]:.1f} at start and {load['end'][0]:.1f} at end"
-        return f"Record: `{self.path}`, commit {self.commit[:7]}{dirty}, {self.date}{busy}."
+        where = f"{self.date}, on {self.machine}"
+        return f"Record: `{self.path}`, commit {self.commit[:7]}{dirty}, {where}{busy}."
 
 
 def provenance_problems(data: object) -> list[str]:

@@ -79,22 +79,38 @@ def _quotable(names: Iterable[str]) -> dict[str, Record | str]:
 def last_runs(names: list[str]) -> list[str]:
     rows = []
     total = 0
-    for name, record in _quotable(names).items():
+    quotable = _quotable(names)
+    for name, record in quotable.items():
         entry = CATALOG.get(name)
         estimate = minutes(entry.estimate_s) if entry else "unknown"
         how = entry.target if entry else "make records"
         if entry and how == "make records":
             total += entry.estimate_s
         if isinstance(record, Record):
-            rows.append([f"`{name}`", record.date, record.commit[:7], estimate, how])
+            rows.append([f"`{name}`", record.date, record.commit[:7], record.machine, estimate, how])
         else:
-            rows.append([f"`{name}`", f"awaits a rerun ({record})", "-", estimate, how])
+            rows.append([f"`{name}`", f"awaits a rerun ({record})", "-", "-", estimate, how])
+    log = read_log()
     return [
-        *table(["record", "last run", "commit", "estimated run time", "rerun by"], rows),
+        *table(["record", "last run", "commit", "machine", "estimated run time", "rerun by"], rows),
         "",
         f"`make records` reruns those marked so, one at a time: about {total / 60:.0f} minutes in all "
-        f"by the estimates above. {summary(read_log())}",
+        f"by the estimates above. {summary(log)}{machines_of_run(log.done() if log else [], quotable)}",
     ]
+
+
+def machines_of_run(done: list[str], quotable: Mapping[str, Record | str]) -> str:
+    """Which machines the run's records ran on, when a sitting moved to another: their figures
+    compare within a record, not across two machines."""
+    machines: dict[str, list[str]] = {}
+    for name in done:
+        record = quotable.get(name)
+        if isinstance(record, Record):
+            machines.setdefault(record.cpu, []).append(name)
+    if len(machines) < 2:
+        return ""
+    parts = [f"{len(names)} on {machine}" for machine, names in machines.items()]
+    return f" Its sittings ran on {len(machines)} machines: {'; '.join(parts)}."
 
 
 def stale(names: list[str]) -> list[str]:

@@ -148,6 +148,7 @@ def _facade_record(provenance: bool) -> dict[str, Any]:
             "dirty": False,
             "date": "2026-12-01T14:50:00+00:00",
             "command": ["python"],
+            "machine": {"cpu_model": "AMD EPYC", "isa": "avx512"},
             "load_average": {"start": [1.25, 1.0, 0.5], "end": [1.9, 1.2, 0.7]},
         }
     return data
@@ -181,7 +182,7 @@ def test_a_record_with_provenance_becomes_its_table_and_check_catches_a_hand_edi
     text = page.read_text()
     assert (
         "Record: `bench/results/facade-cpu.json`, commit aaaaaaa, 2026-12-01 14:50 UTC, "
-        "load average 1.2 at start and 1.9 at end." in text
+        "on AMD EPYC, native kernels avx512, load average 1.2 at start and 1.9 at end." in text
     )
     assert "| stepped through the asyncio facade |" in text and "stale text" not in text
     assert generator.differing(tmp_path) == []
@@ -282,6 +283,24 @@ def test_staleness_counts_the_commits_that_touched_the_measured_paths(
     assert runs.behind(first, ["measured.py"]) == 3
     assert runs.behind(first, ["other.py"]) == 4
     assert runs.behind("f" * 40, ["measured.py"]) is None
+
+
+def test_a_run_whose_sittings_moved_machines_says_so_record_by_record(generator: Any) -> None:
+    """A run resumed on another machine must say which records ran where: figures compare within a
+    record, not across two machines. One machine says nothing; a record that cannot be quoted counts
+    on none."""
+    runs = sys.modules["docs_tables_runs"]
+    record = sys.modules["docs_tables_common"].Record
+
+    def on(cpu: str, isa: str = "avx512") -> Any:
+        return record("x.json", {"provenance": {"machine": {"cpu_model": cpu, "isa": isa}}})
+
+    quotable = {"a.json": on("Intel Xeon"), "b.json": on("AMD EPYC"), "c.json": on("AMD EPYC", "off")}
+    assert runs.machines_of_run(["a.json", "b.json", "c.json"], quotable) == (
+        " Its sittings ran on 2 machines: 1 on Intel Xeon; 2 on AMD EPYC."
+    )
+    assert runs.machines_of_run(["b.json", "c.json"], quotable) == ""
+    assert runs.machines_of_run(["a.json", "d.json"], {**quotable, "d.json": "has no provenance"}) == ""
 
 
 def test_records_list_names_each_record_with_its_estimate() -> None:
