@@ -100,8 +100,8 @@ def last_runs(names: list[str]) -> list[str]:
 
 
 def machines_of_run(done: list[str], quotable: Mapping[str, Record | str]) -> str:
-    """Which machines the run's records ran on, when a sitting moved to another: their figures
-    compare within a record, not across two machines."""
+    """Which machines the run's records, as they stand, ran on, when a sitting moved to another:
+    their figures compare within a record, not across two machines."""
     machines: dict[str, list[str]] = {}
     for name in done:
         record = quotable.get(name)
@@ -110,7 +110,7 @@ def machines_of_run(done: list[str], quotable: Mapping[str, Record | str]) -> st
     if len(machines) < 2:
         return ""
     parts = [f"{len(names)} on {machine}" for machine, names in machines.items()]
-    return f" Its sittings ran on {len(machines)} machines: {'; '.join(parts)}."
+    return f" Its records stand on {len(machines)} machines (the machine column): {'; '.join(parts)}."
 
 
 def stale(names: list[str]) -> list[str]:

@@ -297,7 +297,7 @@ def test_a_run_whose_sittings_moved_machines_says_so_record_by_record(generator:
 
     quotable = {"a.json": on("Intel Xeon"), "b.json": on("AMD EPYC"), "c.json": on("AMD EPYC", "off")}
     assert runs.machines_of_run(["a.json", "b.json", "c.json"], quotable) == (
-        " Its sittings ran on 2 machines: 1 on Intel Xeon; 2 on AMD EPYC."
+        " Its records stand on 2 machines (the machine column): 1 on Intel Xeon; 2 on AMD EPYC."
     )
     assert runs.machines_of_run(["b.json", "c.json"], quotable) == ""
     assert runs.machines_of_run(["a.json", "d.json"], {**quotable, "d.json": "has no provenance"}) == ""
