@@ -26,7 +26,8 @@ class Entry:
     bench: str
     """Its benchmark's module (bench/X.py) or script."""
     estimate_s: int
-    """Seconds a run takes here; measured where a rerun's commit says (under load), else a guess."""
+    """Seconds a run takes here: a `make records` record's last whole run (bench/results/records-run.json)
+    plus 30% for these machines' swings; for the others, their last run or a guess."""
     command: tuple[str, ...]
     """Used only when the record's provenance names no command."""
     target: str = "make records"
@@ -64,7 +65,7 @@ CATALOG: dict[str, Entry] = {
     "engine-cpu.json": Entry(
         ENGINE,
         "bench/engine.py",
-        1200,
+        480,
         _py(
             "bench.engine",
             "--requests",
@@ -79,7 +80,7 @@ CATALOG: dict[str, Entry] = {
     "engine-cpu-native.json": Entry(
         ENGINE,
         "bench/engine.py",
-        600,
+        300,
         _py(
             "bench.engine",
             "--requests",
@@ -92,7 +93,7 @@ CATALOG: dict[str, Entry] = {
     "engine-cpu-1-stream.json": Entry(
         ENGINE,
         "bench/engine.py",
-        240,
+        120,
         _py(
             "bench.engine",
             "--requests",
@@ -108,7 +109,7 @@ CATALOG: dict[str, Entry] = {
     "engine-cpu-one-team.json": Entry(
         ENGINE,
         "bench/engine.py",
-        900,
+        240,
         _py("bench.engine", "--requests", "64", "--no-hf-cb", *_json("engine-cpu-one-team.json")),
     ),
     "facade-cpu.json": Entry(
@@ -129,7 +130,7 @@ CATALOG: dict[str, Entry] = {
     "mixing-cpu.json": Entry(
         ENGINE,
         "bench/mixing.py",
-        600,
+        120,
         _py(
             "bench.mixing",
             "--requests",
@@ -142,23 +143,23 @@ CATALOG: dict[str, Entry] = {
         ),
     ),
     "step-cost-cpu.json": Entry(
-        ENGINE, "bench/step_cost.py", 180, _py("bench.step_cost", *_json("step-cost-cpu.json"))
+        ENGINE, "bench/step_cost.py", 120, _py("bench.step_cost", *_json("step-cost-cpu.json"))
     ),
     # bench.peer sets these perplexities beside its ratios, so they are rerun first.
     "run-memory-cpu.json": Entry(
-        STACK, "bench/run_memory.py", 120, _py("bench.run_memory", *_json("run-memory-cpu.json"))
+        STACK, "bench/run_memory.py", 60, _py("bench.run_memory", *_json("run-memory-cpu.json"))
     ),
     "model-parity-cpu.json": Entry(
-        ENGINE, "bench/model_parity.py", 300, _py("bench.model_parity", *_json("model-parity-cpu.json"))
+        ENGINE, "bench/model_parity.py", 240, _py("bench.model_parity", *_json("model-parity-cpu.json"))
     ),
     "models-cpu.json": Entry(
-        ENGINE, "bench/model_cost.py", 1500, _py("bench.model_cost", *_json("models-cpu.json"))
+        ENGINE, "bench/model_cost.py", 1200, _py("bench.model_cost", *_json("models-cpu.json"))
     ),
     "perplexity-cpu.json": Entry(
-        ENGINE, "bench/perplexity.py", 300, _py("bench.perplexity", *_json("perplexity-cpu.json"))
+        ENGINE, "bench/perplexity.py", 60, _py("bench.perplexity", *_json("perplexity-cpu.json"))
     ),
     # Five rounds of three pairs; the first run also probes the CPU and builds llama.cpp (about 12 minutes).
-    "peer-cpu.json": Entry(ENGINE, "bench/peer.py", 1200, _py("bench.peer", *_json("peer-cpu.json"))),
+    "peer-cpu.json": Entry(ENGINE, "bench/peer.py", 1980, _py("bench.peer", *_json("peer-cpu.json"))),
     "peer-qwen05-cpu.json": Entry(
         ENGINE,
         "bench/peer.py",
@@ -174,7 +175,7 @@ CATALOG: dict[str, Entry] = {
     "peer-qwen05-1-stream-cpu.json": Entry(
         ENGINE,
         "bench/peer.py",
-        1800,
+        960,
         _py(
             "bench.peer",
             *QWEN05_PEER,
@@ -235,7 +236,7 @@ CATALOG: dict[str, Entry] = {
         target="make bench-serve-peer-qwen",
     ),
     "small-linear-cpu.json": Entry(
-        KERNELS, "bench/small_linear.py", 240, _py("bench.small_linear", *_json("small-linear-cpu.json"))
+        KERNELS, "bench/small_linear.py", 60, _py("bench.small_linear", *_json("small-linear-cpu.json"))
     ),
     "generate-cli-cpu.json": Entry(
         ("services/worker/", "strata/cli/"),
@@ -245,19 +246,19 @@ CATALOG: dict[str, Entry] = {
         target="make bench-peer",
     ),
     "gguf-linear-cpu.json": Entry(
-        KERNELS, "bench/gguf_linear.py", 300, _py("bench.gguf_linear", *_json("gguf-linear-cpu.json"))
+        KERNELS, "bench/gguf_linear.py", 60, _py("bench.gguf_linear", *_json("gguf-linear-cpu.json"))
     ),
     "large-linear-cpu.json": Entry(
         KERNELS, "bench/large_linear.py", 60, _py("bench.large_linear", *_json("large-linear-cpu.json"))
     ),
     "torch-compile-cpu.json": Entry(
-        KERNELS, "bench/torch_compile.py", 150, _py("bench.torch_compile", *_json("torch-compile-cpu.json"))
+        KERNELS, "bench/torch_compile.py", 60, _py("bench.torch_compile", *_json("torch-compile-cpu.json"))
     ),
     "busy-neighbour-cpu.json": Entry(
         ENGINE, "bench/busy_neighbour.py", 420, _py("bench.busy_neighbour", *_json("busy-neighbour-cpu.json"))
     ),
     "memory-profile-cpu.json": Entry(
-        ENGINE, "bench/memory_profile.py", 300, _py("bench.memory_profile", *_json("memory-profile-cpu.json"))
+        ENGINE, "bench/memory_profile.py", 60, _py("bench.memory_profile", *_json("memory-profile-cpu.json"))
     ),
     "memory-soak-cpu.json": Entry(
         ENGINE,
@@ -266,12 +267,12 @@ CATALOG: dict[str, Entry] = {
         _py("bench.memory_soak", "--seconds", "120", *_json("memory-soak-cpu.json")),
     ),
     "stack-cpu.json": Entry(
-        STACK, "bench/stack.py", 360, _strata("--engine-baseline", *_json("stack-cpu.json"))
+        STACK, "bench/stack.py", 300, _strata("--engine-baseline", *_json("stack-cpu.json"))
     ),
     "stack-1-stream-cpu.json": Entry(
         STACK,
         "bench/stack.py",
-        240,
+        180,
         _strata("--concurrency", "1", "--runs", "3", "--engine-baseline", *_json("stack-1-stream-cpu.json")),
     ),
     "stack-rate-qwen-cpu.json": Entry(
@@ -292,16 +293,16 @@ CATALOG: dict[str, Entry] = {
         target="make bench-fallback",
     ),
     "stack-rate-cpu.json": Entry(
-        STACK, "bench/rate.py", 720, _strata("--rate", "14,28", *_json("stack-rate-cpu.json"))
+        STACK, "bench/rate.py", 480, _strata("--rate", "14,28", *_json("stack-rate-cpu.json"))
     ),
     "tenants-cpu.json": Entry(
-        STACK, "bench/tenants.py", 600, _py("bench.tenants", *_json("tenants-cpu.json"))
+        STACK, "bench/tenants.py", 540, _py("bench.tenants", *_json("tenants-cpu.json"))
     ),
     "http-vs-grpc-cpu.json": Entry(
-        STACK, "bench/http_vs_grpc.py", 300, _py("bench.http_vs_grpc", *_json("http-vs-grpc-cpu.json"))
+        STACK, "bench/http_vs_grpc.py", 180, _py("bench.http_vs_grpc", *_json("http-vs-grpc-cpu.json"))
     ),
     "trace-overhead-cpu.json": Entry(
-        STACK, "bench/trace_overhead.py", 420, _py("bench.trace_overhead", *_json("trace-overhead-cpu.json"))
+        STACK, "bench/trace_overhead.py", 480, _py("bench.trace_overhead", *_json("trace-overhead-cpu.json"))
     ),
     "kv-cache-cpu.json": Entry(
         ENGINE,
@@ -314,16 +315,16 @@ CATALOG: dict[str, Entry] = {
         ENGINE, "bench/kv_schemes.py", 60, _py("bench.kv_schemes", *_json("kv-schemes-cpu.json"))
     ),
     "prefix-cache-cpu.json": Entry(
-        ENGINE, "bench/prefix_cache.py", 900, _py("bench.prefix_cache", *_json("prefix-cache-cpu.json"))
+        ENGINE, "bench/prefix_cache.py", 960, _py("bench.prefix_cache", *_json("prefix-cache-cpu.json"))
     ),
     "prefix-routing-cpu.json": Entry(
-        STACK, "bench/prefix_routing.py", 1600, _py("bench.prefix_routing", *_json("prefix-routing-cpu.json"))
+        STACK, "bench/prefix_routing.py", 900, _py("bench.prefix_routing", *_json("prefix-routing-cpu.json"))
     ),
     "outputs-logprobs-cpu.json": Entry(
-        ENGINE, "bench/outputs.py", 240, _py("bench.outputs", "--part", "logprobs")
+        ENGINE, "bench/outputs.py", 360, _py("bench.outputs", "--part", "logprobs")
     ),
     "outputs-samples-cpu.json": Entry(
-        ENGINE, "bench/outputs.py", 240, _py("bench.outputs", "--part", "samples")
+        ENGINE, "bench/outputs.py", 60, _py("bench.outputs", "--part", "samples")
     ),
     "grammar-cost-cpu.json": Entry(
         ENGINE, "bench/grammar_cost.py", 240, _py("bench.grammar_cost", *_json("grammar-cost-cpu.json"))
@@ -331,13 +332,13 @@ CATALOG: dict[str, Entry] = {
     "grammar-cost-cpu-5runs.json": Entry(
         ENGINE,
         "bench/grammar_cost.py",
-        400,
+        300,
         _py("bench.grammar_cost", "--runs", "5", *_json("grammar-cost-cpu-5runs.json")),
     ),
     "grammar-quality-cpu.json": Entry(
         ENGINE,
         "bench/grammar_quality.py",
-        600,
+        120,
         _py("bench.grammar_quality", *_json("grammar-quality-cpu.json")),
     ),
     "grammar-libs-cpu.json": Entry(
@@ -364,7 +365,7 @@ CATALOG: dict[str, Entry] = {
     "request-path.json": Entry(
         GATEWAY,
         "scripts/request_path.py",
-        120,
+        60,
         ("python", "scripts/request_path.py", *_json("request-path.json")),
     ),
 }
