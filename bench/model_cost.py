@@ -58,11 +58,11 @@ def fetched_models(names: str | None) -> dict[str, Path]:
     missing: list[str] = []
     for entry in chosen:
         folders = (MODELS_ROOT / entry.folder, FLOAT32_ROOT / entry.folder)
-        held = [path for path in folders if read_manifest(path, SOURCES[entry.name], "float32") is not None]
-        if held:
-            found[entry.name] = held[0]
-        else:
+        held = next((path for path in folders if read_manifest(path, entry, "float32") is not None), None)
+        if held is None:
             missing.append(entry.name)
+        else:
+            found[entry.name] = held
     if missing:
         raise SystemExit(
             f"bench.model_cost: not fetched as float32 under {MODELS_ROOT}/ or {FLOAT32_ROOT}/: "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from docs_tables_catalog import CATALOG, LONG_RUNS
@@ -102,14 +103,10 @@ def last_runs(names: list[str]) -> list[str]:
 def machines_of_run(done: list[str], quotable: Mapping[str, Record | str]) -> str:
     """Which machines the run's records, as they stand, ran on, when a sitting moved to another:
     their figures compare within a record, not across two machines."""
-    machines: dict[str, list[str]] = {}
-    for name in done:
-        record = quotable.get(name)
-        if isinstance(record, Record):
-            machines.setdefault(record.cpu, []).append(name)
+    machines = Counter(record.cpu for name in done if isinstance(record := quotable.get(name), Record))
     if len(machines) < 2:
         return ""
-    parts = [f"{len(names)} on {machine}" for machine, names in machines.items()]
+    parts = [f"{count} on {machine}" for machine, count in machines.items()]
     return f" Its records stand on {len(machines)} machines (the machine column): {'; '.join(parts)}."
 
 
