@@ -126,7 +126,8 @@ bench-peer: setup model
 	$(BIN)/strata fetch-model --weights float32 --dest models/float32 qwen2.5-coder-0.5b-instruct
 	$(BIN)/python -m bench.perplexity --model $(QWEN05_FLOAT32) --json bench/results/perplexity-qwen05-cpu.json
 	$(BIN)/strata fetch-model qwen2.5-coder-0.5b-instruct
-	$(BIN)/python -m bench.peer --model $(QWEN05_FLOAT32) --shipped-q4-k-m models/Qwen2.5-Coder-0.5B-Instruct/Qwen2.5-Coder-0.5B-Instruct.gguf --perplexity-record bench/results/perplexity-qwen05-cpu.json --json bench/results/peer-qwen05-cpu.json
+	$(BIN)/python -m bench.peer --model $(QWEN05_FLOAT32) --shipped-q4-k-m models/Qwen2.5-Coder-0.5B-Instruct/Qwen2.5-Coder-0.5B-Instruct.gguf --perplexity-record bench/results/perplexity-qwen05-cpu.json --npl 1 --json bench/results/peer-qwen05-1-stream-cpu.json
+	$(BIN)/python -m bench.peer --model $(QWEN05_FLOAT32) --shipped-q4-k-m models/Qwen2.5-Coder-0.5B-Instruct/Qwen2.5-Coder-0.5B-Instruct.gguf --perplexity-record bench/results/perplexity-qwen05-cpu.json --npl 64 --json bench/results/peer-qwen05-cpu.json
 	$(BIN)/python -m bench.generate_cli --json bench/results/generate-cli-cpu.json
 
 # The same two peers as a machine without AVX-512 runs them: --native-isa avx2 caps our kernels

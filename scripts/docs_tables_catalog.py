@@ -160,6 +160,7 @@ CATALOG: dict[str, Entry] = {
     ),
     # Five rounds of three pairs; the first run also probes the CPU and builds llama.cpp (about 12 minutes).
     "peer-cpu.json": Entry(ENGINE, "bench/peer.py", 1980, _py("bench.peer", *_json("peer-cpu.json"))),
+    # 64 streams only: the one-stream rounds are the record below.
     "peer-qwen05-cpu.json": Entry(
         ENGINE,
         "bench/peer.py",
@@ -167,11 +168,13 @@ CATALOG: dict[str, Entry] = {
         _py(
             "bench.peer",
             *QWEN05_PEER,
+            "--npl",
+            "64",
             *_json("peer-qwen05-cpu.json"),
         ),
         target="make bench-peer",
     ),
-    # One stream only: the 64-stream rounds of the 0.5B take most of the hour above.
+    # One stream only, so a sitting can take it without the hour of 64-stream rounds above.
     "peer-qwen05-1-stream-cpu.json": Entry(
         ENGINE,
         "bench/peer.py",
