@@ -1,10 +1,12 @@
 """What of a GGUF model (or of an AWQ/GPTQ checkpoint, repacked into ggml blocks) is served in its
 stored types, and what is dequantized at load.
 
-A weight is served as stored where a native kernel computes from its blocks: a decoder projection
-or an untied vocabulary projection becomes a GgufLinear, the token embeddings a GgufEmbedding (and,
-in a tied model, the vocabulary projection a GgufLinear over the same buffers). That needs the
-kernels loaded, the CPU, float32 activations and a kernel for every part's type. Every other
+A weight is served as stored where a native kernel computes from its blocks. On the CPU (the kernels
+loaded, float32 activations, a kernel for every part's type) a decoder projection or an untied
+vocabulary projection becomes a GgufLinear, the token embeddings a GgufEmbedding (and, in a tied
+model, the vocabulary projection a GgufLinear over the same buffers). On a CUDA device of compute
+capability 8.0 or later with bfloat16 activations, a projection of Q4_0/Q4_1 blocks (every AWQ and
+GPTQ projection, a GGUF file's Q4_0 and Q4_1 ones) becomes a TinygemmLinear (int4_cuda.py). Every other
 quantized weight is dequantized once, at load, to the engine's dtype, and the loader says so in one
 warning that names each type and how many weights it covers, so a type without a kernel is never
 slow in silence. This module owns that decision and the module swap; it must not read files
@@ -24,6 +26,7 @@ from torch import nn
 from services.worker.model import native
 from services.worker.model.gguf_linear import GgufEmbedding, GgufLinear, supported
 from services.worker.model.gguf_weight import GgufWeight
+from services.worker.model.int4_cuda import TinygemmLinear, kernel_available, servable
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -55,6 +58,7 @@ def serve_stored(
     (dense tensors, with the swapped modules' own buffers) and the weights' format, which begins with
     `source` (the checkpoint's kind: "GGUF", "AWQ int4 (groups of 128)")."""
     kernels = native.library() if device.type == "cpu" and dtype == torch.float32 else None
+    int4_on_device = dtype == torch.bfloat16 and kernel_available(device)
     dequantized: Counter[str] = Counter()
     kept: Counter[str] = Counter()
     weights: dict[str, Tensor] = {}
@@ -65,11 +69,15 @@ def serve_stored(
             continue
         path = name.removesuffix(".weight")
         current = model.get_submodule(path)
-        servable = isinstance(current, nn.Linear) or (
+        cpu_servable = isinstance(current, nn.Linear) or (
             isinstance(current, nn.Embedding) and value.input_order is None
         )
-        if kernels is not None and servable and supported(value, kernels):
-            swapped[path] = _stored_module(current, value, stored.get(f"{path}.bias"))
+        bias = stored.get(f"{path}.bias")
+        if kernels is not None and cpu_servable and supported(value, kernels):
+            swapped[path] = _stored_module(current, value, bias)
+            kept[value.describe()] += 1
+        elif int4_on_device and isinstance(current, nn.Linear) and servable(value):
+            swapped[path] = TinygemmLinear.from_weight(value, _dense(bias, dtype), device)
             kept[value.describe()] += 1
         else:
             dequantized[value.describe()] += 1
@@ -102,9 +110,11 @@ def _counts(kinds: Counter[str]) -> str:
     return ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items()))
 
 
+def _dense(bias: Tensor | GgufWeight | None, dtype: torch.dtype) -> Tensor | None:
+    return bias.dequantize(dtype) if isinstance(bias, GgufWeight) else bias
+
+
 def _stored_module(current: nn.Module, weight: GgufWeight, bias: Tensor | GgufWeight | None) -> nn.Module:
     if isinstance(current, nn.Embedding):
         return GgufEmbedding(weight)
-    if isinstance(bias, GgufWeight):
-        bias = bias.dequantize(torch.float32)
-    return GgufLinear(weight, bias)
+    return GgufLinear(weight, _dense(bias, torch.float32))
