@@ -1,17 +1,18 @@
 """`python -m bench.kv_schemes` (`make bench-kv-schemes`): which rounding of the KV cache keeps greedy
 output, tried before any kernel is written for it.
 
-The int8 cache (engine.kv_cache_dtype: int8) keeps perplexity within 0.1% of float32 yet changes
-greedy tokens on some prompts (bench/results/kv-cache-cpu.json). This asks where that comes from and
-what would mend it, on the engine's own model, scheduler and Python attention path
+An int8 cache with one scale per row kept perplexity within 0.1% of float32 yet changed greedy
+tokens on some prompts. This asks where that comes from and what mends it, on the engine's own
+model, scheduler and Python attention path
 (STRATA_NATIVE_KERNELS=off): the engine runs with a float32 cache, and every row written to it is
 first rounded as the scheme would store it and read back ("fake quantization"; bench-only, through
 a patch of kv_format.KVFormat.pack for the run, never in the product). The schemes:
-- `int8`: kv_format's own int8 rows (per token and KV head, scale = max |x| / 127), keys and values;
+- `int8`: int8 rows without a rotation (per token and KV head, scale = max |x| / 127, kv_format's
+  quantize_int8), keys and values;
 - `int8-keys`, `int8-values`: the same on keys alone, values alone;
-- `int8-hadamard`: each head's row rotated by the normalized Walsh-Hadamard matrix before the int8
-  rounding and back after, which is what a kernel that rotates q, k and v (and the output back)
-  would compute: it spreads a row's outlying channels over all of them;
+- `int8-hadamard`: the cache's own int8 rows (kv_format's int8 format: each head's row rotated by
+  the normalized Walsh-Hadamard matrix before the rounding, and back on reading), which spreads a
+  row's outlying channels over all of them;
 - `int8-group32`: one scale per 32 values instead of per row;
 - `bfloat16`: the values rounded to bfloat16.
 Each runs the prompts with greedy decoding (EOS ignored) and is judged by bench/kv_quality.py's
@@ -24,7 +25,6 @@ block (it times nothing). This module measures; it must not change the product's
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
@@ -59,10 +59,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def int8_rows(rows: Tensor) -> Tensor:
-    """kv_format's int8 rounding, stored and read back."""
+    """int8 rounding with one scale per row and no rotation, stored and read back."""
     from services.worker.model import kv_format
 
     return kv_format.dequantize_int8(kv_format.quantize_int8(rows), torch.float32)
+
+
+def cache_int8_rows(rows: Tensor) -> Tensor:
+    """The int8 cache's own rows (rotated where head_dim is a power of two), stored and read back."""
+    from services.worker.model import kv_format
+
+    fmt = kv_format.resolve("int8", torch.float32, "cpu")
+    return fmt.unpack(fmt.pack(rows), torch.float32)
 
 
 def grouped_int8(rows: Tensor, group: int) -> Tensor:
@@ -71,25 +79,15 @@ def grouped_int8(rows: Tensor, group: int) -> Tensor:
     return int8_rows(grouped).reshape(rows.shape)
 
 
-def hadamard(size: int) -> Tensor:
-    """The normalized Walsh-Hadamard matrix (orthogonal, symmetric) of a power-of-two size."""
-    if size & (size - 1):
-        raise SystemExit(f"bench.kv_schemes: head_dim {size} is not a power of two: no Hadamard rotation")
-    matrix = torch.ones(1, 1)
-    while matrix.shape[0] < size:
-        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
-    return matrix / math.sqrt(size)
-
-
 def roundings(head_dim: int) -> dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]]:
     """Each scheme's (keys, values) rounding."""
-    rotation = hadamard(head_dim)
+    from services.worker.model import kv_format
+
+    if not kv_format.rotated(head_dim):
+        raise SystemExit(f"bench.kv_schemes: head_dim {head_dim} is not a power of two: no Hadamard rotation")
 
     def same(rows: Tensor) -> Tensor:
         return rows
-
-    def rotated(rows: Tensor) -> Tensor:
-        return int8_rows(rows @ rotation) @ rotation.T
 
     def group32(rows: Tensor) -> Tensor:
         return grouped_int8(rows, 32)
@@ -101,7 +99,7 @@ def roundings(head_dim: int) -> dict[str, tuple[Callable[[Tensor], Tensor], Call
         "int8": (int8_rows, int8_rows),
         "int8-keys": (int8_rows, same),
         "int8-values": (same, int8_rows),
-        "int8-hadamard": (rotated, rotated),
+        "int8-hadamard": (cache_int8_rows, cache_int8_rows),
         "int8-group32": (group32, group32),
         "bfloat16": (bf16, bf16),
     }

@@ -247,10 +247,10 @@ def kv_cache(records: Mapping[str, Record]) -> list[str]:
 
 # What each rounding of bench/kv_schemes.py keeps of the keys and values: the reader's key to its rows.
 KV_SCHEMES = {
-    "int8": "int8 keys and values, one scale per row (the cache's int8)",
+    "int8": "int8 keys and values, one scale per row, unrotated",
     "int8-keys": "int8 keys, values unrounded",
     "int8-values": "int8 values, keys unrounded",
-    "int8-hadamard": "int8 keys and values, each row Hadamard-rotated first",
+    "int8-hadamard": "int8 keys and values, each row Hadamard-rotated first (the cache's int8)",
     "int8-group32": "int8 keys and values, one scale per 32 values",
     "bfloat16": "bfloat16 keys and values",
 }

@@ -5,6 +5,7 @@ their dequantized values; the engine must size, fingerprint and serve an int8 ca
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import pytest
@@ -41,41 +42,81 @@ def test_int8_rows_hold_each_value_within_half_a_step_of_their_scale() -> None:
     assert int(stored[..., :DIM].abs().amax()) == 127
 
 
-def _step(fmt: KVFormat, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, AttentionMetadata]:
+def _sylvester(n: int) -> Tensor:
+    """The normalized Walsh-Hadamard matrix built as a matrix, independently of the butterflies."""
+    matrix = torch.ones(1, 1, dtype=torch.float64)
+    while matrix.shape[0] < n:
+        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
+    return matrix / math.sqrt(n)
+
+
+@pytest.mark.parametrize("dim", [2, 64, 128])
+def test_the_rotation_is_the_hadamard_matrix_and_its_own_inverse(dim: int) -> None:
+    rows = torch.randn(5, KV_HEADS, dim)
+    rotated = kv_format.hadamard(rows)
+    torch.testing.assert_close(rotated.double(), rows.double() @ _sylvester(dim), rtol=0, atol=1e-5)
+    torch.testing.assert_close(kv_format.hadamard(rotated), rows, rtol=0, atol=1e-5)
+
+
+def test_int8_rows_store_the_rotated_row_and_spread_an_outlier_channel() -> None:
+    """A power-of-two head_dim stores quantize_int8 of the rotated row and reads it back rotated again;
+    a key row with one large channel (as real keys have) comes back far closer than with one plain
+    scale per row. Another head_dim has no Hadamard matrix: its rows are stored unrotated."""
+    fmt = kv_format.resolve("int8", torch.float32, "cpu")
+    rows = torch.randn(32, KV_HEADS, DIM) * 0.5
+    rows[..., 7] = 30.0
+    stored = fmt.pack(rows)
+    assert torch.equal(stored, kv_format.quantize_int8(kv_format.hadamard(rows)))
+    plain = kv_format.dequantize_int8(kv_format.quantize_int8(rows), torch.float32)
+    rotated_error = (fmt.unpack(stored, torch.float32) - rows).pow(2).mean()
+    assert rotated_error < (plain - rows).pow(2).mean() / 10
+    odd = torch.randn(3, KV_HEADS, 96)
+    assert not kv_format.rotated(96)
+    assert torch.equal(fmt.pack(odd), kv_format.quantize_int8(odd))
+    assert torch.equal(
+        fmt.unpack(fmt.pack(odd), torch.float32), kv_format.dequantize_int8(fmt.pack(odd), torch.float32)
+    )
+
+
+def _step(
+    fmt: KVFormat, seed: int, dim: int = DIM
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, AttentionMetadata]:
     """A decode-only step of three sequences over a cache of `fmt` whose earlier tokens were written
     by kv_format (as prefill writes them): q, k, v, the caches and the metadata's pieces."""
     gen = torch.Generator().manual_seed(seed)
     lengths = [5, 33, 18]
     blocks_each = 3
-    shape = (blocks_each * len(lengths), BLOCK, KV_HEADS, fmt.row_width(DIM))
+    shape = (blocks_each * len(lengths), BLOCK, KV_HEADS, fmt.row_width(dim))
     keys, values = torch.zeros(shape, dtype=fmt.storage), torch.zeros(shape, dtype=fmt.storage)
     tables = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(len(lengths))]
     for length, table in zip(lengths, tables, strict=True):
         for position in range(length - 1):
             slot = table[position // BLOCK] * BLOCK + position % BLOCK
-            keys.view(-1, KV_HEADS, shape[-1])[slot] = fmt.pack(torch.randn(KV_HEADS, DIM, generator=gen))
-            values.view(-1, KV_HEADS, shape[-1])[slot] = fmt.pack(torch.randn(KV_HEADS, DIM, generator=gen))
-    q = torch.randn(len(lengths), HEADS, DIM, generator=gen)
-    k = torch.randn(len(lengths), KV_HEADS, DIM, generator=gen) * 3
-    v = torch.randn(len(lengths), KV_HEADS, DIM, generator=gen)
+            keys.view(-1, KV_HEADS, shape[-1])[slot] = fmt.pack(torch.randn(KV_HEADS, dim, generator=gen))
+            values.view(-1, KV_HEADS, shape[-1])[slot] = fmt.pack(torch.randn(KV_HEADS, dim, generator=gen))
+    q = torch.randn(len(lengths), HEADS, dim, generator=gen)
+    k = torch.randn(len(lengths), KV_HEADS, dim, generator=gen) * 3
+    v = torch.randn(len(lengths), KV_HEADS, dim, generator=gen)
     meta = AttentionMetadata.build([1] * 3, lengths, tables, BLOCK, "cpu", 3)
     return q, k, v, keys, values, meta
 
 
-def test_the_kernel_writes_and_reads_the_int8_rows_kv_format_writes_and_reads() -> None:
-    """The native decode kernel quantizes each decode's new k/v into the same bytes as kv_format's
-    quantize_int8 (the per-operator write), and its attention over int8 rows equals SDPA over their
-    dequantized values within float rounding."""
+@pytest.mark.parametrize("dim", [DIM, 96], ids=["rotated", "unrotated"])
+def test_the_kernel_writes_and_reads_the_int8_rows_kv_format_writes_and_reads(dim: int) -> None:
+    """The native decode kernel rotates and quantizes each decode's new k/v into the same bytes as
+    kv_format's pack (the per-operator write), and its attention over int8 rows (rotating the query
+    and the output rather than each row) equals SDPA over their unpacked values within float
+    rounding; the same for a head_dim whose rows are not rotated."""
     if native.library() is None:
         pytest.skip("the native kernels are not built here")
     fmt = kv_format.resolve("int8", torch.float32, "cpu")
-    q, k, v, keys, values, meta = _step(fmt, seed=0)
+    q, k, v, keys, values, meta = _step(fmt, seed=0, dim=dim)
     ref_keys, ref_values = keys.clone(), values.clone()
     with torch.inference_mode():
-        fused = TorchAttention().forward(q, k, v, (keys, values), meta, DIM**-0.5)
+        fused = TorchAttention().forward(q, k, v, (keys, values), meta, dim**-0.5)
         previous = native.set_enabled(False)
         try:
-            reference = TorchAttention().forward(q, k, v, (ref_keys, ref_values), meta, DIM**-0.5)
+            reference = TorchAttention().forward(q, k, v, (ref_keys, ref_values), meta, dim**-0.5)
         finally:
             native.set_enabled(previous)
     assert torch.equal(keys, ref_keys) and torch.equal(values, ref_values)

@@ -5,12 +5,19 @@ A float32, bfloat16 or float16 row is the head_dim values in that dtype. An fp8_
 them cast to float8_e4m3fn, clamped to its finite range first (the cast has no infinity). An int8
 row is head_dim int8 values and then one float32 scale in its last 4 bytes: scale = max |x| times
 float32's 1/127, q = x / scale rounded to nearest, ties to even (0 where the row is all zeros, or
-where x is infinite), x ~ q * scale. A row
-carries its own scale, so a block is quantized once, when its tokens are written (prefill and decode
-alike), and never again; the block manager's moves (prefix sharing, preemption, failover replays)
-stay byte copies of whole blocks. csrc/paged_attention.cpp writes and reads the same int8 rows, and
-its quantization is this module's to the bit. This module must not allocate the cache (kv_cache.py
-does) nor attend (attention.py does).
+where x is infinite), x ~ q * scale. Where head_dim is a power of two (every model served here), x is
+the row rotated first by the normalized Walsh-Hadamard matrix H (orthogonal and its own inverse):
+a few channels of a key row carry most of its magnitude, and one scale per row then leaves the other
+channels a handful of levels; the rotation spreads that magnitude over every channel before the
+rounding (QuaRot's remedy) and is undone on reading, at no cost in bytes. Attention need not undo it
+row by row: q . k = Hq . Hk and the weighted sum of Hv is H times that of v, so the native kernel
+rotates the query and the output once instead. The rotation is butterflies in float32, the same
+additions in the same order here and in the kernel. A row carries its own scale, so a block is
+quantized once, when its tokens are written (prefill and decode alike), and never again; the block
+manager's moves (prefix sharing, preemption, failover replays) stay byte copies of whole blocks.
+csrc/paged_attention.cpp writes and reads the same int8 rows, and its rotation and quantization are
+this module's to the bit. This module must not allocate the cache (kv_cache.py does) nor attend
+(attention.py does).
 """
 
 from __future__ import annotations
@@ -65,7 +72,7 @@ class KVFormat:
     def pack(self, rows: Tensor) -> Tensor:
         """[..., head_dim] rows as this format stores them ([..., row_width])."""
         if self.scaled:
-            return quantize_int8(rows)
+            return quantize_int8(hadamard(rows) if rotated(rows.shape[-1]) else rows)
         if self.storage == torch.float8_e4m3fn:
             return rows.clamp(-FP8_MAX, FP8_MAX).to(self.storage)
         return rows.to(self.storage)
@@ -73,6 +80,9 @@ class KVFormat:
     def unpack(self, stored: Tensor, dtype: torch.dtype) -> Tensor:
         """Stored rows [..., row_width] (any strides the cache's views give) as `dtype` values."""
         if self.scaled:
+            head_dim = stored.shape[-1] - SCALE_BYTES
+            if rotated(head_dim):
+                return hadamard(dequantize_int8(stored, torch.float32)).to(dtype)
             return dequantize_int8(stored, dtype)
         return stored if stored.dtype == dtype else stored.to(dtype)
 
@@ -107,6 +117,27 @@ def resolve(setting: str, model_dtype: torch.dtype, device: str | torch.device) 
             "use int8 on the CPU"
         )
     return KVFormat(setting, _NAMED[setting])
+
+
+def rotated(head_dim: int) -> bool:
+    """Whether int8 rows of this head_dim are stored rotated: a power of two has a Hadamard matrix."""
+    return head_dim > 1 and head_dim & (head_dim - 1) == 0
+
+
+def hadamard(rows: Tensor) -> Tensor:
+    """[..., n] float32 rows times the normalized n x n Walsh-Hadamard matrix (n a power of two), by
+    csrc/paged_attention.cpp's butterflies: at each width h = 1, 2, 4, ..., the pair (a, b) = values
+    (j, j + h) of every run of 2h becomes (a + b, a - b); then a product by float32's 1/sqrt(n)."""
+    n = rows.shape[-1]
+    lead = rows.shape[:-1]
+    x = rows.to(torch.float32)
+    width = 1
+    while width < n:
+        pairs = x.reshape(*lead, n // (2 * width), 2, width)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        x = torch.stack([a + b, a - b], dim=-2).reshape(*lead, n)
+        width *= 2
+    return x * float(np.float32(1.0) / np.sqrt(np.float32(n)))
 
 
 def quantize_int8(rows: Tensor) -> Tensor:

@@ -7,7 +7,10 @@
 // group. A cache row (one token's one kv head) is float32, or int8 (kv_format.py's rows: dim int8
 // values, then their float32 scale): an int8 row is widened to float32 once into an L1 buffer, a
 // key's score is (q . its values) * its scale, a value adds (weight * its scale) * its values; a
-// decode's own new k/v are quantized here as kv_format.py quantizes them, to the bit. The instruction
+// decode's own new k/v are rotated and quantized here as kv_format.py does it, to the bit. Where dim
+// is a power of two, int8 rows hold the Hadamard rotation Hx of each row: the group's queries are
+// rotated once (q . k = Hq . Hk) and so are its outputs at the end (H is its own inverse), so no
+// cached row is rotated back. The instruction
 // set is chosen at run time (AVX-512, else portable C++ that the compiler vectorises for the baseline
 // ISA). Threads come from ATen's pool. Called through ctypes (extern "C"): no Python types here.
 
@@ -72,6 +75,26 @@ void quantize_row(const float* x, uint8_t* row, int64_t dim) {
     q[i] = v == v ? static_cast<int8_t>(std::nearbyint(v)) : 0;  // NaN (an infinite x): 0, as kv_format
   }
   std::memcpy(row + dim, &scale, sizeof scale);
+}
+
+// Whether int8 rows of this dim hold Hx (kv_format.rotated).
+inline bool rotated(int64_t dim) { return dim > 1 && (dim & (dim - 1)) == 0; }
+
+// x <- H x for the normalized Walsh-Hadamard matrix H of a power-of-two n: kv_format.hadamard's
+// butterflies and final product, operation for operation.
+void hadamard(float* x, int64_t n) {
+  for (int64_t width = 1; width < n; width *= 2) {
+    for (int64_t start = 0; start < n; start += 2 * width) {
+      for (int64_t j = start; j < start + width; ++j) {
+        const float a = x[j];
+        const float b = x[j + width];
+        x[j] = a + b;
+        x[j + width] = a - b;
+      }
+    }
+  }
+  const float norm = 1.0f / std::sqrt(static_cast<float>(n));
+  for (int64_t i = 0; i < n; ++i) x[i] *= norm;
 }
 
 __attribute__((target("avx512f"))) float dot_avx512(const float* a, const float* b, int64_t n) {
@@ -142,9 +165,13 @@ inline const float* row_values(const Decode& d, const Ops& f, const uint8_t* row
   return buffer;
 }
 
-// A decode's new k or v row into the cache, in its format.
-inline void store_row(const Decode& d, const float* src, uint8_t* row) {
-  if (d.format == kInt8Rows) {
+// A decode's new k or v row into the cache, in its format; `spare` holds dim floats.
+inline void store_row(const Decode& d, const float* src, uint8_t* row, float* spare) {
+  if (d.format == kInt8Rows && rotated(d.dim)) {
+    std::memcpy(spare, src, static_cast<size_t>(d.dim) * sizeof(float));
+    hadamard(spare, d.dim);
+    quantize_row(spare, row, d.dim);
+  } else if (d.format == kInt8Rows) {
     quantize_row(src, row, d.dim);
   } else {
     std::memcpy(row, src, static_cast<size_t>(d.dim) * sizeof(float));
@@ -163,15 +190,23 @@ void one_group(const Decode& d, const Ops& f, int64_t seq, int64_t kv_head, std:
   const int64_t token_bytes = d.kv_heads * d.row_bytes;
   const int64_t head_offset = kv_head * d.row_bytes;
   const int64_t* table = d.tables + seq * d.table_width;
+  const bool rotate = d.format == kInt8Rows && rotated(d.dim);
+  // buffer: one widened row, then (rotated rows only) the group's rotated queries.
+  buffer.resize(static_cast<size_t>((rotate ? group + 1 : 1) * d.dim));
   if (d.new_k != nullptr) {
     // This decode's own k/v go to the cache first (its last position), then it attends to them too.
     const int64_t at = d.slots[seq] * token_bytes + head_offset;
-    store_row(d, d.new_k + seq * d.new_stride + kv_head * d.dim, d.keys + at);
-    store_row(d, d.new_v + seq * d.new_stride + kv_head * d.dim, d.values + at);
+    store_row(d, d.new_k + seq * d.new_stride + kv_head * d.dim, d.keys + at, buffer.data());
+    store_row(d, d.new_v + seq * d.new_stride + kv_head * d.dim, d.values + at, buffer.data());
   }
   scores.resize(static_cast<size_t>(group * len));
-  buffer.resize(static_cast<size_t>(d.dim));
   const float* q = d.q + seq * d.q_stride + kv_head * group * d.dim;
+  if (rotate) {
+    float* rotated_q = buffer.data() + d.dim;
+    std::memcpy(rotated_q, q, static_cast<size_t>(group * d.dim) * sizeof(float));
+    for (int64_t g = 0; g < group; ++g) hadamard(rotated_q + g * d.dim, d.dim);
+    q = rotated_q;
+  }
   // Each cached row is read (and an int8 one widened) once for the group's query heads.
   for (int64_t t = 0; t < len; ++t) {
     float factor = 1.0f;
@@ -201,6 +236,9 @@ void one_group(const Decode& d, const Ops& f, int64_t seq, int64_t kv_head, std:
       const float weight = scores[g * len + t];
       f.axpy(d.format == kInt8Rows ? weight * factor : weight, value, out + g * d.dim, d.dim);
     }
+  }
+  if (rotate) {
+    for (int64_t g = 0; g < group; ++g) hadamard(out + g * d.dim, d.dim);
   }
 }
 
