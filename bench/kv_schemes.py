@@ -38,12 +38,15 @@ from bench.model_parity import prompt_ids
 from bench.perplexity import read_text, token_ids
 from bench.provenance import finish_provenance, start_provenance
 from bench.stats import DEFAULT_MODEL, save_record
+from services.worker.model import kv_format
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from torch import Tensor
 
+# KVFormat.pack as the product has it: rounded_outputs patches the class's pack for its runs.
+_CACHE_PACK = kv_format.KVFormat.pack
 SCHEMES = ("int8", "int8-keys", "int8-values", "int8-hadamard", "int8-group32", "bfloat16")
 TEXT_PROMPT_TOKENS = 48
 
@@ -60,17 +63,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def int8_rows(rows: Tensor) -> Tensor:
     """int8 rounding with one scale per row and no rotation, stored and read back."""
-    from services.worker.model import kv_format
-
     return kv_format.dequantize_int8(kv_format.quantize_int8(rows), torch.float32)
 
 
 def cache_int8_rows(rows: Tensor) -> Tensor:
     """The int8 cache's own rows (rotated where head_dim is a power of two), stored and read back."""
-    from services.worker.model import kv_format
-
     fmt = kv_format.resolve("int8", torch.float32, "cpu")
-    return fmt.unpack(fmt.pack(rows), torch.float32)
+    return fmt.unpack(_CACHE_PACK(fmt, rows), torch.float32)
 
 
 def grouped_int8(rows: Tensor, group: int) -> Tensor:
@@ -81,8 +80,6 @@ def grouped_int8(rows: Tensor, group: int) -> Tensor:
 
 def roundings(head_dim: int) -> dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]]:
     """Each scheme's (keys, values) rounding."""
-    from services.worker.model import kv_format
-
     if not kv_format.rotated(head_dim):
         raise SystemExit(f"bench.kv_schemes: head_dim {head_dim} is not a power of two: no Hadamard rotation")
 
@@ -114,7 +111,6 @@ def rounded_outputs(
 ) -> list[list[int]]:
     """Greedy tokens with every cache row rounded on its way in. The attention layer packs a layer's
     keys, then its values (model/attention.py), so the pack calls alternate keys and values."""
-    from services.worker.model import kv_format
 
     original = kv_format.KVFormat.pack
     calls = [0]

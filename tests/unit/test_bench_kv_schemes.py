@@ -69,9 +69,12 @@ def test_the_rounding_reaches_every_cache_row(tiny_llama_dir: Path) -> None:
             return rounding
 
         unchanged = rounded_outputs(run, prompts, params, counted("keys"), counted("values"))
+        # The cache's own int8 rows go through the patched pack too: it must reach the product's.
+        rotated = rounded_outputs(run, prompts, params, cache_int8_rows, cache_int8_rows)
     finally:
         native.set_enabled(previous)
     assert unchanged == reference, "a rounding that changes nothing must leave every token as it was"
     # Every token the cache holds, in every layer: the prompt and each new token but the last.
     cached = sum(len(prompt) + 12 - 1 for prompt in prompts) * loaded.config.num_hidden_layers
     assert seen == {"keys": cached, "values": cached}
+    assert [len(tokens) for tokens in rotated] == [12] * len(prompts)
