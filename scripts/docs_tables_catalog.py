@@ -315,7 +315,7 @@ CATALOG: dict[str, Entry] = {
         target="make bench-kv",
     ),
     "kv-schemes-cpu.json": Entry(
-        ENGINE, "bench/kv_schemes.py", 60, _py("bench.kv_schemes", *_json("kv-schemes-cpu.json"))
+        ENGINE, "bench/kv_schemes.py", 240, _py("bench.kv_schemes", *_json("kv-schemes-cpu.json"))
     ),
     "prefix-cache-cpu.json": Entry(
         ENGINE, "bench/prefix_cache.py", 960, _py("bench.prefix_cache", *_json("prefix-cache-cpu.json"))

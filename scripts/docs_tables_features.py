@@ -252,6 +252,7 @@ KV_SCHEMES = {
     "int8-values": "int8 values, keys unrounded",
     "int8-hadamard": "int8 keys and values, each row Hadamard-rotated first (the cache's int8)",
     "int8-group32": "int8 keys and values, one scale per 32 values",
+    "int8-hadamard-group32": "int8 keys and values, rotated, then one scale per 32 values",
     "bfloat16": "bfloat16 keys and values",
 }
 
