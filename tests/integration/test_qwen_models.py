@@ -7,7 +7,7 @@ are not fetched. Parity:
 bench/model_parity.py's eight prompts (four chat-templated coding questions, four plain code
 prefixes; that module records the logit error on them) decode together, one
 batched forward per step over the paged cache, against transformers' `generate` one prompt at a time,
-under the parity rule of tests/parity.py. Failover: the stack of configs/qwen.yaml (its ports made
+under the parity rule of tests/parity.py, with the GGUF kernels' 8-bit activations off. Failover: the stack of configs/qwen.yaml (its ports made
 ephemeral) streams a greedy answer from the 1.5B, whose worker is killed after a few tokens; the
 stream must end on the 0.5B with every token after `failover_at_token` equal to the 0.5B's own greedy
 continuation of the prompt plus the tokens so far.
@@ -55,6 +55,11 @@ def fetched(source: ModelSource) -> Path:
     return directory
 
 
+# The file as shipped is Q4_K_M: with the GGUF kernels' 8-bit activations off, the engine runs the
+# float32 model of the dequantized file, which is what transformers runs; with them on, a greedy
+# token may flip where the top two are within the activations' rounding (bench.peer's perplexity
+# measures that cost).
+@pytest.mark.usefixtures("gguf_float32_products")
 @pytest.mark.parametrize("source", [QWEN_CODER_05B, QWEN_CODER_15B], ids=lambda s: s.name)
 def test_batched_greedy_matches_transformers(source: ModelSource) -> None:
     directory = fetched(source)

@@ -10,9 +10,9 @@
 // decode's own new k/v are rotated and quantized here as kv_format.py does it, to the bit. Where dim
 // is a power of two, int8 rows hold the Hadamard rotation Hx of each row: the group's queries are
 // rotated once (q . k = Hq . Hk) and so are its outputs at the end (H is its own inverse), so no
-// cached row is rotated back. The instruction
-// set is chosen at run time (AVX-512, else portable C++ that the compiler vectorises for the baseline
-// ISA). Threads come from ATen's pool. Called through ctypes (extern "C"): no Python types here.
+// cached row is rotated back. The instruction set is chosen at run time (AVX-512, else portable C++
+// that the compiler vectorises for the baseline ISA). Threads come from ATen's pool. Called through
+// ctypes (extern "C"): no Python types here.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
