@@ -7,10 +7,10 @@ are not fetched. Parity:
 bench/model_parity.py's eight prompts (four chat-templated coding questions, four plain code
 prefixes; that module records the logit error on them) decode together, one
 batched forward per step over the paged cache, against transformers' `generate` one prompt at a time,
-under the parity rule of tests/parity.py, with the GGUF kernels' 8-bit activations off. Failover: the stack of configs/qwen.yaml (its ports made
-ephemeral) streams a greedy answer from the 1.5B, whose worker is killed after a few tokens; the
-stream must end on the 0.5B with every token after `failover_at_token` equal to the 0.5B's own greedy
-continuation of the prompt plus the tokens so far.
+under the parity rule of tests/parity.py, with the GGUF kernels' 8-bit activations off. Failover:
+the stack of configs/qwen.yaml (its ports made ephemeral) streams a greedy answer from the 1.5B,
+whose worker is killed after a few tokens; the stream must end on the 0.5B with every token after
+`failover_at_token` equal to the 0.5B's own greedy continuation of the prompt plus the tokens so far.
 """
 
 from __future__ import annotations
