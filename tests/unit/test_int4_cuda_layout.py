@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gguf import GGMLQuantizationType, quants
+from gguf import GGMLQuantizationType
 
 from services.worker.model.gguf_weight import GgufPart, GgufWeight
 from services.worker.model.int4_checkpoint import int4_scheme, int4_weight
 from services.worker.model.int4_cuda import int4_values, servable
+from tests.gguf_blocks import random_blocks
 from tests.int4_files import Int4Layout, quantization_config, quantize
 
 LAYOUTS = {
@@ -29,6 +30,10 @@ LAYOUTS = {
 }
 # A group of one whole row of 256 columns is the kernel's largest group.
 EXPECTED_GROUP = {"awq-g128": 128, "awq-g32": 32, "gptq-g64-symmetric": 64, "gptq-g128-act-order": 128}
+
+
+def _part(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> GgufPart:
+    return GgufPart(qtype, torch.from_numpy(random_blocks(qtype, rows, cols, seed)))
 
 
 def _checkpoint_weight(name: str, rows: int = 96, cols: int = 256) -> GgufWeight:
@@ -62,17 +67,12 @@ def test_the_values_stand_for_the_checkpoint_blocks_in_its_own_groups(name: str)
 
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1])
 def test_a_gguf_q4_weight_of_two_parts_is_its_dequantization(qtype: GGMLQuantizationType) -> None:
-    torch.manual_seed(5)
-    weight = GgufWeight([_part(qtype, 16, 128), _part(qtype, 8, 128)])
+    weight = GgufWeight([_part(qtype, 16, 128, seed=5), _part(qtype, 8, 128, seed=6)])
     int4 = int4_values(weight)
     assert int4.group_size == 32  # every block of a GGUF file has its own scale
     expected = weight.dequantize()
     got = _weight(int4.values, int4.scales_and_zeros, int4.group_size)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6 * float(expected.abs().max()))
-
-
-def _part(qtype: GGMLQuantizationType, rows: int, cols: int) -> GgufPart:
-    return GgufPart(qtype, torch.from_numpy(quants.quantize(torch.randn(rows, cols).numpy(), qtype)))
 
 
 def test_rows_not_in_tiles_of_eight_or_other_types_are_not_the_kernels() -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ def int4_values(weight: GgufWeight) -> Int4Values:
 
 def _part_values(part: GgufPart) -> tuple[Tensor, Tensor, Tensor]:
     """(values uint8 [rows, cols], scale and zero float32 [rows, blocks]) of one Q4_0 or Q4_1 part."""
-    blocks = part.data.reshape(part.rows, -1, 18 if part.qtype == GGMLQuantizationType.Q4_0 else 20)
+    blocks = part.data.reshape(part.rows, -1, GGML_QUANT_SIZES[part.qtype][1])
     d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).to(torch.float32)
     if part.qtype == GGMLQuantizationType.Q4_0:
         zero, nibbles = torch.zeros_like(d), blocks[..., 2:]
