@@ -170,10 +170,14 @@ void strata_decode_stack(const Layer* layers, int64_t num_layers, const Step* st
       barrier.wait();
       if (lead) strata_rotary(qkv, s.cos, s.sin, rows, s.heads + 2 * s.kv_heads, s.heads + s.kv_heads, s.head_dim);
       barrier.wait();
+      strata::paged_decode_store_part(layer.keys, layer.values, rows, s.kv_heads, s.head_dim, qkv + q_width,
+                                      qkv + q_width + kv_width, qkv_width, s.slots, s.kv_format, part, parts);
+      // Every row's k/v are stored before any row attends: a speculative step's rows of one sequence
+      // read the rows of the positions before theirs.
+      barrier.wait();
       strata::paged_decode_attention_part(qkv, layer.keys, layer.values, s.block_tables, s.seq_lens, attended, rows,
                                           qkv_width, s.heads, s.kv_heads, s.head_dim, s.block_size, s.table_width,
-                                          s.attention_scale, qkv + q_width, qkv + q_width + kv_width, qkv_width,
-                                          s.slots, s.kv_format, part, parts);
+                                          s.attention_scale, s.kv_format, part, parts);
       barrier.wait();
       project(layer.o, attended, delta, rows, part, parts);
       barrier.wait();

@@ -23,11 +23,16 @@ void small_linear_rows(const float* x, const float* w, const float* bias, float*
 void gguf_linear_part(int64_t type, const float* x, const uint8_t* w, const float* bias, float* y, int64_t m,
                       int64_t n, int64_t k, int64_t ldy, int64_t part, int64_t parts);
 
-// strata_paged_decode_attention for the (sequence, kv head) tasks of share `part` of `parts`.
+// strata_paged_decode_attention's first half for the (sequence, kv head) tasks of share `part` of
+// `parts`: their new k/v rows stored at their slots. Every share must be stored before any attends.
+void paged_decode_store_part(void* keys, void* values, int64_t batch, int64_t kv_heads, int64_t dim,
+                             const float* new_k, const float* new_v, int64_t new_stride, const int64_t* slots,
+                             int64_t format, int64_t part, int64_t parts);
+
+// strata_paged_decode_attention's second half (the attention over rows already stored) for share `part`.
 void paged_decode_attention_part(const float* q, void* keys, void* values, const int64_t* tables,
                                  const int32_t* lens, float* out, int64_t batch, int64_t q_stride, int64_t heads,
                                  int64_t kv_heads, int64_t dim, int64_t block_size, int64_t table_width, float scale,
-                                 const float* new_k, const float* new_v, int64_t new_stride, const int64_t* slots,
                                  int64_t format, int64_t part, int64_t parts);
 
 // The [begin, end) of share `part` when `count` items are cut into `parts` near-equal shares.

@@ -183,22 +183,25 @@ inline const uint8_t* cached_row(const Decode& d, const uint8_t* rows, const int
   return rows + (table[t / d.block_size] * d.block_size + t % d.block_size) * d.kv_heads * d.row_bytes;
 }
 
+// Task `task`'s (sequence, kv head) new k and v rows into their slot, in the cache's format.
+void store_task(const Decode& d, int64_t task, std::vector<float>& spare) {
+  const int64_t seq = task / d.kv_heads;
+  const int64_t kv_head = task % d.kv_heads;
+  const int64_t at = d.slots[seq] * d.kv_heads * d.row_bytes + kv_head * d.row_bytes;
+  spare.resize(static_cast<size_t>(d.dim));
+  store_row(d, d.new_k + seq * d.new_stride + kv_head * d.dim, d.keys + at, spare.data());
+  store_row(d, d.new_v + seq * d.new_stride + kv_head * d.dim, d.values + at, spare.data());
+}
+
 void one_group(const Decode& d, const Ops& f, int64_t seq, int64_t kv_head, std::vector<float>& scores,
                std::vector<float>& buffer) {
   const int64_t group = d.heads / d.kv_heads;
   const int64_t len = d.lens[seq];
-  const int64_t token_bytes = d.kv_heads * d.row_bytes;
   const int64_t head_offset = kv_head * d.row_bytes;
   const int64_t* table = d.tables + seq * d.table_width;
   const bool rotate = d.format == kInt8Rows && rotated(d.dim);
   // buffer: one widened row, then (rotated rows only) the group's rotated queries.
   buffer.resize(static_cast<size_t>((rotate ? group + 1 : 1) * d.dim));
-  if (d.new_k != nullptr) {
-    // This decode's own k/v go to the cache first (its last position), then it attends to them too.
-    const int64_t at = d.slots[seq] * token_bytes + head_offset;
-    store_row(d, d.new_k + seq * d.new_stride + kv_head * d.dim, d.keys + at, buffer.data());
-    store_row(d, d.new_v + seq * d.new_stride + kv_head * d.dim, d.values + at, buffer.data());
-  }
   scores.resize(static_cast<size_t>(group * len));
   const float* q = d.q + seq * d.q_stride + kv_head * group * d.dim;
   if (rotate) {
@@ -242,7 +245,12 @@ void one_group(const Decode& d, const Ops& f, int64_t seq, int64_t kv_head, std:
   }
 }
 
-void task_range(const Decode& d, int64_t first, int64_t last) {
+void store_range(const Decode& d, int64_t first, int64_t last) {
+  std::vector<float> spare;
+  for (int64_t task = first; task < last; ++task) store_task(d, task, spare);
+}
+
+void attend_range(const Decode& d, int64_t first, int64_t last) {
   const Ops& f = ops();
   std::vector<float> scores;
   std::vector<float> buffer;
@@ -250,21 +258,39 @@ void task_range(const Decode& d, int64_t first, int64_t last) {
     one_group(d, f, task / d.kv_heads, task % d.kv_heads, scores, buffer);
 }
 
+Decode decode_of(const float* q, void* keys, void* values, const int64_t* tables, const int32_t* lens, float* out,
+                 int64_t q_stride, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+                 int64_t table_width, float scale, const float* new_k, const float* new_v, int64_t new_stride,
+                 const int64_t* slots, int64_t format) {
+  return Decode{q,     static_cast<uint8_t*>(keys), static_cast<uint8_t*>(values), tables, lens, out,
+                q_stride, heads, kv_heads, dim, block_size, table_width, scale, new_k, new_v, new_stride, slots,
+                format, row_bytes_of(format, dim)};
+}
+
 }  // namespace
+
+void strata::paged_decode_store_part(void* keys, void* values, int64_t batch, int64_t kv_heads, int64_t dim,
+                                     const float* new_k, const float* new_v, int64_t new_stride,
+                                     const int64_t* slots, int64_t format, int64_t part, int64_t parts) {
+  const Decode d = decode_of(nullptr, keys, values, nullptr, nullptr, nullptr, 0, kv_heads, kv_heads, dim, 1, 0,
+                             0.0f, new_k, new_v, new_stride, slots, format);
+  int64_t first = 0;
+  int64_t last = 0;
+  strata::share(batch * kv_heads, part, parts, &first, &last);
+  store_range(d, first, last);
+}
 
 void strata::paged_decode_attention_part(const float* q, void* keys, void* values, const int64_t* tables,
                                          const int32_t* lens, float* out, int64_t batch, int64_t q_stride,
                                          int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
-                                         int64_t table_width, float scale, const float* new_k, const float* new_v,
-                                         int64_t new_stride, const int64_t* slots, int64_t format, int64_t part,
+                                         int64_t table_width, float scale, int64_t format, int64_t part,
                                          int64_t parts) {
-  const Decode d{q,     static_cast<uint8_t*>(keys), static_cast<uint8_t*>(values), tables, lens, out,
-                 q_stride, heads, kv_heads, dim, block_size, table_width, scale, new_k, new_v, new_stride, slots,
-                 format, row_bytes_of(format, dim)};
+  const Decode d = decode_of(q, keys, values, tables, lens, out, q_stride, heads, kv_heads, dim, block_size,
+                             table_width, scale, nullptr, nullptr, 0, nullptr, format);
   int64_t first = 0;
   int64_t last = 0;
   strata::share(batch * kv_heads, part, parts, &first, &last);
-  task_range(d, first, last);
+  attend_range(d, first, last);
 }
 
 extern "C" {
@@ -272,18 +298,23 @@ extern "C" {
 // q [batch, heads, dim] with rows q_stride floats apart, caches [num_blocks, block_size, kv_heads] rows
 // of `format` (kFloat32Rows: dim floats; kInt8Rows: dim int8 and a float32 scale), tables [batch,
 // table_width] int64, lens [batch] int32, out [batch, heads, dim] contiguous. With new_k and new_v
-// (float32 rows new_stride floats apart) each decode's k/v are first written at slots[seq], in the
-// format; each (sequence, kv head) task writes only its own head, so no two tasks touch the same bytes.
+// (float32 rows new_stride floats apart) every decode's k/v are first written at slots[seq], in the
+// format, and only then does any decode attend; each (sequence, kv head) task writes only its own
+// head, so no two tasks touch the same bytes.
 void strata_paged_decode_attention(const float* q, void* keys, void* values, const int64_t* tables,
                                    const int32_t* lens, float* out, int64_t batch, int64_t q_stride, int64_t heads,
                                    int64_t kv_heads, int64_t dim, int64_t block_size, int64_t table_width,
                                    float scale, const float* new_k, const float* new_v, int64_t new_stride,
                                    const int64_t* slots, int64_t format) {
-  const Decode d{q,     static_cast<uint8_t*>(keys), static_cast<uint8_t*>(values), tables, lens, out,
-                 q_stride, heads, kv_heads, dim, block_size, table_width, scale, new_k, new_v, new_stride, slots,
-                 format, row_bytes_of(format, dim)};
+  const Decode d = decode_of(q, keys, values, tables, lens, out, q_stride, heads, kv_heads, dim, block_size,
+                             table_width, scale, new_k, new_v, new_stride, slots, format);
+  // Every new row is stored before any decode attends: a speculative step's rows of one sequence
+  // (one per position) each read the rows of the positions before theirs.
   // A task is a few microseconds at short contexts: one decode's few kv heads run inline, since
   // waking the pool would cost as much as the work.
-  at::parallel_for(0, batch * kv_heads, 8, [&](int64_t first, int64_t last) { task_range(d, first, last); });
+  if (new_k != nullptr) {
+    at::parallel_for(0, batch * kv_heads, 8, [&](int64_t first, int64_t last) { store_range(d, first, last); });
+  }
+  at::parallel_for(0, batch * kv_heads, 8, [&](int64_t first, int64_t last) { attend_range(d, first, last); });
 }
 }
