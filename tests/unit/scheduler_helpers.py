@@ -38,9 +38,12 @@ class FakeModel:
                 self.cache[e.seq.block_table[pos // bs]][pos % bs] = token
         sampled = []
         for e in batch.entries:
-            if e.sample:
+            # One row per sampled position: a speculative decode's row i sees its context up to its
+            # last token and its first i drafts.
+            for row in range(e.num_sampled_rows):
+                end = e.start + e.num_tokens - e.num_drafts + row
                 table = e.seq.block_table
-                ctx = array("q", (self.cache[table[p // bs]][p % bs] for p in range(e.start + e.num_tokens)))
+                ctx = array("q", (self.cache[table[p // bs]][p % bs] for p in range(end)))
                 sampled.append(VOCAB_START + zlib.crc32(ctx.tobytes()) % 5000)
         return sampled
 
@@ -62,9 +65,11 @@ def make_seq(
     )
 
 
-def step(sched: Scheduler, model: FakeModel) -> tuple[ScheduledBatch, list[StepOutput]]:
+def step(
+    sched: Scheduler, model: FakeModel, proposals: dict[str, list[int]] | None = None
+) -> tuple[ScheduledBatch, list[StepOutput]]:
     had_work = sched.has_work
-    batch = sched.schedule()
+    batch = sched.schedule(proposals)
     assert batch.is_empty != had_work, "a scheduler with work must always make progress"
     assert all(e.num_tokens >= 1 for e in batch.entries)
     outputs = sched.postprocess(batch, model.run(batch))

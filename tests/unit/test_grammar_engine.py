@@ -113,7 +113,7 @@ def test_the_mask_covers_padding_ids_past_the_tokenizer(compiler) -> None:
     width = compiler.vocab_size + 16
     logits = torch.zeros(2, width)
     logits[:, compiler.vocab_size :] = 100.0  # padding ids the model scores highest
-    GrammarMasker(threads=1).apply(logits, [(1, grammar)])
+    GrammarMasker(threads=1).apply(logits, [(1, grammar, [])])
     assert torch.isneginf(logits[1, compiler.vocab_size :]).all()
     allowed = (~torch.isneginf(logits[1])).nonzero().squeeze(1).tolist()
     assert allowed and all(compiler.tokenizer.decode_str([i]).isdigit() for i in allowed)

@@ -204,6 +204,28 @@ class BlockManager:
         self._held[rid] = self._held.get(rid, 0) + need
         return new
 
+    def release_tail(self, seq: Sequence, num_tokens: int) -> int:
+        """Give back the blocks of seq's table past those that num_tokens tokens fill (a speculative
+        step's rejected drafts' slots); return how many. Such a tail is seq's alone and uncached."""
+        rid = seq.request_id
+        keep = self.blocks_needed(num_tokens)
+        tail = seq.block_table[keep:]
+        if not tail:
+            return 0
+        for block in tail:
+            if self._holders[block] != {rid} or self.index.is_cached(block):
+                raise BlockAccountingError(
+                    f"release_tail({rid!r}, {num_tokens}): block {block} is shared or cached "
+                    f"(holders {sorted(self._holders[block])})"
+                )
+        # Last block first, so the next allocate_for hands the earliest of them out first.
+        for block in reversed(tail):
+            self._holders[block] = set()
+            self._free.append(block)
+        seq.block_table = seq.block_table[:keep]
+        self._held[rid] -= len(tail)
+        return len(tail)
+
     def commit(self, seq: Sequence) -> None:
         """Offer seq's full computed blocks to the prefix cache: call when a step that filled them ended."""
         if not self.enable_prefix_caching:

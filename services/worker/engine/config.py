@@ -7,7 +7,7 @@ read files or the environment (the worker's settings model does that and builds 
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
 # Where an operator overrides engine settings; the worker's settings model maps these onto the fields.
 ENV_PREFIX = "STRATA_WORKER_ENGINE__"
@@ -20,6 +20,69 @@ def _invalid(name: str, value: object, rule: str, example: str) -> ValueError:
         f"{name}={value!r} is invalid: {rule}; set {ENV_PREFIX}{name.upper()} "
         f"(engine.{name} in the worker config) to e.g. {example}"
     )
+
+
+SPECULATIVE_METHODS = ("off", "ngram", "draft")
+
+
+class SpeculativeConfig(BaseModel):
+    """engine.speculative: drafting tokens that one forward pass checks (speculation.py)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: str = "off"
+    """"off"; "ngram": prompt lookup, drafting what followed the latest earlier occurrence of a
+    sequence's last tokens in its prompt and output (ngram.py); or "draft": a smaller model with the
+    same tokenizer, draft_model_path, drafts them (draft_model.py)."""
+    num_tokens: int = 4
+    """Most tokens a sequence drafts in one step; the draft-length rule (docs/speculative-decoding.md)
+    drafts fewer where they would not pay."""
+    ngram_max: int = 4
+    """Longest tail of a sequence that prompt lookup matches."""
+    ngram_min: int = 2
+    """Shortest tail it matches: one token matches too often to guess well."""
+    draft_model_path: str | None = None
+    """The draft model's folder (method "draft"): loaded into the same worker on the same device, its
+    KV cache inside the worker's memory budget; its tokenizer must be the served model's."""
+
+    @field_validator("method")
+    @classmethod
+    def _method(cls, value: str) -> str:
+        if value not in SPECULATIVE_METHODS:
+            raise _invalid(
+                "speculative__method", value, f"must be one of {', '.join(SPECULATIVE_METHODS)}", "ngram"
+            )
+        return value
+
+    @field_validator("num_tokens", "ngram_max", "ngram_min")
+    @classmethod
+    def _positive(cls, value: int, info: ValidationInfo) -> int:
+        if value < 1:
+            name = str(info.field_name)
+            raise _invalid(f"speculative__{name}", value, "must be >= 1", str(cls.model_fields[name].default))
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SpeculativeConfig:
+        if (self.method == "draft") != (self.draft_model_path is not None):
+            raise _invalid(
+                "speculative__draft_model_path",
+                self.draft_model_path,
+                f'is needed by method "draft" and by no other (method is {self.method!r})',
+                "models/Qwen2.5-Coder-0.5B-Instruct with method draft",
+            )
+        if self.ngram_max < self.ngram_min:
+            raise _invalid(
+                "speculative__ngram_max",
+                self.ngram_max,
+                f"must be >= ngram_min ({self.ngram_min})",
+                str(self.ngram_min),
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
 
 
 class EngineConfig(BaseModel):
@@ -69,6 +132,8 @@ class EngineConfig(BaseModel):
     test driving a worker process from outside can act while its requests are still running."""
     shed_recovery_steps: int = 16
     """After load shedding, successful steps between each +1 of the running limit."""
+    speculative: SpeculativeConfig = SpeculativeConfig()
+    """Speculative decoding, off by default (docs/speculative-decoding.md)."""
 
     @field_validator("block_size")
     @classmethod

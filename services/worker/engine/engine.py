@@ -1,8 +1,9 @@
 """The synchronous engine: one step is `schedule`, `run`, `postprocess`.
 
-It owns one model's scheduler, block manager and runner, validates requests, resolves seeds, and
-turns an out-of-memory step into load shedding instead of a crash. It has no threads and no asyncio:
-async_engine.py drives it from its own thread.
+It owns one model's scheduler, block manager, runner and (with engine.speculative on) speculator,
+whose drafts the schedule takes and whose cost model each step's time feeds; it validates requests,
+resolves seeds, and turns an out-of-memory step into load shedding instead of a crash. It has no
+threads and no asyncio: async_engine.py drives it from its own thread.
 """
 
 from __future__ import annotations
@@ -16,15 +17,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.worker.engine.block_manager import BlockManager
-from services.worker.engine.config import EngineConfig
+from services.worker.engine.config import EngineConfig, SpeculativeConfig
+from services.worker.engine.draft_model import DraftModel
 from services.worker.engine.faults import FaultInjector, SimulatedOutOfMemoryError
 from services.worker.engine.memory_profile import explicit_num_blocks, size_kv_cache
 from services.worker.engine.model_runner import ModelRunner
 from services.worker.engine.params import InvalidRequestError, SamplingParams
 from services.worker.engine.scheduler import Scheduler, SchedulerStats
 from services.worker.engine.sequence import FinishReason, Sequence, StepOutput
+from services.worker.engine.speculation import Speculator
 from services.worker.model.loader import load_model
-from strata.fingerprint import weights_fingerprint
+from strata.fingerprint import tokenizer_fingerprint, weights_fingerprint
 
 if TYPE_CHECKING:
     from collections.abc import Sequence as SequenceOf
@@ -49,7 +52,30 @@ class EngineStats(SchedulerStats):
     last_batch_size: int
     last_batch_tokens: int
     last_num_decodes: int
-    """Sequences of the last step that decoded one token (the rest of its tokens were prefill)."""
+    """Sequences of the last step that decoded (the rest of its tokens were drafts and prefill)."""
+    last_num_draft_tokens: int
+    """Drafted tokens the last step scored."""
+
+    @property
+    def last_prefill_tokens(self) -> int:
+        """The last step's prompt tokens: its tokens less its decodes' and their drafts'."""
+        return self.last_batch_tokens - self.last_num_decodes - self.last_num_draft_tokens
+
+
+def load_draft(loaded: LoadedModel, config: SpeculativeConfig) -> LoadedModel | None:
+    """The draft model of method "draft", on the served model's device and in its dtype; its
+    tokenizer must be the served model's (a draft token must mean the same text)."""
+    if config.method != "draft" or config.draft_model_path is None:
+        return None
+    draft = load_model(config.draft_model_path, device=str(loaded.device), dtype=loaded.dtype)
+    ours, theirs = (tokenizer_fingerprint(p if p.is_dir() else p.parent) for p in (loaded.path, draft.path))
+    if ours != theirs:
+        raise ValueError(
+            f"engine.speculative.draft_model_path={config.draft_model_path!r} has another tokenizer "
+            f"({theirs}) than the served model {loaded.path} ({ours}): choose a draft model of the same "
+            "family and tokenizer, e.g. Qwen2.5-Coder-0.5B-Instruct for Qwen2.5-Coder-1.5B-Instruct"
+        )
+    return draft
 
 
 def model_fingerprint(loaded: LoadedModel, kv_cache_dtype: str) -> str:
@@ -66,7 +92,8 @@ class LLMEngine:
         self.config = config
         self.model_config: ModelConfig = loaded.config
         self.max_model_len = config.resolve_max_model_len(loaded.config.max_position_embeddings)
-        explicit = explicit_num_blocks(loaded, config)
+        draft = load_draft(loaded, config.speculative)
+        explicit = explicit_num_blocks(loaded, config, draft)
         if explicit and explicit * config.block_size < self.max_model_len:
             # One full-length request must always fit, or preemption could loop forever: an explicit
             # cache smaller than the context shrinks the context (a budget that small refuses to start).
@@ -79,7 +106,7 @@ class LLMEngine:
             )
             self.max_model_len = explicit * config.block_size
         # Before the cache exists: the largest step is measured, and the cache gets what is left.
-        self.memory: MemoryBudget = size_kv_cache(loaded, config, self.max_model_len)
+        self.memory: MemoryBudget = size_kv_cache(loaded, config, self.max_model_len, draft=draft)
         num_blocks = self.memory.num_blocks
         self.runner = ModelRunner(
             loaded,
@@ -102,6 +129,15 @@ class LLMEngine:
             eos_token_ids=loaded.config.eos_token_ids,
             max_model_len=self.max_model_len,
         )
+        self.speculator: Speculator | None = None
+        if config.speculative.enabled:
+            drafts = None
+            if draft is not None:
+                vocab = loaded.config.vocab_size
+                drafts = DraftModel(
+                    draft, num_blocks, config.block_size, config.max_num_batched_tokens, vocab
+                )
+            self.speculator = Speculator(config.speculative, self.max_model_len, drafts)
         self.faults = FaultInjector(config.enable_fault_injection)
         if config.fault_step_delay_s:
             self.faults.set_step_delay(config.fault_step_delay_s)
@@ -116,6 +152,7 @@ class LLMEngine:
         self._last_batch_size = 0
         self._last_batch_tokens = 0
         self._last_num_decodes = 0
+        self._last_num_draft_tokens = 0
 
     @classmethod
     def from_model_dir(
@@ -170,13 +207,18 @@ class LLMEngine:
         return seq
 
     def abort(self, request_id: str) -> bool:
+        if self.speculator is not None:
+            self.speculator.release(request_id)
         return self.scheduler.abort(request_id)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
     def step(self) -> list[StepOutput]:
-        batch = self.scheduler.schedule()
+        proposing = time.perf_counter()
+        proposals = self.speculator.propose(self.scheduler.running) if self.speculator is not None else None
+        drafting = time.perf_counter() - proposing
+        batch = self.scheduler.schedule(proposals)
         if batch.is_empty:
             return []
         started = time.perf_counter()
@@ -189,12 +231,20 @@ class LLMEngine:
         outputs = self.scheduler.postprocess(
             batch, result.tokens, logprobs=result.logprobs, prompt_logprobs=result.prompt_logprobs
         )
+        if self.speculator is not None:
+            for out in outputs:
+                if out.finished:
+                    self.speculator.release(out.request_id)
         elapsed = time.perf_counter() - started
+        if self.speculator is not None:
+            # What a draft costs includes drafting it: a draft model's passes.
+            self.speculator.observe_step(batch.num_batched_tokens, elapsed + drafting)
         self._last_step_ms = elapsed * 1000.0
         self.step_seconds.append(elapsed)
         self._last_batch_size = len(batch.entries)
         self._last_batch_tokens = batch.num_batched_tokens
         self._last_num_decodes = batch.num_decodes
+        self._last_num_draft_tokens = sum(entry.num_drafts for entry in batch.entries)
         self.step_log.append((batch.num_batched_tokens, batch.num_samples))
         self.step_cached_tokens.append(sum(entry.start for entry in batch.entries))
         return outputs
@@ -214,6 +264,8 @@ class LLMEngine:
         # One sequence alone keeps failing: end it with an error rather than retry it forever.
         outputs = []
         for seq in self.scheduler.running:
+            if self.speculator is not None:
+                self.speculator.release(seq.request_id)
             self.scheduler.abort(seq.request_id, FinishReason.ERROR)
             outputs.append(
                 StepOutput(
@@ -264,4 +316,5 @@ class LLMEngine:
             last_batch_size=self._last_batch_size,
             last_batch_tokens=self._last_batch_tokens,
             last_num_decodes=self._last_num_decodes,
+            last_num_draft_tokens=self._last_num_draft_tokens,
         )

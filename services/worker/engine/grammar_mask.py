@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import llguidance
 import numpy as np
 import torch
-from llguidance.torch import fill_next_token_bitmask_par
+from llguidance.torch import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -44,16 +44,30 @@ class GrammarMasker:
         self._buffer = torch.zeros((0, 0), dtype=torch.int32)
         self.stats = MaskStats()
 
-    def apply(self, logits: torch.Tensor, rows: Sequence[tuple[int, GrammarMatcher]]) -> None:
-        """Mask logits [N, V] in place: rows[i] = (row index in logits, that row's grammar state)."""
+    def apply(self, logits: torch.Tensor, rows: Sequence[tuple[int, GrammarMatcher, Sequence[int]]]) -> None:
+        """Mask logits [N, V] in place: rows[i] = (a constrained sequence's first row in logits, its
+        grammar state, its drafts). A speculative decode's drafts have one row each after its first,
+        masked for the state after the drafts before it; the library walks the drafts and rolls its
+        matcher back, so the state is what it was (step_results.py advances it by the tokens kept)."""
         if not rows:
             return
         started = time.perf_counter()
         vocab = logits.shape[1]
         # The library writes exactly its tokenizer's words; every row's grammar shares one tokenizer.
         known = rows[0][1].vocab_size
-        bitmask = self._bitmask(len(rows), (known + 31) // 32)
-        fill_next_token_bitmask_par(self.executor, [(g.raw, i) for i, (_, g) in enumerate(rows)], bitmask)
+        count = sum(1 + len(drafts) for _, _, drafts in rows)
+        bitmask = self._bitmask(count, (known + 31) // 32)
+        entries, at = [], []
+        for first, grammar, drafts in rows:
+            entries.append((grammar.raw, len(at), list(drafts)))
+            at.extend(range(first, first + 1 + len(drafts)))
+        # The library takes drafts only where there are some: two calls, each filling its own rows.
+        drafting = [entry for entry in entries if entry[2]]
+        plain = [(raw, row) for raw, row, drafts in entries if not drafts]
+        if drafting:
+            fill_next_token_bitmask_par_with_draft_tokens(self.executor, drafting, bitmask)
+        if plain:
+            fill_next_token_bitmask_par(self.executor, plain, bitmask)
         # The inverted bits unpack to 0/1 bytes that are already a bool tensor's storage: no compare.
         inverted = np.invert(bitmask.numpy()).view(np.uint8)
         refused = torch.from_numpy(np.unpackbits(inverted, axis=1, count=known, bitorder="little")).view(
@@ -61,17 +75,16 @@ class GrammarMasker:
         )
         if vocab > known:
             # Ids past the tokenizer's (padding rows of the embedding) are never allowed.
-            padding = torch.ones((len(rows), vocab - known), dtype=torch.bool)
+            padding = torch.ones((count, vocab - known), dtype=torch.bool)
             refused = torch.cat([refused, padding], dim=1)
         refused = refused.to(logits.device)
-        at = [row for row, _ in rows]
         if at == list(range(logits.shape[0])):
             logits.masked_fill_(refused, float("-inf"))  # every row constrained: in place, no copy
         else:
             index = torch.tensor(at, device=logits.device)
             logits[index] = logits[index].masked_fill(refused, float("-inf"))
         self.stats.steps += 1
-        self.stats.rows += len(rows)
+        self.stats.rows += count
         self.stats.seconds += time.perf_counter() - started
 
     def _bitmask(self, rows: int, words: int) -> torch.Tensor:

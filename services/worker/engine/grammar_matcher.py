@@ -44,6 +44,11 @@ class GrammarMatcher:
         self.consumed += 1
         return bool(self._matcher.consume_token(token))
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens the grammar would accept from here, without advancing (a
+        speculative decode's drafts are cut there before the model scores them)."""
+        return int(self._matcher.validate_tokens(list(tokens)))
+
     def replay(self, tokens: Sequence[int]) -> bool:
         """Accept tokens generated before this matcher existed (a failover's prior output)."""
         return all(self.advance(token) for token in tokens)

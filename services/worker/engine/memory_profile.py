@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,34 +49,49 @@ def size_kv_cache(
     config: EngineConfig,
     max_model_len: int,
     limit: Callable[[str], MemoryLimit] | None = None,
+    draft: LoadedModel | None = None,
 ) -> MemoryBudget:
     """Profile the largest step, then plan the KV cache within `limit(device)` (memory_limit's by
-    default); raises MemoryBudgetError."""
+    default); raises MemoryBudgetError. With a draft model (loaded already, so in the measured
+    baseline), its weights count as weights and a block is one of each cache's: both hold as many
+    tokens."""
     profile = profile_largest_step(loaded, config, max_model_len)
-    fmt = kv_format.resolve(config.kv_cache_dtype, loaded.dtype, loaded.device)
+    if draft is not None:
+        profile = replace(profile, weights_bytes=profile.weights_bytes + weights_bytes(draft.model))
     request = CacheRequest(
         block_size=config.block_size,
-        bytes_per_block=KVCache.bytes_per_block(loaded.config, config.block_size, fmt),
+        bytes_per_block=bytes_per_block(loaded, config, draft),
         max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs,
         memory_utilization=config.memory_utilization,
         num_blocks=config.num_blocks,
         kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-        kv_cache_dtype=fmt.name,
+        kv_cache_dtype=kv_format.resolve(config.kv_cache_dtype, loaded.dtype, loaded.device).name,
     )
     # Measured after loading and profiling: what others took meanwhile is no longer available.
     found = (memory_limit if limit is None else limit)(str(loaded.device))
     return plan(found, profile, request)
 
 
-def explicit_num_blocks(loaded: LoadedModel, config: EngineConfig) -> int | None:
+def explicit_num_blocks(
+    loaded: LoadedModel, config: EngineConfig, draft: LoadedModel | None = None
+) -> int | None:
     """The blocks an explicit num_blocks or kv_cache_memory_bytes asks for; None when memory sizes it."""
     if config.num_blocks is not None:
         return config.num_blocks
     if config.kv_cache_memory_bytes is None:
         return None
+    return config.kv_cache_memory_bytes // bytes_per_block(loaded, config, draft)
+
+
+def bytes_per_block(loaded: LoadedModel, config: EngineConfig, draft: LoadedModel | None = None) -> int:
+    """One block of the KV cache in the configured format, and of the draft model's (its own dtype)."""
     fmt = kv_format.resolve(config.kv_cache_dtype, loaded.dtype, loaded.device)
-    return config.kv_cache_memory_bytes // KVCache.bytes_per_block(loaded.config, config.block_size, fmt)
+    size = KVCache.bytes_per_block(loaded.config, config.block_size, fmt)
+    if draft is not None:
+        own = kv_format.resolve("auto", draft.dtype, draft.device)
+        size += KVCache.bytes_per_block(draft.config, config.block_size, own)
+    return size
 
 
 def profile_largest_step(loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> MemoryProfile:

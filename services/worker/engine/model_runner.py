@@ -25,6 +25,7 @@ from services.worker.model.kv_cache import KVCache
 if TYPE_CHECKING:
     from services.worker.engine.cuda_graphs import CaptureReport, CudaGraphRunner
     from services.worker.engine.grammar_mask import GrammarMasker
+    from services.worker.engine.grammar_matcher import GrammarMatcher
     from services.worker.engine.scheduler import ScheduledBatch
     from services.worker.engine.sequence import TokenLogprobs
     from services.worker.model.loader import LoadedModel
@@ -34,10 +35,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class StepResult:
-    """What one forward pass produced: one token per sampling entry, in entry order, and the log
-    probabilities of the entries that asked for them."""
+    """What one forward pass produced: one token per sampled row, in entry order, and the log
+    probabilities of the rows that asked for them."""
 
     tokens: list[int]
+    """One per sampled row: a speculative decode has one per position, its drafts' verdicts."""
     logprobs: list[TokenLogprobs | None] | None = None
     """Aligned with tokens; None when no entry asked."""
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
@@ -90,7 +92,7 @@ class ModelRunner:
             )
 
     def run(self, batch: ScheduledBatch) -> list[int]:
-        """Forward the batch and return one sampled token per entry that samples, in entry order."""
+        """Forward the batch and return one sampled token per sampled row, in entry order."""
         return self.run_step(batch).tokens
 
     def run_step(self, batch: ScheduledBatch) -> StepResult:
@@ -136,8 +138,12 @@ class ModelRunner:
         return any(entry.seq.grammar is not None for entry in batch.entries if entry.sample)
 
     def _mask_grammars(self, logits: torch.Tensor, batch: ScheduledBatch) -> None:
-        sampled = (entry.seq for entry in batch.entries if entry.sample)
-        rows = [(i, seq.grammar) for i, seq in enumerate(sampled) if seq.grammar is not None]
+        rows: list[tuple[int, GrammarMatcher, list[int]]] = []
+        row = 0
+        for entry in batch.entries:
+            if entry.seq.grammar is not None and entry.sample:
+                rows.append((row, entry.seq.grammar, entry.drafts))
+            row += entry.num_sampled_rows
         if not rows:
             return
         if self.masker is None:
@@ -153,14 +159,25 @@ class ModelRunner:
         context_lens: list[int] = []
         block_tables: list[list[int]] = []
         logits_indices: list[int] = []
-        for entry in batch.entries:
+        for index, entry in enumerate(batch.entries):
             input_ids.extend(entry.token_ids)
             positions.extend(range(entry.start, entry.start + entry.num_tokens))
+            table = entry.seq.block_table
+            if index < batch.num_decodes:
+                # A decode row per position: a speculative decode's rows are the decodes its tokens
+                # would have been one step at a time, so each computes the same bits as that decode.
+                rows = range(entry.start + 1, entry.start + entry.num_tokens + 1)
+                query_lens.extend(1 for _ in rows)
+                context_lens.extend(rows)
+                block_tables.extend(table for _ in rows)
+                logits_indices.extend(range(len(input_ids) - entry.num_tokens, len(input_ids)))
+                continue
             query_lens.append(entry.num_tokens)
             context_lens.append(entry.start + entry.num_tokens)
-            block_tables.append(entry.seq.block_table)
+            block_tables.append(table)
             if entry.sample:
                 logits_indices.append(len(input_ids) - 1)
+        num_decode_rows = sum(e.num_tokens for e in batch.entries[: batch.num_decodes])
         if self.graphs is not None and batch.num_decodes == len(batch.entries):
             hidden = self.graphs.run_decode(input_ids, positions, context_lens, block_tables)
             if hidden is not None:
@@ -171,36 +188,39 @@ class ModelRunner:
             block_tables=block_tables,
             block_size=self.block_size,
             device=self.device,
-            num_decodes=batch.num_decodes,
+            num_decodes=num_decode_rows,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return self.model(ids, pos, meta, self.cache), logits_indices
 
     def _sample_rows(self, batch: ScheduledBatch) -> list[SampleRow]:
+        """One row per sampled position: a speculative decode's row i draws its output position as
+        if drafts[:i] were already its output."""
         eos = self.loaded.config.eos_token_ids
         rows = []
         for entry in batch.entries:
-            if not entry.sample:
-                continue
             seq = entry.seq
             params = seq.params
-            # Only the penalties read the history; greedy rows skip building it.
-            needs_history = params.repetition_penalty != 1.0 or params.no_repeat_ngram_size > 0
-            history = seq.prompt_ids + seq.output_ids if needs_history else ()
-            output: list[int] = []
-            if params.presence_penalty or params.frequency_penalty:
-                # A failover's prior output is the tail of the engine's prompt and counts as generated.
-                prior = seq.prompt_ids[len(seq.prompt_ids) - params.prior_output_tokens :]
-                output = prior + seq.output_ids if params.prior_output_tokens else seq.output_ids
-            rows.append(
-                SampleRow(
-                    params=params,
-                    seed=seq.seed,
-                    position=len(seq.output_ids),
-                    history=history,
-                    output=output,
-                    banned=banned_until_min_tokens(params, len(seq.output_ids), eos),
+            drafts = entry.drafts
+            for i in range(entry.num_sampled_rows):
+                output_ids = seq.output_ids + drafts[:i] if i else seq.output_ids
+                # Only the penalties read the history; greedy rows skip building it.
+                needs_history = params.repetition_penalty != 1.0 or params.no_repeat_ngram_size > 0
+                history = seq.prompt_ids + output_ids if needs_history else ()
+                output: list[int] = []
+                if params.presence_penalty or params.frequency_penalty:
+                    # A failover's prior output is the tail of the engine's prompt and counts as generated.
+                    prior = seq.prompt_ids[len(seq.prompt_ids) - params.prior_output_tokens :]
+                    output = prior + output_ids if params.prior_output_tokens else output_ids
+                rows.append(
+                    SampleRow(
+                        params=params,
+                        seed=seq.seed,
+                        position=len(output_ids),
+                        history=history,
+                        output=output,
+                        banned=banned_until_min_tokens(params, len(output_ids), eos),
+                    )
                 )
-            )
         return rows

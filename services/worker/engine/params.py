@@ -36,6 +36,8 @@ class SamplingParams:
     probabilities; N >= 0 returns each sampled token's and its N most likely alternatives'.
     prompt_logprobs likewise for the prompt's tokens. prior_output_tokens counts the trailing prompt
     ids that are a failed worker's output, which the penalties and min_tokens count as output.
+    speculate False keeps the request out of speculative decoding where the engine has it on (its
+    tokens are the same either way; only its steps' shape changes).
     """
 
     max_new_tokens: int = 64
@@ -55,6 +57,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     prior_output_tokens: int = 0
+    speculate: bool = True
 
     @property
     def processed(self) -> bool:

@@ -1,14 +1,15 @@
 """Continuous batching: which sequences run in the next engine step, and how many tokens each.
 
-Owns the waiting and running queues, the per-step token budget (of which a step's decodes leave prefill
-less, at decode_cost_tokens each, so that a step's length stays bounded), chunked prefill, priorities
-(FCFS within one), preemption by recompute when KV blocks run out, and load shedding after a step that
-ran out of memory. A waiting sequence whose prefix the block manager has cached starts from those
-blocks: its KV need and its share of the prefill budget count only the tokens it computes.
-postprocess applies each step's sampled tokens through step_results.py (outputs and finish
-decisions) and takes back the sequences that end. It must not import torch nor do I/O: the runner
-executes batches, the engine loop owns the thread that calls schedule, postprocess, abort and
-shed_load, one at a time.
+Owns the waiting and running queues, the per-step token budget (of which a step's decodes leave
+prefill less, at decode_cost_tokens each, so that a step's length stays bounded), chunked prefill,
+priorities (FCFS within one), preemption by recompute when KV blocks run out, load shedding after a
+step that ran out of memory, and which decodes score drafted tokens (speculation.py proposes them;
+only budget and free blocks left after every plain decode go to them). A waiting sequence whose prefix
+the block manager has cached starts from those blocks: its KV need and its share of the prefill budget
+count only the tokens it computes. postprocess applies each step's sampled tokens through
+step_results.py (outputs and finish decisions) and takes back the sequences that end. It must not
+import torch nor do I/O: the runner executes batches, the engine loop owns the thread that calls
+schedule, postprocess, abort and shed_load, one at a time.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from services.worker.engine.step_results import StopRule, apply_step
 from services.worker.engine.waiting_queue import WaitingQueue
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Mapping
     from collections.abc import Sequence as SequenceOf
 
     from services.worker.engine.block_manager import BlockManager
@@ -75,6 +76,9 @@ class Scheduler:
         self._last_kind_was_prefill = False
         self._prefix_query_blocks = 0
         self._prefix_hit_blocks = 0
+        self._num_draft_tokens = 0
+        self._num_accepted_tokens = 0
+        self._num_speculative_decodes = 0
 
     def check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
         """Raise InvalidRequestError if a request of this size could never fit this engine's KV cache."""
@@ -153,6 +157,9 @@ class Scheduler:
             num_evictions=bm.num_evictions,
             prefix_query_blocks=self._prefix_query_blocks,
             prefix_hit_blocks=self._prefix_hit_blocks,
+            num_draft_tokens=self._num_draft_tokens,
+            num_accepted_tokens=self._num_accepted_tokens,
+            num_speculative_decodes=self._num_speculative_decodes,
         )
 
     def prefill_budget(self, num_decodes: int) -> int:
@@ -162,14 +169,20 @@ class Scheduler:
         left = budget - int(num_decodes * self.config.decode_cost_tokens + 0.5)
         return max(min(self.block_manager.block_size, budget), left)
 
-    def schedule(self) -> ScheduledBatch:
-        """Pick this step's work. Allocates the KV blocks it needs; may preempt running sequences."""
+    def schedule(self, proposals: Mapping[str, list[int]] | None = None) -> ScheduledBatch:
+        """Pick this step's work. Allocates the KV blocks it needs; may preempt running sequences.
+
+        proposals: request id -> tokens drafted to follow its last one (speculation.py); a decoding
+        sequence scores as many of them as the step's budget and the free blocks allow after every
+        plain decode is placed, so that drafts never preempt nor displace anyone's work.
+        """
         self._num_steps += 1
         plan = StepPlan(self._num_steps, self.config.max_num_batched_tokens)
         order = sorted(self._running, key=_urgency)
         if self.config.mixed_batches:
             self._schedule_decodes(plan, order)
-            plan.budget = min(plan.budget, self.prefill_budget(plan.batch.num_decodes))
+            drafted = self._add_drafts(plan, proposals or {})
+            plan.budget = min(plan.budget, self.prefill_budget(plan.batch.num_decodes + drafted))
             self._schedule_prefills(plan, order)
             return plan.batch
         # Alternate when both kinds of work exist, so neither prefills nor decodes starve.
@@ -179,6 +192,7 @@ class Scheduler:
                 self._schedule_prefills(plan, order)
             else:
                 self._schedule_decodes(plan, order)
+                self._add_drafts(plan, proposals or {})
             if plan.batch.entries:
                 self._last_kind_was_prefill = is_prefill
                 break
@@ -192,8 +206,8 @@ class Scheduler:
         logprobs: SequenceOf[TokenLogprobs | None] | None = None,
         prompt_logprobs: dict[int, list[TokenLogprobs]] | None = None,
     ) -> list[StepOutput]:
-        """Apply a finished step: sampled holds one token id per entry with sample=True, in order;
-        logprobs (aligned with it) and prompt_logprobs (by entry index) what the runner computed."""
+        """Apply a finished step: sampled holds one token id per sampled row, in order; logprobs
+        (aligned with it) and prompt_logprobs (by entry index) what the runner computed."""
         outputs = apply_step(
             batch,
             sampled,
@@ -203,6 +217,15 @@ class Scheduler:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
+        for entry in batch.entries[: batch.num_decodes]:
+            if entry.num_drafts and entry.seq.status is SequenceStatus.RUNNING:
+                # Blocks that hold only rejected drafts' slots go back now: tables stay exact.
+                self.block_manager.release_tail(entry.seq, entry.seq.num_computed_tokens)
+        for out in outputs:
+            if out.num_drafted:
+                self._num_draft_tokens += out.num_drafted
+                self._num_accepted_tokens += out.num_accepted
+                self._num_speculative_decodes += 1
         self._recover_after_shed()
         return outputs
 
@@ -256,6 +279,24 @@ class Scheduler:
                 order.pop(i)
                 self._preempt(seq)
                 plan.batch.preempted.append(seq)
+
+    def _add_drafts(self, plan: StepPlan, proposals: Mapping[str, list[int]]) -> int:
+        """Let the step's decodes score their proposals, in urgency order, while budget and free
+        blocks last; return how many draft tokens it took."""
+        bm = self.block_manager
+        taken = 0
+        for index, entry in enumerate(plan.batch.entries[: plan.batch.num_decodes]):
+            seq = entry.seq
+            drafts = proposals.get(seq.request_id)
+            if not drafts or plan.budget <= 0:
+                continue
+            room = min(len(drafts), plan.budget, bm.capacity_for(seq) - seq.num_computed_tokens - 1)
+            if room <= 0:
+                continue
+            bm.allocate_for(seq, seq.num_computed_tokens + 1 + room)
+            plan.speculate(index, drafts[:room])
+            taken += room
+        return taken
 
     def _schedule_prefills(self, plan: StepPlan, order: list[Sequence]) -> None:
         bm = self.block_manager

@@ -67,9 +67,11 @@ class Sequence:
         "cache_salt",
         "finish_reason",
         "grammar",
+        "num_accepted_drafts",
         "num_cached_tokens",
         "num_committed_blocks",
         "num_computed_tokens",
+        "num_draft_trials",
         "num_preemptions",
         "output_ids",
         "params",
@@ -120,6 +122,8 @@ class Sequence:
         self.grammar = grammar
         self.prompt_logprobs: list[TokenLogprobs] = []
         """With params.prompt_logprobs: entry j is prompt token j + 1's, filled as prefill runs."""
+        self.num_draft_trials = 0
+        self.num_accepted_drafts = 0
 
     @property
     def needs_prompt_logits(self) -> bool:
@@ -193,11 +197,20 @@ class StepOutput:
     """With params.logprobs: one entry per new token."""
     prompt_logprobs: list[TokenLogprobs] | None = None
     """With params.prompt_logprobs: on the first output only, one entry per prompt token after the first."""
+    num_drafted: int = 0
+    """Speculative tokens this step scored for the sequence."""
+    num_accepted: int = 0
+    """Of those, the ones its model agreed with (each is one of new_token_ids)."""
 
 
 @dataclass(frozen=True, slots=True)
 class ScheduledEntry:
-    """One sequence's share of a step: tokens [start, start + num_tokens) go through the model."""
+    """One sequence's share of a step: tokens [start, start + num_tokens) go through the model.
+
+    A speculative decode's token_ids are its last token then num_drafts proposed ones (not yet its
+    output): each of its num_tokens positions is sampled, one row each, and step_results.py keeps
+    the drafts its model agrees with.
+    """
 
     seq: Sequence
     start: int
@@ -205,11 +218,22 @@ class ScheduledEntry:
     token_ids: list[int]
     sample: bool
     """True iff all of the sequence's tokens are computed after this step, so it yields a token."""
+    num_drafts: int = 0
+
+    @property
+    def drafts(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_drafts :]
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Rows of logits this entry samples: one per position for a speculative decode."""
+        return 1 + self.num_drafts if self.sample else 0
 
 
 @dataclass(slots=True)
 class ScheduledBatch:
-    """The work of one engine step: decodes first (one token each), then prefill chunks."""
+    """The work of one engine step: decodes first (one token each, or a speculative decode's last
+    token and drafts), then prefill chunks. num_decodes counts the decode entries."""
 
     step_id: int
     entries: list[ScheduledEntry] = field(default_factory=list)
@@ -222,7 +246,8 @@ class ScheduledBatch:
 
     @property
     def num_samples(self) -> int:
-        return sum(1 for e in self.entries if e.sample)
+        """Rows of logits the step samples (a speculative decode samples each of its positions)."""
+        return sum(e.num_sampled_rows for e in self.entries)
 
     @property
     def is_empty(self) -> bool:

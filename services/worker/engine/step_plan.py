@@ -43,6 +43,12 @@ class SchedulerStats:
     """Full prompt blocks that new requests could have found cached (the last token's aside)."""
     prefix_hit_blocks: int
     """Of those, the blocks the prefix cache served."""
+    num_draft_tokens: int
+    """Speculative tokens scored since start."""
+    num_accepted_tokens: int
+    """Of those, the ones kept (each saved a step's read of the weights)."""
+    num_speculative_decodes: int
+    """Decodes that scored drafts since start (accepted tokens per such decode: their ratio)."""
 
 
 class StepPlan:
@@ -61,3 +67,14 @@ class StepPlan:
         self.batch.num_decodes += decode
         self.budget -= num_tokens
         self.scheduled.add(seq.request_id)
+
+    def speculate(self, index: int, drafts: list[int]) -> None:
+        """Make decode entry `index` also score `drafts`, the tokens proposed to follow its last one."""
+        entry = self.batch.entries[index]
+        if entry.num_tokens != 1 or not entry.sample:
+            raise ValueError(f"entry {index} of step {self.batch.step_id} is not a plain decode")
+        tokens = entry.token_ids + drafts
+        self.batch.entries[index] = ScheduledEntry(
+            entry.seq, entry.start, len(tokens), tokens, True, len(drafts)
+        )
+        self.budget -= len(drafts)
