@@ -63,6 +63,7 @@ def to_generate_request(
         logit_bias=body.logit_bias_ids(),
         stop_token_ids=body.stop_token_ids or [],
         min_tokens=body.min_tokens,
+        no_speculation=not body.speculate,
     )
     top = body.top_alternatives()
     if top is not None:

@@ -148,6 +148,8 @@ class _Common(_Body):
     repetition_penalty: float | None = None
     no_repeat_ngram_size: int = 0
     ignore_eos: bool = False
+    speculate: bool = True
+    """False keeps the request out of the worker's speculative decoding (same tokens, one a step)."""
     priority: Literal["interactive", "batch"] | None = None
     allow_fallback: bool = False
     no_fallback: bool = False

@@ -80,6 +80,7 @@ class GenerateOptions(TypedDict, total=False):
     json_object: bool
     regex: str | None
     grammar: str | None
+    speculate: bool
 
 
 def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:

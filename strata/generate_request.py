@@ -71,6 +71,7 @@ def build_request(
     json_object: bool = False,
     regex: str | None = None,
     grammar: str | None = None,
+    speculate: bool = True,
 ) -> gateway_pb2.GenerateRequest:
     """The GenerateRequest for these arguments; None leaves an optional field unset (the server's default).
 
@@ -79,7 +80,8 @@ def build_request(
     token's log probability with its N most likely alternatives (0: the token's alone); None: none.
     `prompt_logprobs` likewise for the prompt's tokens. `n` samples of the prompt come back as the
     response's choices. At most one output constraint: `json_schema` (a dict, or its JSON text),
-    `json_object`, `regex`, or `grammar` (Lark).
+    `json_object`, `regex`, or `grammar` (Lark). `speculate` False keeps the request out of the
+    worker's speculative decoding.
     """
     sampling = common_pb2.SamplingParams(
         max_new_tokens=max_new_tokens,
@@ -94,6 +96,7 @@ def build_request(
         logit_bias=dict(logit_bias or {}),
         stop_token_ids=list(stop_token_ids),
         min_tokens=min_tokens,
+        no_speculation=not speculate,
     )
     if logprobs is not None:
         sampling.logprobs = True

@@ -73,6 +73,7 @@ def sampling_params(submission: worker_pb2.Submission) -> SamplingParams:
         logprobs=wire.top_logprobs if wire.logprobs else None,
         prompt_logprobs=wire.prompt_logprobs if wire.HasField("prompt_logprobs") else None,
         prior_output_tokens=prior,
+        speculate=not wire.no_speculation,
     )
 
 

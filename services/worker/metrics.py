@@ -2,8 +2,9 @@
 
 `EngineMetrics` reads the batch-size, running, waiting, KV-usage, device-memory and prefix-cache
 gauges from the engine's latest snapshot when Prometheus scrapes, and, as a step listener, observes
-each step's time, counts the tokens it computed, and moves the prefix cache's counters (queried and
-hit prompt blocks, whose ratio is the hit rate, and evictions) by what the step added; the memory
+each step's time, counts the tokens it computed and the drafts speculative decoding scored and kept,
+and moves the prefix cache's counters (queried and hit prompt blocks, whose ratio is the hit rate, and
+evictions) by what the step added; the memory
 budget's parts are set once, when the engine is built, and so is the native kernels' state. Rejected
 submissions are counted by code where connection.py rejects them. This module must not decide
 anything nor touch gRPC.
@@ -54,7 +55,7 @@ STEP_SECONDS = Histogram(
 )
 STEP_TOKENS = Counter(
     "strata_engine_tokens_total",
-    "Tokens the engine computed, by phase (prefill or decode).",
+    "Tokens the engine computed, by phase (prefill, decode, or draft: speculative tokens scored).",
     ["model", "phase"],
 )
 PREFIX_CACHED_BLOCKS = Gauge(
@@ -70,6 +71,17 @@ PREFIX_QUERY_BLOCKS = Counter(
 PREFIX_HIT_BLOCKS = Counter(
     "strata_prefix_cache_hit_blocks_total",
     "Full prompt blocks the prefix cache served (hit rate: this over the query blocks).",
+    ["model"],
+)
+DRAFT_TOKENS = Counter(
+    "strata_spec_draft_tokens_total",
+    "Drafted tokens speculative decoding scored, by verdict (accepted or rejected): the acceptance rate "
+    "is accepted over both.",
+    ["model", "verdict"],
+)
+SPECULATIVE_DECODES = Counter(
+    "strata_spec_decodes_total",
+    "Decodes that scored drafts (accepted drafts over this: tokens gained per speculative decode).",
     ["model"],
 )
 PREFIX_EVICTIONS = Counter(
@@ -117,7 +129,12 @@ class EngineMetrics:
         stats, model = report.stats, self._model
         STEP_SECONDS.labels(model).observe(report.ended - report.started)
         STEP_TOKENS.labels(model, "decode").inc(stats.last_num_decodes)
-        STEP_TOKENS.labels(model, "prefill").inc(stats.last_batch_tokens - stats.last_num_decodes)
+        STEP_TOKENS.labels(model, "prefill").inc(stats.last_prefill_tokens)
+        STEP_TOKENS.labels(model, "draft").inc(stats.last_num_draft_tokens)
+        accepted = sum(out.num_accepted for out in report.outputs)
+        DRAFT_TOKENS.labels(model, "accepted").inc(accepted)
+        DRAFT_TOKENS.labels(model, "rejected").inc(stats.last_num_draft_tokens - accepted)
+        SPECULATIVE_DECODES.labels(model).inc(sum(1 for out in report.outputs if out.num_drafted))
         now = (stats.prefix_query_blocks, stats.prefix_hit_blocks, stats.num_evictions)
         queried, hit, evicted = (new - old for new, old in zip(now, self._counted, strict=True))
         self._counted = now

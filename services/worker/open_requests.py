@@ -64,6 +64,9 @@ class AcceptedRequest:
     output_tokens: int = 0
     cached_prompt_tokens: int = 0
     """Prompt tokens the prefix cache served, as the engine's updates report them."""
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    """Speculative decoding's drafts for it, and those kept, for its forward span."""
     deadline: asyncio.TimerHandle | None = None
     spans: RequestSpans | None = None
     """Its trace state; None when untraced."""
@@ -131,6 +134,8 @@ class OpenRequests:
                 record.first_step = report.started
                 queue_ms = max(0.0, report.started - record.submitted) * 1000.0
             record.output_tokens = out.num_output_tokens + record.prior_tokens
+            record.draft_tokens += out.num_drafted
+            record.accepted_draft_tokens += out.num_accepted
             self._host.spans.join(record.spans)
             forward_ms = record.forward_ms(report.ended)
             update = token_update(
@@ -188,4 +193,6 @@ class OpenRequests:
             finish_reason=finish_reason,
             error=error,
             cached_prompt_tokens=record.cached_prompt_tokens,
+            draft_tokens=record.draft_tokens,
+            accepted_draft_tokens=record.accepted_draft_tokens,
         )

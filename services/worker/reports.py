@@ -78,6 +78,9 @@ def worker_stats(open_requests: int, engine: AsyncEngine) -> worker_pb2.GetWorke
         response.prefix_cache_evictions = stats.num_evictions
         response.prefix_cache_query_blocks = stats.prefix_query_blocks
         response.prefix_cache_hit_blocks = stats.prefix_hit_blocks
+        response.draft_tokens = stats.num_draft_tokens
+        response.accepted_draft_tokens = stats.num_accepted_tokens
+        response.speculative_decodes = stats.num_speculative_decodes
     return response
 
 
@@ -88,9 +91,10 @@ def step_info(report: StepReport) -> worker_pb2.StepInfo:
         step=stats.num_steps,
         duration_ms=(report.ended - report.started) * 1000.0,
         decodes=stats.last_num_decodes,
-        prefill_tokens=stats.last_batch_tokens - stats.last_num_decodes,
+        prefill_tokens=stats.last_prefill_tokens,
         running=stats.num_running,
         waiting=stats.num_waiting,
         max_running=stats.effective_max_num_seqs,
         prefill_budget=stats.prefill_budget,
+        draft_tokens=stats.last_num_draft_tokens,
     )

@@ -1,10 +1,12 @@
 """The worker's spans: one `step` span per engine step, and per request a `queue` and a `forward` span.
 
 A step span is the root of its own trace (a step serves many requests, each in its own trace) and
-carries the batch's shape: sequences, prefill and decode tokens, and the step's time. A request's
+carries the batch's shape: sequences, prefill, decode and drafted tokens (and the drafts kept), and the
+step's time. A request's
 spans join the trace context its submission carried: `queue` from the worker's receipt of the
 submission to the start of the first step that produced one of its tokens, `forward` from there to
-the end of the step that produced its last, linked to every step span it took part in. Their times
+the end of the step that produced its last, linked to every step span it took part in, with the
+tokens speculative decoding drafted for it and kept. Their times
 are the same readings the request's TokenUpdates report (queue_ms, forward_ms), so a trace and the
 response timing agree. With tracing off nothing here builds a span. This module must not send
 messages nor decide a request's fate (connection.py does).
@@ -63,8 +65,10 @@ class WorkerSpans:
                 "gen_ai.request.model": self._model,
                 "strata.step": stats.num_steps,
                 "strata.batch_size": stats.last_batch_size,
-                "strata.prefill_tokens": stats.last_batch_tokens - stats.last_num_decodes,
+                "strata.prefill_tokens": stats.last_prefill_tokens,
                 "strata.decode_tokens": stats.last_num_decodes,
+                "strata.draft_tokens": stats.last_num_draft_tokens,
+                "strata.accepted_draft_tokens": sum(out.num_accepted for out in report.outputs),
                 "strata.outputs": len(report.outputs),
                 "strata.running": stats.num_running,
                 "strata.waiting": stats.num_waiting,
@@ -95,6 +99,8 @@ class WorkerSpans:
         finish_reason: str,
         error: str = "",
         cached_prompt_tokens: int = 0,
+        draft_tokens: int = 0,
+        accepted_draft_tokens: int = 0,
     ) -> None:
         """End the request's `queue` (and, once it was scheduled, `forward`) span."""
         if spans is None:
@@ -111,6 +117,8 @@ class WorkerSpans:
             "gen_ai.response.finish_reasons": [finish_reason],
             "strata.steps": len(spans.links),
             "strata.cached_prompt_tokens": cached_prompt_tokens,
+            "strata.draft_tokens": draft_tokens,
+            "strata.accepted_draft_tokens": accepted_draft_tokens,
         }
         self._emit("forward", spans.parent, first_step, ended, forward_attributes, spans.links, error)
 

@@ -121,6 +121,7 @@ class SamplingParams(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    NO_SPECULATION_FIELD_NUMBER: _builtins.int
     CONSTRAINT_FIELD_NUMBER: _builtins.int
     max_new_tokens: _builtins.int
     """Tokens to generate at most; 0 takes the gateway's default (64). Must fit the model's context."""
@@ -163,6 +164,10 @@ class SamplingParams(_message.Message):
     [0, 20] (GenerateResponse.prompt_logprobs); unset is off. Such a prompt is computed in full, never
     read from the prefix cache.
     """
+    no_speculation: _builtins.bool
+    """Keep this request out of speculative decoding where the worker has it on: one token a step. Its
+    tokens are the same either way; only how many steps produce them changes.
+    """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Stop strings: the text ends just before the first place one of them begins (at most 8, 64 bytes each)."""
@@ -204,11 +209,12 @@ class SamplingParams(_message.Message):
         logprobs: _builtins.bool = ...,
         top_logprobs: _builtins.int = ...,
         prompt_logprobs: _builtins.int | None = ...,
+        no_speculation: _builtins.bool = ...,
         constraint: Global___OutputConstraint | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "constraint", b"constraint", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "constraint", b"constraint", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "no_repeat_ngram_size", b"no_repeat_ngram_size", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "constraint", b"constraint", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "no_repeat_ngram_size", b"no_repeat_ngram_size", "no_speculation", b"no_speculation", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
     _WhichOneofArgType__prompt_logprobs: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs"]  # noqa: Y015

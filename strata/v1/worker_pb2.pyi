@@ -236,6 +236,7 @@ class StepInfo(_message.Message):
     WAITING_FIELD_NUMBER: _builtins.int
     MAX_RUNNING_FIELD_NUMBER: _builtins.int
     PREFILL_BUDGET_FIELD_NUMBER: _builtins.int
+    DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """Engine steps run since the worker started; this step's number."""
     duration_ms: _builtins.float
@@ -254,6 +255,8 @@ class StepInfo(_message.Message):
     """Prompt tokens the next step may compute with the batch now running: the step's token budget less
     what its decodes cost.
     """
+    draft_tokens: _builtins.int
+    """Drafted tokens the step's decodes scored (speculative decoding); not in decodes nor prefill_tokens."""
     def __init__(
         self,
         *,
@@ -265,10 +268,11 @@ class StepInfo(_message.Message):
         waiting: _builtins.int = ...,
         max_running: _builtins.int = ...,
         prefill_budget: _builtins.int = ...,
+        draft_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decodes", b"decodes", "duration_ms", b"duration_ms", "max_running", b"max_running", "prefill_budget", b"prefill_budget", "prefill_tokens", b"prefill_tokens", "running", b"running", "step", b"step", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decodes", b"decodes", "draft_tokens", b"draft_tokens", "duration_ms", b"duration_ms", "max_running", b"max_running", "prefill_budget", b"prefill_budget", "prefill_tokens", b"prefill_tokens", "running", b"running", "step", b"step", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -560,6 +564,9 @@ class GetWorkerStatsResponse(_message.Message):
     PREFIX_CACHE_EVICTIONS_FIELD_NUMBER: _builtins.int
     PREFIX_CACHE_QUERY_BLOCKS_FIELD_NUMBER: _builtins.int
     PREFIX_CACHE_HIT_BLOCKS_FIELD_NUMBER: _builtins.int
+    DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_DECODES_FIELD_NUMBER: _builtins.int
     running: _builtins.int
     """Requests being generated."""
     waiting: _builtins.int
@@ -584,6 +591,12 @@ class GetWorkerStatsResponse(_message.Message):
     """Full prompt blocks new requests could have found cached, since start."""
     prefix_cache_hit_blocks: _builtins.int
     """Of those, the blocks the prefix cache served."""
+    draft_tokens: _builtins.int
+    """Drafted tokens speculative decoding scored since start."""
+    accepted_draft_tokens: _builtins.int
+    """Of those, the tokens kept (the acceptance rate is this over draft_tokens)."""
+    speculative_decodes: _builtins.int
+    """Decodes that scored drafts since start (accepted_draft_tokens over this: tokens gained per such step)."""
     def __init__(
         self,
         *,
@@ -599,10 +612,13 @@ class GetWorkerStatsResponse(_message.Message):
         prefix_cache_evictions: _builtins.int = ...,
         prefix_cache_query_blocks: _builtins.int = ...,
         prefix_cache_hit_blocks: _builtins.int = ...,
+        draft_tokens: _builtins.int = ...,
+        accepted_draft_tokens: _builtins.int = ...,
+        speculative_decodes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_kv_blocks", b"cached_kv_blocks", "evictable_kv_blocks", b"evictable_kv_blocks", "free_kv_tokens", b"free_kv_tokens", "open_requests", b"open_requests", "prefix_cache_evictions", b"prefix_cache_evictions", "prefix_cache_hit_blocks", b"prefix_cache_hit_blocks", "prefix_cache_query_blocks", b"prefix_cache_query_blocks", "running", b"running", "steps", b"steps", "total_kv_blocks", b"total_kv_blocks", "used_kv_blocks", b"used_kv_blocks", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_draft_tokens", b"accepted_draft_tokens", "cached_kv_blocks", b"cached_kv_blocks", "draft_tokens", b"draft_tokens", "evictable_kv_blocks", b"evictable_kv_blocks", "free_kv_tokens", b"free_kv_tokens", "open_requests", b"open_requests", "prefix_cache_evictions", b"prefix_cache_evictions", "prefix_cache_hit_blocks", b"prefix_cache_hit_blocks", "prefix_cache_query_blocks", b"prefix_cache_query_blocks", "running", b"running", "speculative_decodes", b"speculative_decodes", "steps", b"steps", "total_kv_blocks", b"total_kv_blocks", "used_kv_blocks", b"used_kv_blocks", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
