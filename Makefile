@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-kv-schemes bench-prefix-routing bench-peer bench-peer-avx2 bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar-libs bench-grammar bench-outputs records reliability chaos images compose-test run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-kv-schemes bench-spec bench-prefix-routing bench-peer bench-peer-avx2 bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar-libs bench-grammar bench-outputs records reliability chaos images compose-test run clean
 
 setup: $(STAMP)
 
@@ -99,6 +99,12 @@ bench-kv: setup model
 # three minutes).
 bench-kv-schemes: setup model
 	$(BIN)/python -m bench.kv_schemes --json bench/results/kv-schemes-cpu.json
+
+# Speculative decoding (prompt lookup) against none on the same engine: one stream over the 32 prompts
+# of bench/data/spec-prompts.json, 256 greedy tokens each, and 64 streams of 64+64 tokens, alternated,
+# 5 rounds (about 30 minutes on 2 cores).
+bench-spec: setup model
+	$(BIN)/python -m bench.spec --json bench/results/spec-cpu.json
 
 # Log probabilities' cost at 64 streams, and n = 8 samples against 8 separate requests of one prompt.
 bench-outputs: setup model

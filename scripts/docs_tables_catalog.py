@@ -314,6 +314,9 @@ CATALOG: dict[str, Entry] = {
         _py("bench.kv_cache", *_json("kv-cache-cpu.json")),
         target="make bench-kv",
     ),
+    "spec-cpu.json": Entry(
+        ENGINE, "bench/spec.py", 1800, _py("bench.spec", *_json("spec-cpu.json")), target="make bench-spec"
+    ),
     "kv-schemes-cpu.json": Entry(
         ENGINE, "bench/kv_schemes.py", 240, _py("bench.kv_schemes", *_json("kv-schemes-cpu.json"))
     ),

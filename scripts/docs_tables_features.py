@@ -1,9 +1,10 @@
-"""The features' tables: the int8 KV cache, prefix caching and routing, log probabilities and n samples,
-structured output.
+"""The features' tables: speculative decoding, the int8 KV cache, prefix caching and routing, log
+probabilities and n samples, structured output.
 
 Each function turns quotable records (by file name) into markdown lines for docs/benchmarks.md and
-docs/structured-output.md; `TABLES` declares which record each reads. This module must not read
-files or judge a figure against anything but the targets the record itself states.
+docs/structured-output.md and docs/speculative-decoding.md; `TABLES` declares which record each reads.
+This module must not read files or judge a figure against anything but the targets the record itself
+states.
 """
 
 from __future__ import annotations
@@ -284,7 +285,21 @@ def kv_schemes(records: Mapping[str, Record]) -> list[str]:
     ]
 
 
+def speculative(records: Mapping[str, Record]) -> list[str]:
+    """Speculative decoding's targets, one row each, as bench/spec.py judged them, then its counters."""
+    data = records["spec-cpu.json"].data
+    one = data["one_stream"]
+    rows = [[line["target"], line["figure"], met(line["met"])] for line in data["targets"]]
+    note = (
+        f"One stream: {one['off']['tok_s']['median']:.1f} tokens/s without speculation, "
+        f"{one['on']['tok_s']['median']:.1f} with it (medians of {len(one['on']['runs'])} rounds); "
+        f"{one['accepted_per_speculative_decode']:.2f} drafts kept per decode that drafted."
+    )
+    return [*table(["target", "measured", ""], rows), "", note]
+
+
 TABLES = (
+    Table("spec", ("spec-cpu.json",), speculative),
     Table("kv-cache", ("kv-cache-cpu.json",), kv_cache),
     Table("kv-schemes", ("kv-schemes-cpu.json",), kv_schemes),
     Table("prefix-cache", ("prefix-cache-cpu.json",), prefix_cache),

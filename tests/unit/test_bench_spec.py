@@ -1,0 +1,41 @@
+"""bench.spec on a tiny random Llama: both engines alternate, the texts are compared token for token,
+the speculating engine's counters are recorded per run, and the verdicts read the record's figures.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+
+from bench.spec import alternate, engine, parse_args, verdicts
+from services.worker.engine.params import SamplingParams
+from services.worker.model.loader import load_model
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+
+def test_alternated_runs_compare_texts_and_count_drafts(tiny_llama_dir: Path) -> None:
+    loaded = load_model(tiny_llama_dir)
+    engines = {"off": engine(loaded, None, 8), "on": engine(loaded, {"method": "ngram"}, 8)}
+    prompts = [[7, 8, 9, 10, 11, 12] * 4, [100, 101, 102, 103] * 5]
+    params = SamplingParams(max_new_tokens=24)
+    one = alternate(engines, lambda _: prompts, params, 2, True, "one stream")
+    many = alternate(engines, lambda _: prompts, params, 2, False, "two streams")
+    assert one["identical_text"] and many["identical_text"]
+    assert [r["tokens"] for r in one["off"]["runs"]] == [48, 48]
+    assert all(r["draft_tokens"] > 0 for r in one["on"]["runs"])
+    assert all(r["draft_tokens"] == 0 for r in one["off"]["runs"])
+    assert 0 < one["acceptance_rate"] <= 1
+    record = {"workload": {"method": "ngram", "streams": 2}, "one_stream": one, "many_streams": many}
+    lines = verdicts(record)
+    assert [line["met"] for line in lines] == [
+        one["ratio"]["median"] >= 1.8,
+        many["ratio"]["median"] >= 0.97,
+    ]
+
+
+def test_fewer_than_five_rounds_are_refused() -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--rounds", "4"])
