@@ -31,7 +31,7 @@ from bench.kv_report import verdicts
 from bench.model_parity import prompt_ids
 from bench.peer_engine import phases
 from bench.provenance import finish_provenance, start_provenance
-from bench.stats import DEFAULT_MODEL, make_prompts, save_record, summarize
+from bench.stats import DEFAULT_MODEL, make_prompts, print_targets, save_record, summarize
 
 FORMATS = ("float32", "int8")
 GIB = 1 << 30
@@ -194,8 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     record["targets"] = verdicts(record)
     save_record(record, args.json)
-    for line in record["targets"]:
-        print(f"bench.kv_cache: {line['target']}: {line['figure']} ({'met' if line['met'] else 'MISSED'})")
+    print_targets("bench.kv_cache", record)
     return 0
 
 

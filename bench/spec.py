@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from bench.provenance import finish_provenance, start_provenance
-from bench.stats import DEFAULT_MODEL, make_prompts, save_record, summarize
+from bench.stats import DEFAULT_MODEL, make_prompts, print_targets, save_record, summarize
 
 WORKLOAD = Path("bench/data/spec-prompts.json")
 MODES = ("off", "on")
@@ -212,8 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     record["targets"] = verdicts(record)
     save_record(record, args.json)
-    for line in record["targets"]:
-        print(f"bench.spec: {line['target']}: {line['figure']} ({'met' if line['met'] else 'MISSED'})")
+    print_targets("bench.spec", record)
     return 0
 
 

@@ -196,6 +196,12 @@ def check_parity(
     return report
 
 
+def print_targets(benchmark: str, record: dict[str, Any]) -> None:
+    """One line per target of the record's verdicts: its figure, and met or MISSED."""
+    for line in record["targets"]:
+        print(f"{benchmark}: {line['target']}: {line['figure']} ({'met' if line['met'] else 'MISSED'})")
+
+
 def save_record(record: dict[str, Any], path: Path | None) -> None:
     """Write a benchmark's JSON record (bench/results/ by convention); nothing when path is None.
 

@@ -16,6 +16,7 @@ import pytest
 
 from strata.fingerprint import tokenizer_fingerprint
 from strata.v1 import common_pb2, worker_pb2
+from tests.engine_runs import pin_draft_cost
 from tests.integration.worker_harness import (
     DEADLINE_EXCEEDED,
     INVALID_ARGUMENT,
@@ -377,7 +378,9 @@ def test_speculating_worker_gives_the_same_tokens_and_counts_its_drafts(tiny_ser
     async def main() -> tuple[
         GatewaySide, worker_pb2.GetWorkerStatsResponse, worker_pb2.GetWorkerStatsResponse
     ]:
-        async with running_worker(tiny_serving_dir, engine=engine) as (_, stub):
+        async with running_worker(tiny_serving_dir, engine=engine) as (server, stub):
+            # Before any step: whether the rule drafts must not hang on how busy the machine is.
+            pin_draft_cost(server.host.engine.engine)
             side = await connect(stub, tiny_serving_dir)
             await side.send(submission("plain", prompt, 40, sampling={"no_speculation": True}))
             await side.read_until(lambda s: "plain" in s.finals)

@@ -11,6 +11,7 @@ import pytest
 from bench.spec import alternate, engine, parse_args, verdicts
 from services.worker.engine.params import SamplingParams
 from services.worker.model.loader import load_model
+from tests.engine_runs import pin_draft_cost
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
 def test_alternated_runs_compare_texts_and_count_drafts(tiny_llama_dir: Path) -> None:
     loaded = load_model(tiny_llama_dir)
-    engines = {"off": engine(loaded, None, 8), "on": engine(loaded, {"method": "ngram"}, 8)}
+    engines = {"off": engine(loaded, None, 8), "on": pin_draft_cost(engine(loaded, {"method": "ngram"}, 8))}
     prompts = [[7, 8, 9, 10, 11, 12] * 4, [100, 101, 102, 103] * 5]
     params = SamplingParams(max_new_tokens=24)
     one = alternate(engines, lambda _: prompts, params, 2, True, "one stream")

@@ -18,6 +18,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.params import SamplingParams
 from services.worker.model import native
+from tests.engine_runs import pin_draft_cost
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -27,9 +28,10 @@ if TYPE_CHECKING:
 
 def _engine(model: Path, draft: Path | None, **config: object) -> LLMEngine:
     settings: dict[str, object] = {"kv_cache_memory_bytes": 4 << 20, "block_size": 8, **config}
-    if draft is not None:
-        settings["speculative"] = {"method": "draft", "draft_model_path": str(draft), "num_tokens": 3}
-    return LLMEngine.from_model_dir(model, EngineConfig.model_validate(settings))
+    if draft is None:
+        return LLMEngine.from_model_dir(model, EngineConfig.model_validate(settings))
+    settings["speculative"] = {"method": "draft", "draft_model_path": str(draft), "num_tokens": 3}
+    return pin_draft_cost(LLMEngine.from_model_dir(model, EngineConfig.model_validate(settings)))
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict[str, list[StepOutput]]:

@@ -16,6 +16,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.logprobs import token_logprobs
 from services.worker.engine.params import InvalidRequestError, SamplingParams
+from tests.engine_runs import run_requests
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -28,19 +29,6 @@ VOCAB = 384
 def _prompt(seed: int, length: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(2, VOCAB) for _ in range(length)]
-
-
-def _run(
-    engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
-) -> dict[str, list[StepOutput]]:
-    for rid, (prompt, params) in requests.items():
-        engine.validate(prompt, params)
-        engine.add_request(rid, prompt, params)
-    outputs: dict[str, list[StepOutput]] = {rid: [] for rid in requests}
-    while engine.has_work():
-        for out in engine.step():
-            outputs[out.request_id].append(out)
-    return outputs
 
 
 def _flat(outs: list[StepOutput]) -> tuple[list[int], list[TokenLogprobs]]:
@@ -72,12 +60,12 @@ def test_logprobs_describe_the_model_not_the_processors_and_match_alone_and_batc
         max_new_tokens=12, temperature=0.8, top_k=20, min_p=0.05, presence_penalty=1.0, logprobs=4, seed=9
     )
     alone = LLMEngine.from_model_dir(tiny_llama_dir, EngineConfig(num_blocks=64, block_size=8))
-    tokens, lps = _flat(_run(alone, {"a": (prompt, params)})["a"])
+    tokens, lps = _flat(run_requests(alone, {"a": (prompt, params)})["a"])
     assert len(lps) == len(tokens) == 12
     assert [lp.token_id for lp in lps] == tokens
     # Prompt logprobs of prompt + output (one prefill, no processors) give the same numbers.
     check = SamplingParams(max_new_tokens=1, prompt_logprobs=4)
-    whole = _run(alone, {"check": (prompt + tokens, check)})["check"][0].prompt_logprobs
+    whole = run_requests(alone, {"check": (prompt + tokens, check)})["check"][0].prompt_logprobs
     assert whole is not None and len(whole) == len(prompt) + len(tokens) - 1
     for lp, ref in zip(lps, whole[len(prompt) - 1 :], strict=True):
         assert lp.token_id == ref.token_id and lp.rank == ref.rank
@@ -89,7 +77,7 @@ def test_logprobs_describe_the_model_not_the_processors_and_match_alone_and_batc
         f"o{i}": (_prompt(10 + i, 5 + 3 * i), SamplingParams(max_new_tokens=8, temperature=1.0, seed=i))
         for i in range(6)
     }
-    outputs = _run(
+    outputs = run_requests(
         batched, {**others, "a": (prompt, params), "g": (prompt, SamplingParams(max_new_tokens=4))}
     )
     tokens_b, lps_b = _flat(outputs["a"])
@@ -105,7 +93,7 @@ def test_prompt_logprobs_survive_chunking_caching_and_preemption(tiny_llama_dir:
     prompt = _prompt(2, 70)
     params = SamplingParams(max_new_tokens=3, prompt_logprobs=2)
     whole_engine = LLMEngine.from_model_dir(tiny_llama_dir, EngineConfig(num_blocks=64, block_size=8))
-    ref = _run(whole_engine, {"r": (prompt, params)})["r"][0].prompt_logprobs
+    ref = run_requests(whole_engine, {"r": (prompt, params)})["r"][0].prompt_logprobs
     assert ref is not None and len(ref) == len(prompt) - 1
     assert [lp.token_id for lp in ref] == prompt[1:]
 
@@ -118,9 +106,9 @@ def test_prompt_logprobs_survive_chunking_caching_and_preemption(tiny_llama_dir:
     )
     engine = LLMEngine.from_model_dir(tiny_llama_dir, config)
     # The same prompt cached first by a request without prompt logprobs: the second must still compute it.
-    _run(engine, {"warm": (prompt, SamplingParams(max_new_tokens=1))})
+    run_requests(engine, {"warm": (prompt, SamplingParams(max_new_tokens=1))})
     hits_before = engine.stats().prefix_hit_blocks
-    outs = _run(engine, {"p": (prompt, params)})["p"]
+    outs = run_requests(engine, {"p": (prompt, params)})["p"]
     assert engine.stats().prefix_hit_blocks == hits_before
     got = outs[0].prompt_logprobs
     assert got is not None and len(got) == len(ref)

@@ -21,6 +21,7 @@ from services.worker.engine.engine import LLMEngine
 from services.worker.engine.params import SamplingParams
 from services.worker.engine.sequence import FinishReason
 from services.worker.model import decode_stack, native
+from tests.engine_runs import pin_draft_cost, run_requests
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -33,9 +34,10 @@ NGRAM = {"method": "ngram", "num_tokens": 3}
 
 def _engine(model: Path, speculative: dict[str, object] | None, **config: object) -> LLMEngine:
     settings: dict[str, object] = {"num_blocks": 128, "block_size": 8, **config}
-    if speculative is not None:
-        settings["speculative"] = speculative
-    return LLMEngine.from_model_dir(model, EngineConfig.model_validate(settings))
+    if speculative is None:
+        return LLMEngine.from_model_dir(model, EngineConfig.model_validate(settings))
+    settings["speculative"] = speculative
+    return pin_draft_cost(LLMEngine.from_model_dir(model, EngineConfig.model_validate(settings)))
 
 
 def _repeating_prompt(seed: int, period: int = 10, copies: int = 3) -> list[int]:
@@ -43,20 +45,6 @@ def _repeating_prompt(seed: int, period: int = 10, copies: int = 3) -> list[int]
     rng = random.Random(seed)
     unit = [rng.randrange(2, VOCAB) for _ in range(period)]
     return unit * copies
-
-
-def _run(
-    engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
-) -> dict[str, list[StepOutput]]:
-    for rid, (prompt, params) in requests.items():
-        engine.validate(prompt, params)
-        engine.add_request(rid, prompt, params)
-    outputs: dict[str, list[StepOutput]] = {rid: [] for rid in requests}
-    while engine.has_work():
-        for out in engine.step():
-            outputs[out.request_id].append(out)
-        engine.scheduler.check_invariants()
-    return outputs
 
 
 def _tokens(outputs: list[StepOutput]) -> list[int]:
@@ -97,7 +85,7 @@ def _compare_one_stream(tiny_llama_dir: Path, kv_cache_dtype: str) -> None:
     fast = _engine(tiny_llama_dir, NGRAM, kv_cache_dtype=kv_cache_dtype)
     for seed in range(4):
         request = {"r": (_repeating_prompt(seed), SamplingParams(max_new_tokens=48, logprobs=3))}
-        expected, got = _run(plain, request)["r"], _run(fast, request)["r"]
+        expected, got = run_requests(plain, request)["r"], run_requests(fast, request)["r"]
         assert _tokens(got) == _tokens(expected)
         assert _logprobs(got) == _logprobs(expected)
         assert len(got) < len(expected)  # fewer steps: some drafts were kept
@@ -118,21 +106,21 @@ def test_sampling_penalties_and_min_tokens_draw_the_same_tokens(tiny_llama_dir: 
     fast = _engine(tiny_llama_dir, NGRAM)
     for seed, p in enumerate(params):
         request = {"r": (_repeating_prompt(seed + 10), p)}
-        assert _tokens(_run(fast, request)["r"]) == _tokens(_run(plain, request)["r"])
+        assert _tokens(run_requests(fast, request)["r"]) == _tokens(run_requests(plain, request)["r"])
     _assert_drafts_kept(fast)
 
 
 def test_two_streams_stops_and_length_end_where_they_would(tiny_llama_dir: Path) -> None:
     plain = _engine(tiny_llama_dir, None)
     prompts = [_repeating_prompt(20), _repeating_prompt(21)]
-    free = [_tokens(_run(plain, {"r": (p, SamplingParams(max_new_tokens=30))})["r"]) for p in prompts]
+    free = [_tokens(run_requests(plain, {"r": (p, SamplingParams(max_new_tokens=30))})["r"]) for p in prompts]
     stop = free[0][17]
     requests = {
         "stop": (prompts[0], SamplingParams(max_new_tokens=30, stop_token_ids=(stop,))),
         "length": (prompts[1], SamplingParams(max_new_tokens=23)),
     }
     fast = _engine(tiny_llama_dir, NGRAM)
-    got = _run(fast, requests)
+    got = run_requests(fast, requests)
     assert _tokens(got["stop"]) == free[0][: free[0].index(stop) + 1]
     assert got["stop"][-1].finish_reason is FinishReason.STOP
     assert _tokens(got["length"]) == free[1][:23]
@@ -154,7 +142,7 @@ def test_preempted_speculating_requests_resume_with_the_same_tokens(tiny_llama_d
 def test_a_request_that_opts_out_never_drafts(tiny_llama_dir: Path) -> None:
     fast = _engine(tiny_llama_dir, NGRAM)
     request = {"r": (_repeating_prompt(40), SamplingParams(max_new_tokens=32, speculate=False))}
-    outputs = _run(fast, request)["r"]
+    outputs = run_requests(fast, request)["r"]
     assert len(outputs) == 32
     assert fast.stats().num_draft_tokens == 0
 

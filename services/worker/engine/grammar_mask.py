@@ -57,7 +57,8 @@ class GrammarMasker:
         known = rows[0][1].vocab_size
         count = sum(1 + len(drafts) for _, _, drafts in rows)
         bitmask = self._bitmask(count, (known + 31) // 32)
-        entries, at = [], []
+        entries: list[tuple[llguidance.LLMatcher, int, list[int]]] = []
+        at: list[int] = []
         for first, grammar, drafts in rows:
             entries.append((grammar.raw, len(at), list(drafts)))
             at.extend(range(first, first + 1 + len(drafts)))
