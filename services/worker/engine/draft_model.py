@@ -1,17 +1,17 @@
 """Draft-model proposals: a smaller model with the target's tokenizer drafts each sequence's next tokens.
 
-The draft runs in the engine's process and thread, with its own runner, KV cache and block manager:
-as many blocks as the target's cache, each holding the same tokens (memory_profile.py counts both
-caches' bytes per block in the memory budget). Each running sequence it drafts for has a mirror here:
-a Sequence of the same prompt, output, params and seed, whose K/V the draft's cache holds up to the
+The draft runs in the engine's process and thread, with its own runner, KV cache and block manager: as
+many blocks as the target's cache, each holding the same tokens (memory_profile.py counts both caches'
+bytes per block in the memory budget). Each running sequence it drafts for has a mirror here: a
+Sequence of the same prompt, output, params and seed, whose K/V the draft's cache holds up to the
 mirror's computed tokens. A step first brings each mirror up to its sequence (the tokens kept since
 its last draft, usually a few, as one chunk of at most the step budget) and samples the first draft
 from the chunk's last position, then drafts the rest one decode at a time, every mirror in one batch.
 Drafts are drawn as the target draws, through the same sampler at the same output positions with the
 same seed and processors, so where the two models agree the draft is the very token the target picks.
 A mirror is dropped with its blocks when its request ends (the engine says so) or is found not
-running. This module must not touch the
-target's sequences or cache: it reads the sequences and proposes.
+running. This module must not touch the target's sequences or cache: it reads the sequences and
+proposes.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ class DraftModel:
     ) -> None:
         """step_budget: most tokens a mirror catches up in one step (the target's step budget, which
         bounds the step's memory); vocab_size: the target's, past which no draft is proposed."""
-        self.loaded = loaded
         self.vocab_size = vocab_size
         self.runner = ModelRunner(loaded, num_blocks, block_size, use_cuda_graphs=False)
         self.blocks = BlockManager(num_blocks, block_size)
@@ -85,7 +84,7 @@ class DraftModel:
             self._mirrors[seq.request_id] = mirror
         computed = min(mirror.num_computed_tokens, seq.num_tokens - 1)
         split = len(seq.prompt_ids)
-        for index in range(max(split, 0), computed):
+        for index in range(split, computed):
             if mirror.output_ids[index - split] != seq.output_ids[index - split]:
                 computed = index
                 break
