@@ -131,9 +131,10 @@ class EngineMetrics:
         STEP_TOKENS.labels(model, "decode").inc(stats.last_num_decodes)
         STEP_TOKENS.labels(model, "prefill").inc(stats.last_prefill_tokens)
         STEP_TOKENS.labels(model, "draft").inc(stats.last_num_draft_tokens)
-        accepted = sum(out.num_accepted for out in report.outputs)
-        DRAFT_TOKENS.labels(model, "accepted").inc(accepted)
-        DRAFT_TOKENS.labels(model, "rejected").inc(stats.last_num_draft_tokens - accepted)
+        DRAFT_TOKENS.labels(model, "accepted").inc(stats.last_num_accepted_tokens)
+        DRAFT_TOKENS.labels(model, "rejected").inc(
+            stats.last_num_draft_tokens - stats.last_num_accepted_tokens
+        )
         SPECULATIVE_DECODES.labels(model).inc(sum(1 for out in report.outputs if out.num_drafted))
         now = (stats.prefix_query_blocks, stats.prefix_hit_blocks, stats.num_evictions)
         queried, hit, evicted = (new - old for new, old in zip(now, self._counted, strict=True))

@@ -68,7 +68,7 @@ class WorkerSpans:
                 "strata.prefill_tokens": stats.last_prefill_tokens,
                 "strata.decode_tokens": stats.last_num_decodes,
                 "strata.draft_tokens": stats.last_num_draft_tokens,
-                "strata.accepted_draft_tokens": sum(out.num_accepted for out in report.outputs),
+                "strata.accepted_draft_tokens": stats.last_num_accepted_tokens,
                 "strata.outputs": len(report.outputs),
                 "strata.running": stats.num_running,
                 "strata.waiting": stats.num_waiting,

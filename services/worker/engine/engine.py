@@ -55,6 +55,8 @@ class EngineStats(SchedulerStats):
     """Sequences of the last step that decoded (the rest of its tokens were drafts and prefill)."""
     last_num_draft_tokens: int
     """Drafted tokens the last step scored."""
+    last_num_accepted_tokens: int
+    """Of those, the ones kept."""
 
     @property
     def last_prefill_tokens(self) -> int:
@@ -68,7 +70,7 @@ def load_draft(loaded: LoadedModel, config: SpeculativeConfig) -> LoadedModel | 
     if config.method != "draft" or config.draft_model_path is None:
         return None
     draft = load_model(config.draft_model_path, device=str(loaded.device), dtype=loaded.dtype)
-    ours, theirs = (tokenizer_fingerprint(p if p.is_dir() else p.parent) for p in (loaded.path, draft.path))
+    ours, theirs = tokenizer_fingerprint(loaded.path), tokenizer_fingerprint(draft.path)
     if ours != theirs:
         raise ValueError(
             f"engine.speculative.draft_model_path={config.draft_model_path!r} has another tokenizer "
@@ -153,6 +155,7 @@ class LLMEngine:
         self._last_batch_tokens = 0
         self._last_num_decodes = 0
         self._last_num_draft_tokens = 0
+        self._last_num_accepted_tokens = 0
 
     @classmethod
     def from_model_dir(
@@ -245,6 +248,7 @@ class LLMEngine:
         self._last_batch_tokens = batch.num_batched_tokens
         self._last_num_decodes = batch.num_decodes
         self._last_num_draft_tokens = sum(entry.num_drafts for entry in batch.entries)
+        self._last_num_accepted_tokens = sum(out.num_accepted for out in outputs)
         self.step_log.append((batch.num_batched_tokens, batch.num_samples))
         self.step_cached_tokens.append(sum(entry.start for entry in batch.entries))
         return outputs
@@ -317,4 +321,5 @@ class LLMEngine:
             last_batch_tokens=self._last_batch_tokens,
             last_num_decodes=self._last_num_decodes,
             last_num_draft_tokens=self._last_num_draft_tokens,
+            last_num_accepted_tokens=self._last_num_accepted_tokens,
         )
