@@ -4,11 +4,13 @@ For SmolLM2-135M's shapes (bench.small_linear's: 30 layers of fused qkv, o, fuse
 plus the vocabulary projection), each weight quantized by the gguf package to each type of
 `--types`, and each M of `--rows`, it times every projection in turn on its own weight (so they
 stream from memory as in a real step) three ways: GgufLinear's native kernel (csrc/gguf_linear.cpp:
-integer dot products of 8-bit activations up to 8 rows, a tile buffer above), its other path (the
-whole weight dequantized into the thread's scratch, then torch's GEMM), and F.linear on the float32
-weight for scale. Contestants
-alternate within each of `--runs` rounds; medians and min-max are recorded. What it decides is where
-GgufLinear's NATIVE_MAX_ROWS belongs; the module only times and decides nothing.
+integer dot products of 8-bit activations up to 8 rows; above, the tiled integer GEMM where AVX-512
+VNNI runs, else a tile buffer), its other path (the whole weight dequantized into the thread's
+scratch, then torch's GEMM), and F.linear on the float32 weight for scale. M=512 is a prefill chunk
+(the engine's default max_num_batched_tokens). Contestants alternate within each of `--runs` rounds;
+medians and min-max are recorded. What it decides is where GgufLinear's NATIVE_MAX_ROWS belongs, and
+whether the tiled kernel beats torch's GEMM at a prefill chunk; the module only times and decides
+nothing.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
 
 # Types every SmolLM2 shape holds whole blocks of (K = 576 is no multiple of the K types' 256).
 DEFAULT_TYPES = "Q8_0,Q5_0,Q4_0"
-DEFAULT_ROWS = [1, 2, 4, 8, 16, 32, 64, 128]
+DEFAULT_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 512]
 
 
 def stored(weights: list[torch.Tensor], qtype: GGMLQuantizationType) -> list[GgufLinear]:

@@ -32,13 +32,14 @@ def gguf_linear(data: dict[str, Any]) -> str:
         rows = entry["by_rows"]
         each = ", ".join(
             f"M={m} {ratio(rows[m]['native_vs_dequantize_gemm'])}"
-            for m in ("1", "8", "16", "64", "128")
+            for m in ("1", "8", "16", "64", "128", "512")
             if m in rows
         )
         parts.append(f"{name} ({rows['1']['native']['ms']:.1f} ms at M=1): {each}")
     return (
         "; ".join(parts)
-        + f" the dequantize-then-GEMM path's speed, which takes over above M={data['native_max_rows']}"
+        + " the dequantize-then-GEMM path's speed, which takes over above "
+        + f"M={data['native_max_rows']} where the kernel has no tiled GEMM"
     )
 
 
@@ -116,11 +117,11 @@ LEVERS: tuple[tuple[str, str | None, Figures | str, str], ...] = (
     ),
     ("a second, transposed [K, N] copy for small batches", "small-linear-cpu.json", transposed, "dropped"),
     (
-        "GGUF projections computed from the blocks (8-bit activations in integers up to 8 rows, "
-        "a dequantized tile above)",
+        "GGUF projections computed from the blocks (8-bit activations in integers up to 8 rows; above, "
+        "the tiled integer GEMM with AVX-512 VNNI on Q4_0, Q5_0 and Q8_0, else a dequantized tile)",
         "gguf-linear-cpu.json",
         gguf_linear,
-        "kept, up to NATIVE_MAX_ROWS rows",
+        "kept: up to NATIVE_MAX_ROWS rows, and at any M where the tiled GEMM runs",
     ),
     (
         "RMSNorm fused with the residual add (native)",

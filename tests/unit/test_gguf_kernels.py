@@ -3,10 +3,12 @@ an exact reference and the float kernel.
 
 Dequantization must equal the gguf package's bit for bit on every type. Up to eight rows a projection
 computed from the blocks must be the exact product of the 8-bit activations with the dequantized
-weight within float32 rounding, and the same bits on every instruction set; from nine to
-NATIVE_MAX_ROWS rows the float32 kernel on the dequantized weight bit for bit; on each path a row's
-result does not depend on its batch; and torch's product within float32 rounding at larger batches.
-test_native_kernels.py reruns this file on AVX2 and portable.
+weight within float32 rounding, and the same bits on every instruction set; with AVX-512 VNNI, the
+signed 32-value types (Q4_0, Q5_0, Q8_0) stay on that integer path at any number of rows (the tiled
+kernel, gguf_gemm512.h), each row the bits it gets alone; the other types, and every type without
+VNNI, take the float32 kernel on the dequantized weight bit for bit from nine to NATIVE_MAX_ROWS rows,
+and torch's product within float32 rounding at larger batches. On each path a row's result does not
+depend on its batch. test_native_kernels.py reruns this file on AVX2 and portable.
 """
 
 from __future__ import annotations
@@ -19,10 +21,15 @@ from typing import cast
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from services.worker.model import native
-from services.worker.model.gguf_linear import NATIVE_MAX_ROWS, GgufEmbedding, GgufLinear, supported
+from services.worker.model.gguf_linear import (
+    NATIVE_MAX_ROWS,
+    GgufEmbedding,
+    GgufLinear,
+    set_integer_activations,
+    supported,
+)
 from services.worker.model.gguf_weight import GgufWeight
 from tests.gguf_blocks import SERVED_TYPES, T, activation_block, gguf_weight, quantized_activations, reference
 
@@ -126,6 +133,8 @@ def test_from_nine_rows_the_projection_is_the_float_kernel_on_the_dequantized_we
     weight = gguf_weight(qtype, rows=37, cols=256, seed=1)
     bias = torch.randn(37)
     module = GgufLinear(weight, bias)
+    if module.any_rows(_kernels()):
+        pytest.skip(f"this CPU's tiled integer kernel takes {qtype.name} at every batch size (tested below)")
     dense = reference(weight)
     x = torch.randn(NATIVE_MAX_ROWS, 256)
     every_row = module(x)
@@ -135,6 +144,47 @@ def test_from_nine_rows_the_projection_is_the_float_kernel_on_the_dequantized_we
         assert torch.equal(got, every_row[:rows])
     exact = x.double() @ dense.double().T + bias.double()
     torch.testing.assert_close(every_row.double(), exact, rtol=1e-4, atol=1e-4)
+
+
+TILED_TYPES = (T.Q4_0, T.Q5_0, T.Q8_0)
+
+
+@pytest.mark.parametrize("qtype", TILED_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("cols", [512, 544], ids=["even-blocks", "odd-blocks"])
+def test_with_vnni_many_rows_stay_on_the_integer_path_each_row_the_bits_it_gets_alone(
+    qtype: T, cols: int
+) -> None:
+    """The tiled kernel (many panels, so both threads share them) against each row computed alone by
+    the decode path's kernel: equal bit for bit at every batch size, the rows of x in fours and the
+    last few alone, and the exact product of the 8-bit activations. 544 columns are 17 blocks: the
+    last block of a row has no partner."""
+    kernels = _kernels()
+    weight = gguf_weight(qtype, rows=70, cols=cols, seed=7)
+    bias = torch.randn(70)
+    module = GgufLinear(weight, bias)
+    if not module.any_rows(kernels):
+        pytest.skip(f"{native.isa()}, no AVX-512 VNNI: {qtype.name} takes the float path above eight rows")
+    x = torch.randn(203, cols)
+    alone = torch.cat([module(x[i : i + 1]) for i in range(x.shape[0])])
+    for rows in (INTEGER_MAX_ROWS + 1, 23, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 1, 203):
+        assert torch.equal(module(x[:rows]), alone[:rows]), rows
+    rounded = quantized_activations(x, activation_block(qtype))
+    assert _relative_error(alone, rounded @ reference(weight).double().T + bias.double()) < 1e-5
+
+
+def test_switched_to_float_activations_many_rows_take_the_float_path_again() -> None:
+    """set_integer_activations(False), the parity checks' switch, turns the tiled kernel off too."""
+    kernels = _kernels()
+    weight = gguf_weight(T.Q8_0, rows=20, cols=256, seed=8)
+    module = GgufLinear(weight)
+    x = torch.randn(40, 256)
+    previous = set_integer_activations(kernels, False)
+    try:
+        assert not module.any_rows(kernels)
+        got = module(x)
+    finally:
+        set_integer_activations(kernels, previous)
+    assert torch.equal(got, _float_kernel(x, reference(weight), torch.zeros(20)))
 
 
 def test_a_fused_weight_of_three_types_with_a_bias_at_small_and_large_batches() -> None:
@@ -149,7 +199,6 @@ def test_a_fused_weight_of_three_types_with_a_bias_at_small_and_large_batches() 
     assert fused.describe() == "Q4_K+Q6_K+Q8_0" and fused.shape == (96, 256)
     bias = torch.randn(96)
     module = GgufLinear(fused, bias)
-    dense = torch.cat([reference(p) for p in parts])
     x = torch.randn(2, 3, 256)  # the integer path: the exact product of the 8-bit activations
     rows = x.reshape(6, 256)
     exact = (
@@ -163,9 +212,18 @@ def test_a_fused_weight_of_three_types_with_a_bias_at_small_and_large_batches() 
         + bias.double()
     )
     torch.testing.assert_close(module(x).reshape(6, 96).double(), exact, rtol=1e-5, atol=1e-4)
+    tiled = [p.qtypes[0] in TILED_TYPES and GgufLinear(p).any_rows(_kernels()) for p in parts]
     for rows in (8, NATIVE_MAX_ROWS):  # the float kernel, then the dequantize-and-GEMM path (2 x rows)
         x = torch.randn(2, rows, 256)
-        torch.testing.assert_close(module(x), F.linear(x, dense, bias), rtol=1e-5, atol=1e-4)
+        got = module(x).reshape(2 * rows, 96)
+        flat = x.reshape(2 * rows, 256)
+        at = 0
+        for part, integer in zip(parts, tiled, strict=True):
+            # A tiled type stays on the integer path: the exact product of the 8-bit activations.
+            on = quantized_activations(flat, activation_block(part.qtypes[0])) if integer else flat.double()
+            exact = on @ reference(part).double().T + bias[at : at + part.shape[0]].double()
+            torch.testing.assert_close(got[:, at : at + part.shape[0]].double(), exact, rtol=1e-5, atol=1e-4)
+            at += part.shape[0]
 
 
 def test_embedding_rows_are_the_dequantized_rows() -> None:

@@ -8,8 +8,10 @@ the memory bus: up to eight rows (a decode step of the decode stack) it rounds x
 values (per 256 for the K types) and multiplies those with the stored quants in integers, as
 llama.cpp does (about 0.5% of a row's scale from the float32 product; set_integer_activations turns
 that off); above, it dequantizes a few weight rows at a time into a buffer of its own for the float32
-kernel. On each path a row's result does not depend on its batch. Larger batches (prefill chunks,
-whose rows of x no longer stay in cache) pay one dequantization per call into a scratch buffer shared by
+kernel. With AVX-512 VNNI, Q4_0, Q5_0 and Q8_0 parts stay on the integer path at any batch size (the
+kernel's tiled GEMM, `any_rows`): prefill chunks then compute what decode steps do. On each path a
+row's result does not depend on its batch. Larger batches of the other parts (prefill chunks, whose
+rows of x no longer stay in cache) pay one dequantization per call into a scratch buffer shared by
 every layer of the thread, then torch's GEMM does the rest; the vocabulary projection, the largest
 weight (Qwen's is 545 MB as float32), stays below the bound at any decode step of up to 64 sequences
 and never needs the scratch.
@@ -127,11 +129,16 @@ class GgufLinear(_Stored):
         rows = x.reshape(-1, self.in_features).to(torch.float32)
         rows = (rows if self.input_order is None else rows.index_select(1, self.input_order)).contiguous()
         kernels = native.library()
-        if kernels is not None and 0 < rows.shape[0] <= NATIVE_MAX_ROWS:
+        m = rows.shape[0]
+        if kernels is not None and m > 0 and (m <= NATIVE_MAX_ROWS or self.any_rows(kernels)):
             out = self.from_blocks(kernels, rows)
         else:
             out = self.from_dequantized(kernels, rows)
         return out.reshape(*leading, self.out_features)
+
+    def any_rows(self, kernels: native.Library) -> bool:
+        """Whether the native kernel takes batches of any size on some part (the tiled integer GEMM)."""
+        return any(kernels.gguf_any_rows(int(qtype)) == 1 for qtype in self.qtypes)
 
     def from_dequantized(self, kernels: native.Library | None, x: Tensor) -> Tensor:
         """x [M, K] float32 contiguous times the whole weight dequantized into the thread's scratch."""
@@ -139,23 +146,32 @@ class GgufLinear(_Stored):
         return F.linear(x, weight, self.bias)
 
     def from_blocks(self, kernels: native.Library, x: Tensor) -> Tensor:
-        """x [M, K] float32 contiguous times the weight through the native kernel, from the blocks."""
-        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        """x [M, K] float32 contiguous times the weight through the native kernel, from the blocks; above
+        NATIVE_MAX_ROWS rows a part the kernel does not take at any size (a fused weight of mixed types)
+        is dequantized into the thread's scratch for torch's GEMM instead."""
+        m = x.shape[0]
+        out = torch.empty(m, self.out_features, dtype=torch.float32)
         row = 0
         for qtype, data in self.stored_parts():
             rows = data.shape[0]
-            bias = self.bias.data_ptr() + row * 4 if self.bias is not None else None
-            kernels.gguf_linear(
-                int(qtype),
-                x.data_ptr(),
-                data.data_ptr(),
-                bias,
-                out.data_ptr() + row * 4,
-                x.shape[0],
-                rows,
-                self.in_features,
-                self.out_features,
-            )
+            if m > NATIVE_MAX_ROWS and kernels.gguf_any_rows(int(qtype)) == 0:
+                weight = _scratch_matrix(rows, self.in_features)
+                _dequantize_into(kernels, qtype, data, weight)
+                bias = self.bias[row : row + rows] if self.bias is not None else None
+                out[:, row : row + rows] = F.linear(x, weight, bias)
+            else:
+                bias_at = self.bias.data_ptr() + row * 4 if self.bias is not None else None
+                kernels.gguf_linear(
+                    int(qtype),
+                    x.data_ptr(),
+                    data.data_ptr(),
+                    bias_at,
+                    out.data_ptr() + row * 4,
+                    m,
+                    rows,
+                    self.in_features,
+                    self.out_features,
+                )
             row += rows
         return out
 

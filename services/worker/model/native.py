@@ -192,6 +192,9 @@ class Library:
         self.gguf_set_integer_rows = library.strata_gguf_set_integer_rows
         self.gguf_set_integer_rows.restype = ctypes.c_int
         self.gguf_set_integer_rows.argtypes = [ctypes.c_int]
+        self.gguf_any_rows = library.strata_gguf_any_rows
+        self.gguf_any_rows.restype = ctypes.c_int
+        self.gguf_any_rows.argtypes = [_I64]
         self.gguf_linear = library.strata_gguf_linear
         self.gguf_linear.restype = None
         self.gguf_linear.argtypes = [_I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64]

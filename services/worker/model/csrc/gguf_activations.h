@@ -66,20 +66,31 @@ inline void quantize_block(const float* x, int64_t n, int8_t* q, float* d, float
   *d = scale;
 }
 
-// x [m, k] float32 into `out` in blocks of `block` (32 or 256, dividing k), its buffers grown as needed.
-inline void quantize_activations(const float* x, int64_t m, int64_t k, int64_t block, Activations* out) {
-  const int64_t blocks = k / block;
+// `out`'s buffers grown for m rows of k values in blocks of `block` (32 or 256, dividing k).
+inline void size_activations(int64_t m, int64_t k, int64_t block, Activations* out) {
   out->k = k;
   out->block = block;
   out->q.resize(static_cast<size_t>(m * k));
-  out->d.resize(static_cast<size_t>(m * blocks));
+  out->d.resize(static_cast<size_t>(m * (k / block)));
   out->sum.resize(static_cast<size_t>(m * (k / 32)));
   out->isum.resize(static_cast<size_t>(m * (k / 32)));
-  for (int64_t i = 0; i < m * blocks; ++i) {
-    const int64_t at = i * block;
-    quantize_block(x + at, block, out->q.data() + at, out->d.data() + i, out->sum.data() + at / 32,
-                   out->isum.data() + at / 32);
+}
+
+// Row `row` of x (its k values at x) into `out`, sized for it.
+inline void quantize_row(const float* x, int64_t row, Activations* out) {
+  const int64_t k = out->k;
+  const int64_t block = out->block;
+  for (int64_t at = 0; at < k; at += block) {
+    const int64_t flat = row * k + at;
+    quantize_block(x + at, block, out->q.data() + flat, out->d.data() + flat / block, out->sum.data() + flat / 32,
+                   out->isum.data() + flat / 32);
   }
+}
+
+// x [m, k] float32 into `out` in blocks of `block` (32 or 256, dividing k), its buffers grown as needed.
+inline void quantize_activations(const float* x, int64_t m, int64_t k, int64_t block, Activations* out) {
+  size_activations(m, k, block, out);
+  for (int64_t row = 0; row < m; ++row) quantize_row(x + row * k, row, out);
 }
 
 }  // namespace strata

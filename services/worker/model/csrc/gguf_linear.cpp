@@ -2,20 +2,23 @@
 // dequantization.
 //
 // The weight never exists as float32 in memory, so the bytes crossing the memory bus are the file's.
-// Each thread takes tiles of kTileRows weight rows. Up to kIntegerMaxRows rows of x (decode steps),
-// x is first rounded to 8 bits per 32 values, per 256 for the K types (gguf_activations.h), and each
-// weight row's dot products with up to four rows of x at a time come from the stored quants in
-// integers, as ggml computes them (gguf_dots.h; the 32-value types on AVX-512 VNNI,
-// gguf_dots512.h): the same bits whatever M (up to the bound), the tile, the thread or the
-// instruction set (AVX-512 VNNI, AVX2, which AVX-512 CPUs without VNNI run too, or the portable
-// build), and off the float32 product on the dequantized weight by the activations' rounding only.
-// Above, a tile is dequantized into a buffer of its own once and small_linear.cpp's float32 tiles
+// Up to kIntegerMaxRows rows of x (decode steps), x is first rounded to 8 bits per 32 values, per 256
+// for the K types (gguf_activations.h), and each weight row's dot products with up to four rows of x
+// at a time come from the stored quants in integers, as ggml computes them (gguf_dots.h; the 32-value
+// types on AVX-512 VNNI, gguf_dots512.h), each thread taking tiles of kTileRows weight rows: the same
+// bits whatever M (up to the bound), the tile, the thread or the instruction set (AVX-512 VNNI, AVX2,
+// which AVX-512 CPUs without VNNI run too, or the portable build), and off the float32 product on the
+// dequantized weight by the activations' rounding only. With AVX-512 VNNI the signed 32-value types
+// stay on that integer path at any M: gguf_gemm512.h's tiled GEMM decodes panels of weight rows once
+// and gives each row of x the bits the dot products give it alone, so prefill computes what decode
+// does, in fewer instructions per product than the float32 GEMM (bench.gguf_linear). Otherwise, above
+// the bound, a tile is dequantized into a buffer of its own once and small_linear.cpp's float32 tiles
 // multiply every row of x by it: each element the float32 kernel's sum over the dequantized row.
 // Either way the decode stack (gguf_linear_part) and the layer-by-layer path agree bit for bit.
 // Dequantization (embedding rows, the tile path, batches above GgufLinear's row bound, tests) equals
 // the gguf package's bit for bit (gguf_blocks.h), with AVX-512, AVX2 or the portable build, chosen at
 // run time like every kernel here (isa.h). Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K
-// (ggml's type ids); strata_gguf_supported says which.
+// (ggml's type ids); strata_gguf_supported says which, strata_gguf_any_rows which take any M.
 
 // The dequantization must round q * d and + m (or - m) separately, as the gguf package does.
 #pragma GCC optimize("fp-contract=off")
@@ -119,6 +122,7 @@ constexpr int64_t kGrainBytes = 1 << 15;  // stored weight bytes per parallel ch
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
 #include "gguf_dots512.h"
+#include "gguf_gemm512.h"
 #pragma GCC pop_options
 
 #define STRATA_GGUF_NS gguf_portable
@@ -213,25 +217,58 @@ void linear_tiles(int64_t type, const float* x, const strata::Activations* a, co
   }
 }
 
+// Whether this CPU runs gguf_gemm512.h's kernel on `type`.
+bool tiled(int64_t type) {
+  return strata::chosen_isa() == strata::Isa::kAvx512 && strata::has_avx512_vnni() && gguf_gemm::tiled(type);
+}
+
+// Whether m rows of x against `type` take the integer path: up to kIntegerMaxRows rows on every
+// instruction set, at any m where gguf_gemm512.h's tiled kernel runs (AVX-512 VNNI, its types).
+bool integer_rows(int64_t type, int64_t m) {
+  const int64_t bound = integer_max_rows.load(std::memory_order_relaxed);
+  return m <= bound || (bound != 0 && tiled(type));
+}
+
 // x quantized for `type` into this thread's activations where the integer path takes m rows; else
-// null. The K types read x scaled per 256 values (their super-block), the others per 32.
+// null. The K types read x scaled per 256 values (their super-block), the others per 32. Many rows
+// (the tiled kernel's) are shared out among the threads.
 const strata::Activations* quantized(int64_t type, const float* x, int64_t m, int64_t k) {
-  if (m > integer_max_rows.load(std::memory_order_relaxed)) return nullptr;
+  if (!integer_rows(type, m)) return nullptr;
   thread_local strata::Activations a;
-  strata::quantize_activations(x, m, k, block_shape(type).first == 256 ? 256 : 32, &a);
+  strata::size_activations(m, k, block_shape(type).first == 256 ? 256 : 32, &a);
+  strata::Activations* out = &a;
+  at::parallel_for(0, m, std::max<int64_t>(1, kGrainBytes / (4 * k)), [&](int64_t first, int64_t last) {
+    for (int64_t row = first; row < last; ++row) strata::quantize_row(x + row * k, row, out);
+  });
   return &a;
+}
+
+// The tiled kernel's share [part / parts] of the weight's panels, or the row tiles' (linear_tiles).
+void linear_part(int64_t type, const float* x, const strata::Activations* a, const uint8_t* w, const float* bias,
+                 float* y, int64_t m, int64_t n, int64_t k, int64_t ldy, int64_t first, int64_t last) {
+  if (a != nullptr && m > kIntegerMaxRows && tiled(type)) {
+    gguf_gemm::panels(type, *a, w, bias, y, m, n, ldy, first, last);
+  } else {
+    linear_tiles(type, x, a, w, bias, y, m, n, k, ldy, first, last);
+  }
+}
+
+// How many items linear_part shares out for m rows: the tiled kernel's panels, or row tiles.
+int64_t part_items(int64_t type, const strata::Activations* a, int64_t m, int64_t n) {
+  return a != nullptr && m > kIntegerMaxRows && tiled(type) ? gguf_gemm::panel_count(n) : tile_count(n);
 }
 
 }  // namespace
 
 void strata::gguf_linear_part(int64_t type, const float* x, const uint8_t* w, const float* bias, float* y,
                               int64_t m, int64_t n, int64_t k, int64_t ldy, int64_t part, int64_t parts) {
-  int64_t first = 0;
-  int64_t last = 0;
-  strata::share(tile_count(n), part, parts, &first, &last);
   // Each thread of the decode stack quantizes x for itself: the same bytes on every thread, and a
   // few thousand values against its share of the weight's millions.
-  linear_tiles(type, x, quantized(type, x, m, k), w, bias, y, m, n, k, ldy, first, last);
+  const strata::Activations* a = quantized(type, x, m, k);
+  int64_t first = 0;
+  int64_t last = 0;
+  strata::share(part_items(type, a, m, n), part, parts, &first, &last);
+  linear_part(type, x, a, w, bias, y, m, n, k, ldy, first, last);
 }
 
 extern "C" {
@@ -264,8 +301,16 @@ void strata_gguf_dequantize(int64_t type, const uint8_t* w, float* y, int64_t n,
 void strata_gguf_linear(int64_t type, const float* x, const uint8_t* w, const float* bias, float* y, int64_t m,
                         int64_t n, int64_t k, int64_t ldy) {
   const strata::Activations* a = quantized(type, x, m, k);
-  at::parallel_for(0, tile_count(n), grain(kTileRows * row_bytes(type, k)), [&](int64_t first, int64_t last) {
-    linear_tiles(type, x, a, w, bias, y, m, n, k, ldy, first, last);
+  const int64_t items = part_items(type, a, m, n);
+  const int64_t per_item = items == tile_count(n) ? kTileRows : gguf_gemm::kPanelRows;
+  at::parallel_for(0, items, grain(per_item * row_bytes(type, k)), [&](int64_t first, int64_t last) {
+    linear_part(type, x, a, w, bias, y, m, n, k, ldy, first, last);
   });
+}
+
+// Whether batches of any number of rows take the integer path on `type` (this CPU has the tiled
+// kernel for it and the integer path is on); else only up to eight rows do.
+int strata_gguf_any_rows(int64_t type) {
+  return integer_max_rows.load(std::memory_order_relaxed) != 0 && tiled(type) ? 1 : 0;
 }
 }
