@@ -117,8 +117,8 @@ LEVERS: tuple[tuple[str, str | None, Figures | str, str], ...] = (
     ),
     ("a second, transposed [K, N] copy for small batches", "small-linear-cpu.json", transposed, "dropped"),
     (
-        "GGUF projections computed from the blocks (8-bit activations in integers up to 8 rows; above, "
-        "the tiled integer GEMM with AVX-512 VNNI on Q4_0, Q5_0 and Q8_0, else a dequantized tile)",
+        "GGUF projections computed from the blocks (8-bit activations in integers up to 8 rows; above, the "
+        "tiled integer GEMMs with AVX-512 VNNI on every type but Q4_1 and Q5_1, else a dequantized tile)",
         "gguf-linear-cpu.json",
         gguf_linear,
         "kept: up to NATIVE_MAX_ROWS rows, and at any M where the tiled GEMM runs",

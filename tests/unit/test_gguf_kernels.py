@@ -3,10 +3,10 @@ an exact reference and the float kernel.
 
 Dequantization must equal the gguf package's bit for bit on every type. Up to eight rows a projection
 computed from the blocks must be the exact product of the 8-bit activations with the dequantized
-weight within float32 rounding, and the same bits on every instruction set; with AVX-512 VNNI, the
-signed 32-value types (Q4_0, Q5_0, Q8_0) stay on that integer path at any number of rows (the tiled
-kernel, gguf_gemm512.h), each row the bits it gets alone; the other types, and every type without
-VNNI, take the float32 kernel on the dequantized weight bit for bit from nine to NATIVE_MAX_ROWS rows,
+weight within float32 rounding, and the same bits on every instruction set; with AVX-512 VNNI, Q4_0,
+Q5_0, Q8_0 and the K types stay on that integer path at any number of rows (the tiled kernels,
+gguf_gemm512.h and gguf_kgemm512.h), each row the bits it gets alone; Q4_1 and Q5_1, and every type
+without VNNI, take the float32 kernel on the dequantized weight bit for bit from nine to NATIVE_MAX_ROWS rows,
 and torch's product within float32 rounding at larger batches. On each path a row's result does not
 depend on its batch. test_native_kernels.py reruns this file on AVX2 and portable.
 """
@@ -21,6 +21,7 @@ from typing import cast
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from services.worker.model import native
 from services.worker.model.gguf_linear import (
@@ -146,19 +147,21 @@ def test_from_nine_rows_the_projection_is_the_float_kernel_on_the_dequantized_we
     torch.testing.assert_close(every_row.double(), exact, rtol=1e-4, atol=1e-4)
 
 
-TILED_TYPES = (T.Q4_0, T.Q5_0, T.Q8_0)
+TILED_TYPES = (T.Q4_0, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
 
 
 @pytest.mark.parametrize("qtype", TILED_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("cols", [512, 544], ids=["even-blocks", "odd-blocks"])
+@pytest.mark.parametrize("odd", [False, True], ids=["even-blocks", "odd-blocks"])
 def test_with_vnni_many_rows_stay_on_the_integer_path_each_row_the_bits_it_gets_alone(
-    qtype: T, cols: int
+    qtype: T, odd: bool
 ) -> None:
     """The tiled kernel (many panels, so both threads share them) against each row computed alone by
     the decode path's kernel: equal bit for bit at every batch size, the rows of x in fours and the
-    last few alone, and the exact product of the 8-bit activations. 544 columns are 17 blocks: the
-    last block of a row has no partner."""
+    last few alone, and the exact product of the 8-bit activations. An odd number of blocks (17 of
+    32 values, 3 super-blocks of 256) leaves the last block of a row of 32-value blocks without a
+    partner."""
     kernels = _kernels()
+    cols = (768 if odd else 512) if activation_block(qtype) == 256 else (544 if odd else 512)
     weight = gguf_weight(qtype, rows=70, cols=cols, seed=7)
     bias = torch.randn(70)
     module = GgufLinear(weight, bias)
@@ -226,6 +229,18 @@ def test_a_fused_weight_of_three_types_with_a_bias_at_small_and_large_batches() 
             at += part.shape[0]
 
 
+def test_above_native_max_rows_a_part_without_a_tiled_kernel_is_dequantized_beside_the_tiled_one() -> None:
+    tiled, other = gguf_weight(T.Q8_0, 16, 256, 9), gguf_weight(T.Q4_1, 24, 256, 10)
+    module = GgufLinear(cast("GgufWeight", torch.cat(cast("list[torch.Tensor]", [tiled, other]))))
+    if not GgufLinear(tiled).any_rows(_kernels()):
+        pytest.skip(f"{native.isa()}, no AVX-512 VNNI: no part has a tiled kernel")
+    x = torch.randn(NATIVE_MAX_ROWS + 36, 256)
+    got = module(x)
+    alone = torch.cat([module(x[i : i + 1])[:, :16] for i in range(x.shape[0])])
+    assert torch.equal(got[:, :16], alone)  # the integer path, row by row
+    torch.testing.assert_close(got[:, 16:], F.linear(x, reference(other)), rtol=1e-5, atol=1e-4)
+
+
 def test_embedding_rows_are_the_dequantized_rows() -> None:
     weight = gguf_weight(T.Q6_K, 50, 256, 5)
     ids = torch.tensor([[3, 49, 0], [3, 7, 7]])
@@ -242,7 +257,7 @@ def test_only_types_with_a_kernel_and_whole_blocks_are_supported() -> None:
 
 
 def test_switched_off_the_module_dequantizes_with_the_gguf_package() -> None:
-    weight = gguf_weight(T.Q5_K, 8, 256, 6)
+    weight = gguf_weight(T.Q5_1, 8, 256, 6)  # no tiled kernel: the float kernel at 16 rows everywhere
     module = GgufLinear(weight)
     x = torch.randn(16, 256)  # the float kernel's path: switched off, only the summation order differs
     on = module(x)

@@ -8,11 +8,11 @@ the memory bus: up to eight rows (a decode step of the decode stack) it rounds x
 values (per 256 for the K types) and multiplies those with the stored quants in integers, as
 llama.cpp does (about 0.5% of a row's scale from the float32 product; set_integer_activations turns
 that off); above, it dequantizes a few weight rows at a time into a buffer of its own for the float32
-kernel. With AVX-512 VNNI, Q4_0, Q5_0 and Q8_0 parts stay on the integer path at any batch size (the
-kernel's tiled GEMM, `any_rows`): prefill chunks then compute what decode steps do. On each path a
-row's result does not depend on its batch. Larger batches of the other parts (prefill chunks, whose
-rows of x no longer stay in cache) pay one dequantization per call into a scratch buffer shared by
-every layer of the thread, then torch's GEMM does the rest; the vocabulary projection, the largest
+kernel. With AVX-512 VNNI, parts of every type but Q4_1 and Q5_1 stay on the integer path at any
+batch size (the kernel's tiled GEMMs, `any_rows`): prefill chunks then compute what decode steps do.
+On each path a row's result does not depend on its batch. Larger batches of the other parts (prefill
+chunks, whose rows of x no longer stay in cache) pay one dequantization per call into a scratch buffer
+shared by every layer of the thread, then torch's GEMM does the rest; the vocabulary projection, the largest
 weight (Qwen's is 545 MB as float32), stays below the bound at any decode step of up to 64 sequences
 and never needs the scratch.
 `GgufEmbedding` dequantizes the rows a step looks up. Without the kernels (turned off after load)

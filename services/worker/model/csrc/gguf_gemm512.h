@@ -131,35 +131,45 @@ template <int XR>
   }
 }
 
-template <int XR>
-void inner_rows(const Panel& panel, int64_t j, const strata::Activations& a, int64_t first, float* out) {
-  inner<XR>(panel, j, a, first, out);
-}
+// This file's kernel as run_panels takes it.
+struct BlockPairs {
+  using Panel = gguf_gemm::Panel;
+  static void decode(int64_t type, const uint8_t* w, int64_t row, int64_t n, int64_t k, Panel* panel) {
+    decode_panel(type, w, row, n, k, panel);
+  }
+  template <int XR>
+  static void rows(const Panel& panel, int64_t j, const strata::Activations& a, int64_t first, float* out) {
+    inner<XR>(panel, j, a, first, out);
+  }
+};
 
 // Panels [first, last) of kPanelRows weight rows: y[:, rows] = x . dequant(w)^T + bias for every row
-// of the activations.
-inline void panels(int64_t type, const strata::Activations& a, const uint8_t* w, const float* bias, float* y,
-                   int64_t m, int64_t n, int64_t ldy, int64_t first, int64_t last) {
-  thread_local Panel panel;
+// of the activations. Kernel: BlockPairs, or gguf_kgemm512.h's KQuants. Each panel is decoded once;
+// four rows of x at a time then meet its rows four at a time, so those rows of x stay in cache while
+// the panel's rows pass.
+template <class Kernel>
+void run_panels(int64_t type, const strata::Activations& a, const uint8_t* w, const float* bias, float* y, int64_t m,
+                int64_t n, int64_t ldy, int64_t first, int64_t last) {
+  thread_local typename Kernel::Panel panel;
   float dots[kXRows * kWeightRows];
   for (int64_t pn = first; pn < last; ++pn) {
     const int64_t row = pn * kPanelRows;
-    decode_panel(type, w, row, n, a.k, &panel);
+    Kernel::decode(type, w, row, n, a.k, &panel);
     for (int64_t i = 0; i < m; i += kXRows) {
       const int64_t xr = std::min<int64_t>(kXRows, m - i);
       for (int64_t j = 0; j < kPanelRows && row + j < n; j += kWeightRows) {
         switch (xr) {
           case 1:
-            inner_rows<1>(panel, j, a, i, dots);
+            Kernel::template rows<1>(panel, j, a, i, dots);
             break;
           case 2:
-            inner_rows<2>(panel, j, a, i, dots);
+            Kernel::template rows<2>(panel, j, a, i, dots);
             break;
           case 3:
-            inner_rows<3>(panel, j, a, i, dots);
+            Kernel::template rows<3>(panel, j, a, i, dots);
             break;
           default:
-            inner_rows<kXRows>(panel, j, a, i, dots);
+            Kernel::template rows<kXRows>(panel, j, a, i, dots);
             break;
         }
         const int64_t wr = std::min<int64_t>(kWeightRows, n - row - j);

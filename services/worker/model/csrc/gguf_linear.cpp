@@ -8,10 +8,11 @@
 // types on AVX-512 VNNI, gguf_dots512.h), each thread taking tiles of kTileRows weight rows: the same
 // bits whatever M (up to the bound), the tile, the thread or the instruction set (AVX-512 VNNI, AVX2,
 // which AVX-512 CPUs without VNNI run too, or the portable build), and off the float32 product on the
-// dequantized weight by the activations' rounding only. With AVX-512 VNNI the signed 32-value types
-// stay on that integer path at any M: gguf_gemm512.h's tiled GEMM decodes panels of weight rows once
-// and gives each row of x the bits the dot products give it alone, so prefill computes what decode
-// does, in fewer instructions per product than the float32 GEMM (bench.gguf_linear). Otherwise, above
+// dequantized weight by the activations' rounding only. With AVX-512 VNNI every type but Q4_1 and
+// Q5_1 stays on that integer path at any M: gguf_gemm512.h's tiled GEMM (Q4_0, Q5_0, Q8_0) and
+// gguf_kgemm512.h's (the K types) decode panels of weight rows once and give each row of x the bits
+// the dot products give it alone, so prefill computes what decode does, in fewer instructions per
+// product than the float32 GEMM (bench.gguf_linear). Otherwise, above
 // the bound, a tile is dequantized into a buffer of its own once and small_linear.cpp's float32 tiles
 // multiply every row of x by it: each element the float32 kernel's sum over the dequantized row.
 // Either way the decode stack (gguf_linear_part) and the layer-by-layer path agree bit for bit.
@@ -123,6 +124,7 @@ constexpr int64_t kGrainBytes = 1 << 15;  // stored weight bytes per parallel ch
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
 #include "gguf_dots512.h"
 #include "gguf_gemm512.h"
+#include "gguf_kgemm512.h"
 #pragma GCC pop_options
 
 #define STRATA_GGUF_NS gguf_portable
@@ -219,11 +221,12 @@ void linear_tiles(int64_t type, const float* x, const strata::Activations* a, co
 
 // Whether this CPU runs gguf_gemm512.h's kernel on `type`.
 bool tiled(int64_t type) {
-  return strata::chosen_isa() == strata::Isa::kAvx512 && strata::has_avx512_vnni() && gguf_gemm::tiled(type);
+  return strata::chosen_isa() == strata::Isa::kAvx512 && strata::has_avx512_vnni() &&
+         (gguf_gemm::tiled(type) || gguf_kgemm::tiled(type));
 }
 
 // Whether m rows of x against `type` take the integer path: up to kIntegerMaxRows rows on every
-// instruction set, at any m where gguf_gemm512.h's tiled kernel runs (AVX-512 VNNI, its types).
+// instruction set, at any m where a tiled kernel runs (AVX-512 VNNI, their types).
 bool integer_rows(int64_t type, int64_t m) {
   const int64_t bound = integer_max_rows.load(std::memory_order_relaxed);
   return m <= bound || (bound != 0 && tiled(type));
@@ -247,7 +250,11 @@ const strata::Activations* quantized(int64_t type, const float* x, int64_t m, in
 void linear_part(int64_t type, const float* x, const strata::Activations* a, const uint8_t* w, const float* bias,
                  float* y, int64_t m, int64_t n, int64_t k, int64_t ldy, int64_t first, int64_t last) {
   if (a != nullptr && m > kIntegerMaxRows && tiled(type)) {
-    gguf_gemm::panels(type, *a, w, bias, y, m, n, ldy, first, last);
+    if (gguf_kgemm::tiled(type)) {
+      gguf_gemm::run_panels<gguf_kgemm::KQuants>(type, *a, w, bias, y, m, n, ldy, first, last);
+    } else {
+      gguf_gemm::run_panels<gguf_gemm::BlockPairs>(type, *a, w, bias, y, m, n, ldy, first, last);
+    }
   } else {
     linear_tiles(type, x, a, w, bias, y, m, n, k, ldy, first, last);
   }
