@@ -44,9 +44,10 @@ namespace {
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
 constexpr int64_t kTileRows = 4;          // weight rows per tile
 // Rows of x up to which the integer dot products run (decode steps: the decode stack's bound). Above,
-// a dequantized tile times x in float32 makes fewer instructions per product than AVX2's integer
-// sequence does, and every row of x reuses the tile. strata_gguf_set_integer_rows sets it to 0 for
-// products equal to the float32 model of the dequantized file (parity checks against transformers).
+// with AVX-512 VNNI, the tiled kernels take their types; otherwise a dequantized tile times x in
+// float32 makes fewer instructions per product than AVX2's integer sequence does, and every row of x
+// reuses the tile. strata_gguf_set_integer_rows sets it to 0 for products equal to the float32 model
+// of the dequantized file (parity checks against transformers), the tiled kernels' included.
 constexpr int64_t kIntegerMaxRows = 8;
 std::atomic<int64_t> integer_max_rows{kIntegerMaxRows};
 constexpr int64_t kGrainBytes = 1 << 15;  // stored weight bytes per parallel chunk, at least
@@ -219,7 +220,7 @@ void linear_tiles(int64_t type, const float* x, const strata::Activations* a, co
   }
 }
 
-// Whether this CPU runs gguf_gemm512.h's kernel on `type`.
+// Whether this CPU runs a tiled kernel (gguf_gemm512.h, gguf_kgemm512.h) on `type`.
 bool tiled(int64_t type) {
   return strata::chosen_isa() == strata::Isa::kAvx512 && strata::has_avx512_vnni() &&
          (gguf_gemm::tiled(type) || gguf_kgemm::tiled(type));
@@ -246,10 +247,15 @@ const strata::Activations* quantized(int64_t type, const float* x, int64_t m, in
   return &a;
 }
 
-// The tiled kernel's share [part / parts] of the weight's panels, or the row tiles' (linear_tiles).
+// Whether m rows of x quantized into `a` (or null) take a tiled kernel.
+bool tiled_rows(int64_t type, const strata::Activations* a, int64_t m) {
+  return a != nullptr && m > kIntegerMaxRows && tiled(type);
+}
+
+// Items [first, last): a tiled kernel's panels of the weight, or linear_tiles's row tiles.
 void linear_part(int64_t type, const float* x, const strata::Activations* a, const uint8_t* w, const float* bias,
                  float* y, int64_t m, int64_t n, int64_t k, int64_t ldy, int64_t first, int64_t last) {
-  if (a != nullptr && m > kIntegerMaxRows && tiled(type)) {
+  if (tiled_rows(type, a, m)) {
     if (gguf_kgemm::tiled(type)) {
       gguf_gemm::run_panels<gguf_kgemm::KQuants>(type, *a, w, bias, y, m, n, ldy, first, last);
     } else {
@@ -262,7 +268,7 @@ void linear_part(int64_t type, const float* x, const strata::Activations* a, con
 
 // How many items linear_part shares out for m rows: the tiled kernel's panels, or row tiles.
 int64_t part_items(int64_t type, const strata::Activations* a, int64_t m, int64_t n) {
-  return a != nullptr && m > kIntegerMaxRows && tiled(type) ? gguf_gemm::panel_count(n) : tile_count(n);
+  return tiled_rows(type, a, m) ? gguf_gemm::panel_count(n) : tile_count(n);
 }
 
 }  // namespace
@@ -309,7 +315,7 @@ void strata_gguf_linear(int64_t type, const float* x, const uint8_t* w, const fl
                         int64_t n, int64_t k, int64_t ldy) {
   const strata::Activations* a = quantized(type, x, m, k);
   const int64_t items = part_items(type, a, m, n);
-  const int64_t per_item = items == tile_count(n) ? kTileRows : gguf_gemm::kPanelRows;
+  const int64_t per_item = tiled_rows(type, a, m) ? gguf_gemm::kPanelRows : kTileRows;
   at::parallel_for(0, items, grain(per_item * row_bytes(type, k)), [&](int64_t first, int64_t last) {
     linear_part(type, x, a, w, bias, y, m, n, k, ldy, first, last);
   });
