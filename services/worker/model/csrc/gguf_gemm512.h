@@ -54,92 +54,84 @@ inline __m256i block_weights(int64_t type, const uint8_t* p) {
 
 inline int64_t block_bytes(int64_t type) { return type == kQ4_0 ? 18 : type == kQ5_0 ? 22 : 34; }
 
-// Weight rows [row, row + kPanelRows) of `w` into `panel`; rows at or past n are zeros.
-inline void decode_panel(int64_t type, const uint8_t* w, int64_t row, int64_t n, int64_t k, Panel* panel) {
-  const int64_t blocks = k / 32;
-  const int64_t bytes = block_bytes(type);
-  const int64_t pairs = (blocks + 1) / 2;
-  panel->pairs = pairs;
-  panel->weights.resize(static_cast<size_t>(kPanelRows * pairs * 64));
-  panel->start.resize(static_cast<size_t>(kPanelRows * pairs * 16));
-  panel->scales.resize(panel->start.size());
-  const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t r = 0; r < kPanelRows; ++r) {
-    const uint8_t* b = w + (row + r) * blocks * bytes;
-    for (int64_t p = 0; p < pairs; ++p) {
-      const int64_t at = r * pairs + p;
-      int8_t* weights = panel->weights.data() + at * 64;
-      int32_t* start = panel->start.data() + at * 16;
-      float* scales = panel->scales.data() + at * 16;
-      if (row + r >= n) {
-        _mm512_storeu_si512(weights, _mm512_setzero_si512());
-        _mm512_storeu_si512(start, _mm512_setzero_si512());
-        _mm512_storeu_ps(scales, _mm512_setzero_ps());
-        continue;
-      }
-      const uint8_t* even = b + 2 * p * bytes;
-      const bool single = 2 * p + 1 == blocks;
-      const __m256i low = block_weights(type, even);
-      const __m256i high = single ? _mm256_setzero_si256() : block_weights(type, even + bytes);
-      const __m512i values = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
-      _mm512_storeu_si512(weights, values);
-      _mm512_storeu_si512(start, _mm512_sub_epi32(_mm512_setzero_si512(),
-                                                  _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, values)));
-      const float d1 = single ? 0.0f : avx2::scale_at(even + bytes);
-      _mm512_storeu_ps(scales, _mm512_castpd_ps(_mm512_insertf64x4(
-          _mm512_castps_pd(_mm512_set1_ps(avx2::scale_at(even))), _mm256_castps_pd(_mm256_set1_ps(d1)), 1)));
-    }
-  }
-}
-
-// Rows [first, first + XR) of x against panel rows [j, j + kWeightRows): out[i * kWeightRows + jj].
-template <int XR>
-[[gnu::always_inline]] inline void inner(const Panel& panel, int64_t j, const strata::Activations& a, int64_t first,
-                                         float* out) {
-  const int64_t pairs = panel.pairs;
-  const int64_t full = a.k / 64;
-  const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
-  const int64_t base = j * pairs;
-  __m512 lanes[XR][kWeightRows];
-  for (int i = 0; i < XR; ++i)
-    for (int jj = 0; jj < kWeightRows; ++jj) lanes[i][jj] = _mm512_setzero_ps();
-  const auto step = [&](int64_t p, bool single) {
-    __m512i w[kWeightRows];
-    for (int jj = 0; jj < kWeightRows; ++jj) w[jj] = panel.weights_at(base + jj * pairs + p);
-    for (int i = 0; i < XR; ++i) {
-      const int8_t* q = a.row_q(first + i) + p * 64;
-      const float* d = a.row_d(first + i) + 2 * p;
-      const __m512i x = _mm512_xor_si512(
-          single ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, q) : _mm512_loadu_si512(q), offset);
-      const __m512 dx = _mm512_castpd_ps(_mm512_insertf64x4(
-          _mm512_castps_pd(_mm512_set1_ps(d[0])), _mm256_castps_pd(_mm256_set1_ps(single ? 0.0f : d[1])), 1));
-      for (int jj = 0; jj < kWeightRows; ++jj) {
-        const __m512i sums = _mm512_dpbusd_epi32(panel.start_at(base + jj * pairs + p), x, w[jj]);
-        const __m512 scale = _mm512_mul_ps(panel.scales_at(base + jj * pairs + p), dx);
-        lanes[i][jj] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, lanes[i][jj], single ? 0x00FF : 0xFFFF);
-      }
-    }
-  };
-  for (int64_t p = 0; p < full; ++p) step(p, false);
-  if (full < pairs) step(full, true);
-  for (int i = 0; i < XR; ++i) {
-    for (int jj = 0; jj < kWeightRows; ++jj) {
-      const __m256 even = _mm512_castps512_ps256(lanes[i][jj]);
-      const __m256 odd = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lanes[i][jj]), 1));
-      out[i * kWeightRows + jj] = strata::hsum256(_mm256_add_ps(even, odd)) + 0.0f;
-    }
-  }
-}
-
-// This file's kernel as run_panels takes it.
+// This file's kernel as run_panels takes it: a panel's decoding and the inner loop.
 struct BlockPairs {
   using Panel = gguf_gemm::Panel;
+
+  // Weight rows [row, row + kPanelRows) of `w` into `panel`; rows at or past n are zeros.
   static void decode(int64_t type, const uint8_t* w, int64_t row, int64_t n, int64_t k, Panel* panel) {
-    decode_panel(type, w, row, n, k, panel);
+    const int64_t blocks = k / 32;
+    const int64_t bytes = block_bytes(type);
+    const int64_t pairs = (blocks + 1) / 2;
+    panel->pairs = pairs;
+    panel->weights.resize(static_cast<size_t>(kPanelRows * pairs * 64));
+    panel->start.resize(static_cast<size_t>(kPanelRows * pairs * 16));
+    panel->scales.resize(panel->start.size());
+    const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t r = 0; r < kPanelRows; ++r) {
+      const uint8_t* b = w + (row + r) * blocks * bytes;
+      for (int64_t p = 0; p < pairs; ++p) {
+        const int64_t at = r * pairs + p;
+        int8_t* weights = panel->weights.data() + at * 64;
+        int32_t* start = panel->start.data() + at * 16;
+        float* scales = panel->scales.data() + at * 16;
+        if (row + r >= n) {
+          _mm512_storeu_si512(weights, _mm512_setzero_si512());
+          _mm512_storeu_si512(start, _mm512_setzero_si512());
+          _mm512_storeu_ps(scales, _mm512_setzero_ps());
+          continue;
+        }
+        const uint8_t* even = b + 2 * p * bytes;
+        const bool single = 2 * p + 1 == blocks;
+        const __m256i low = block_weights(type, even);
+        const __m256i high = single ? _mm256_setzero_si256() : block_weights(type, even + bytes);
+        const __m512i values = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+        _mm512_storeu_si512(weights, values);
+        _mm512_storeu_si512(start, _mm512_sub_epi32(_mm512_setzero_si512(),
+                                                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, values)));
+        const float d1 = single ? 0.0f : avx2::scale_at(even + bytes);
+        _mm512_storeu_ps(scales, _mm512_castpd_ps(_mm512_insertf64x4(
+            _mm512_castps_pd(_mm512_set1_ps(avx2::scale_at(even))), _mm256_castps_pd(_mm256_set1_ps(d1)), 1)));
+      }
+    }
   }
+
+  // Rows [first, first + XR) of x against panel rows [j, j + kWeightRows): out[i * kWeightRows + jj].
   template <int XR>
   static void rows(const Panel& panel, int64_t j, const strata::Activations& a, int64_t first, float* out) {
-    inner<XR>(panel, j, a, first, out);
+    const int64_t pairs = panel.pairs;
+    const int64_t full = a.k / 64;
+    const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
+    const int64_t base = j * pairs;
+    __m512 lanes[XR][kWeightRows];
+    for (int i = 0; i < XR; ++i)
+      for (int jj = 0; jj < kWeightRows; ++jj) lanes[i][jj] = _mm512_setzero_ps();
+    const auto step = [&](int64_t p, bool single) {
+      __m512i w[kWeightRows];
+      for (int jj = 0; jj < kWeightRows; ++jj) w[jj] = panel.weights_at(base + jj * pairs + p);
+      for (int i = 0; i < XR; ++i) {
+        const int8_t* q = a.row_q(first + i) + p * 64;
+        const float* d = a.row_d(first + i) + 2 * p;
+        const __m512i x = _mm512_xor_si512(
+            single ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, q) : _mm512_loadu_si512(q), offset);
+        const __m512 dx = _mm512_castpd_ps(_mm512_insertf64x4(
+            _mm512_castps_pd(_mm512_set1_ps(d[0])), _mm256_castps_pd(_mm256_set1_ps(single ? 0.0f : d[1])), 1));
+        for (int jj = 0; jj < kWeightRows; ++jj) {
+          const __m512i sums = _mm512_dpbusd_epi32(panel.start_at(base + jj * pairs + p), x, w[jj]);
+          const __m512 scale = _mm512_mul_ps(panel.scales_at(base + jj * pairs + p), dx);
+          lanes[i][jj] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, lanes[i][jj], single ? 0x00FF : 0xFFFF);
+        }
+      }
+    };
+    for (int64_t p = 0; p < full; ++p) step(p, false);
+    if (full < pairs) step(full, true);
+    for (int i = 0; i < XR; ++i) {
+      for (int jj = 0; jj < kWeightRows; ++jj) {
+        const __m256 even = _mm512_castps512_ps256(lanes[i][jj]);
+        const __m256 odd = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lanes[i][jj]), 1));
+        out[i * kWeightRows + jj] = strata::hsum256(_mm256_add_ps(even, odd)) + 0.0f;
+      }
+    }
   }
 };
 

@@ -85,95 +85,89 @@ inline void decode_super(int64_t type, const uint8_t* b, int16_t* out, float* d,
 
 inline int64_t super_bytes(int64_t type) { return type == kQ4_K ? 144 : type == kQ5_K ? 176 : 210; }
 
-// Weight rows [row, row + kPanelRows) of `w` into `panel`; rows at or past n are zeros.
-inline void decode_panel(int64_t type, const uint8_t* w, int64_t row, int64_t n, int64_t k, Panel* panel) {
-  const int64_t supers = k / 256;
-  const int64_t bytes = super_bytes(type);
-  panel->supers = supers;
-  panel->has_mins = type != kQ6_K;
-  panel->weights.assign(static_cast<size_t>(kPanelRows * supers * 256), 0);
-  panel->d.assign(static_cast<size_t>(kPanelRows * supers), 0.0f);
-  panel->mins.assign(static_cast<size_t>(kPanelRows * supers * 8), 0);
-  panel->dmin.assign(static_cast<size_t>(kPanelRows * supers), 0.0f);
-  for (int64_t r = 0; r < kPanelRows && row + r < n; ++r) {
-    for (int64_t i = 0; i < supers; ++i) {
-      const int64_t at = r * supers + i;
-      const int64_t group = (r / kWeightRows) * supers + i;
-      decode_super(type, w + ((row + r) * supers + i) * bytes, panel->weights.data() + at * 256,
-                   panel->d.data() + at, panel->dmin.data() + group * kWeightRows + r % kWeightRows,
-                   panel->mins.data() + (group * kWeightRows + r % kWeightRows) * 8);
-    }
-  }
-}
-
-// Lane jj: -(dmin * d_x) * (the sum over sub-blocks of min * their sum of q) for weight row j + jj of
-// super-block s against a row of x (its eight sums of q at isum, its scale dx). The mins (at most 63)
-// and the sums of q (at most 32 * 127) are exact as int16; four lanes of the dpwssd hold each row's
-// eight products in pairs and add up to its integer sum.
-[[gnu::always_inline]] inline __m128 min_terms(const Panel& panel, int64_t j, int64_t s, const int32_t* isum,
-                                               float dx) {
-  const int64_t group = (j / kWeightRows) * panel.supers + s;
-  const __m512i mins = _mm512_loadu_si512(panel.mins.data() + group * kWeightRows * 8);
-  const __m128i sums = _mm_packs_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(isum)),
-                                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(isum + 4)));
-  const __m512i products = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_broadcast_i32x4(sums), mins);
-  const __m256i pairs = _mm512_cvtepi64_epi32(_mm512_add_epi32(products, _mm512_srli_epi64(products, 32)));
-  const __m128i weighted = _mm256_cvtepi64_epi32(_mm256_add_epi32(pairs, _mm256_srli_epi64(pairs, 32)));
-  const __m128 dmin = _mm_loadu_ps(panel.dmin.data() + group * kWeightRows);
-  const __m128 scale = _mm_xor_ps(_mm_mul_ps(dmin, _mm_set1_ps(dx)), _mm_set1_ps(-0.0f));
-  return _mm_mul_ps(scale, _mm_cvtepi32_ps(weighted));
-}
-
-// Rows [first, first + XR) of x against panel rows [j, j + kWeightRows): out[i * kWeightRows + jj].
-template <int XR>
-[[gnu::always_inline]] inline void inner(const Panel& panel, int64_t j, const strata::Activations& a, int64_t first,
-                                         float* out) {
-  const int64_t supers = panel.supers;
-  __m256 even[XR][kWeightRows];
-  __m128 offsets[XR];  // lane jj: weight row j + jj
-  for (int i = 0; i < XR; ++i) {
-    offsets[i] = _mm_setzero_ps();
-    for (int jj = 0; jj < kWeightRows; ++jj) even[i][jj] = _mm256_setzero_ps();
-  }
-  for (int64_t s = 0; s < supers; ++s) {
-    __m512i sums[XR][kWeightRows];
-    for (int i = 0; i < XR; ++i)
-      for (int jj = 0; jj < kWeightRows; ++jj) sums[i][jj] = _mm512_setzero_si512();
-    for (int sub = 0; sub < 8; ++sub) {
-      __m512i w[kWeightRows];
-      for (int jj = 0; jj < kWeightRows; ++jj) w[jj] = panel.weights_at((j + jj) * supers + s, sub);
-      for (int i = 0; i < XR; ++i) {
-        const int8_t* q = a.row_q(first + i) + s * 256 + sub * 32;
-        const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-        for (int jj = 0; jj < kWeightRows; ++jj) sums[i][jj] = _mm512_dpwssd_epi32(sums[i][jj], x, w[jj]);
-      }
-    }
-    for (int i = 0; i < XR; ++i) {
-      const float dx = a.row_d(first + i)[s];
-      const int32_t* isum = a.row_isum(first + i) + s * 8;
-      for (int jj = 0; jj < kWeightRows; ++jj) {
-        const int64_t at = (j + jj) * supers + s;
-        const __m512i pairs = _mm512_add_epi32(sums[i][jj], _mm512_srli_epi64(sums[i][jj], 32));
-        const __m256i lanes = _mm512_cvtepi64_epi32(pairs);
-        even[i][jj] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(panel.d[at] * dx), even[i][jj]);
-      }
-      if (panel.has_mins) offsets[i] = _mm_add_ps(offsets[i], min_terms(panel, j, s, isum, dx));
-    }
-  }
-  for (int i = 0; i < XR; ++i)
-    for (int jj = 0; jj < kWeightRows; ++jj)
-      out[i * kWeightRows + jj] = strata::hsum256(_mm256_add_ps(even[i][jj], _mm256_setzero_ps())) + offsets[i][jj];
-}
-
+// This file's kernel as run_panels takes it: a panel's decoding and the inner loop.
 struct KQuants {
   using Panel = gguf_kgemm::Panel;
+
+  // Weight rows [row, row + kPanelRows) of `w` into `panel`; rows at or past n are zeros.
   static void decode(int64_t type, const uint8_t* w, int64_t row, int64_t n, int64_t k, Panel* panel) {
-    decode_panel(type, w, row, n, k, panel);
+    const int64_t supers = k / 256;
+    const int64_t bytes = super_bytes(type);
+    panel->supers = supers;
+    panel->has_mins = type != kQ6_K;
+    panel->weights.assign(static_cast<size_t>(kPanelRows * supers * 256), 0);
+    panel->d.assign(static_cast<size_t>(kPanelRows * supers), 0.0f);
+    panel->mins.assign(static_cast<size_t>(kPanelRows * supers * 8), 0);
+    panel->dmin.assign(static_cast<size_t>(kPanelRows * supers), 0.0f);
+    for (int64_t r = 0; r < kPanelRows && row + r < n; ++r) {
+      for (int64_t i = 0; i < supers; ++i) {
+        const int64_t at = r * supers + i;
+        const int64_t group = (r / kWeightRows) * supers + i;
+        decode_super(type, w + ((row + r) * supers + i) * bytes, panel->weights.data() + at * 256,
+                     panel->d.data() + at, panel->dmin.data() + group * kWeightRows + r % kWeightRows,
+                     panel->mins.data() + (group * kWeightRows + r % kWeightRows) * 8);
+      }
+    }
   }
+
+  // Lane jj: -(dmin * d_x) * (the sum over sub-blocks of min * their sum of q) for weight row j + jj of
+  // super-block s against a row of x (its eight sums of q at isum, its scale dx). The mins (at most 63)
+  // and the sums of q (at most 32 * 127) are exact as int16; four lanes of the dpwssd hold each row's
+  // eight products in pairs and add up to its integer sum.
+  [[gnu::always_inline]] static __m128 min_terms(const Panel& panel, int64_t j, int64_t s, const int32_t* isum,
+                                                 float dx) {
+    const int64_t group = (j / kWeightRows) * panel.supers + s;
+    const __m512i mins = _mm512_loadu_si512(panel.mins.data() + group * kWeightRows * 8);
+    const __m128i sums = _mm_packs_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(isum)),
+                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(isum + 4)));
+    const __m512i products = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_broadcast_i32x4(sums), mins);
+    const __m256i pairs = _mm512_cvtepi64_epi32(_mm512_add_epi32(products, _mm512_srli_epi64(products, 32)));
+    const __m128i weighted = _mm256_cvtepi64_epi32(_mm256_add_epi32(pairs, _mm256_srli_epi64(pairs, 32)));
+    const __m128 dmin = _mm_loadu_ps(panel.dmin.data() + group * kWeightRows);
+    const __m128 scale = _mm_xor_ps(_mm_mul_ps(dmin, _mm_set1_ps(dx)), _mm_set1_ps(-0.0f));
+    return _mm_mul_ps(scale, _mm_cvtepi32_ps(weighted));
+  }
+
+  // Rows [first, first + XR) of x against panel rows [j, j + kWeightRows): out[i * kWeightRows + jj].
   template <int XR>
   static void rows(const Panel& panel, int64_t j, const strata::Activations& a, int64_t first, float* out) {
-    inner<XR>(panel, j, a, first, out);
+    const int64_t supers = panel.supers;
+    __m256 even[XR][kWeightRows];
+    __m128 offsets[XR];  // lane jj: weight row j + jj
+    for (int i = 0; i < XR; ++i) {
+      offsets[i] = _mm_setzero_ps();
+      for (int jj = 0; jj < kWeightRows; ++jj) even[i][jj] = _mm256_setzero_ps();
+    }
+    for (int64_t s = 0; s < supers; ++s) {
+      __m512i sums[XR][kWeightRows];
+      for (int i = 0; i < XR; ++i)
+        for (int jj = 0; jj < kWeightRows; ++jj) sums[i][jj] = _mm512_setzero_si512();
+      for (int sub = 0; sub < 8; ++sub) {
+        __m512i w[kWeightRows];
+        for (int jj = 0; jj < kWeightRows; ++jj) w[jj] = panel.weights_at((j + jj) * supers + s, sub);
+        for (int i = 0; i < XR; ++i) {
+          const int8_t* q = a.row_q(first + i) + s * 256 + sub * 32;
+          const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+          for (int jj = 0; jj < kWeightRows; ++jj) sums[i][jj] = _mm512_dpwssd_epi32(sums[i][jj], x, w[jj]);
+        }
+      }
+      for (int i = 0; i < XR; ++i) {
+        const float dx = a.row_d(first + i)[s];
+        const int32_t* isum = a.row_isum(first + i) + s * 8;
+        for (int jj = 0; jj < kWeightRows; ++jj) {
+          const int64_t at = (j + jj) * supers + s;
+          const __m512i pairs = _mm512_add_epi32(sums[i][jj], _mm512_srli_epi64(sums[i][jj], 32));
+          const __m256i lanes = _mm512_cvtepi64_epi32(pairs);
+          even[i][jj] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(panel.d[at] * dx), even[i][jj]);
+        }
+        if (panel.has_mins) offsets[i] = _mm_add_ps(offsets[i], min_terms(panel, j, s, isum, dx));
+      }
+    }
+    for (int i = 0; i < XR; ++i)
+      for (int jj = 0; jj < kWeightRows; ++jj)
+        out[i * kWeightRows + jj] = strata::hsum256(_mm256_add_ps(even[i][jj], _mm256_setzero_ps())) + offsets[i][jj];
   }
 };
+
 
 }  // namespace gguf_kgemm
