@@ -23,6 +23,12 @@ inline __m512i pair(v32u low, v32u high) {
   return _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)low), (__m256i)high, 1);
 }
 
+// 16 float lanes: `low` in the low eight, `high` in the high eight (an even and an odd block's scale).
+inline __m512 halves(float low, float high) {
+  return _mm512_castpd_ps(
+      _mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(low)), _mm256_castps_pd(_mm256_set1_ps(high)), 1));
+}
+
 inline uint32_t fifth_bits(const uint8_t* p) {
   uint32_t bits;
   std::memcpy(&bits, p, 4);
@@ -131,8 +137,7 @@ struct PairDots {
       const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), weights, values);
       const float s0 = d0 * d[r][b];
       const float s1 = single ? 0.0f : d1 * d[r][b + 1];
-      const __m512 scale = _mm512_castpd_ps(_mm512_insertf64x4(
-          _mm512_castps_pd(_mm512_set1_ps(s0)), _mm256_castps_pd(_mm256_set1_ps(s1)), 1));
+      const __m512 scale = halves(s0, s1);
       lanes[r] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, lanes[r], single ? 0x00FF : 0xFFFF);
       if constexpr (!kSigned) {
         offsets[r] += avx2::scale_at(p0 + 2) * sum[r][b];

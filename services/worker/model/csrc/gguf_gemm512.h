@@ -85,13 +85,12 @@ struct BlockPairs {
         const bool single = 2 * p + 1 == blocks;
         const __m256i low = block_weights(type, even);
         const __m256i high = single ? _mm256_setzero_si256() : block_weights(type, even + bytes);
-        const __m512i values = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+        const __m512i values = gguf_vnni::pair((avx2::v32u)low, (avx2::v32u)high);
         _mm512_storeu_si512(weights, values);
         _mm512_storeu_si512(start, _mm512_sub_epi32(_mm512_setzero_si512(),
                                                     _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, values)));
         const float d1 = single ? 0.0f : avx2::scale_at(even + bytes);
-        _mm512_storeu_ps(scales, _mm512_castpd_ps(_mm512_insertf64x4(
-            _mm512_castps_pd(_mm512_set1_ps(avx2::scale_at(even))), _mm256_castps_pd(_mm256_set1_ps(d1)), 1)));
+        _mm512_storeu_ps(scales, gguf_vnni::halves(avx2::scale_at(even), d1));
       }
     }
   }
@@ -114,8 +113,7 @@ struct BlockPairs {
         const float* d = a.row_d(first + i) + 2 * p;
         const __m512i x = _mm512_xor_si512(
             single ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, q) : _mm512_loadu_si512(q), offset);
-        const __m512 dx = _mm512_castpd_ps(_mm512_insertf64x4(
-            _mm512_castps_pd(_mm512_set1_ps(d[0])), _mm256_castps_pd(_mm256_set1_ps(single ? 0.0f : d[1])), 1));
+        const __m512 dx = gguf_vnni::halves(d[0], single ? 0.0f : d[1]);
         for (int jj = 0; jj < kWeightRows; ++jj) {
           const __m512i sums = _mm512_dpbusd_epi32(panel.start_at(base + jj * pairs + p), x, w[jj]);
           const __m512 scale = _mm512_mul_ps(panel.scales_at(base + jj * pairs + p), dx);
