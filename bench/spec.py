@@ -8,7 +8,8 @@ draft with `--draft-model`), two parts:
   order flipped every round; tokens/s over the round's whole run, and whether every text is the
   same token for token;
 - many streams: `--streams` streams of bench/engine.py's shape (`--prompt-tokens` random prompt
-  tokens, `--many-new-tokens` greedy tokens, EOS ignored), both alternated likewise.
+  tokens, `--many-new-tokens` greedy tokens, EOS ignored), both alternated likewise; `--streams 0`
+  leaves this part out (its target is the default model's).
 Each run records the engine's speculation counters (drafted, accepted, speculative decodes). Prefix
 caching is off, so no round serves another. It writes bench/results/spec-cpu.json with
 bench/provenance.py's block; the targets' verdicts are arithmetic on the record (`verdicts`).
@@ -31,6 +32,10 @@ from bench.stats import DEFAULT_MODEL, make_prompts, print_targets, save_record,
 
 WORKLOAD = Path("bench/data/spec-prompts.json")
 MODES = ("off", "on")
+# The one-stream speed-up each model must reach, by its folder's name; others are judged by the larger
+# model's bar.
+ONE_STREAM_TARGETS = {"SmolLM2-135M-Instruct": 1.8, "Qwen2.5-Coder-1.5B-Instruct": 1.5}
+OTHER_MODELS_TARGET = 1.5
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -44,7 +49,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--streams", type=int, default=64)
+    p.add_argument(
+        "--streams", type=int, default=64, help="streams of the many-streams part; 0: leave it out"
+    )
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--many-new-tokens", type=int, default=64)
     p.add_argument("--json", type=Path, default=Path("bench/results/spec-cpu.json"))
@@ -148,21 +155,27 @@ def alternate(
 def verdicts(record: dict[str, Any]) -> list[dict[str, Any]]:
     """Each target: {"target", "figure", "met"}."""
     one, many = record["one_stream"], record["many_streams"]
-    streams = record["workload"]["streams"]
+    workload = record["workload"]
+    bar = ONE_STREAM_TARGETS.get(Path(workload["model"]).name, OTHER_MODELS_TARGET)
     lines = [
         (
-            f"one stream, {record['workload']['method']} against off: >= 1.8x tokens/s, identical text",
+            f"one stream, {workload['method']} against off: >= {bar}x tokens/s, identical text",
             f"{one['ratio']['median']:.2f}x (range {one['ratio']['low']:.2f}-{one['ratio']['high']:.2f}), "
             f"identical: {one['identical_text']}, acceptance {100 * one['acceptance_rate']:.0f}%",
-            one["ratio"]["median"] >= 1.8 and one["identical_text"],
-        ),
-        (
-            f"{streams} streams: >= 0.97x without speculation",
-            f"{many['ratio']['median']:.2f}x (range {many['ratio']['low']:.2f}-{many['ratio']['high']:.2f}), "
-            f"{sum(r['draft_tokens'] for r in many['on']['runs'])} tokens drafted",
-            many["ratio"]["median"] >= 0.97,
-        ),
+            one["ratio"]["median"] >= bar and one["identical_text"],
+        )
     ]
+    if many is not None:
+        ratio = many["ratio"]
+        drafted = sum(r["draft_tokens"] for r in many["on"]["runs"])
+        lines.append(
+            (
+                f"{workload['streams']} streams: >= 0.97x without speculation",
+                f"{ratio['median']:.2f}x (range {ratio['low']:.2f}-{ratio['high']:.2f}), "
+                f"{drafted} tokens drafted",
+                ratio["median"] >= 0.97,
+            )
+        )
     return [{"target": t, "figure": f, "met": bool(m)} for t, f, m in lines]
 
 
@@ -179,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         speculative["draft_model_path"] = str(args.draft_model)
     if args.num_tokens is not None:
         speculative["num_tokens"] = args.num_tokens
-    engines = {"off": engine(loaded, None, args.streams), "on": engine(loaded, speculative, args.streams)}
+    seqs = max(1, args.streams)
+    engines = {"off": engine(loaded, None, seqs), "on": engine(loaded, speculative, seqs)}
     prompts = workload_ids(args.model)
     greedy = SamplingParams(max_new_tokens=args.new_tokens)
     # One untimed prompt each: the first steps pay for allocations the rest reuse.
@@ -192,7 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     def random_prompts(index: int) -> list[list[int]]:
         return make_prompts(args.streams, args.prompt_tokens, vocab, set(), seed=index)
 
-    many = alternate(engines, random_prompts, fixed, args.rounds, False, f"{args.streams} streams")
+    many = (
+        alternate(engines, random_prompts, fixed, args.rounds, False, f"{args.streams} streams")
+        if args.streams > 0
+        else None
+    )
     record: dict[str, Any] = {
         "benchmark": "spec",
         "provenance": finish_provenance(provenance),
@@ -203,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
             "prompts": str(WORKLOAD),
             "new_tokens": args.new_tokens,
             "streams": args.streams,
-            "many_streams_shape": f"{args.streams}x{args.prompt_tokens}+{args.many_new_tokens}",
+            "many_streams_shape": f"{args.streams}x{args.prompt_tokens}+{args.many_new_tokens}"
+            if args.streams > 0
+            else None,
             "rounds": args.rounds,
             "threads": args.threads,
         },

@@ -104,11 +104,13 @@ import sys, torch
 from services.worker.model.gguf_linear import GgufLinear
 from tests.gguf_blocks import SERVED_TYPES, T, gguf_weight
 torch.manual_seed(0)
-x, odd = torch.randn(5, 512), torch.randn(5, 544)
-outs = [GgufLinear(gguf_weight(t, rows=19, cols=512, seed=3))(x) for t in SERVED_TYPES]
+# Eight rows: one call of the VNNI kernels, two of AVX2's and the portable build's four; five: 4 + 1.
+x, odd = torch.randn(8, 512), torch.randn(5, 544)
+outs = [GgufLinear(gguf_weight(t, rows=19, cols=512, seed=3))(x[:5]) for t in SERVED_TYPES]
+outs += [GgufLinear(gguf_weight(t, rows=19, cols=512, seed=3))(x) for t in SERVED_TYPES]
 # 17 blocks a row: the last block of a row of 32-value blocks has no partner.
 outs += [GgufLinear(gguf_weight(t, rows=19, cols=544, seed=4))(odd) for t in (T.Q8_0, T.Q4_1, T.Q5_0)]
-torch.save(torch.stack(outs), sys.argv[1])
+torch.save(torch.cat(outs), sys.argv[1])
 """
 
 

@@ -8,8 +8,9 @@
 // instead of AVX2's shuffle and compare. Each block then takes lanes += sums * (d_w * d_x) as one
 // fused multiply-add into the even or odd blocks' lanes, the offsets of Q4_1 and Q5_1 add in block
 // order, and a row's dot is hsum256(even + odd): gguf_dots.h's accumulators, operation for operation,
-// so a row's result is the same bits as on AVX2 and the portable build. The K types keep gguf_dots.h's
-// AVX2 build. Included by gguf_linear.cpp once, in its AVX-512 VNNI region, after gguf_dots.h's AVX2
+// so a row's result is the same bits as on AVX2 and the portable build. The K types have their own
+// kernel (gguf_kdots512.h, whose dot_rows takes every type). Included by gguf_linear.cpp once, in its
+// AVX-512 VNNI region, after gguf_dots.h's AVX2
 // build, whose helpers (the weights' prefetch among them) it uses.
 
 #pragma once
@@ -200,34 +201,6 @@ void row_dots(int64_t type, const uint8_t* row, const strata::Activations& a, in
       return;
   }
   dots.store(out);
-}
-
-// gguf_avx2::dot_rows's contract: out[i] = row . (rows first + i of the activations), count <= kDotRows.
-inline void dot_rows(int64_t type, const uint8_t* row, const strata::Activations& a, int64_t first, int64_t count,
-                     float* out) {
-  if (a.block != 32) {
-    avx2::dot_rows(type, row, a, first, count, out);
-    return;
-  }
-  // One row of Q8_0 keeps the pairs: its weights need no decoding, and one block a step measured slower.
-  if (count == 1 && type != kQ8_0) {
-    one_row_dots(type, row, a, first, out);
-    return;
-  }
-  switch (count) {
-    case 1:
-      row_dots<1>(type, row, a, first, out);
-      break;
-    case 2:
-      row_dots<2>(type, row, a, first, out);
-      break;
-    case 3:
-      row_dots<3>(type, row, a, first, out);
-      break;
-    default:
-      row_dots<avx2::kDotRows>(type, row, a, first, out);
-      break;
-  }
 }
 
 }  // namespace gguf_vnni

@@ -4,8 +4,8 @@
 // The weight never exists as float32 in memory, so the bytes crossing the memory bus are the file's.
 // Up to kIntegerMaxRows rows of x (decode steps), x is first rounded to 8 bits per 32 values, per 256
 // for the K types (gguf_activations.h), and each weight row's dot products with up to four rows of x
-// at a time come from the stored quants in integers, as ggml computes them (gguf_dots.h; the 32-value
-// types on AVX-512 VNNI, gguf_dots512.h), each thread taking tiles of kTileRows weight rows: the same
+// at a time come from the stored quants in integers, as ggml computes them (gguf_dots.h; on AVX-512
+// VNNI gguf_dots512.h for the 32-value types, gguf_kdots512.h for the K types), each thread taking tiles of kTileRows weight rows: the same
 // bits whatever M (up to the bound), the tile, the thread or the instruction set (AVX-512 VNNI, AVX2,
 // which AVX-512 CPUs without VNNI run too, or the portable build), and off the float32 product on the
 // dequantized weight by the activations' rounding only. With AVX-512 VNNI every type but Q4_1 and
@@ -124,6 +124,7 @@ constexpr int64_t kGrainBytes = 1 << 15;  // stored weight bytes per parallel ch
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
 #include "gguf_dots512.h"
+#include "gguf_kdots512.h"
 #include "gguf_gemm512.h"
 #include "gguf_kgemm512.h"
 #pragma GCC pop_options
@@ -143,19 +144,21 @@ using DotRows = void (*)(int64_t, const uint8_t*, const strata::Activations&, in
 struct Decoders {
   Dequantize dequantize;
   DotRows dot_rows;
+  int64_t dot_rows_max;  // rows of x one dot_rows call takes: its kernel's registers hold that many
 };
 
 Decoders decoders() {
   switch (strata::chosen_isa()) {
     case strata::Isa::kAvx512:
-      // With VNNI, the 32-value types take two blocks a step (gguf_dots512.h).
-      return {gguf_avx512::dequantize_row, strata::has_avx512_vnni() ? gguf_vnni::dot_rows : gguf_avx2::dot_rows};
+      // With VNNI, dpbusd sums four byte products at a time (gguf_dots512.h, gguf_kdots512.h).
+      if (strata::has_avx512_vnni()) return {gguf_avx512::dequantize_row, gguf_vnni::dot_rows, gguf_vnni::kDotRows};
+      return {gguf_avx512::dequantize_row, gguf_avx2::dot_rows, gguf_avx2::kDotRows};
     case strata::Isa::kAvx2:
-      return {gguf_avx2::dequantize_row, gguf_avx2::dot_rows};
+      return {gguf_avx2::dequantize_row, gguf_avx2::dot_rows, gguf_avx2::kDotRows};
     case strata::Isa::kPortable:
       break;
   }
-  return {gguf_portable::dequantize_row, gguf_portable::dot_rows};
+  return {gguf_portable::dequantize_row, gguf_portable::dot_rows, gguf_portable::kDotRows};
 }
 
 // (values per block, bytes per block) of a supported type; {0, 0} for any other.
@@ -192,7 +195,8 @@ int64_t grain(int64_t per_item_bytes) { return std::max<int64_t>(1, kGrainBytes 
 int64_t tile_count(int64_t n) { return (n + kTileRows - 1) / kTileRows; }
 
 // Weight-row tiles [first, last) on the calling thread. With `a` (x quantized, up to kIntegerMaxRows
-// rows): each weight row meets the rows of x four at a time, its blocks decoded once per four rows.
+// rows): each weight row meets the rows of x as many at a time as the kernel takes (four, eight with
+// VNNI), its blocks decoded once per call.
 // Above, each tile is dequantized into a buffer once and the float32 kernel multiplies every row of x
 // by it: each element the float32 kernel's sum over the dequantized row.
 void linear_tiles(int64_t type, const float* x, const strata::Activations* a, const uint8_t* w, const float* bias,
@@ -201,10 +205,10 @@ void linear_tiles(int64_t type, const float* x, const strata::Activations* a, co
   const int64_t bytes = row_bytes(type, k);
   const int64_t end = std::min(n, last * kTileRows);
   if (a != nullptr) {
-    float dots[gguf_avx2::kDotRows];
+    float dots[kIntegerMaxRows];
     for (int64_t row = first * kTileRows; row < end; ++row) {
-      for (int64_t i = 0; i < m; i += gguf_avx2::kDotRows) {
-        const int64_t count = std::min<int64_t>(gguf_avx2::kDotRows, m - i);
+      for (int64_t i = 0; i < m; i += decode.dot_rows_max) {
+        const int64_t count = std::min<int64_t>(decode.dot_rows_max, m - i);
         decode.dot_rows(type, w + row * bytes, *a, i, count, dots);
         for (int64_t r = 0; r < count; ++r) y[(i + r) * ldy + row] = bias != nullptr ? dots[r] + bias[row] : dots[r];
       }
