@@ -5,7 +5,7 @@ sending its next request when the previous one finished) and the open loop (benc
 leave on a schedule). It talks to the gateway through the raw grpc.aio stub, the cheapest client
 Python has, and stamps every message on arrival; a call may carry metadata (the API key that names
 its tenant). A failed call keeps its status code, message and retry hint; a finished one keeps what
-its final message said (usage, serving model, fallback).
+its final message said (usage with speculative decoding's drafts, serving model, fallback).
 This module owns the request and its result; it must not schedule requests, start or stop a stack,
 nor reduce results to figures (the load shapes and the reports do).
 """
@@ -61,6 +61,11 @@ class RequestResult:
     """The model that served it, as the final message says."""
     fallback_reason: str = ""
     failover_at_token: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    """Speculative decoding's drafts for it and those kept, as its final message's usage says."""
+    text: str = ""
+    """Over HTTP, the text it received (its chunks carry no token ids); empty over gRPC."""
 
 
 def token_timing(sent: float, arrivals: Sequence[tuple[float, int]]) -> tuple[float | None, list[float]]:
@@ -124,6 +129,8 @@ async def send(
                 result.failover_at_token = final.failover_at_token
                 result.usage_input_tokens = final.usage.input_tokens
                 result.usage_output_tokens = final.usage.output_tokens
+                result.draft_tokens = final.usage.draft_tokens
+                result.accepted_draft_tokens = final.usage.accepted_draft_tokens
     except grpc.aio.AioRpcError as exc:
         result.status, result.message = exc.code().name, exc.details() or ""
         trailers = list(exc.trailing_metadata() or ())

@@ -104,4 +104,6 @@ def summarize_level(run: LevelRun, input_tokens: Sequence[int], new_tokens: int)
         "errors": dict(errors),
         "token_mismatches": len(mismatches),
         "token_mismatch_examples": mismatches[:3],
+        "draft_tokens": sum(r.draft_tokens for r in ok),
+        "accepted_draft_tokens": sum(r.accepted_draft_tokens for r in ok),
     }

@@ -40,6 +40,12 @@ TTFT_RATIO_MAX = 1.25
 LATENCIES = ("ttft_ms", "itl_ms", "e2e_ms")
 
 
+def acceptance(runs: list[dict[str, Any]]) -> float | None:
+    """Speculative decoding's kept drafts over drafted tokens in these runs; None where none were drafted."""
+    drafted = sum(run["draft_tokens"] for run in runs)
+    return sum(run["accepted_draft_tokens"] for run in runs) / drafted if drafted else None
+
+
 def aggregate_levels(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Per level across rounds: tok/s median and spread, latency percentiles' medians, summed failures."""
     levels = []
@@ -58,6 +64,7 @@ def aggregate_levels(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]
                 "refusals": summed_counts(runs, "refusals"),
                 "errors": summed_counts(runs, "errors"),
                 "token_mismatches": sum(run["token_mismatches"] for run in runs),
+                "acceptance": acceptance(runs),
                 "runs": runs,
             }
         )
@@ -196,11 +203,17 @@ def _ratio_line(what: str, ratio: float, runs: list[float], bound: str, passed: 
     return f"stack/engine {what}: {ratio:.3f} (runs {shown}; target {bound}): {pass_text(passed)}"
 
 
+def _percent(share: float | None) -> str:
+    """A share as a whole percentage; "-" where there is none (nothing drafted, or an older record)."""
+    return "-" if share is None else f"{100 * share:.0f}%"
+
+
 def format_report(record: dict[str, Any]) -> str:
     """The levels' table, then the engine baseline and the verdict when measured."""
     header = (
         f"{'streams':>7} {'reqs':>5} {'tok/s':>8} {'(min-max)':>15} {'req/s':>6} "
-        f"{'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'E2E p50/p99 ms':>15} {'refused':>8} {'errors':>7}"
+        f"{'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'E2E p50/p99 ms':>15} {'refused':>8} {'errors':>7} "
+        f"{'drafts kept':>11}"
     )
     lines = [header]
     for level in record["levels"]:
@@ -210,7 +223,7 @@ def format_report(record: dict[str, Any]) -> str:
             f"{f'{low:.1f}-{high:.1f}':>15} {level['requests_per_s']:>6.2f} "
             f"{pair_text(level['ttft_ms']):>16} {pair_text(level['itl_ms']):>15} "
             f"{pair_text(level['e2e_ms']):>15} {counts_text(level['refusals']):>8} "
-            f"{counts_text(level['errors']):>7}"
+            f"{counts_text(level['errors']):>7} {_percent(level.get('acceptance')):>11}"
         )
     engine = record["engine_baseline"]
     if engine is not None:

@@ -227,13 +227,20 @@ class Reply:
 
 def usage(final: gateway_pb2.GenerateResponse) -> dict[str, Any]:
     """OpenAI's usage object. With n > 1 the final's usage is the whole request's (samples.py): the
-    prompt once, with the cached tokens of the sample that prefilled it, and every sample's output."""
-    prompt, completion = final.usage.input_tokens, final.usage.output_tokens
+    prompt once, with the cached tokens of the sample that prefilled it, and every sample's output.
+    Speculative decoding's drafts take OpenAI's predicted-output counts: the drafts the model kept are
+    accepted, the rest rejected."""
+    counts = final.usage
+    prompt, completion = counts.input_tokens, counts.output_tokens
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": final.usage.cached_input_tokens},
+        "prompt_tokens_details": {"cached_tokens": counts.cached_input_tokens},
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": counts.accepted_draft_tokens,
+            "rejected_prediction_tokens": counts.draft_tokens - counts.accepted_draft_tokens,
+        },
     }
 
 

@@ -80,6 +80,9 @@ class Delta:
     """The worker's device memory; on the last update."""
     cached_prompt_tokens: int = 0
     """Prompt tokens the worker's prefix cache served for this attempt."""
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    """Speculative decoding's drafts in the steps of this update, and those the model kept."""
     logprobs: list[common_pb2.PositionLogprobs] = field(default_factory=list)
     """With sampling.logprobs: one entry per token of token_ids, tokens named."""
     prompt_logprobs: list[common_pb2.PositionLogprobs] = field(default_factory=list)
@@ -149,6 +152,9 @@ class Request:
         self.device_memory_bytes = 0
         self.cached_input_tokens = 0
         """Prompt tokens the serving attempt's worker took from its prefix cache."""
+        self.draft_tokens = 0
+        self.accepted_draft_tokens = 0
+        """Speculative decoding's drafts for the request on every attempt, and those kept."""
         self._last_chunk = arrival
 
     @property
@@ -215,6 +221,8 @@ class Request:
                 detokenize=detokenize,
                 device_memory_bytes=update.device_memory_bytes,
                 cached_prompt_tokens=update.cached_prompt_tokens,
+                draft_tokens=update.draft_tokens,
+                accepted_draft_tokens=update.accepted_draft_tokens,
                 logprobs=named(update.logprobs, pieces),
                 prompt_logprobs=named(update.prompt_logprobs, pieces),
             )
@@ -252,6 +260,9 @@ class Request:
                 attempt.took(delta)
                 # Every update carries it; a failover's attempt replaces what the lost one reported.
                 self.cached_input_tokens = delta.cached_prompt_tokens
+                # Per update, so a lost attempt's drafts stay counted: they were scored.
+                self.draft_tokens += delta.draft_tokens
+                self.accepted_draft_tokens += delta.accepted_draft_tokens
                 if delta.device_memory_bytes:
                     self.device_memory_bytes = delta.device_memory_bytes
             text.append(delta.text)
@@ -314,6 +325,8 @@ class Request:
                 input_tokens=self.input_tokens,
                 output_tokens=len(self.token_ids),
                 cached_input_tokens=self.cached_input_tokens,
+                draft_tokens=self.draft_tokens,
+                accepted_draft_tokens=self.accepted_draft_tokens,
             ),
             model=self.model,
             fallback_reason=self.fallback_reason,

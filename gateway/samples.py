@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from gateway import tool_calls
 from gateway.errors import GatewayError, InvalidArgument
 from gateway.request import Chunk
-from strata.v1 import common_pb2, gateway_pb2
+from strata.v1 import gateway_pb2
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Callable
@@ -115,6 +115,8 @@ def _whole(finals: dict[int, gateway_pb2.GenerateResponse], n: int) -> Chunk:
     whole = gateway_pb2.GenerateResponse()
     whole.CopyFrom(first)
     whole.usage.output_tokens = sum(finals[i].usage.output_tokens for i in range(n))
+    whole.usage.draft_tokens = sum(finals[i].usage.draft_tokens for i in range(n))
+    whole.usage.accepted_draft_tokens = sum(finals[i].usage.accepted_draft_tokens for i in range(n))
     for i in range(n):
         final = finals[i]
         whole.choices.append(
@@ -123,11 +125,7 @@ def _whole(finals: dict[int, gateway_pb2.GenerateResponse], n: int) -> Chunk:
                 text=final.text,
                 token_ids=final.token_ids,
                 finish_reason=final.finish_reason,
-                usage=common_pb2.Usage(
-                    input_tokens=final.usage.input_tokens,
-                    output_tokens=final.usage.output_tokens,
-                    cached_input_tokens=final.usage.cached_input_tokens,
-                ),
+                usage=final.usage,
                 logprobs=final.logprobs,
             )
         )

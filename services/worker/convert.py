@@ -118,6 +118,8 @@ def token_update(
         forward_ms=forward_ms,
         # A failover's prior ids are prefilled as prompt: only the submission's prompt counts here.
         cached_prompt_tokens=min(output.num_cached_tokens, output.num_prompt_tokens - prior_tokens),
+        draft_tokens=output.num_drafted,
+        accepted_draft_tokens=output.num_accepted,
     )
     if output.finished and output.finish_reason is not None:
         update.finish_reason = FINISH_REASONS[output.finish_reason]

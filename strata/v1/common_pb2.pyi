@@ -360,22 +360,34 @@ class Usage(_message.Message):
     INPUT_TOKENS_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_INPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     input_tokens: _builtins.int
     """Tokens in the prompt after the chat template and truncation."""
     output_tokens: _builtins.int
     """Tokens generated."""
     cached_input_tokens: _builtins.int
     """Of input_tokens, those the worker's prefix cache served instead of computing them."""
+    draft_tokens: _builtins.int
+    """Speculative decoding: tokens drafted for the request, each scored by the model, on every worker that
+    served it; 0 without speculation.
+    """
+    accepted_draft_tokens: _builtins.int
+    """Of draft_tokens, those the model kept (they are among output_tokens): over draft_tokens, the
+    request's acceptance rate.
+    """
     def __init__(
         self,
         *,
         input_tokens: _builtins.int = ...,
         output_tokens: _builtins.int = ...,
         cached_input_tokens: _builtins.int = ...,
+        draft_tokens: _builtins.int = ...,
+        accepted_draft_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_input_tokens", b"cached_input_tokens", "input_tokens", b"input_tokens", "output_tokens", b"output_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_draft_tokens", b"accepted_draft_tokens", "cached_input_tokens", b"cached_input_tokens", "draft_tokens", b"draft_tokens", "input_tokens", b"input_tokens", "output_tokens", b"output_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -320,6 +320,8 @@ class TokenUpdate(_message.Message):
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request."""
     finished: _builtins.bool
@@ -342,6 +344,12 @@ class TokenUpdate(_message.Message):
     """Prompt tokens the prefix cache served instead of computing them (full KV blocks of an earlier
     request with the same prefix and cache_salt).
     """
+    draft_tokens: _builtins.int
+    """Speculative decoding in the steps this update reports: tokens drafted for the request, each scored
+    by the model; 0 without speculation.
+    """
+    accepted_draft_tokens: _builtins.int
+    """Of draft_tokens, those the model kept: they are among token_ids."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens generated since the previous update of this request."""
@@ -371,10 +379,12 @@ class TokenUpdate(_message.Message):
         cached_prompt_tokens: _builtins.int = ...,
         logprobs: _abc.Iterable[_common_pb2.PositionLogprobs] | None = ...,
         prompt_logprobs: _abc.Iterable[_common_pb2.PositionLogprobs] | None = ...,
+        draft_tokens: _builtins.int = ...,
+        accepted_draft_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "device_memory_bytes", b"device_memory_bytes", "finish_reason", b"finish_reason", "finished", b"finished", "forward_ms", b"forward_ms", "logprobs", b"logprobs", "output_tokens", b"output_tokens", "prompt_logprobs", b"prompt_logprobs", "prompt_tokens", b"prompt_tokens", "queue_ms", b"queue_ms", "request_id", b"request_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_draft_tokens", b"accepted_draft_tokens", "cached_prompt_tokens", b"cached_prompt_tokens", "device_memory_bytes", b"device_memory_bytes", "draft_tokens", b"draft_tokens", "finish_reason", b"finish_reason", "finished", b"finished", "forward_ms", b"forward_ms", "logprobs", b"logprobs", "output_tokens", b"output_tokens", "prompt_logprobs", b"prompt_logprobs", "prompt_tokens", b"prompt_tokens", "queue_ms", b"queue_ms", "request_id", b"request_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

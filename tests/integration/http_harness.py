@@ -40,7 +40,8 @@ MODEL = "tiny"
 
 class HttpStack(ServerStack):
     """The three services serving `model_dir` as `model`, the gateway's HTTP API on a free port; the
-    worker sleeps `step_delay_s` before each engine step. `gateway` adds to the gateway's settings."""
+    worker sleeps `step_delay_s` before each engine step. `engine` adds to the worker's engine settings,
+    `gateway` to the gateway's."""
 
     def __init__(
         self,
@@ -48,11 +49,16 @@ class HttpStack(ServerStack):
         model: str = MODEL,
         tracing: Tracing | None = None,
         step_delay_s: float = STEP_DELAY_S,
+        engine: dict[str, Any] | None = None,
         **gateway: Any,
     ) -> None:
         super().__init__()
+        self.worker: Any = None
+        """The running worker server (its engine host under .host)."""
         try:
-            self.gateway, self.worker_address = self._start(model_dir, model, tracing, step_delay_s, gateway)
+            self.gateway, self.worker_address = self._start(
+                model_dir, model, tracing, step_delay_s, engine or {}, gateway
+            )
         except BaseException:
             self.close()
             raise
@@ -66,6 +72,7 @@ class HttpStack(ServerStack):
         model: str,
         tracing: Tracing | None,
         step_delay_s: float,
+        engine: dict[str, Any],
         gateway: dict[str, Any],
     ) -> tuple[Any, str]:
         """The running gateway and the worker's address."""
@@ -85,10 +92,12 @@ class HttpStack(ServerStack):
                 "max_num_seqs": 8,
                 "enable_fault_injection": True,
                 "fault_step_delay_s": step_delay_s,
+                **engine,
             },
         }
         worker = self.loop.run(start_worker(WorkerSettings.build(worker_settings)))
         self.servers.append(worker)
+        self.worker = worker
         self.loop.run(worker.wait_ready())
         settings = {
             "listen": "127.0.0.1:0",

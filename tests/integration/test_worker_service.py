@@ -364,7 +364,7 @@ def test_a_warm_prefix_cache_counts_as_free_and_reports_cached_tokens(tiny_servi
 def test_speculating_worker_gives_the_same_tokens_and_counts_its_drafts(tiny_serving_dir: Path) -> None:
     """With engine.speculative on, a request gets the greedy tokens of a worker without it; one that
     opts out (sampling.no_speculation) drafts nothing; GetWorkerStats and the metrics count the drafts
-    scored and kept."""
+    scored and kept, and so do the request's own updates (TokenUpdate.draft_tokens, per step)."""
     from prometheus_client import REGISTRY
 
     prompt = [40, 41, 42, 43, 44, 45, 46, 47] * 4
@@ -396,3 +396,15 @@ def test_speculating_worker_gives_the_same_tokens_and_counts_its_drafts(tiny_ser
     assert 0 < after.accepted_draft_tokens <= after.draft_tokens
     assert after.speculative_decodes > 0
     assert accepted_metric() - before == after.accepted_draft_tokens
+
+    def summed(request_id: str, field: str) -> int:
+        return sum(
+            getattr(update, field)
+            for message in side.messages
+            for update in message.updates
+            if update.request_id == request_id
+        )
+
+    assert (summed("plain", "draft_tokens"), summed("plain", "accepted_draft_tokens")) == (0, 0)
+    assert summed("fast", "draft_tokens") == after.draft_tokens
+    assert summed("fast", "accepted_draft_tokens") == after.accepted_draft_tokens

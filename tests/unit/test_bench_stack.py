@@ -94,6 +94,25 @@ def test_level_summary_counts_refusals_errors_and_token_mismatches() -> None:
     assert summary["itl_ms"]["p99"] == pytest.approx(10.0)
 
 
+def test_levels_report_the_acceptance_of_the_drafts_their_requests_usage_counted() -> None:
+    def drafted(index: int, drafts: int, kept: int, status: str = "OK") -> RequestResult:
+        result = _result(index, status)
+        result.draft_tokens, result.accepted_draft_tokens = drafts, kept
+        return result
+
+    # A failed request's drafts are not its usage's: only completed requests count.
+    first = summarize_level(
+        LevelRun(1, 1.0, [drafted(0, 10, 6), drafted(1, 4, 4), drafted(2, 9, 9, "UNAVAILABLE")]),
+        [16] * 3,
+        NEW_TOKENS,
+    )
+    second = summarize_level(LevelRun(1, 1.0, [drafted(0, 6, 2)]), [16], NEW_TOKENS)
+    assert (first["draft_tokens"], first["accepted_draft_tokens"]) == (14, 10)
+    assert aggregate_levels([[first], [second]])[0]["acceptance"] == pytest.approx(12 / 20)
+    plain = summarize_level(LevelRun(1, 1.0, [_result(0)]), [16], NEW_TOKENS)
+    assert aggregate_levels([[plain]])[0]["acceptance"] is None
+
+
 def test_a_level_where_everything_failed_has_no_latencies() -> None:
     summary = summarize_level(LevelRun(1, 1.0, [_result(0, "UNAVAILABLE", tokens=0)]), [16], NEW_TOKENS)
     assert summary["ttft_ms"] == {"p50": None, "p95": None, "p99": None}
