@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-kv-schemes bench-spec bench-prefix-routing bench-peer bench-peer-avx2 bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar-libs bench-grammar bench-outputs records reliability chaos images compose-test run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-kv-schemes bench-spec bench-spec-qwen bench-spec-stack bench-prefix-routing bench-peer bench-peer-avx2 bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar-libs bench-grammar bench-outputs records reliability chaos images compose-test run clean
 
 setup: $(STAMP)
 
@@ -105,6 +105,17 @@ bench-kv-schemes: setup model
 # 5 rounds (about 30 minutes on 2 cores).
 bench-spec: setup model
 	$(BIN)/python -m bench.spec --json bench/results/spec-cpu.json
+
+# The same one-stream part on Qwen2.5-Coder-1.5B-Instruct's Q4_K_M file as shipped, prompt lookup
+# (about 50 minutes on 2 cores).
+bench-spec-qwen: setup
+	$(BIN)/strata fetch-model qwen2.5-coder-1.5b-instruct
+	$(BIN)/python -m bench.spec --model models/Qwen2.5-Coder-1.5B-Instruct --streams 0 --json bench/results/spec-qwen15-cpu.json
+
+# Speculative decoding through the stack: the same 32 prompts one at a time over the HTTP API against
+# the in-process engine with the same settings, alternated, 5 rounds (about 15 minutes).
+bench-spec-stack: setup model
+	$(BIN)/python -m bench.spec_stack --json bench/results/spec-stack-cpu.json
 
 # Log probabilities' cost at 64 streams, and n = 8 samples against 8 separate requests of one prompt.
 bench-outputs: setup model

@@ -1,10 +1,12 @@
 """One benchmark request over the gateway's OpenAI-compatible HTTP API, and what the client saw of it.
 
-It POSTs a streaming /v1/completions (the prompt text, greedy, EOS ignored, `include_usage`) through
-httpx2's async client, the cheapest well-kept HTTP client Python has, reads the Server-Sent Events
-as they arrive and stamps each one: the first event with text is the first token (the gateway sends
-no chunk without text), the usage chunk gives the token counts (an HTTP chunk carries text, not
-token ids). The record is bench/driver.py's
+It POSTs a streaming /v1/completions (the prompt text, greedy, EOS ignored, `include_usage`; `body`)
+or /v1/chat/completions (one user message, greedy, EOS ends it; `chat_body`) through httpx2's async
+client, the cheapest well-kept HTTP client Python has, reads the Server-Sent Events as they arrive
+and stamps each one: the first event with text is the first token (the gateway sends no chunk
+without text), the usage chunk gives the token counts and speculative decoding's kept and rejected
+drafts (an HTTP chunk carries text, not token ids, so the text is kept whole). The record is
+bench/driver.py's
 RequestResult, so both protocols' results reduce the same way. This module owns the request; it must
 not schedule requests nor reduce results (bench/http_vs_grpc.py does).
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from bench.driver import RequestResult
 
@@ -38,6 +40,23 @@ def body(prompt: Prompt, new_tokens: int, model: str) -> dict[str, object]:
     }
 
 
+def chat_body(message: str, new_tokens: int, model: str) -> dict[str, object]:
+    """One user message, greedy, up to `new_tokens` tokens (EOS may end it sooner), streamed."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": message}],
+        "max_tokens": new_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def chunk_text(choice: dict[str, Any]) -> str:
+    """A stream chunk's text: a completion's `text`, a chat completion's `delta.content`."""
+    return str(choice.get("text") or choice.get("delta", {}).get("content") or "")
+
+
 async def send_http(
     client: httpx2.AsyncClient, url: str, index: int, payload: dict[str, object], timeout_s: float
 ) -> RequestResult:
@@ -58,15 +77,20 @@ async def send_http(
                 if "error" in chunk:
                     result.status, result.message = "STREAM_ERROR", chunk["error"]["message"]
                     break
-                if chunk["choices"] and chunk["choices"][0]["text"]:
+                text = chunk_text(chunk["choices"][0]) if chunk["choices"] else ""
+                if text:
+                    result.text += text
                     if result.ttft_s is None:
                         result.ttft_s = result.first_text_s = arrived - sent
                     else:
                         result.itl_s.append(arrived - previous)
                     previous = arrived
-                if chunk.get("usage"):
-                    result.usage_input_tokens = chunk["usage"]["prompt_tokens"]
-                    result.usage_output_tokens = chunk["usage"]["completion_tokens"]
+                if usage := chunk.get("usage"):
+                    result.usage_input_tokens = usage["prompt_tokens"]
+                    result.usage_output_tokens = usage["completion_tokens"]
                     result.model = chunk["model"]
+                    drafts = usage["completion_tokens_details"]
+                    result.accepted_draft_tokens = drafts["accepted_prediction_tokens"]
+                    result.draft_tokens = result.accepted_draft_tokens + drafts["rejected_prediction_tokens"]
     result.e2e_s = time.perf_counter() - sent
     return result

@@ -317,6 +317,27 @@ CATALOG: dict[str, Entry] = {
     "spec-cpu.json": Entry(
         ENGINE, "bench/spec.py", 1800, _py("bench.spec", *_json("spec-cpu.json")), target="make bench-spec"
     ),
+    "spec-qwen15-cpu.json": Entry(
+        ENGINE,
+        "bench/spec.py",
+        3600,
+        _py(
+            "bench.spec",
+            "--model",
+            "models/Qwen2.5-Coder-1.5B-Instruct",
+            "--streams",
+            "0",
+            *_json("spec-qwen15-cpu.json"),
+        ),
+        target="make bench-spec-qwen",
+    ),
+    "spec-stack-cpu.json": Entry(
+        STACK,
+        "bench/spec_stack.py",
+        900,
+        _py("bench.spec_stack", *_json("spec-stack-cpu.json")),
+        target="make bench-spec-stack",
+    ),
     "kv-schemes-cpu.json": Entry(
         ENGINE, "bench/kv_schemes.py", 240, _py("bench.kv_schemes", *_json("kv-schemes-cpu.json"))
     ),

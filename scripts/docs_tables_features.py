@@ -9,12 +9,13 @@ states.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from docs_tables_common import Record, Table, met, ratio, runs, stats, table
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
 
 def _target(entry: Mapping[str, Any]) -> str:
@@ -285,21 +286,42 @@ def kv_schemes(records: Mapping[str, Record]) -> list[str]:
     ]
 
 
-def speculative(records: Mapping[str, Record]) -> list[str]:
-    """Speculative decoding's targets, one row each, as bench/spec.py judged them, then its counters."""
-    data = records["spec-cpu.json"].data
-    one = data["one_stream"]
+def speculative_of(name: str) -> Callable[[Mapping[str, Record]], list[str]]:
+    """The table of one bench/spec.py record: its targets as judged, then the model and counters."""
+
+    def render(records: Mapping[str, Record]) -> list[str]:
+        data = records[name].data
+        one = data["one_stream"]
+        rows = [[line["target"], line["figure"], met(line["met"])] for line in data["targets"]]
+        note = (
+            f"{Path(data['workload']['model']).name}, one stream: "
+            f"{one['off']['tok_s']['median']:.1f} tokens/s without speculation, "
+            f"{one['on']['tok_s']['median']:.1f} with it (medians of {len(one['on']['runs'])} rounds); "
+            f"{one['accepted_per_speculative_decode']:.2f} drafts kept per decode that drafted."
+        )
+        return [*table(["target", "measured", ""], rows), "", note]
+
+    return render
+
+
+def spec_stack(records: Mapping[str, Record]) -> list[str]:
+    """bench/spec_stack.py's target as judged, then each side's speed and acceptance."""
+    data = records["spec-stack-cpu.json"].data
     rows = [[line["target"], line["figure"], met(line["met"])] for line in data["targets"]]
-    note = (
-        f"One stream: {one['off']['tok_s']['median']:.1f} tokens/s without speculation, "
-        f"{one['on']['tok_s']['median']:.1f} with it (medians of {len(one['on']['runs'])} rounds); "
-        f"{one['accepted_per_speculative_decode']:.2f} drafts kept per decode that drafted."
-    )
-    return [*table(["target", "measured", ""], rows), "", note]
+    sides = [
+        [side, f"{data[side]['tok_s']['median']:.1f}", f"{100 * data[side]['acceptance_rate']:.0f}%"]
+        for side in ("engine", "stack")
+    ]
+    return [
+        *table(["target", "measured", ""], rows),
+        "",
+        *table(["", "tokens/s (median)", "drafts kept"], sides),
+    ]
 
 
 TABLES = (
-    Table("spec", ("spec-cpu.json",), speculative),
+    Table("spec", ("spec-cpu.json",), speculative_of("spec-cpu.json")),
+    Table("spec-qwen", ("spec-qwen15-cpu.json",), speculative_of("spec-qwen15-cpu.json")),
     Table("kv-cache", ("kv-cache-cpu.json",), kv_cache),
     Table("kv-schemes", ("kv-schemes-cpu.json",), kv_schemes),
     Table("prefix-cache", ("prefix-cache-cpu.json",), prefix_cache),
