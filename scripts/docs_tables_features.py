@@ -322,6 +322,7 @@ def spec_stack(records: Mapping[str, Record]) -> list[str]:
 TABLES = (
     Table("spec", ("spec-cpu.json",), speculative_of("spec-cpu.json")),
     Table("spec-qwen", ("spec-qwen15-cpu.json",), speculative_of("spec-qwen15-cpu.json")),
+    Table("spec-stack", ("spec-stack-cpu.json",), spec_stack),
     Table("kv-cache", ("kv-cache-cpu.json",), kv_cache),
     Table("kv-schemes", ("kv-schemes-cpu.json",), kv_schemes),
     Table("prefix-cache", ("prefix-cache-cpu.json",), prefix_cache),
