@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-kv-schemes bench-spec bench-spec-qwen bench-spec-stack bench-prefix-routing bench-peer bench-peer-avx2 bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar-libs bench-grammar bench-outputs records reliability chaos images compose-test run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-kv-schemes bench-spec bench-spec-qwen bench-spec-stack bench-spec-peer bench-prefix-routing bench-peer bench-peer-avx2 bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar-libs bench-grammar bench-outputs records reliability chaos images compose-test run clean
 
 setup: $(STAMP)
 
@@ -116,6 +116,12 @@ bench-spec-qwen: setup
 # the in-process engine with the same settings, alternated, 5 rounds (about 15 minutes).
 bench-spec-stack: setup model
 	$(BIN)/python -m bench.spec_stack --json bench/results/spec-stack-cpu.json
+
+# Prompt lookup against llama.cpp's (llama-lookup, on its F32 conversion of the default model), one
+# stream over the same 32 prompts, alternated, 5 rounds (about 20 minutes, plus llama.cpp's build the
+# first time, as for bench-peer).
+bench-spec-peer: setup model
+	$(BIN)/python -m bench.spec_peer --json bench/results/spec-peer-cpu.json
 
 # Log probabilities' cost at 64 streams, and n = 8 samples against 8 separate requests of one prompt.
 bench-outputs: setup model

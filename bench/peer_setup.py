@@ -56,16 +56,17 @@ CMAKE_FLAGS = (
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
-    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=ON",
     "-DLLAMA_BUILD_TOOLS=ON",
     "-DLLAMA_BUILD_SERVER=ON",
 )
 # What bench.peer runs, built by prepare(): the batch benchmark, perplexity, the quantizer (Q4_K_M
 # from F32) and the tokenizer (the perplexity's token ids are checked against ours). The server
 # (bench/serve_peer.py) and the CLI take about as long again to build, so they are built on first
-# use of Peer.tool(name).
+# use of Peer.tool(name), as are the speculative examples bench/spec_peer.py runs (prompt lookup and a
+# draft model; a minute or two on the built libraries).
 BENCH_TARGETS = ("llama-batched-bench", "llama-perplexity", "llama-quantize", "llama-tokenize")
-TARGETS = (*BENCH_TARGETS, "llama-server", "llama-cli")
+TARGETS = (*BENCH_TARGETS, "llama-server", "llama-cli", "llama-lookup", "llama-speculative")
 # GGUF types the converter writes, and those llama-quantize makes from the F32 file.
 CONVERTED_TYPES = ("f32", "q8_0")
 QUANTIZED_TYPES = {"q4_k_m": "Q4_K_M"}
@@ -174,7 +175,10 @@ def build(source: Path, plan: BuildPlan, targets: tuple[str, ...] = BENCH_TARGET
     missing = [target for target in targets if not (binaries / target).exists()]
     if not missing:
         return binaries
-    if not (plan.directory / "build.ninja").exists():
+    ninja = plan.directory / "build.ninja"
+    # A build configured before a target's flag was on knows no such target: configure it again
+    # (seconds; what is built stays built).
+    if not ninja.exists() or any(f"bin/{target}:" not in ninja.read_text() for target in missing):
         configure = [*CMAKE_FLAGS, *plan.isa_flags]
         subprocess.run(
             ["cmake", "-S", str(source), "-B", str(plan.directory), "-G", "Ninja", *configure], check=True

@@ -61,17 +61,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def workload_texts(model: Path) -> list[str]:
+    """The shipped prompts, each through the model's chat template with the generation prompt."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    texts = []
+    for item in json.loads(WORKLOAD.read_text())["prompts"]:
+        chat = [{"role": "user", "content": item["prompt"]}]
+        texts.append(str(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)))
+    return texts
+
+
 def workload_ids(model: Path) -> list[list[int]]:
     """The shipped prompts' ids, each through the model's chat template."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    ids = []
-    for item in json.loads(WORKLOAD.read_text())["prompts"]:
-        chat = [{"role": "user", "content": item["prompt"]}]
-        rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-        ids.append(tokenizer(str(rendered), add_special_tokens=False)["input_ids"])
-    return ids
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in workload_texts(model)]
 
 
 def engine(loaded: Any, speculative: dict[str, Any] | None, max_num_seqs: int) -> Any:

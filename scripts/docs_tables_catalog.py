@@ -331,6 +331,13 @@ CATALOG: dict[str, Entry] = {
         ),
         target="make bench-spec-qwen",
     ),
+    "spec-peer-cpu.json": Entry(
+        ENGINE,
+        "bench/spec_peer.py",
+        1500,
+        _py("bench.spec_peer", *_json("spec-peer-cpu.json")),
+        target="make bench-spec-peer",
+    ),
     "spec-stack-cpu.json": Entry(
         STACK,
         "bench/spec_stack.py",

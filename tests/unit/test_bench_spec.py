@@ -46,3 +46,23 @@ def test_alternated_runs_compare_texts_and_count_drafts(tiny_llama_dir: Path) ->
 def test_fewer_than_five_rounds_are_refused() -> None:
     with pytest.raises(SystemExit):
         parse_args(["--rounds", "4"])
+
+
+_LOOKUP_LOG = """0.01.043.432 I encoded   24 tokens in    0.100 seconds, speed:  408.806 t/s
+0.01.043.440 I decoded   17 tokens in    0.286 seconds, speed:   59.446 t/s
+0.01.043.440 I
+0.01.043.440 I n_draft      = 4
+0.01.043.440 I n_predict    = 17
+0.01.043.441 I n_drafted    = 16
+0.01.043.442 I n_accept     = 11
+0.01.043.442 I accept       = 68.750%
+"""
+
+
+def test_llama_lookups_log_gives_its_seconds_and_draft_counts() -> None:
+    from bench.spec_peer import parse_lookup
+
+    found = parse_lookup(_LOOKUP_LOG)
+    assert found == {"seconds": pytest.approx(0.386), "n_predict": 17, "n_drafted": 16, "n_accept": 11}
+    with pytest.raises(RuntimeError, match="printed no timings"):
+        parse_lookup(_LOOKUP_LOG.split("0.01.043.440 I n_draft", maxsplit=1)[0])
