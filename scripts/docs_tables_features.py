@@ -304,25 +304,31 @@ def speculative_of(name: str) -> Callable[[Mapping[str, Record]], list[str]]:
     return render
 
 
-def spec_stack(records: Mapping[str, Record]) -> list[str]:
-    """bench/spec_stack.py's target as judged, then each side's speed and acceptance."""
-    data = records["spec-stack-cpu.json"].data
-    rows = [[line["target"], line["figure"], met(line["met"])] for line in data["targets"]]
-    sides = [
-        [side, f"{data[side]['tok_s']['median']:.1f}", f"{100 * data[side]['acceptance_rate']:.0f}%"]
-        for side in ("engine", "stack")
-    ]
-    return [
-        *table(["target", "measured", ""], rows),
-        "",
-        *table(["", "tokens/s (median)", "drafts kept"], sides),
-    ]
+def spec_sides(name: str, sides: tuple[str, str]) -> Callable[[Mapping[str, Record]], list[str]]:
+    """The table of a record that sets two speculating sides against each other (bench/spec_stack.py,
+    bench/spec_peer.py): its target as judged, then each side's speed and acceptance."""
+
+    def render(records: Mapping[str, Record]) -> list[str]:
+        data = records[name].data
+        rows = [[line["target"], line["figure"], met(line["met"])] for line in data["targets"]]
+        figures = [
+            [side, f"{data[side]['tok_s']['median']:.1f}", f"{100 * data[side]['acceptance_rate']:.0f}%"]
+            for side in sides
+        ]
+        return [
+            *table(["target", "measured", ""], rows),
+            "",
+            *table(["", "tokens/s (median)", "drafts kept"], figures),
+        ]
+
+    return render
 
 
 TABLES = (
     Table("spec", ("spec-cpu.json",), speculative_of("spec-cpu.json")),
     Table("spec-qwen", ("spec-qwen15-cpu.json",), speculative_of("spec-qwen15-cpu.json")),
-    Table("spec-stack", ("spec-stack-cpu.json",), spec_stack),
+    Table("spec-stack", ("spec-stack-cpu.json",), spec_sides("spec-stack-cpu.json", ("engine", "stack"))),
+    Table("spec-peer", ("spec-peer-cpu.json",), spec_sides("spec-peer-cpu.json", ("strata", "llama.cpp"))),
     Table("kv-cache", ("kv-cache-cpu.json",), kv_cache),
     Table("kv-schemes", ("kv-schemes-cpu.json",), kv_schemes),
     Table("prefix-cache", ("prefix-cache-cpu.json",), prefix_cache),
