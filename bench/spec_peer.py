@@ -23,7 +23,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ import torch
 
 from bench.peer_setup import Peer, build_info, prepare, prepare_file
 from bench.provenance import finish_provenance, start_provenance
-from bench.spec import WORKLOAD, counters, engine, workload_ids, workload_texts
+from bench.spec import WORKLOAD, engine, run, workload_ids, workload_texts
 from bench.stats import DEFAULT_MODEL, print_targets, save_record, summarize
 
 SIDES = ("strata", "llama.cpp")
@@ -108,21 +107,9 @@ def strata_round(eng: Any, prompts: list[list[int]], new_tokens: int) -> dict[st
     """Every prompt through the engine, one at a time: tokens over the wall time, its drafts."""
     from services.worker.engine.params import SamplingParams
 
-    params = SamplingParams(max_new_tokens=new_tokens)
-    before = counters(eng)
-    started = time.perf_counter()
-    outputs = [eng.generate([ids], params)[0] for ids in prompts]
-    seconds = time.perf_counter() - started
-    drafted, accepted, _ = (after - was for after, was in zip(counters(eng), before, strict=True))
-    tokens = sum(map(len, outputs))
-    return {
-        "tokens": tokens,
-        "seconds": seconds,
-        "tok_s": tokens / seconds,
-        "draft_tokens": drafted,
-        "accepted_draft_tokens": accepted,
-        "tokens_per_prompt": [len(out) for out in outputs],
-    }
+    found = run(eng, prompts, SamplingParams(max_new_tokens=new_tokens), one_at_a_time=True)
+    outputs = found.pop("outputs")
+    return found | {"tokens_per_prompt": [len(out) for out in outputs]}
 
 
 def verdicts(record: dict[str, Any]) -> list[dict[str, Any]]:

@@ -70,18 +70,10 @@ def speculate_everywhere(args: argparse.Namespace) -> None:
 
 def engine_round(engine: EngineBaseline, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
     """The prompts one at a time through the engine: tokens/s over the round, drafts, the outputs."""
-    from bench.spec import counters
+    from bench.spec import run
     from services.worker.engine.params import SamplingParams
 
-    params = SamplingParams(max_new_tokens=new_tokens)
-    before = counters(engine.engine)
-    started = time.perf_counter()
-    outputs = [engine.engine.generate([ids], params)[0] for ids in prompts]
-    seconds = time.perf_counter() - started
-    drafted, accepted, _ = (after - was for after, was in zip(counters(engine.engine), before, strict=True))
-    tokens = sum(map(len, outputs))
-    figures = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
-    return figures | {"draft_tokens": drafted, "accepted_draft_tokens": accepted, "outputs": outputs}
+    return run(engine.engine, prompts, SamplingParams(max_new_tokens=new_tokens), one_at_a_time=True)
 
 
 async def stack_round(
