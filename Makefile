@@ -117,11 +117,13 @@ bench-spec-qwen: setup
 bench-spec-stack: setup model
 	$(BIN)/python -m bench.spec_stack --json bench/results/spec-stack-cpu.json
 
-# Prompt lookup against llama.cpp's (llama-lookup, on its F32 conversion of the default model), one
-# stream over the same 32 prompts, alternated, 5 rounds (about 20 minutes, plus llama.cpp's build the
-# first time, as for bench-peer).
+# Prompt lookup against llama.cpp's (llama-lookup), one stream over the same 32 prompts, alternated, 5
+# rounds: on its F32 conversion of the default model (about 20 minutes, plus llama.cpp's build the
+# first time, as for bench-peer), then on Qwen2.5-Coder-1.5B's Q4_K_M file as shipped (about an hour).
 bench-spec-peer: setup model
 	$(BIN)/python -m bench.spec_peer --json bench/results/spec-peer-cpu.json
+	$(BIN)/strata fetch-model qwen2.5-coder-1.5b-instruct
+	$(BIN)/python -m bench.spec_peer --model models/Qwen2.5-Coder-1.5B-Instruct --json bench/results/spec-peer-qwen15-cpu.json
 
 # Log probabilities' cost at 64 streams, and n = 8 samples against 8 separate requests of one prompt.
 bench-outputs: setup model

@@ -338,6 +338,18 @@ CATALOG: dict[str, Entry] = {
         _py("bench.spec_peer", *_json("spec-peer-cpu.json")),
         target="make bench-spec-peer",
     ),
+    "spec-peer-qwen15-cpu.json": Entry(
+        ENGINE,
+        "bench/spec_peer.py",
+        3600,
+        _py(
+            "bench.spec_peer",
+            "--model",
+            "models/Qwen2.5-Coder-1.5B-Instruct",
+            *_json("spec-peer-qwen15-cpu.json"),
+        ),
+        target="make bench-spec-peer",
+    ),
     "spec-stack-cpu.json": Entry(
         STACK,
         "bench/spec_stack.py",

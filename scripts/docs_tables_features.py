@@ -329,6 +329,11 @@ TABLES = (
     Table("spec-qwen", ("spec-qwen15-cpu.json",), speculative_of("spec-qwen15-cpu.json")),
     Table("spec-stack", ("spec-stack-cpu.json",), spec_sides("spec-stack-cpu.json", ("engine", "stack"))),
     Table("spec-peer", ("spec-peer-cpu.json",), spec_sides("spec-peer-cpu.json", ("strata", "llama.cpp"))),
+    Table(
+        "spec-peer-qwen",
+        ("spec-peer-qwen15-cpu.json",),
+        spec_sides("spec-peer-qwen15-cpu.json", ("strata", "llama.cpp")),
+    ),
     Table("kv-cache", ("kv-cache-cpu.json",), kv_cache),
     Table("kv-schemes", ("kv-schemes-cpu.json",), kv_schemes),
     Table("prefix-cache", ("prefix-cache-cpu.json",), prefix_cache),

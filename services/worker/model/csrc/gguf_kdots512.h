@@ -1,4 +1,4 @@
-// Dot products of GGUF weight rows of the K types (Q4_K, Q5_K, Q6_K) with up to four rows of x, with
+// Dot products of GGUF weight rows of the K types (Q4_K, Q5_K, Q6_K) with up to eight rows of x, with
 // AVX-512 VNNI: the decode path's kernel for those types where the CPU has it (gguf_dots.h's AVX2
 // build runs them elsewhere), and the one a speculative step's few rows take.
 //
@@ -21,12 +21,11 @@
 
 namespace gguf_vnni {
 
-
 // Rows [first, first + R) of the activations against one weight row of a K type.
 template <int R>
 struct SuperDots {
-  // Rows of x are consecutive: one pointer and the stride keep the general registers free (eight
-  // pointers each measured slower at eight rows).
+  // Rows of x are consecutive: one pointer and the stride, where eight pointers would hold eight
+  // general registers.
   const int8_t* q;
   int64_t k;
   const float* d[R];
@@ -52,7 +51,6 @@ struct SuperDots {
         kSigned ? _mm512_sub_epi32(_mm512_setzero_si512(),
                                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(-128), w))
                 : _mm512_setzero_si512();
-#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512i x = _mm512_loadu_si512(q + r * k + s * 32);
       const __m512i lanes =
@@ -88,10 +86,13 @@ struct SuperDots {
   }
 };
 
-// 16 bytes, each int32 lane's scale, as the lanes' low 16 bits (sign-extended to 16, zero above).
-inline __m512i lane_scales(__m128i bytes, bool is_signed) {
-  const __m256i words = is_signed ? _mm256_cvtepi8_epi16(bytes) : _mm256_cvtepu8_epi16(bytes);
-  return _mm512_cvtepu16_epi32(words);
+// 16 signed bytes, each int32 lane's scale, as the lanes' low 16 bits (sign-extended to 16, zero
+// above: dpwssd multiplies the lanes' high halves by them too).
+inline __m512i lane_scales(__m128i bytes) { return _mm512_cvtepu16_epi32(_mm256_cvtepi8_epi16(bytes)); }
+
+// The 32 bytes at p in both halves of a register.
+inline __m512i both_halves(const uint8_t* p) {
+  return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // Q4_K and Q5_K: sub-blocks 2c and 2c + 1 are chunk c's low and high nibbles (plus Q5_K's fifth bits,
@@ -108,9 +109,9 @@ template <int R, bool kFifthBit>
     k_scale_bytes(b + 4, scale, min);
     const uint8_t* qs = b + (kFifthBit ? 48 : 16);
     __m512i high{};
-    if constexpr (kFifthBit) high = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
+    if constexpr (kFifthBit) high = both_halves(b + 16);
     for (int c = 0; c < 4; ++c) {
-      const __m512i chunk = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + c * 32)));
+      const __m512i chunk = both_halves(qs + c * 32);
       __m512i w = _mm512_and_si512(_mm512_srlv_epi16(chunk, shifts), _mm512_set1_epi8(0xF));
       if constexpr (kFifthBit) {
         const __m512i bit = pair(avx2::v32u{} + static_cast<uint8_t>(1u << (2 * c)),
@@ -145,7 +146,7 @@ template <int R>
         const avx2::v32u w1 = (nibble1 | (((high >> (2 * j + 2)) & 3) << 4)) - 32;
         int32_t four;
         std::memcpy(&four, b + 192 + h * 8 + 2 * j, 4);
-        const __m512i scales = lane_scales(_mm_shuffle_epi8(_mm_cvtsi32_si128(four), spread), true);
+        const __m512i scales = lane_scales(_mm_shuffle_epi8(_mm_cvtsi32_si128(four), spread));
         dots.template add_pair<true>(i * 8 + h * 4 + j, pair(w0, w1), scales);
       }
     }

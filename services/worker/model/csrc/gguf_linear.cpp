@@ -4,10 +4,11 @@
 // The weight never exists as float32 in memory, so the bytes crossing the memory bus are the file's.
 // Up to kIntegerMaxRows rows of x (decode steps), x is first rounded to 8 bits per 32 values, per 256
 // for the K types (gguf_activations.h), and each weight row's dot products with up to four rows of x
-// at a time come from the stored quants in integers, as ggml computes them (gguf_dots.h; on AVX-512
-// VNNI gguf_dots512.h for the 32-value types, gguf_kdots512.h for the K types), each thread taking tiles of kTileRows weight rows: the same
-// bits whatever M (up to the bound), the tile, the thread or the instruction set (AVX-512 VNNI, AVX2,
-// which AVX-512 CPUs without VNNI run too, or the portable build), and off the float32 product on the
+// at a time (eight with VNNI) come from the stored quants in integers, as ggml computes them
+// (gguf_dots.h; on AVX-512 VNNI gguf_dots512.h for the 32-value types, gguf_kdots512.h for the K
+// types), each thread taking tiles of kTileRows weight rows: the same bits whatever M (up to the
+// bound), the tile, the thread or the instruction set (AVX-512 VNNI, AVX2, which AVX-512 CPUs without
+// VNNI run too, or the portable build), and off the float32 product on the
 // dequantized weight by the activations' rounding only. With AVX-512 VNNI every type but Q4_1 and
 // Q5_1 stays on that integer path at any M: gguf_gemm512.h's tiled GEMM (Q4_0, Q5_0, Q8_0) and
 // gguf_kgemm512.h's (the K types) decode panels of weight rows once and give each row of x the bits
