@@ -159,6 +159,31 @@ def alternate(
     }
 
 
+def two_sides(runs: dict[str, list[dict[str, Any]]], first: str, second: str) -> dict[str, Any]:
+    """Two speculating sides' rounds reduced: each side's tokens/s median and spread, its acceptance
+    and its runs; the ratio of the first's tokens/s to the second's per round, and its median."""
+    out: dict[str, Any] = {}
+    for side in (first, second):
+        drafted = sum(r["draft_tokens"] for r in runs[side])
+        out[side] = {
+            "tok_s": asdict(summarize([r["tok_s"] for r in runs[side]])),
+            "acceptance_rate": sum(r["accepted_draft_tokens"] for r in runs[side]) / max(1, drafted),
+            "runs": runs[side],
+        }
+    ratios = [a["tok_s"] / b["tok_s"] for a, b in zip(runs[first], runs[second], strict=True)]
+    return out | {"ratio": asdict(summarize(ratios))}
+
+
+def ratio_figure(record: dict[str, Any], first: str, second: str) -> str:
+    """two_sides' ratio as a verdict's figure: its median and range, and both sides' tokens/s."""
+    ratio = record["ratio"]
+    ours, theirs = (record[side]["tok_s"]["median"] for side in (first, second))
+    return (
+        f"{ratio['median']:.2f}x (range {ratio['low']:.2f}-{ratio['high']:.2f}), "
+        f"{ours:.1f} against {theirs:.1f} tokens/s"
+    )
+
+
 def verdicts(record: dict[str, Any]) -> list[dict[str, Any]]:
     """Each target: {"target", "figure", "met"}."""
     one, many = record["one_stream"], record["many_streams"]

@@ -23,7 +23,6 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +30,8 @@ import torch
 
 from bench.peer_setup import Peer, build_info, prepare, prepare_file
 from bench.provenance import finish_provenance, start_provenance
-from bench.spec import WORKLOAD, engine, run, workload_ids, workload_texts
-from bench.stats import DEFAULT_MODEL, print_targets, save_record, summarize
+from bench.spec import WORKLOAD, engine, ratio_figure, run, two_sides, workload_ids, workload_texts
+from bench.stats import DEFAULT_MODEL, print_targets, save_record
 
 SIDES = ("strata", "llama.cpp")
 RATIO_TARGET = 1.0
@@ -114,14 +113,9 @@ def strata_round(eng: Any, prompts: list[list[int]], new_tokens: int) -> dict[st
 
 def verdicts(record: dict[str, Any]) -> list[dict[str, Any]]:
     """The one target: {"target", "figure", "met"}."""
-    ratio = record["ratio"]
-    ours, theirs = (record[side]["tok_s"]["median"] for side in SIDES)
-    figure = (
-        f"{ratio['median']:.2f}x (range {ratio['low']:.2f}-{ratio['high']:.2f}), "
-        f"{ours:.1f} against {theirs:.1f} tokens/s"
-    )
     target = f"one stream, prompt lookup: >= {RATIO_TARGET}x llama.cpp's llama-lookup"
-    return [{"target": target, "figure": figure, "met": ratio["median"] >= RATIO_TARGET}]
+    met = record["ratio"]["median"] >= RATIO_TARGET
+    return [{"target": target, "figure": ratio_figure(record, *SIDES), "met": met}]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,15 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "llama_cpp_build": build_info(peer),
     }
-    for side in SIDES:
-        drafted = sum(r["draft_tokens"] for r in runs[side])
-        record[side] = {
-            "tok_s": asdict(summarize([r["tok_s"] for r in runs[side]])),
-            "acceptance_rate": sum(r["accepted_draft_tokens"] for r in runs[side]) / max(1, drafted),
-            "runs": runs[side],
-        }
-    ratios = [s["tok_s"] / t["tok_s"] for s, t in zip(runs["strata"], runs["llama.cpp"], strict=True)]
-    record["ratio"] = asdict(summarize(ratios))
+    record |= two_sides(runs, *SIDES)
     record["targets"] = verdicts(record)
     save_record(record, args.json)
     print_targets("bench.spec_peer", record)

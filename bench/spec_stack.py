@@ -24,7 +24,6 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +33,7 @@ from bench.http_driver import chat_body, send_http
 from bench.provenance import finish_provenance, start_provenance
 from bench.session import BenchError, gateway, spawned
 from bench.stack_prompts import load_tokenizer
-from bench.stats import print_targets, save_record, summarize
+from bench.stats import print_targets, save_record
 from strata.settings import DEFAULT_CONFIG
 
 if TYPE_CHECKING:
@@ -144,29 +143,19 @@ async def rounds(
 
 def figures(found: dict[str, Any]) -> dict[str, Any]:
     """Per side: tokens/s median and spread, acceptance; the ratio per round and its median."""
-    runs = found["runs"]
-    out: dict[str, Any] = {}
-    for side in SIDES:
-        drafted = sum(r["draft_tokens"] for r in runs[side])
-        out[side] = {
-            "tok_s": asdict(summarize([r["tok_s"] for r in runs[side]])),
-            "acceptance_rate": sum(r["accepted_draft_tokens"] for r in runs[side]) / max(1, drafted),
-            "runs": runs[side],
-        }
-    ratios = [s["tok_s"] / e["tok_s"] for s, e in zip(runs["stack"], runs["engine"], strict=True)]
-    out["ratio"] = asdict(summarize(ratios))
-    out["texts_identical"] = found["identical"]
-    out["texts_compared"] = found["compared"]
-    return out
+    from bench.spec import two_sides
+
+    texts = {"texts_identical": found["identical"], "texts_compared": found["compared"]}
+    return two_sides(found["runs"], "stack", "engine") | texts
 
 
 def verdicts(record: dict[str, Any]) -> list[dict[str, Any]]:
     """The one target: {"target", "figure", "met"}."""
+    from bench.spec import ratio_figure
+
     ratio = record["ratio"]
-    stack, engine = record["stack"]["tok_s"]["median"], record["engine"]["tok_s"]["median"]
     figure = (
-        f"{ratio['median']:.2f}x (range {ratio['low']:.2f}-{ratio['high']:.2f}), "
-        f"{stack:.1f} against {engine:.1f} tokens/s, "
+        f"{ratio_figure(record, 'stack', 'engine')}, "
         f"texts identical {record['texts_identical']}/{record['texts_compared']}"
     )
     target = f"one stream over HTTP, {record['workload']['method']}: >= {RATIO_TARGET}x the engine's speed"

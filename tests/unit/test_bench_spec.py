@@ -66,3 +66,17 @@ def test_llama_lookups_log_gives_its_seconds_and_draft_counts() -> None:
     assert found == {"seconds": pytest.approx(0.386), "n_predict": 17, "n_drafted": 16, "n_accept": 11}
     with pytest.raises(RuntimeError, match="printed no timings"):
         parse_lookup(_LOOKUP_LOG.split("0.01.043.440 I n_draft", maxsplit=1)[0])
+
+
+def test_two_sides_reduce_to_medians_acceptance_and_per_round_ratios() -> None:
+    from bench.spec import ratio_figure, two_sides
+
+    def side(rates: list[float], drafted: int, kept: int) -> list[dict[str, float]]:
+        return [{"tok_s": r, "draft_tokens": drafted, "accepted_draft_tokens": kept} for r in rates]
+
+    runs = {"a": side([10.0, 12.0, 11.0], 10, 8), "b": side([10.0, 10.0, 11.0], 10, 5)}
+    found = two_sides(runs, "a", "b")
+    assert found["a"]["tok_s"]["median"] == 11.0 and found["b"]["acceptance_rate"] == 0.5
+    assert list(found["ratio"]["values"]) == pytest.approx([1.0, 1.2, 1.0])
+    assert found["ratio"]["median"] == 1.0
+    assert ratio_figure(found, "a", "b") == "1.00x (range 1.00-1.20), 11.0 against 10.0 tokens/s"
