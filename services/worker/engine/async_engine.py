@@ -240,6 +240,7 @@ class AsyncEngine:
                 self._drain_inbox()
                 if not self.engine.has_work():
                     self._stats = self.engine.stats()
+                    self.engine.idle()
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()
                     continue
@@ -254,6 +255,9 @@ class AsyncEngine:
             self._error = exc
             self._post(self._fail_all, EngineDeadError(f"the engine step loop died: {exc!r}"))
             raise
+        finally:
+            # On this thread, which made every collective a tensor-parallel model's ranks share.
+            self.engine.close()
 
     def _drain_inbox(self) -> None:
         while True:

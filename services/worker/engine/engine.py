@@ -169,6 +169,14 @@ class LLMEngine:
         loaded = load_model(path, device=device, dtype=dtype, quantization=quantization)
         return cls(loaded, config or EngineConfig())
 
+    def idle(self) -> None:
+        """Between steps while there is no work: the model may keep its other ranks' link alive."""
+        self.runner.model.idle()
+
+    def close(self) -> None:
+        """Release what the model holds outside this process (a tensor-parallel model's ranks)."""
+        self.runner.model.close()
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError if this request can never run on this engine: the one check of a
         request's parameters, token ids and size, which every caller makes before add_request."""

@@ -76,7 +76,11 @@ class ModelRunner:
 
             graphs = captures(self.model)
             if not graphs:
-                log.info("no CUDA graphs: %s has sliding-window layers; decodes run eagerly", loaded.family)
+                log.info(
+                    "no CUDA graphs: %s has sliding-window layers or runs over several ranks; decodes "
+                    "run eagerly",
+                    loaded.family,
+                )
         # Graph padding rows need one scratch block that the block manager never hands out.
         total_blocks = num_blocks + 1 if graphs else num_blocks
         fmt = kv_format.resolve(kv_cache_dtype, loaded.dtype, self.device)

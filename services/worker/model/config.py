@@ -83,6 +83,9 @@ class ModelConfig:
     """tanh soft-capping of the logits."""
     embedding_scale: float | None = None
     """A factor on the token embeddings (Gemma: sqrt(hidden_size))."""
+    tensor_parallel_size: int = 1
+    """Ranks the layers are split over; above 1 the head counts and `intermediate_size` here are one
+    rank's share (tensor_parallel.shard_config), and the KV cache this config sizes is one rank's."""
 
     @property
     def q_size(self) -> int:

@@ -144,6 +144,8 @@ def _native_paths(config: ModelConfig) -> NativePaths:
         (config.activation != "silu", f"{config.activation} activation"),
         (config.rotated_dims != config.head_dim, "partial RoPE"),
         (config.sliding_rope is not None, "a second RoPE for sliding-window layers"),
+        # The stack runs every layer in one call: no all-reduce could meet the other ranks between them.
+        (config.tensor_parallel_size > 1, "tensor parallel"),
     )
     reason = next((why for applies, why in reasons if applies), None)
     return NativePaths(decode_stack=reason is None, reason=reason or "")

@@ -92,6 +92,13 @@ class CausalLM(nn.Module, ABC):
     def stack_layers(self) -> list[StackLayer] | None:
         """The layers as the native decode stack runs them, or None when it cannot run them now."""
 
+    def idle(self) -> None:
+        """Called on the step thread between steps while there is no work (a model spread over ranks
+        keeps their link alive); nothing to do for a model in one process."""
+
+    def close(self) -> None:
+        """Release what the model holds outside its tensors (other ranks' processes); nothing here."""
+
     @property
     def dtype(self) -> torch.dtype:
         # The final norm's weight: always a dense tensor of the model's dtype, whatever the embeddings.

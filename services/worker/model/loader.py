@@ -38,6 +38,7 @@ from services.worker.model.gguf_serving import serve_stored
 from services.worker.model.int4_checkpoint import INT4_TENSORS, Int4Scheme, int4_scheme, int4_weight
 from services.worker.model.quant import QUANTIZATION_MODES, import_bitsandbytes, quantize_linears
 from services.worker.model.registry import family_of
+from services.worker.model.tensor_parallel import Shard, shard_config, split_weights
 
 if TYPE_CHECKING:
     from services.worker.model.config import ModelConfig
@@ -76,8 +77,11 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     quantization: str | None = None,
+    shard: Shard | None = None,
 ) -> LoadedModel:
-    """Load the model in `path` onto `device`; raise ModelLoadError for anything unusable."""
+    """Load the model in `path` onto `device`; raise ModelLoadError for anything unusable. With
+    `shard`, only that tensor-parallel rank's slice of the decoder (tensor_parallel.py), whose
+    config says so; its row-parallel projections are plain until tensor_parallel.reduce_rows."""
     directory = Path(path)
     if not directory.is_dir():
         raise ModelLoadError(
@@ -99,10 +103,14 @@ def load_model(
             f"quantization={quantization!r} on a {scheme.describe()} checkpoint: it is served in the int4 "
             "it stores; leave quantization unset"
         )
+    served_config = config
+    if shard is not None and shard.size > 1:
+        _check_shardable(directory, gguf, scheme, quantization)
+        served_config = shard_config(config, shard)
     # bitsandbytes layers are built from CPU floats, so a float copy never lands on the accelerator.
     staging = torch.device("cpu") if bitsandbytes else target
     with torch.device("meta"):
-        model = family.build(config)
+        model = family.build(served_config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     # GgufWeight takes part in a family's conversion as a tensor-like (torch.cat only).
     if gguf is None:
@@ -110,6 +118,8 @@ def load_model(
     else:
         tensors = cast("dict[str, Tensor]", read_gguf_tensors(gguf, family.checkpoint_names(config), dtype))
     converted = family.state_dict(tensors, config)
+    if served_config is not config and shard is not None:
+        converted = split_weights(converted, config, shard)
     for name, tensor in converted.items():
         if name not in expected:
             raise ModelLoadError(
@@ -138,7 +148,21 @@ def load_model(
     model.to(target)
     model.eval()
     model.requires_grad_(False)
-    return LoadedModel(model, config, directory, dtype, target, quantization, family.name, weights_format)
+    return LoadedModel(
+        model, served_config, directory, dtype, target, quantization, family.name, weights_format
+    )
+
+
+def _check_shardable(
+    directory: Path, gguf: Path | None, scheme: Int4Scheme | None, quantization: str | None
+) -> None:
+    """Tensor parallelism splits float weights only: quantized blocks would split inside a block."""
+    held = "a GGUF file" if gguf is not None else scheme.describe() if scheme is not None else quantization
+    if held is not None:
+        raise ModelLoadError(
+            f"{directory}: {held} cannot be split over tensor-parallel ranks yet; serve a float "
+            "checkpoint (safetensors) with tensor_parallel_size > 1, or this one on one rank"
+        )
 
 
 def _check_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype) -> None:
