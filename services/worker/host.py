@@ -34,6 +34,7 @@ from services.worker.engine.grammar_compiler import GrammarCompiler
 from services.worker.engine.params import InvalidRequestError, SamplingParams
 from services.worker.errors import DrainingError, HelloMismatchError, NotReadyError, ProtocolError
 from services.worker.metrics import EngineMetrics
+from services.worker.model.ranks import RankSpec, load_tensor_parallel
 from services.worker.reports import add_engine_info, native_kernels_state, step_info, worker_stats
 from services.worker.request_spans import WorkerSpans
 from strata.fingerprint import tokenizer_fingerprint
@@ -74,6 +75,20 @@ def resolve_dtype(setting: str, device: str) -> torch.dtype:
     return DTYPES[setting]
 
 
+def rank_spec(settings: WorkerSettings) -> RankSpec:
+    """What each of the worker's tensor-parallel ranks loads, from the worker's settings."""
+    device = resolve_device(settings.device)
+    return RankSpec(
+        model_path=settings.model_path,
+        device=device,
+        dtype=resolve_dtype(settings.dtype, device),
+        kv_cache_dtype=settings.engine.kv_cache_dtype,
+        size=settings.tensor_parallel_size,
+        timeout_s=settings.tensor_parallel_timeout_s,
+        threads=settings.threads,
+    )
+
+
 class WorkerHost:
     """One engine and everything its streams share. Used from the event loop only."""
 
@@ -108,6 +123,8 @@ class WorkerHost:
         if self.settings.threads is not None:
             torch.set_num_threads(self.settings.threads)
         quantization = None if self.settings.quantization == "none" else self.settings.quantization
+        if self.settings.tensor_parallel_size > 1:
+            return self._build_tensor_parallel(quantization)
         return LLMEngine.from_model_dir(
             self.settings.model_path,
             self.settings.engine,
@@ -115,6 +132,20 @@ class WorkerHost:
             dtype=self.dtype,
             quantization=quantization,
         )
+
+    def _build_tensor_parallel(self, quantization: str | None) -> LLMEngine:
+        settings = self.settings
+        if quantization is not None:
+            raise ValueError(
+                f"quantization={quantization!r} with tensor_parallel_size={settings.tensor_parallel_size}: "
+                "the ranks split float weights only; set quantization: none"
+            )
+        loaded = load_tensor_parallel(rank_spec(settings))
+        try:
+            return LLMEngine(loaded, settings.engine)
+        except BaseException:
+            loaded.model.close()
+            raise
 
     async def load(self) -> None:
         """Fingerprint the tokenizer, load the model, warm it up; raise what failed (and stay FAILED)."""

@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from typing import TYPE_CHECKING
 
 from services.worker.errors import REFUSALS, DrainingError, status_of
-from services.worker.host import State, WorkerHost
+from services.worker.host import State, WorkerHost, rank_spec
+from services.worker.model.ranks import run_follower
 from services.worker.settings import WorkerSettings
 from strata.rpc import RunningServer, shutdown_event, start_server
 from strata.service_main import run_service
@@ -168,7 +170,10 @@ async def start(
 
 
 async def serve(settings: WorkerSettings, announce_file: Path | None, tracing: Tracing) -> int:
-    """Run until SIGTERM/SIGINT (0, after a drain) or until the model fails to load or the engine dies (1)."""
+    """Run until SIGTERM/SIGINT (0, after a drain) or until the model fails to load or the engine dies (1).
+    Started by a launcher as a rank above 0 (torchrun's RANK), follow rank 0 instead of serving."""
+    if settings.tensor_parallel_size > 1 and int(os.environ.get("RANK", "0")) > 0:
+        return await asyncio.to_thread(run_follower, rank_spec(settings))
     stop = shutdown_event()
     server = await start(settings, announce_file, tracing)
     stopping = asyncio.create_task(stop.wait())

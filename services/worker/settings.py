@@ -41,6 +41,13 @@ class WorkerSettings(ServiceSettings):
     batches; CPU and float32 only: the CPU fallback); or int8-weight-only (those copies at every batch
     size, so each request's greedy output is the same whatever runs next to it; CPU and float32 only,
     slower than dynamic-int8 at large batches)."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (docs/tensor-parallelism.md): this process is rank 0 and starts
+    the others, unless WORLD_SIZE/RANK/MASTER_ADDR/MASTER_PORT are set (torchrun, a LeaderWorkerSet),
+    when it joins the group they describe. Float safetensors checkpoints only."""
+    tensor_parallel_timeout_s: float = 60.0
+    """Bound on every collective between the ranks: a rank that hangs this long (or dies) makes the
+    worker report NOT_SERVING and exit, so its supervisor restarts the group."""
     engine: EngineConfig = Field(default_factory=EngineConfig)
     """The continuous-batching engine's settings."""
     max_requests: int | None = None
@@ -73,6 +80,12 @@ class WorkerSettings(ServiceSettings):
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(
                 f"grammar_compile_timeout_s={self.grammar_compile_timeout_s} must be > 0, e.g. 2.0"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1, e.g. 2")
+        if not self.tensor_parallel_timeout_s > 0:
+            raise ValueError(
+                f"tensor_parallel_timeout_s={self.tensor_parallel_timeout_s} must be > 0, e.g. 60"
             )
         if self.grammar_cache_size < 1:
             raise ValueError(f"grammar_cache_size={self.grammar_cache_size} must be >= 1, e.g. 256")

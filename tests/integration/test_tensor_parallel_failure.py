@@ -1,0 +1,123 @@
+"""A tensor-parallel worker whose other rank dies or hangs: the real worker process (`python -m
+services.worker`, two ranks over gloo) serving a stream over gRPC, rank 1 killed with SIGKILL or
+stopped with SIGSTOP mid-stream. The stream must fail, health must turn NOT_SERVING and the process
+must exit with status 1 within the collective timeout, so whatever supervises it restarts the group;
+never a worker that still says SERVING.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.worker.server import SERVICE_NAME
+from strata.v1 import common_pb2
+from tests.integration.worker_harness import ENGINE, WAIT_S, async_stub, connect, submission, worker_process
+from tests.polling import announced_address, wait_for
+
+TIMEOUT_S = 5.0
+"""tensor_parallel_timeout_s of these workers: a hung rank is given up after this."""
+
+
+def rank_processes(pid: int) -> list[int]:
+    """The processes a worker started (its other ranks), from every thread's children in /proc."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children = (task / "children").read_text().split()
+        found.extend(int(child) for child in children)
+    return found
+
+
+async def drive(
+    address: str, model_dir: Path, rank_pid: int, sig: signal.Signals, idle: bool
+) -> tuple[Any, list[int], float]:
+    """Start a long stream (unless `idle`), signal rank 1 once tokens flow; (how the stream ended,
+    the health statuses watched from before the signal until the server went away, seconds from the
+    signal to the stream's end)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+        statuses = [(await asyncio.wait_for(watch.read(), WAIT_S)).status]
+        while statuses[-1] != health_pb2.HealthCheckResponse.SERVING:
+            statuses.append((await asyncio.wait_for(watch.read(), WAIT_S)).status)
+        if idle:
+            os.kill(rank_pid, sig)
+            return None, await statuses_until_gone(watch), 0.0
+        side = await connect(async_stub(channel), model_dir)
+        await side.send(submission("r0", [9, 8, 7], 200))
+        await side.read_until(lambda s: len(s.tokens.get("r0", [])) >= 2)
+        os.kill(rank_pid, sig)
+        signalled = time.monotonic()
+        try:
+            await side.read_until(lambda s: s.ended or "r0" in s.finals, timeout=WAIT_S)
+            ending: Any = side.finals.get("r0")
+        except grpc.aio.AioRpcError as error:
+            ending = error.code()
+        ended = time.monotonic() - signalled
+        return ending, await statuses_until_gone(watch), ended
+
+
+async def statuses_until_gone(watch: Any) -> list[int]:
+    """The health statuses a watch reports until the worker stops answering it."""
+    statuses: list[int] = []
+    try:
+        while (message := await asyncio.wait_for(watch.read(), WAIT_S)) is not grpc.aio.EOF:
+            statuses.append(message.status)
+    except grpc.aio.AioRpcError:
+        return statuses  # the worker stopped serving health: it is exiting
+    return statuses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sig", "idle"),
+    [(signal.SIGKILL, False), (signal.SIGSTOP, False), (signal.SIGKILL, True)],
+    ids=["killed", "hung", "killed-while-idle"],
+)
+def test_a_lost_rank_ends_the_worker(
+    sig: signal.Signals, idle: bool, tiny_serving_dir: Path, tmp_path: Path
+) -> None:
+    """Rank 1 killed or hung mid-stream, or killed while nothing runs: the stream ends with an error,
+    health turns NOT_SERVING, the worker exits with status 1 within a few collective timeouts (the
+    heartbeat finds a rank that died while idle), and no rank is left behind."""
+    worker: dict[str, Any] = {
+        "model_name": "tiny",
+        "model_path": str(tiny_serving_dir),
+        "device": "cpu",
+        "threads": 1,
+        "tensor_parallel_size": 2,
+        "tensor_parallel_timeout_s": TIMEOUT_S,
+        # Slow steps keep the stream running while the rank is signalled.
+        "engine": {**ENGINE, "fault_step_delay_s": 0.02},
+    }
+    process, announce = worker_process(worker, tmp_path)
+    ranks: list[int] = []
+    try:
+        address = announced_address(process, announce, WAIT_S)
+        ranks = wait_for(lambda: rank_processes(process.pid), WAIT_S, "the worker's rank 1")
+        assert len(ranks) == 1
+        ending, statuses, ended = asyncio.run(drive(address, tiny_serving_dir, ranks[0], sig, idle))
+        assert process.wait(timeout=5 * TIMEOUT_S) == 1
+    finally:
+        for pid in ranks:
+            if Path(f"/proc/{pid}").exists():
+                os.kill(pid, signal.SIGKILL)
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+    assert statuses == [health_pb2.HealthCheckResponse.NOT_SERVING]
+    if not idle:
+        assert ending.finish_reason == common_pb2.FINISH_REASON_ERROR
+    assert ended < 5 * TIMEOUT_S
+    # The worker reaped its rank: a killed one is gone; a stopped one was killed on the way out.
+    assert (
+        not Path(f"/proc/{ranks[0]}").exists() or "Z" in Path(f"/proc/{ranks[0]}/stat").read_text().split()[2]
+    )
