@@ -216,7 +216,49 @@ def memory_profile(records: Mapping[str, Record]) -> list[str]:
     return table(header, rows)
 
 
+def tensor_parallel(records: Mapping[str, Record]) -> list[str]:
+    """bench/tp.py's record: two ranks against one per workload, rank 0's time in collectives, and
+    the vocabulary choice's timings."""
+    data = records["tp-cpu.json"].data
+    rows = [
+        [
+            str(data[part]["streams"]),
+            stats(data[part]["one_rank"]["tok_s"]),
+            stats(data[part]["two_ranks"]["tok_s"]),
+            stats(data[part]["ratio"], 2),
+            f"{stats(data[part]['collective_ms_per_step'])} of {stats(data[part]['two_rank_step_ms'])}",
+        ]
+        for part in ("one_stream", "many_streams")
+    ]
+    vocab = [
+        [
+            rows_count,
+            num(figures["project_whole_vocab_ms"], 2),
+            num(figures["project_half_vocab_ms"], 2),
+            num(figures["all_gather_half_vocab_ms"], 2),
+            num(figures["all_reduce_hidden_ms"], 2),
+        ]
+        for rows_count, figures in data["vocabulary"].items()
+    ]
+    header = ["streams", "one rank, tok/s", "two ranks, tok/s", "ratio", "collectives, ms of a step"]
+    return [
+        *table(header, rows),
+        "",
+        *table(
+            [
+                "rows",
+                "whole vocabulary, ms",
+                "half, ms",
+                "all_gather of halves, ms",
+                "all_reduce of hidden, ms",
+            ],
+            vocab,
+        ),
+    ]
+
+
 TABLES = (
+    Table("tensor-parallel", ("tp-cpu.json",), tensor_parallel),
     engine_table("engine", "engine-cpu.json"),
     engine_table("engine-native", "engine-cpu-native.json"),
     engine_table("engine-one-stream", "engine-cpu-1-stream.json"),

@@ -124,13 +124,18 @@ class DecoderLM(CausalLM):
             self._native_stack = (key, decode_stack.NativeDecodeStack.build(self, cache))
         return self._native_stack[1]
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
+    def compute_logits(self, hidden: Tensor, vocab: slice | None = None) -> Tensor:
         if self.lm_head is None:
             if not isinstance(self.embed_tokens, nn.Embedding):
                 raise TypeError("a tied model with quantized embeddings projects through its lm_head")
-            logits = linear(hidden, self.embed_tokens.weight).float()
-        else:
+            weight = self.embed_tokens.weight
+            logits = linear(hidden, weight if vocab is None else weight[vocab]).float()
+        elif vocab is None:
             logits = project(self.lm_head, hidden).float()
+        elif isinstance(self.lm_head, nn.Linear):
+            logits = linear(hidden, self.lm_head.weight[vocab]).float()
+        else:
+            raise TypeError("a quantized vocabulary projection projects whole rows only")
         cap = self.config.final_softcap
         return torch.tanh(logits / cap) * cap if cap is not None else logits
 

@@ -76,8 +76,9 @@ class CausalLM(nn.Module, ABC):
         """input_ids and positions [T] -> final-normed hidden states [T, hidden]; writes k/v to `cache`."""
 
     @abstractmethod
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """Project selected hidden rows [N, hidden] to float32 logits [N, vocab]."""
+    def compute_logits(self, hidden: Tensor, vocab: slice | None = None) -> Tensor:
+        """Project selected hidden rows [N, hidden] to float32 logits [N, vocab]; with `vocab`, only
+        those vocabulary entries (a tensor-parallel rank's share)."""
 
     @abstractmethod
     def set_attention_backend(self, backend: AttentionBackend) -> None:

@@ -1,12 +1,13 @@
 """The step's plan on the wire from rank 0 to the other tensor-parallel ranks, and those ranks' loop.
 
 Rank 0 runs the engine; every other rank only runs its shard of the forward pass. Before each forward
-rank 0 broadcasts an op as small int64 tensors (never pickled objects): a fixed header, then for a step
-one payload with the token ids, positions, query and context lengths and padded block tables, from
-which a follower builds the same AttentionMetadata and runs the same forward (whose all-reduces meet
-rank 0's). Ops besides a step: a new KV cache (rank 0's runner made one, so the followers make theirs
-with as many blocks), idle (a heartbeat, so a follower waiting for work never hits the collective
-timeout and a dead rank is noticed while nothing runs), and stop.
+rank 0 broadcasts an op as small tensors (never pickled objects): a fixed int64 header, then for a
+step one payload with the token ids, positions, query and context lengths and padded block tables,
+from which a follower builds the same AttentionMetadata and runs the same forward (whose all-reduces
+meet rank 0's). The other ops: logits (the hidden rows rank 0 projects, so that each rank projects
+its share of the vocabulary: tensor_parallel.vocab_logits), a new KV cache (rank 0's runner made one,
+so the followers make theirs with as many blocks), idle (a heartbeat, so a follower waiting for work
+never hits the collective timeout and a dead rank is noticed while nothing runs), and stop.
 
 This module owns that protocol. It must not decide what a step holds (the scheduler does) nor start
 processes (ranks.py does).
@@ -25,17 +26,18 @@ import torch.distributed as dist
 from services.worker.model import kv_format
 from services.worker.model.attention import AttentionMetadata
 from services.worker.model.kv_cache import KVCache
+from services.worker.model.tensor_parallel import CollectiveClock, Shard, vocab_logits
 
 if TYPE_CHECKING:
     from torch import Tensor
 
     from services.worker.model.family import CausalLM
-    from services.worker.model.tensor_parallel import CollectiveClock
 
 log = logging.getLogger(__name__)
 
 _HEADER = 6
-"""[op, tokens, sequences, table width, decodes, block size] (a cache op: [op, blocks, block size, ...])."""
+"""[op, tokens, sequences, table width, decodes, block size]; a cache op: [op, blocks, block size, ...];
+logits: [op, rows, ...]."""
 
 
 class Op(IntEnum):
@@ -43,6 +45,7 @@ class Op(IntEnum):
     CACHE = 2
     IDLE = 3
     STOP = 4
+    LOGITS = 5
 
 
 class Leader:
@@ -62,6 +65,9 @@ class Leader:
         )
         self._send([*header, meta.block_size], payload)
 
+    def logits(self, hidden: Tensor) -> None:
+        self._send([Op.LOGITS, hidden.shape[0], 0, 0, 0, 0], hidden)
+
     def cache(self, cache: KVCache) -> None:
         self._send([Op.CACHE, cache.num_blocks, cache.block_size, 0, 0, 0])
 
@@ -80,9 +86,10 @@ class Leader:
         self.last_sent = time.monotonic()
 
 
-def follow(model: CausalLM, kv_cache_dtype: str, device: torch.device) -> None:
+def follow(model: CausalLM, kv_cache_dtype: str, device: torch.device, shard: Shard) -> None:
     """A follower's loop: run rank 0's ops on this rank's shard until it says stop (or a collective
     fails, which raises: the process then exits and its group is restarted as one)."""
+    clock = CollectiveClock()
     fmt = kv_format.resolve(kv_cache_dtype, model.dtype, device)
     cache: KVCache | None = None
     header = torch.empty(_HEADER, dtype=torch.int64, device=device)
@@ -94,6 +101,11 @@ def follow(model: CausalLM, kv_cache_dtype: str, device: torch.device) -> None:
                 log.info("rank %d: stop", dist.get_rank())
                 return
             if op == Op.IDLE:
+                continue
+            if op == Op.LOGITS:
+                hidden = torch.empty(a, model.config.hidden_size, dtype=model.dtype, device=device)
+                dist.broadcast(hidden, src=0)
+                vocab_logits(model, hidden, shard, clock)
                 continue
             if op == Op.CACHE:
                 cache = None  # the old cache's memory goes back before the new one is taken

@@ -35,7 +35,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # exported
 from services.worker.model.family import CausalLM
 from services.worker.model.loader import load_model
 from services.worker.model.rank_link import Leader, follow
-from services.worker.model.tensor_parallel import CollectiveClock, Shard, reduce_rows
+from services.worker.model.tensor_parallel import CollectiveClock, Shard, reduce_rows, vocab_logits
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -67,8 +67,11 @@ class RankSpec:
 class TensorParallelLM(CausalLM):
     """Rank 0's shard, which sends each forward's plan to the other ranks before running its own."""
 
-    def __init__(self, inner: CausalLM, leader: Leader, children: list[subprocess.Popen[bytes]]) -> None:
+    def __init__(
+        self, inner: CausalLM, leader: Leader, children: list[subprocess.Popen[bytes]], size: int
+    ) -> None:
         super().__init__()
+        self.size = size
         self.inner = inner
         self.config = inner.config
         self.embed_tokens = inner.embed_tokens
@@ -97,8 +100,17 @@ class TensorParallelLM(CausalLM):
             raise
         return hidden
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        return self.inner.compute_logits(hidden)
+    def compute_logits(self, hidden: Tensor, vocab: slice | None = None) -> Tensor:
+        if vocab is not None:
+            raise ValueError(
+                "a tensor-parallel model projects the whole vocabulary, shared out over its ranks"
+            )
+        try:
+            self.leader.logits(hidden)
+            return vocab_logits(self.inner, hidden, Shard(0, self.size), self.leader.clock)
+        except BaseException:
+            self._broken = True
+            raise
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         raise NotImplementedError("a tensor-parallel model keeps the attention its ranks were built with")
@@ -155,7 +167,7 @@ def load_tensor_parallel(spec: RankSpec) -> LoadedModel:
         raise
     clock = CollectiveClock()
     reduce_rows(loaded.model, clock)
-    model = TensorParallelLM(loaded.model, Leader(loaded.device, clock), children)
+    model = TensorParallelLM(loaded.model, Leader(loaded.device, clock), children, spec.size)
     model.heartbeat_s = spec.timeout_s / 4
     described = f"{loaded.weights_format}, tensor parallel over {spec.size} ranks"
     return replace(loaded, model=model, weights_format=described)
@@ -237,7 +249,7 @@ def run_follower(spec: RankSpec, spawned: bool = False) -> int:
     device = _device(spec.device)
     loaded = load_model(spec.model_path, device, spec.dtype, shard=Shard(rank, spec.size))
     reduce_rows(loaded.model, CollectiveClock())
-    follow(loaded.model, spec.kv_cache_dtype, loaded.device)
+    follow(loaded.model, spec.kv_cache_dtype, loaded.device, Shard(rank, spec.size))
     dist.destroy_process_group()
     return 0
 

@@ -1,18 +1,19 @@
-"""Splitting a decoder over tensor-parallel ranks: one rank's config, its slice of every weight, and the
-all-reduce after the projections whose products are partial sums.
+"""Splitting a decoder over tensor-parallel ranks: one rank's config, its slice of every weight, the
+all-reduce after the projections whose products are partial sums, and the vocabulary's gather.
 
 Megatron's layout. q/k/v and gate/up are split by output rows (column parallel): each rank computes
 its own query heads, the KV heads they read, and its slice of the MLP, with nothing to exchange. o and
 down are split by input columns (row parallel): each rank's product is a partial sum of the full
-result, and one all_reduce per block adds them up, so two collectives per layer. Embeddings, norms and
-the vocabulary projection stay whole on every rank (rank 0 alone projects to the vocabulary: see
-docs/tensor-parallelism.md for why). KV heads are split across ranks as evenly as they go, each with
-the query heads that read it (SmolLM2's 3 KV heads and 9 query heads over 2 ranks: 2 and 6 on rank 0,
-1 and 3 on rank 1; the MLP likewise need not divide); a model with fewer KV heads than ranks gives each
-rank the one head its query heads read, so those heads are stored on several ranks. A bias of a
-row-parallel projection is added once, by rank 0.
+result, and one all_reduce per block adds them up, so two collectives per layer. Embeddings and norms
+stay whole on every rank. The vocabulary projection is split by vocabulary entries: each rank
+projects its share for the rows rank 0 sends and one all_gather joins them
+(docs/tensor-parallelism.md has the measurement that chose this over rank 0 projecting alone).
+KV heads are shared out as evenly as they go, each with the query heads that read it (SmolLM2's 3 KV
+heads and 9 query heads over 2 ranks: 2 and 6 on rank 0, 1 and 3 on rank 1; the MLP likewise need not
+divide); a model with fewer KV heads than ranks gives each rank the one head its query heads read, so
+those heads are stored on several ranks. A bias of a row-parallel projection is added once, by rank 0.
 
-This module owns those arithmetic facts and the time spent in the all-reduces. It must not start
+This module owns those arithmetic facts and the time spent in the collectives. It must not start
 processes, read files or move a step's plan between ranks (ranks.py and rank_link.py do).
 """
 
@@ -131,6 +132,21 @@ class RowParallelLinear(nn.Module):
         dist.all_reduce(partial)
         self.clock.add(started)
         return partial
+
+
+def vocab_logits(model: CausalLM, hidden: Tensor, shard: Shard, clock: CollectiveClock) -> Tensor:
+    """Float32 logits [rows, vocab] of hidden rows every rank holds: each rank projects its share of
+    the vocabulary and one all_gather joins them (shares padded to the widest, as all_gather needs)."""
+    vocab = model.config.vocab_size
+    shares = [_share(vocab, Shard(rank, shard.size)) for rank in range(shard.size)]
+    part = model.compute_logits(hidden, shares[shard.rank])
+    width = shares[0].stop - shares[0].start
+    padded = torch.nn.functional.pad(part, (0, width - part.shape[1])).contiguous()
+    parts = [torch.empty_like(padded) for _ in shares]
+    started = time.perf_counter()
+    dist.all_gather(parts, padded)
+    clock.add(started)
+    return torch.cat([p[:, : s.stop - s.start] for p, s in zip(parts, shares, strict=True)], dim=1)
 
 
 def _share(total: int, shard: Shard) -> slice:
