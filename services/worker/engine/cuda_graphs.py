@@ -34,9 +34,9 @@ log = logging.getLogger(__name__)
 
 
 def captures(model: CausalLM) -> bool:
-    """Whether this model's decode steps can be replayed from graphs: no sliding-window layers, and
-    one rank (a replay would skip the plan rank 0 sends the other ranks before each forward)."""
-    return not model.config.windows and model.config.tensor_parallel_size == 1
+    """Whether this model's decode steps can be replayed from graphs: no sliding-window layers, and a
+    forward that only computes (a tensor-parallel model's sends its ranks their plan first)."""
+    return not model.config.windows and model.replayable
 
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)

@@ -93,6 +93,12 @@ class CausalLM(nn.Module, ABC):
     def stack_layers(self) -> list[StackLayer] | None:
         """The layers as the native decode stack runs them, or None when it cannot run them now."""
 
+    @property
+    def replayable(self) -> bool:
+        """Whether a CUDA graph may replay this model's forward: not where the forward does more than
+        compute (a tensor-parallel model's sends the other ranks their plan first)."""
+        return True
+
     def idle(self) -> None:
         """Called on the step thread between steps while there is no work (a model spread over ranks
         keeps their link alive); nothing to do for a model in one process."""

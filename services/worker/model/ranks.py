@@ -122,6 +122,10 @@ class TensorParallelLM(CausalLM):
     def stack_layers(self) -> list[StackLayer] | None:
         return None
 
+    @property
+    def replayable(self) -> bool:
+        return False
+
     def idle(self) -> None:
         if time.monotonic() - self.leader.last_sent >= self.heartbeat_s:
             try:
