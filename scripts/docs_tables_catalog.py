@@ -357,6 +357,7 @@ CATALOG: dict[str, Entry] = {
         _py("bench.spec_stack", *_json("spec-stack-cpu.json")),
         target="make bench-spec-stack",
     ),
+    "tp-cpu.json": Entry(ENGINE, "bench/tp.py", 480, _py("bench.tp", *_json("tp-cpu.json"))),
     "kv-schemes-cpu.json": Entry(
         ENGINE, "bench/kv_schemes.py", 240, _py("bench.kv_schemes", *_json("kv-schemes-cpu.json"))
     ),
