@@ -173,7 +173,8 @@ async def serve(settings: WorkerSettings, announce_file: Path | None, tracing: T
     """Run until SIGTERM/SIGINT (0, after a drain) or until the model fails to load or the engine dies (1).
     Started by a launcher as a rank above 0 (torchrun's RANK), follow rank 0 instead of serving."""
     if settings.tensor_parallel_size > 1 and int(os.environ.get("RANK", "0")) > 0:
-        return await asyncio.to_thread(run_follower, rank_spec(settings))
+        # On this (the main) thread, which may set signal handlers; nothing else runs on the loop.
+        return run_follower(rank_spec(settings))
     stop = shutdown_event()
     server = await start(settings, announce_file, tracing)
     stopping = asyncio.create_task(stop.wait())

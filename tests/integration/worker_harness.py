@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.params import SamplingParams
-from services.worker.server import WorkerServer, start
+from services.worker.server import SERVICE_NAME, WorkerServer, start
 from services.worker.settings import WorkerSettings
 from strata.fingerprint import tokenizer_fingerprint
 from strata.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -166,6 +167,17 @@ class GatewaySide:
                 self.ended = True
             else:
                 self._apply(message)
+
+
+async def wait_serving(channel: grpc.aio.Channel) -> list[int]:
+    """Watch the worker's health until it says SERVING; the statuses seen on the way."""
+    health = health_pb2_grpc.HealthStub(channel)
+    watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+    statuses = [(await asyncio.wait_for(watch.read(), WAIT_S)).status]
+    while statuses[-1] != health_pb2.HealthCheckResponse.SERVING:
+        statuses.append((await asyncio.wait_for(watch.read(), WAIT_S)).status)
+    watch.cancel()
+    return statuses
 
 
 async def connect(stub: worker_pb2_grpc.WorkerServiceAsyncStub, model_dir: Path) -> GatewaySide:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -237,6 +238,11 @@ def run_follower(spec: RankSpec, spawned: bool = False) -> int:
     """A rank above 0: join the group the environment describes, load this rank's shard, follow.
     `spawned`: started by rank 0 (which hosts the group's store), not by a launcher."""
     rank = int(os.environ["RANK"])
+    # A launcher's SIGTERM (or a terminal's Ctrl-C) reaches every rank at once; rank 0 drains its
+    # requests, which needs this rank, then sends stop. So this rank ends by rank 0's stop, a broken
+    # group, or SIGKILL, never by those two.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
     backend = "nccl" if torch.device(spec.device).type == "cuda" else "gloo"
