@@ -115,10 +115,6 @@ class Route:
     def queued_requests(self) -> int:
         return self._queue.requests
 
-    @property
-    def queued_tokens(self) -> int:
-        return self._queue.tokens
-
     def queued_by_tenant(self) -> Counter[str]:
         return self._queue.queued_by_tenant()
 

@@ -11,7 +11,6 @@ This module must not touch logits (grammar_mask.py does) nor decide when a reque
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -185,8 +184,3 @@ class GrammarCompiler:
 def _first_lines(message: str, limit: int = 400) -> str:
     text = " ".join(line.strip() for line in message.splitlines() if line.strip())
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def schema_text(schema: object) -> str:
-    """A JSON schema as the wire carries it (compact JSON text)."""
-    return json.dumps(schema, separators=(",", ":"))

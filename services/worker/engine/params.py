@@ -60,11 +60,6 @@ class SamplingParams:
     speculate: bool = True
 
     @property
-    def processed(self) -> bool:
-        """Whether any OpenAI/vLLM processor changes this request's logits."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.min_tokens)
-
-    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 

@@ -62,9 +62,6 @@ class PrefixIndex:
     def is_cached(self, block: int) -> bool:
         return block in self._by_block
 
-    def is_evictable(self, block: int) -> bool:
-        return block in self._evictable
-
     def lookup(
         self, hashes: Sequence[int], tokens_of: Callable[[int], Sequence[int]], salt: str
     ) -> list[int]:

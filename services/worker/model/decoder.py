@@ -57,11 +57,6 @@ class DecoderLM(CausalLM):
         # cache's tensors, so a new cache never reuses their addresses and the key cannot collide.
         self._native_stack: tuple[int, decode_stack.NativeDecodeStack | None] | None = None
 
-    def set_attention_backend(self, backend: AttentionBackend) -> None:
-        for layer in self.layers:
-            if isinstance(layer, DecoderLayer):
-                layer.self_attn.backend = backend
-
     @property
     def native_paths(self) -> NativePaths:
         return self._paths

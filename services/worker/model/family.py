@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
-    from services.worker.model.attention import AttentionBackend, AttentionMetadata
+    from services.worker.model.attention import AttentionMetadata
     from services.worker.model.config import ModelConfig
     from services.worker.model.kv_cache import KVCache
 
@@ -79,10 +79,6 @@ class CausalLM(nn.Module, ABC):
     def compute_logits(self, hidden: Tensor, vocab: slice | None = None) -> Tensor:
         """Project selected hidden rows [N, hidden] to float32 logits [N, vocab]; with `vocab`, only
         those vocabulary entries (a tensor-parallel rank's share)."""
-
-    @abstractmethod
-    def set_attention_backend(self, backend: AttentionBackend) -> None:
-        """Swap the attention implementation of every layer (e.g. for a GPU paged kernel)."""
 
     @property
     @abstractmethod

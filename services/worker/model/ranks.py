@@ -41,7 +41,7 @@ from services.worker.model.tensor_parallel import CollectiveClock, Shard, reduce
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from services.worker.model.attention import AttentionBackend, AttentionMetadata
+    from services.worker.model.attention import AttentionMetadata
     from services.worker.model.family import NativePaths, StackLayer
     from services.worker.model.kv_cache import KVCache
     from services.worker.model.loader import LoadedModel
@@ -112,9 +112,6 @@ class TensorParallelLM(CausalLM):
         except BaseException:
             self._broken = True
             raise
-
-    def set_attention_backend(self, backend: AttentionBackend) -> None:
-        raise NotImplementedError("a tensor-parallel model keeps the attention its ranks were built with")
 
     @property
     def native_paths(self) -> NativePaths:
