@@ -1,7 +1,7 @@
 """POST /v1/chat/completions and POST /v1/completions: one HTTP request through the pipeline.
 
-Each endpoint is an ASGI app. It checks the API key (the same keys and tenants as gRPC), reads the
-body up to max_message_bytes (413 beyond), parses it (openai_schema.py), builds the pipeline's
+Each endpoint is an ASGI app behind the API-key middleware (http_auth.py, which names the tenant).
+It reads the body up to max_message_bytes (413 beyond), parses it (openai_schema.py), builds the pipeline's
 Incoming with protocol "http", the caller's W3C trace context and the deadline of the
 `x-strata-timeout-ms` header, and answers: a whole JSON response, or Server-Sent Events (`data:`
 chunks, then `data: [DONE]`). A stream's headers go out with its first chunk, so a request refused
@@ -29,17 +29,16 @@ from sse_starlette.event import ServerSentEvent
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
-from gateway.auth import key_matches, tenant_of
 from gateway.errors import GatewayError
+from gateway.http_auth import tenant
 from gateway.metrics import HTTP_RESPONSES, STUCK_STREAMS
-from gateway.openai_errors import HttpError, from_gateway, from_validation, too_large, unauthenticated
+from gateway.openai_errors import HttpError, from_gateway, from_validation, too_large
 from gateway.openai_logprobs import prompt_logprobs
 from gateway.openai_mapping import FINISH_REASONS, Reply, extension, headers, to_generate_request
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from gateway.openai_tools import ToolStream
 from gateway.request import Incoming
 from gateway.request_trace import TRACE_KEYS
-from gateway.tenant_settings import DEFAULT_TENANT
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Coroutine
@@ -70,11 +69,10 @@ class Completions:
     def __init__(self, chat: bool, settings: GatewaySettings, pipeline: Pipeline, router: Router) -> None:
         self._chat = chat
         self._schema = ChatCompletionRequest if chat else CompletionRequest
-        self._endpoint = "chat.completions" if chat else "completions"
+        self.endpoint = "chat.completions" if chat else "completions"
         self._settings = settings
         self._pipeline = pipeline
         self._router = router
-        self._keys = settings.tenant_keys()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         arrival = time.time()
@@ -94,15 +92,11 @@ class Completions:
         response = await _unless_disconnected(answer, receive)
         if response is not None:
             await response(scope, receive, send)
-            HTTP_RESPONSES.labels(self._endpoint, str(response.status_code)).inc()
+            HTTP_RESPONSES.labels(self.endpoint, str(response.status_code)).inc()
 
     async def _incoming(
         self, request: Request, arrival: float
     ) -> tuple[Incoming, ChatCompletionRequest | CompletionRequest]:
-        header = request.headers.get("authorization")
-        if self._keys and not key_matches(header, tuple(key for key, _ in self._keys)):
-            raise unauthenticated()
-        tenant = tenant_of(header, self._keys, DEFAULT_TENANT) if self._keys else DEFAULT_TENANT
         deadline = _deadline(request.headers.get(TIMEOUT_HEADER), arrival)
         raw = await _read_body(request, self._settings.max_message_bytes)
         try:
@@ -113,7 +107,11 @@ class Completions:
         generate.request_id = uuid.uuid4().hex  # known before the first chunk: every chunk's id
         trace = {key: value for key in TRACE_KEYS if (value := request.headers.get(key)) is not None}
         incoming = Incoming(
-            generate, protocol="http", tenant=tenant, deadline_unix_ms=deadline, trace_context=trace
+            generate,
+            protocol="http",
+            tenant=tenant(request.scope),
+            deadline_unix_ms=deadline,
+            trace_context=trace,
         )
         return incoming, body
 
@@ -153,7 +151,7 @@ class Completions:
             except GatewayError as error:
                 return _error_response(from_gateway(error, token_field))
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-            HTTP_RESPONSES.labels(self._endpoint, "200").inc()
+            HTTP_RESPONSES.labels(self.endpoint, "200").inc()
             held = ToolStream(incoming.request)
             events = self._events(reply, first, chunks, body.include_usage, token_field, held)
             idle = self._settings.stream_idle_timeout_s
@@ -224,14 +222,14 @@ class Completions:
                 "fields": {
                     "event": "request_refused",
                     "protocol": "http",
-                    "endpoint": self._endpoint,
+                    "endpoint": self.endpoint,
                     "status": error.status,
                     "error": error.message,
                 }
             },
         )
         await _error_response(error)(scope, receive, send)
-        HTTP_RESPONSES.labels(self._endpoint, str(error.status)).inc()
+        HTTP_RESPONSES.labels(self.endpoint, str(error.status)).inc()
 
 
 _SSE_HEADERS = [

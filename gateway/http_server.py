@@ -3,7 +3,8 @@ and event loop by uvicorn (HTTP/1.1 over h11) and Starlette.
 
 `HttpFrontDoor` binds `http_listen` itself (so a port in use is an OSError naming it, and port 0's
 choice is known at once), serves the routes (the completions endpoints of http_endpoints.py,
-GET /v1/models, GET /health for readiness), and stops on the gateway's command: uvicorn's own
+GET /v1/models, GET /health for readiness) behind the API-key middleware (http_auth.py; readiness
+needs no key), and stops on the gateway's command: uvicorn's own
 SIGINT/SIGTERM handlers are turned off, so the gateway's drain decides (health 503, no new
 connections, running requests finish within the grace period, then are cancelled). uvicorn runs on
 the running asyncio loop (never a loop of its own choosing, such as uvloop under grpc.aio), with TLS
@@ -24,9 +25,8 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from gateway.auth import key_matches
+from gateway.http_auth import ApiKeys
 from gateway.http_endpoints import Completions
-from gateway.openai_errors import unauthenticated
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Generator
@@ -63,10 +63,9 @@ class HttpFrontDoor:
         self._settings = settings
         self._router = router
         self._serving = serving
-        self._keys = settings.accepted_keys()
         chat = Completions(True, settings, pipeline, router)
         text = Completions(False, settings, pipeline, router)
-        self.app = Starlette(
+        routes = Starlette(
             routes=[
                 Route("/v1/chat/completions", chat, methods=["POST"]),
                 Route("/v1/completions", text, methods=["POST"]),
@@ -74,6 +73,13 @@ class HttpFrontDoor:
                 Route("/health", self._health, methods=["GET"]),
             ]
         )
+        endpoints = {
+            "/v1/chat/completions": chat.endpoint,
+            "/v1/completions": text.endpoint,
+            "/v1/models": "models",
+        }
+        # Readiness answers probes, which carry no key.
+        self.app = ApiKeys(routes, settings.tenant_keys(), endpoints, open_paths=frozenset({"/health"}))
         self.address = ""
         """host:port the HTTP API is bound to."""
         self._server: _Server | None = None
@@ -122,9 +128,6 @@ class HttpFrontDoor:
         await self._task
 
     async def _models(self, request: Request) -> JSONResponse:
-        if self._keys and not key_matches(request.headers.get("authorization"), self._keys):
-            error = unauthenticated()
-            return JSONResponse(error.body(), status_code=error.status)
         data: list[dict[str, Any]] = []
         for route in self._router.routes():
             status = route.status()

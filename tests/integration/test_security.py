@@ -107,6 +107,25 @@ def test_the_http_api_serves_https_with_the_same_certificate_and_keys(
         httpx2.post(url.replace("https://", "http://"), json=body, timeout=10)
 
 
+def test_every_http_route_but_readiness_wants_a_key(stack: SecureStack, certs: dict[str, Path]) -> None:
+    """One middleware guards the HTTP API: each route answers 401 with the OpenAI error body without a
+    key, and serves with one; GET /health answers without (probes carry no key)."""
+    assert stack.gateway.http is not None
+    base = f"https://{stack.gateway.http.address}"
+    chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    requests = [("GET", "/v1/models", None), ("POST", "/v1/chat/completions", chat)]
+    requests.append(("POST", "/v1/completions", {"prompt": "hello", "max_tokens": 2}))
+    trusted = ssl.create_default_context(cafile=str(certs["ca"]))
+    with httpx2.Client(verify=trusted, timeout=30) as https:
+        for method, path, body in requests:
+            refused = https.request(method, base + path, json=body)
+            assert refused.status_code == 401, path
+            assert refused.json()["error"]["type"] == "authentication_error", path
+            served = https.request(method, base + path, json=body, headers={"authorization": f"Bearer {KEY}"})
+            assert served.status_code == 200, path
+        assert https.get(base + "/health").status_code == 200
+
+
 WRONG_KEYS: dict[str, tuple[str | None, str]] = {
     "none": (None, "no key"),
     "wrong": ("wrong", "a wrong key"),

@@ -1,0 +1,87 @@
+"""API keys on the HTTP API: one ASGI middleware in front of every route but the readiness check.
+
+With keys configured (GatewaySettings.tenant_keys: the default tenant's and every tenant's, one set),
+a request whose `authorization: Bearer <key>` carries none of them gets 401 with the OpenAI error
+body before any route runs, counted in `strata_gateway_http_responses_total` under its endpoint and
+logged as refused; keys are compared in constant time (gateway/auth.py). An accepted request carries
+its tenant to the routes in the ASGI scope (`tenant(scope)`); without keys every request is the
+default tenant's. This module must not read bodies, know a route's work, nor log a key.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+
+from gateway.auth import key_matches, tenant_of
+from gateway.metrics import HTTP_RESPONSES
+from gateway.openai_errors import unauthenticated
+from gateway.tenant_settings import DEFAULT_TENANT
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from starlette.types import ASGIApp, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+
+_TENANT = "strata.tenant"
+"""The scope key the middleware sets and `tenant` reads."""
+
+
+class ApiKeys:
+    """The middleware: `endpoints` names each path for the metrics; `open_paths` need no key."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: tuple[tuple[bytes, str], ...],
+        endpoints: Mapping[str, str],
+        open_paths: frozenset[str],
+    ) -> None:
+        self.app = app
+        self._keys = keys
+        self._accepted = tuple(key for key, _ in keys)
+        self._endpoints = endpoints
+        self._open = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self._open:
+            await self.app(scope, receive, send)
+            return
+        header = Headers(scope=scope).get("authorization")
+        if self._keys and not key_matches(header, self._accepted):
+            await self._refuse(scope, receive, send)
+            return
+        scope[_TENANT] = tenant_of(header, self._keys, DEFAULT_TENANT) if self._keys else DEFAULT_TENANT
+        await self.app(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = unauthenticated()
+        endpoint = self._endpoints.get(scope["path"], scope["path"])
+        log.info(
+            "request refused by the HTTP API: %d",
+            error.status,
+            extra={
+                "fields": {
+                    "event": "request_refused",
+                    "protocol": "http",
+                    "endpoint": endpoint,
+                    "status": error.status,
+                    "error": error.message,
+                }
+            },
+        )
+        await JSONResponse(error.body(), status_code=error.status, headers=error.headers)(
+            scope, receive, send
+        )
+        HTTP_RESPONSES.labels(endpoint, str(error.status)).inc()
+
+
+def tenant(scope: Scope) -> str:
+    """The tenant ApiKeys found for this request."""
+    found: str = scope[_TENANT]
+    return found
