@@ -36,11 +36,11 @@ class WorkerSettings(ServiceSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """auto: float32 on cpu, bfloat16 on cuda."""
     quantization: Literal["none", "int8", "nf4", "dynamic-int8", "int8-weight-only"] = "none"
-    """Weights of the decoder's projections: int8 or nf4 (bitsandbytes; the GPU path, nf4 being the GPU
-    fallback); dynamic-int8 (torch's dynamic quantization, with weight-only int8 copies for small
-    batches; CPU and float32 only: the CPU fallback); or int8-weight-only (those copies at every batch
-    size, so each request's greedy output is the same whatever runs next to it; CPU and float32 only,
-    slower than dynamic-int8 at large batches)."""
+    """Weights of the decoder's projections: int8 or nf4 (bitsandbytes; the GPU path);
+    dynamic-int8 (torch's dynamic quantization, with weight-only int8 copies for small batches; CPU
+    and float32 only: what the default stack's fallback worker runs); or int8-weight-only (those
+    copies at every batch size, so each request's greedy output is the same whatever runs next to it;
+    CPU and float32 only, slower than dynamic-int8 at large batches)."""
     tensor_parallel_size: int = 1
     """Ranks the model is split over (docs/tensor-parallelism.md): this process is rank 0 and starts
     the others, unless WORLD_SIZE/RANK/MASTER_ADDR/MASTER_PORT are set (torchrun, a LeaderWorkerSet),

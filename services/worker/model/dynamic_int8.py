@@ -1,9 +1,10 @@
-"""The CPU fallback's int8 projections, in two modes: dynamic-int8 and int8-weight-only.
+"""The CPU int8 variant's projections, in two modes: dynamic-int8 and int8-weight-only.
 
 `quantize_dynamic_int8` is the one function in Strata that touches `torch.ao.quantization`. torch
 deprecated that package (its import warns that it "will be removed"), yet in torch 2.13 its dynamic
 quantization is still the only int8 CPU matmul (fbgemm) that torch ships without extra packages, and on
-a small model it is what makes the fallback cheaper per token than the float32 primary. It is isolated
+a small model it is what makes the int8 variant cheaper per token than float32 (the default stack's
+fallback route serves it). It is isolated
 here, behind one function, so that replacing it (torchao's int8 dynamic-activation, int8-weight
 layout, say) touches this module only; its deprecation warnings are silenced around the call, on
 purpose and nowhere else, and its absence in a future torch is a clear ModelLoadError.
@@ -19,8 +20,8 @@ Small batches (a few decodes) are bound by the bytes of the weights, not by arit
 projection, down_proj and the vocabulary projection included, is wrapped in small_int8's
 `SmallBatchInt8`, which reads a weight-only int8 copy (one scale per row, float32 activations, so the
 outliers are kept) at up to small_linear.MAX_ROWS rows. No layer is ever removed. This is CPU only
-(the loader refuses CUDA; bitsandbytes nf4 is the GPU fallback). It must not read checkpoints nor
-move the model between devices.
+(the loader refuses CUDA; on a GPU bitsandbytes' int8 and nf4 play this part). It must not read
+checkpoints nor move the model between devices.
 
 `quantize_weight_only_int8` (`int8-weight-only`) wraps the same projections, down_proj and the
 vocabulary projection included, in small_int8's `WeightOnlyInt8` at every batch size and keeps no
@@ -28,7 +29,7 @@ float32 copy of their weights: each row's result is then the same whatever rows 
 its greedy output does not depend on the requests next to it (the chaos soak checks its tokens
 exactly). Above small_linear.MAX_ROWS rows it computes on float32 activations where torch's dynamic
 path computes on int8 ones, so it is the slower of the two at large batches (prefill, many decodes):
-dynamic-int8 stays the product's fallback.
+dynamic-int8 stays what the default stack's fallback route runs.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from services.worker.model.small_int8 import SmallBatchInt8, WeightOnlyInt8
 DYNAMIC_INT8 = "dynamic-int8"
 WEIGHT_ONLY_INT8 = "int8-weight-only"
 CPU_INT8_MODES = (DYNAMIC_INT8, WEIGHT_ONLY_INT8)
-"""The CPU fallback's modes: both CPU only and float32 only (the loader checks)."""
+"""The CPU int8 variant's modes: both CPU only and float32 only (the loader checks)."""
 # down_proj is left out on purpose: see the module docstring.
 DYNAMIC_INT8_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj")
 SMALL_BATCH_INT8_LAYERS = (*DYNAMIC_INT8_LAYERS, "down_proj")

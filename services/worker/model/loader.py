@@ -7,11 +7,12 @@ int4_checkpoint.py and served the same way),
 checking every tensor the family's config implies is there with the right shape, handing them to
 the family for renaming and fusion (registry.py picks the family; it sees only the CausalLM and
 Family interfaces of family.py), choosing the dtype by device, and optional quantization of the
-decoder's projections: bitsandbytes int8 or nf4 (the GPU path; nf4 makes the GPU fallback), or the
-CPU fallback's int8 modes (torch's dynamic int8, or weight-only int8 at every batch size; CPU only,
-see dynamic_int8.py). Every failure is a ModelLoadError that names the problem and the fix. It must
-never unpickle anything (no .bin, no torch.load) nor run code shipped with a checkpoint (no
-trust_remote_code), and never go online.
+decoder's projections: bitsandbytes int8 or nf4 (the GPU path), or the CPU int8 variant's modes
+(torch's dynamic int8, or weight-only int8 at every batch size; CPU only, see dynamic_int8.py);
+for a tensor-parallel rank, only its slice of the decoder (tensor_parallel.py splits the weights).
+Every failure is a ModelLoadError that names the problem and the fix. It must never unpickle
+anything (no .bin, no torch.load) nor run code shipped with a checkpoint (no trust_remote_code), and
+never go online.
 """
 
 from __future__ import annotations

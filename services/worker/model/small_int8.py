@@ -5,7 +5,7 @@ computes x . (int8 * scale)^T + bias through the native kernel (csrc/small_linea
 int8 to float32 in registers; the activations stay float32, so the outlier channels that keep
 down_proj out of torch's dynamic path lose nothing). It takes any number of rows, MAX_ROWS to a call:
 every output element is one kernel tile's sum over its row of x, whatever the other rows are, so a
-row's result does not depend on its batch (the int8 fallback's `int8-weight-only` mode relies on
+row's result does not depend on its batch (the int8 variant's `int8-weight-only` mode relies on
 that). Without the kernels (turned off, or unbuildable) it multiplies by a dequantized copy through
 torch, whose GEMM gives no such promise. `SmallBatchInt8` is the `dynamic-int8` mode's projection: the
 same copy for batches of at most small_linear.MAX_ROWS rows, its wrapped module (`large`, torch's
