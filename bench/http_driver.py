@@ -89,8 +89,11 @@ async def send_http(
                     result.usage_input_tokens = usage["prompt_tokens"]
                     result.usage_output_tokens = usage["completion_tokens"]
                     result.model = chunk["model"]
-                    drafts = usage["completion_tokens_details"]
-                    result.accepted_draft_tokens = drafts["accepted_prediction_tokens"]
-                    result.draft_tokens = result.accepted_draft_tokens + drafts["rejected_prediction_tokens"]
+                    # Servers that do not speculate (llama.cpp's, say) leave the details out: no drafts.
+                    drafts = usage.get("completion_tokens_details") or {}
+                    result.accepted_draft_tokens = drafts.get("accepted_prediction_tokens", 0)
+                    result.draft_tokens = result.accepted_draft_tokens + drafts.get(
+                        "rejected_prediction_tokens", 0
+                    )
     result.e2e_s = time.perf_counter() - sent
     return result
