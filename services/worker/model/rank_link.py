@@ -98,7 +98,7 @@ def follow(model: CausalLM, kv_cache_dtype: str, device: torch.device, shard: Sh
             dist.broadcast(header, src=0)
             op, a, b, c, d, e = header.tolist()
             if op == Op.STOP:
-                log.info("rank %d: stop", dist.get_rank())
+                log.info("rank %d: rank 0 said stop", dist.get_rank())
                 return
             if op == Op.IDLE:
                 continue

@@ -69,8 +69,14 @@ class TensorParallelLM(CausalLM):
     """Rank 0's shard, which sends each forward's plan to the other ranks before running its own."""
 
     def __init__(
-        self, inner: CausalLM, leader: Leader, children: list[subprocess.Popen[bytes]], size: int
+        self,
+        inner: CausalLM,
+        leader: Leader,
+        children: list[subprocess.Popen[bytes]],
+        size: int,
+        heartbeat_s: float,
     ) -> None:
+        """`heartbeat_s`: the idle time after which `idle` sends the other ranks a heartbeat."""
         super().__init__()
         self.size = size
         self.inner = inner
@@ -81,7 +87,7 @@ class TensorParallelLM(CausalLM):
         self.lm_head = inner.lm_head
         self.leader = leader
         self.rank_processes = children
-        self.heartbeat_s = 60.0
+        self.heartbeat_s = heartbeat_s
         self._cache: KVCache | None = None
         self._closed = False
         self._broken = False
@@ -89,10 +95,10 @@ class TensorParallelLM(CausalLM):
     def forward(
         self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, cache: KVCache
     ) -> Tensor:
-        if cache is not self._cache:
-            self.leader.cache(cache)
-            self._cache = cache
         try:
+            if cache is not self._cache:
+                self.leader.cache(cache)
+                self._cache = cache
             self.leader.step(input_ids, positions, meta)
             hidden: Tensor = self.inner(input_ids, positions, meta, cache)
         except BaseException:
@@ -169,8 +175,8 @@ def load_tensor_parallel(spec: RankSpec) -> LoadedModel:
         raise
     clock = CollectiveClock()
     reduce_rows(loaded.model, clock)
-    model = TensorParallelLM(loaded.model, Leader(loaded.device, clock), children, spec.size)
-    model.heartbeat_s = spec.timeout_s / 4
+    leader = Leader(loaded.device, clock)
+    model = TensorParallelLM(loaded.model, leader, children, spec.size, heartbeat_s=spec.timeout_s / 4)
     described = f"{loaded.weights_format}, tensor parallel over {spec.size} ranks"
     return replace(loaded, model=model, weights_format=described)
 
@@ -273,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int)
     parser.add_argument("--spawned", action="store_true", help="started by rank 0, which hosts the store")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"rank {os.environ.get('RANK', '?')}: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     spec = RankSpec(
         model_path=Path(args.model_path),
         device=args.device,
