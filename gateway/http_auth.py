@@ -1,4 +1,5 @@
-"""API keys on the HTTP API: one ASGI middleware in front of every route but the readiness check.
+"""API keys on the HTTP API: one ASGI middleware in front of every route but the readiness check;
+and how a request refused at the door is answered (`answer_refusal`, which the endpoints use too).
 
 With keys configured (GatewaySettings.tenant_keys: the default tenant's and every tenant's, one set),
 a request whose `authorization: Bearer <key>` carries none of them gets 401 with the OpenAI error
@@ -18,7 +19,7 @@ from starlette.responses import JSONResponse
 
 from gateway.auth import key_matches, tenant_of
 from gateway.metrics import HTTP_RESPONSES
-from gateway.openai_errors import unauthenticated
+from gateway.openai_errors import HttpError, unauthenticated
 from gateway.tenant_settings import DEFAULT_TENANT
 
 if TYPE_CHECKING:
@@ -26,7 +27,8 @@ if TYPE_CHECKING:
 
     from starlette.types import ASGIApp, Receive, Scope, Send
 
-log = logging.getLogger(__name__)
+# The request log's logger: a refusal at the door is a line of it, as a finished request is.
+log = logging.getLogger("strata.requests")
 
 _TENANT = "strata.tenant"
 """The scope key the middleware sets and `tenant` reads."""
@@ -60,25 +62,29 @@ class ApiKeys:
         await self.app(scope, receive, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        error = unauthenticated()
         endpoint = self._endpoints.get(scope["path"], scope["path"])
-        log.info(
-            "request refused by the HTTP API: %d",
-            error.status,
-            extra={
-                "fields": {
-                    "event": "request_refused",
-                    "protocol": "http",
-                    "endpoint": endpoint,
-                    "status": error.status,
-                    "error": error.message,
-                }
-            },
-        )
-        await JSONResponse(error.body(), status_code=error.status, headers=error.headers)(
-            scope, receive, send
-        )
-        HTTP_RESPONSES.labels(endpoint, str(error.status)).inc()
+        await answer_refusal(unauthenticated(), endpoint, scope, receive, send)
+
+
+async def answer_refusal(error: HttpError, endpoint: str, scope: Scope, receive: Receive, send: Send) -> None:
+    """Answer a request refused before it reached the pipeline (no key, a bad body): the error body,
+    one log line and the response counter."""
+    log.info(
+        "request refused by the HTTP API: %d",
+        error.status,
+        extra={
+            "fields": {
+                "event": "request_refused",
+                "protocol": "http",
+                "endpoint": endpoint,
+                "status": error.status,
+                "error": error.message,
+            }
+        },
+    )
+    response = JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+    await response(scope, receive, send)
+    HTTP_RESPONSES.labels(endpoint, str(error.status)).inc()
 
 
 def tenant(scope: Scope) -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -30,7 +29,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from gateway.errors import GatewayError
-from gateway.http_auth import tenant
+from gateway.http_auth import answer_refusal, tenant
 from gateway.metrics import HTTP_RESPONSES, STUCK_STREAMS
 from gateway.openai_errors import HttpError, from_gateway, from_validation, too_large
 from gateway.openai_logprobs import prompt_logprobs
@@ -51,7 +50,6 @@ if TYPE_CHECKING:
     from gateway.settings import GatewaySettings
     from strata.v1 import gateway_pb2
 
-log = logging.getLogger("strata.requests")
 
 TIMEOUT_HEADER = "x-strata-timeout-ms"
 """The request's deadline, in milliseconds from its arrival (gRPC's call deadline, over HTTP)."""
@@ -215,21 +213,7 @@ class Completions:
             yield event(from_gateway(error, token_field).body())
 
     async def _error(self, error: HttpError, scope: Scope, receive: Receive, send: Send) -> None:
-        log.info(
-            "request refused by the HTTP API: %d",
-            error.status,
-            extra={
-                "fields": {
-                    "event": "request_refused",
-                    "protocol": "http",
-                    "endpoint": self.endpoint,
-                    "status": error.status,
-                    "error": error.message,
-                }
-            },
-        )
-        await _error_response(error)(scope, receive, send)
-        HTTP_RESPONSES.labels(self.endpoint, str(error.status)).inc()
+        await answer_refusal(error, self.endpoint, scope, receive, send)
 
 
 _SSE_HEADERS = [

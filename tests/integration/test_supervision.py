@@ -19,11 +19,9 @@ from typing import TYPE_CHECKING
 
 import grpc
 import pytest
-import yaml
 
-from strata.settings import DEFAULT_CONFIG
 from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.integration.up_harness import running_up, strata_up
+from tests.integration.up_harness import default_config, running_up, strata_up
 from tests.polling import seconds_until
 
 if TYPE_CHECKING:
@@ -114,17 +112,7 @@ def test_under_strata_up_a_killed_primary_is_served_by_the_fallback_then_by_itse
     tmp_path: Path, real_model_dir: Path, figure: Figure
 ) -> None:
     """The default config, as `make run` starts it (only the gateway on a free port)."""
-    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    for worker in config["workers"]:
-        worker["model_path"] = str((DEFAULT_CONFIG.parent / worker["model_path"]).resolve())
-    models = config["tokenizer"]["models"]
-    config["tokenizer"]["models"] = {
-        name: str((DEFAULT_CONFIG.parent / folder).resolve()) for name, folder in models.items()
-    }
-    config["gateway"]["listen"] = "127.0.0.1:0"
-    config["gateway"]["http_listen"] = "127.0.0.1:0"
-    path = tmp_path / "local.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path, config = default_config(tmp_path)
     primary, fallback = (worker["model_name"] for worker in config["workers"])
     env = {key: value for key, value in os.environ.items() if not key.startswith("STRATA_")}
     with running_up(path, tmp_path / "up.stderr", env=env, ready_s=600) as (up, _):

@@ -20,7 +20,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.worker.server import SERVICE_NAME
 from strata.v1 import common_pb2
-from tests.integration.worker_harness import ENGINE, WAIT_S, async_stub, connect, submission, worker_process
+from tests.integration.worker_harness import (
+    ENGINE,
+    WAIT_S,
+    async_stub,
+    connect,
+    submission,
+    wait_serving,
+    worker_process,
+)
 from tests.polling import announced_address, wait_for
 
 TIMEOUT_S = 5.0
@@ -43,11 +51,9 @@ async def drive(
     the health statuses watched from before the signal until the server went away, seconds from the
     signal to the stream's end)."""
     async with grpc.aio.insecure_channel(address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
-        statuses = [(await asyncio.wait_for(watch.read(), WAIT_S)).status]
-        while statuses[-1] != health_pb2.HealthCheckResponse.SERVING:
-            statuses.append((await asyncio.wait_for(watch.read(), WAIT_S)).status)
+        await wait_serving(channel)
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+        assert (await asyncio.wait_for(watch.read(), WAIT_S)).status == health_pb2.HealthCheckResponse.SERVING
         if idle:
             os.kill(rank_pid, sig)
             return None, await statuses_until_gone(watch), 0.0

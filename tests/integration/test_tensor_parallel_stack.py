@@ -15,12 +15,10 @@ from typing import TYPE_CHECKING
 
 import grpc
 import pytest
-import yaml
 
-from strata.settings import DEFAULT_CONFIG
 from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.integration.test_supervision import served_by
-from tests.integration.up_harness import running_up
+from tests.integration.up_harness import default_config, running_up
 from tests.polling import seconds_until, wait_for
 
 if TYPE_CHECKING:
@@ -33,24 +31,6 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.slow
 
 QUESTION = [common_pb2.ChatMessage(role="user", content="What is the capital of France?")]
-
-
-def two_rank_config(tmp_path: Path) -> tuple[Path, str, str]:
-    """The default config with its primary over two ranks; (its path, the primary, the fallback)."""
-    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    for worker in config["workers"]:
-        worker["model_path"] = str((DEFAULT_CONFIG.parent / worker["model_path"]).resolve())
-    primary = config["workers"][0]
-    primary.update(tensor_parallel_size=2, threads=1, tensor_parallel_timeout_s=30.0)
-    models = config["tokenizer"]["models"]
-    config["tokenizer"]["models"] = {
-        name: str((DEFAULT_CONFIG.parent / folder).resolve()) for name, folder in models.items()
-    }
-    config["gateway"]["listen"] = "127.0.0.1:0"
-    config["gateway"]["http_listen"] = "127.0.0.1:0"
-    path = tmp_path / "local.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path, primary["model_name"], config["workers"][1]["model_name"]
 
 
 def rank_one(up: Up) -> psutil.Process:
@@ -67,7 +47,9 @@ def rank_one(up: Up) -> psutil.Process:
 def test_a_two_rank_primary_answers_fails_over_and_comes_back(tmp_path: Path, real_model_dir: Path) -> None:
     """Paris from the two-rank primary; its rank 1 killed mid-stream: the stream ends on the fallback
     (failover_at_token > 0); the primary serves again after strata up restarts it with a new rank 1."""
-    path, primary, fallback = two_rank_config(tmp_path)
+    two_ranks = {"tensor_parallel_size": 2, "threads": 1, "tensor_parallel_timeout_s": 30.0}
+    path, config = default_config(tmp_path, {0: two_ranks})
+    primary, fallback = (worker["model_name"] for worker in config["workers"])
     env = {key: value for key, value in os.environ.items() if not key.startswith("STRATA_")}
     with running_up(path, tmp_path / "up.stderr", env=env, ready_s=600) as (up, _):
         gateway = up.gateway or ""

@@ -31,6 +31,7 @@ from tests.integration.worker_harness import (
     expected_tokens,
     slow_steps,
     submission,
+    wait_serving,
     worker_process,
     worker_settings,
 )
@@ -205,12 +206,7 @@ def test_the_worker_process_serves_and_drains_on_sigterm(tiny_serving_dir: Path,
 
     async def drive(address: str) -> tuple[list[int], GatewaySide]:
         async with grpc.aio.insecure_channel(address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
-            statuses = [(await asyncio.wait_for(watch.read(), WAIT_S)).status]
-            while statuses[-1] != health_pb2.HealthCheckResponse.SERVING:
-                statuses.append((await asyncio.wait_for(watch.read(), WAIT_S)).status)
-            watch.cancel()
+            statuses = await wait_serving(channel)
             side = await connect(async_stub(channel), tiny_serving_dir)
             await side.send(*(submission(f"r{i}", [9, 8, 7], 200) for i in range(4)))
             await side.read_until(lambda s: len(s.tokens.get("r0", [])) >= 1)

@@ -9,10 +9,12 @@ import subprocess
 import sys
 import threading
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psutil
+import yaml
 
+from strata.settings import DEFAULT_CONFIG
 from tests.integration.launcher_harness import write_tiny_config
 from tests.polling import wait_for
 
@@ -84,6 +86,27 @@ class Up:
                 continue
         self.process.wait(30)
         self._stderr.close()
+
+
+def default_config(
+    tmp_path: Path, workers: Mapping[int, Mapping[str, object]] | None = None
+) -> tuple[Path, dict[str, Any]]:
+    """The default config as `make run` starts it, its folders absolute, the gateway and its HTTP API
+    on free ports, each worker's entry updated with `workers[index]`; written to tmp_path. Returns the
+    file and the config."""
+    config: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    for index, worker in enumerate(config["workers"]):
+        worker["model_path"] = str((DEFAULT_CONFIG.parent / worker["model_path"]).resolve())
+        worker.update((workers or {}).get(index, {}))
+    models = config["tokenizer"]["models"]
+    config["tokenizer"]["models"] = {
+        name: str((DEFAULT_CONFIG.parent / folder).resolve()) for name, folder in models.items()
+    }
+    config["gateway"]["listen"] = "127.0.0.1:0"
+    config["gateway"]["http_listen"] = "127.0.0.1:0"
+    path = tmp_path / "local.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path, config
 
 
 @contextmanager
