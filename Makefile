@@ -60,7 +60,7 @@ bench: setup model
 
 # The gRPC stack against the in-process engine, same prompts, one run (about 6 minutes on 2 cores).
 bench-stack: setup model
-	$(BIN)/strata bench --spawn --engine-baseline --json bench/results/stack-cpu.json
+	$(BIN)/python -m strata.cli bench --spawn --engine-baseline --json bench/results/stack-cpu.json
 
 # The gateway's admission promise under open-loop overload: 14 then 28 requests/s (about twice and four
 # times the primary's 7 requests/s measured on the 2-core machine), fallback off and on, 3 rounds each
@@ -68,8 +68,8 @@ bench-stack: setup model
 # pair (the 1.5B behind a 10 s TTFT promise, the 0.5B as its fallback) at four times the capacity
 # `--rate auto` measures first (its models fetched on first use).
 bench-fallback: setup model
-	$(BIN)/strata bench --spawn --rate 14,28 --json bench/results/stack-rate-cpu.json
-	$(BIN)/strata bench --spawn --config configs/qwen.yaml --rate auto --rate-factor 4 --ttft-slo-ms 10000 --json bench/results/stack-rate-qwen-cpu.json
+	$(BIN)/python -m strata.cli bench --spawn --rate 14,28 --json bench/results/stack-rate-cpu.json
+	$(BIN)/python -m strata.cli bench --spawn --config configs/qwen.yaml --rate auto --rate-factor 4 --ttft-slo-ms 10000 --json bench/results/stack-rate-qwen-cpu.json
 
 # Fairness between tenants: a noisy tenant at 5x its shape's capacity (512-token prompts) next to a quiet
 # one at 0.3x (32-token prompts) on the primary, fair queuing on against FIFO, 3 rounds alternated, each

@@ -42,7 +42,7 @@ def _py(module: str, *args: str) -> tuple[str, ...]:
 
 
 def _strata(*args: str) -> tuple[str, ...]:
-    return ("strata", "bench", "--spawn", *args)
+    return ("python", "-m", "strata.cli", "bench", "--spawn", *args)
 
 
 def _json(name: str) -> tuple[str, ...]:

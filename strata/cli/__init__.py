@@ -109,7 +109,15 @@ def _add_fetch_model(subparsers: SubParsers) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from bench import stack
+    try:
+        from bench import stack
+    except ModuleNotFoundError as error:
+        if error.name != "bench":
+            raise
+        raise SystemExit(
+            "strata bench: the benchmarks live in the repository's bench/ folder, which is not installed "
+            "with the package: run `python -m strata.cli bench ...` from a checkout's top folder"
+        ) from error
 
     parser = argparse.ArgumentParser(prog="strata bench", description=stack.__doc__)
     stack.add_arguments(parser)

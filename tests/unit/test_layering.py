@@ -1,4 +1,5 @@
-"""The shared kernel's layering: strata/ imports no service, no gateway and no bench.
+"""The shared kernel's layering: strata/ imports no service, no gateway and no bench; and nothing the
+package installs imports bench/, which it does not install.
 
 Only strata/cli (the command line and the launcher, which start and drive everything) and strata/v1
 (generated stubs) are exempt. The kernel must not import strata.cli either, since that would reach the
@@ -12,6 +13,7 @@ not import the modules it checks.
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -147,3 +149,34 @@ def test_a_violation_names_the_file_line_and_import(tmp_path: Path) -> None:
     module.parent.mkdir(parents=True)
     module.write_text("def f():\n    from ..cli import launcher\n")
     assert violations(module, tmp_path) == ["strata/pkg/__init__.py:2 imports strata.cli"]
+
+
+def product_modules() -> list[Path]:
+    """Every .py file of what the package installs: strata/, services/, gateway/ (generated stubs aside)."""
+    roots = (KERNEL, REPO_ROOT / "services", REPO_ROOT / "gateway")
+    return sorted(
+        p for root in roots for p in root.rglob("*.py") if "v1" not in p.relative_to(REPO_ROOT).parts
+    )
+
+
+BENCH_COMMAND = KERNEL / "cli" / "__init__.py"
+"""`strata bench`'s handler: the one product module that reaches bench/, lazily, from a checkout."""
+
+
+def test_no_product_module_imports_bench_and_bench_is_not_installed() -> None:
+    """bench/ is a tool: nothing the package installs imports it (but the `strata bench` command, inside
+    its handler), and pyproject.toml does not install it."""
+    problems = []
+    for path in product_modules():
+        names = imported_names(path.read_text(), module_name(path), path.name == "__init__.py")
+        found = [(getattr(node, "lineno", 0), name) for node, name in names if name.split(".")[0] == "bench"]
+        if path == BENCH_COMMAND:
+            tree = ast.parse(path.read_text())
+            top_level = {getattr(node, "lineno", 0) for node in tree.body}
+            found = [(line, name) for line, name in found if line in top_level]
+        problems += [f"{path.relative_to(REPO_ROOT)}:{line} imports {name}" for line, name in found]
+    assert not problems, problems
+    include = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"][
+        "find"
+    ]
+    assert not [pattern for pattern in include["include"] if pattern.startswith("bench")]
