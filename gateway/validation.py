@@ -18,6 +18,14 @@ from typing import TYPE_CHECKING
 
 from gateway import tool_calls
 from gateway.errors import InvalidArgument, NotFound
+from strata.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_PENALTY,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+    SEED_LIMIT,
+)
 from strata.v1 import common_pb2, gateway_pb2
 
 if TYPE_CHECKING:
@@ -26,16 +34,8 @@ if TYPE_CHECKING:
     from gateway.settings import GatewaySettings
 
 CHAT_ROLES = ("system", "user", "assistant")
-MAX_SEED = 2**63
 # The worker refuses larger constraints too (services/worker/engine/grammar_spec.py).
 MAX_CONSTRAINT_BYTES = 64 * 1024
-
-# OpenAI's ranges for its penalties and logit bias, its most top alternatives, and vLLM's list sizes.
-MAX_PENALTY = 2.0
-MAX_LOGIT_BIAS = 100.0
-MAX_LOGIT_BIAS_ENTRIES = 300
-MAX_STOP_TOKEN_IDS = 32
-MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +132,7 @@ def _check_sampling(
         raise InvalidArgument(
             f"sampling.no_repeat_ngram_size: {sampling.no_repeat_ngram_size} must be >= 0 (0 turns it off)"
         )
-    if sampling.HasField("seed") and sampling.seed >= MAX_SEED:
+    if sampling.HasField("seed") and sampling.seed >= SEED_LIMIT:
         raise InvalidArgument(f"sampling.seed: {sampling.seed} must be below 2**63")
     if len(sampling.stop) > settings.max_stop_strings:
         raise InvalidArgument(

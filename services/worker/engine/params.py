@@ -1,17 +1,14 @@
 """Per-request generation parameters and the one validation error the engine raises for them.
 
-This module owns the rules for what a request may ask of the engine. It must not import torch: the
-scheduler and the gateway validate with it too.
+This module owns the rules for what a request may ask of the engine; the limits are strata/sampling.py's,
+the one table of sampling parameters. It must not import torch: the scheduler validates with it too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# OpenAI's limits: penalties in [-2, 2], a logit bias in [-100, 100], at most 20 top alternatives.
-MAX_PENALTY = 2.0
-MAX_LOGIT_BIAS = 100.0
-MAX_TOP_LOGPROBS = 20
+from strata.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, SEED_LIMIT
 
 
 class InvalidRequestError(ValueError):
@@ -92,7 +89,7 @@ class SamplingParams:
             raise InvalidRequestError(
                 "no_repeat_ngram_size", self.no_repeat_ngram_size, "must be >= 0 (0 turns it off)"
             )
-        if self.seed is not None and not 0 <= self.seed < 2**63:
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
             raise InvalidRequestError("seed", self.seed, "must be in [0, 2**63)")
         for token in self.stop_token_ids:
             if token < 0:

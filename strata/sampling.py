@@ -1,0 +1,142 @@
+"""The one table of sampling parameters: each field of common.proto's SamplingParams, what it means,
+its default and range, and its name in every front door (the HTTP API's body, the Python client's
+keyword arguments, `strata generate`'s flags).
+
+The limits the gateway and the worker check are defined here and nowhere else. The front doors are
+checked against the table by tests/unit/test_sampling_table.py, which fails when a field is added to
+one of them (or to the proto) and not to the table, or the other way round. This module must not
+import a service, the gateway or grpc: every layer reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_PENALTY = 2.0
+"""OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]."""
+MAX_LOGIT_BIAS = 100.0
+"""OpenAI's range for one logit bias: [-100, 100]."""
+MAX_LOGIT_BIAS_ENTRIES = 300
+"""OpenAI's most logit_bias entries."""
+MAX_TOP_LOGPROBS = 20
+"""OpenAI's most top alternatives per position (top_logprobs, prompt_logprobs)."""
+MAX_STOP_TOKEN_IDS = 32
+"""vLLM's most stop_token_ids."""
+SEED_LIMIT = 2**63
+"""Seeds are below this (a signed 64-bit generator state)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParam:
+    """One field of SamplingParams and where each front door exposes it (None: it does not)."""
+
+    name: str
+    """Its name in common.proto's SamplingParams."""
+    default: str
+    valid: str
+    """The range a value must be in, as the errors and the docs say it."""
+    meaning: str
+    http: tuple[str, ...] | None
+    """The HTTP API's body fields (either endpoint's) that set it."""
+    client: tuple[str, ...] | None
+    """strata.client's keyword arguments that set it."""
+    cli: tuple[str, ...] | None
+    """`strata generate`'s options (argparse destinations) that set it."""
+
+
+_CONSTRAINT_OPTIONS = ("json_schema", "json_object", "regex", "grammar")
+"""The client's keyword arguments and the CLI's options for the constraint's four kinds."""
+
+
+def _same(name: str) -> tuple[str, ...]:
+    return (name,)
+
+
+SAMPLING_PARAMS: tuple[SamplingParam, ...] = (
+    SamplingParam(
+        "max_new_tokens", "the gateway's default_max_new_tokens", ">= 1, and room in the context",
+        "tokens to generate at most", ("max_tokens", "max_completion_tokens"), _same("max_new_tokens"),
+        _same("max_new_tokens"),
+    ),
+    SamplingParam(
+        "temperature", "0 (gRPC), 1 (HTTP)", ">= 0; 0 is greedy", "the logits' divisor before sampling",
+        _same("temperature"), _same("temperature"), _same("temperature"),
+    ),
+    SamplingParam(
+        "top_p", "1 (off)", "(0, 1]", "nucleus sampling: keep the smallest set of tokens with this mass",
+        _same("top_p"), _same("top_p"), _same("top_p"),
+    ),
+    SamplingParam(
+        "top_k", "0 (off)", ">= 0", "keep the k most likely tokens", _same("top_k"), _same("top_k"),
+        _same("top_k"),
+    ),
+    SamplingParam(
+        "repetition_penalty", "1 (off)", "> 0", "divides the logits of tokens already seen (> 1 discourages)",
+        _same("repetition_penalty"), _same("repetition_penalty"), _same("repetition_penalty"),
+    ),
+    SamplingParam(
+        "no_repeat_ngram_size", "0 (off)", ">= 0", "never repeat an n-gram of this size",
+        _same("no_repeat_ngram_size"), _same("no_repeat_ngram_size"), None,
+    ),
+    SamplingParam(
+        "stop", "none", "at most the gateway's max_stop_strings, each non-empty",
+        "strings that end the text (cut before them)", _same("stop"), _same("stop"), _same("stop"),
+    ),
+    SamplingParam(
+        "seed", "random", f"[0, 2**{SEED_LIMIT.bit_length() - 1})", "makes sampling repeatable",
+        _same("seed"), _same("seed"), _same("seed"),
+    ),
+    SamplingParam(
+        "ignore_eos", "false", "", "go on past EOS", _same("ignore_eos"), _same("ignore_eos"), None
+    ),
+    SamplingParam(
+        "presence_penalty", "0 (off)", f"[-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+        "subtracted once from the logit of every token generated so far", _same("presence_penalty"),
+        _same("presence_penalty"), _same("presence_penalty"),
+    ),
+    SamplingParam(
+        "frequency_penalty", "0 (off)", f"[-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+        "subtracted from a token's logit once per time it was generated", _same("frequency_penalty"),
+        _same("frequency_penalty"), _same("frequency_penalty"),
+    ),
+    SamplingParam(
+        "min_p", "0 (off)", "[0, 1]", "drop tokens below min_p times the top token's probability",
+        _same("min_p"), _same("min_p"), _same("min_p"),
+    ),
+    SamplingParam(
+        "logit_bias", "none", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, each in "
+        f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", "added to listed tokens' logits first",
+        _same("logit_bias"), _same("logit_bias"), None,
+    ),
+    SamplingParam(
+        "stop_token_ids", "none", f"at most {MAX_STOP_TOKEN_IDS} ids",
+        "token ids that end generation like EOS", _same("stop_token_ids"), _same("stop_token_ids"), None,
+    ),
+    SamplingParam(
+        "min_tokens", "0 (off)", "[0, max_new_tokens]", "nothing ends the text before this many tokens",
+        _same("min_tokens"), _same("min_tokens"), _same("min_tokens"),
+    ),
+    SamplingParam(
+        "logprobs", "false", "", "return each generated token's log probability", _same("logprobs"),
+        _same("logprobs"), _same("logprobs"),
+    ),
+    SamplingParam(
+        "top_logprobs", "0", f"[0, {MAX_TOP_LOGPROBS}], with logprobs",
+        "and this many most likely alternatives at each position", _same("top_logprobs"),
+        _same("logprobs"), _same("logprobs"),
+    ),
+    SamplingParam(
+        "prompt_logprobs", "unset (off)", f"[0, {MAX_TOP_LOGPROBS}]",
+        "return each prompt token's log probability, with this many alternatives", _same("prompt_logprobs"),
+        _same("prompt_logprobs"), None,
+    ),
+    SamplingParam(
+        "no_speculation", "false", "", "keep this request out of speculative decoding", _same("speculate"),
+        _same("speculate"), None,
+    ),
+    SamplingParam(
+        "constraint", "unset (free text)", "one of a JSON schema, any JSON object, a regex, a Lark grammar",
+        "the language the output must belong to", _same("response_format"), _CONSTRAINT_OPTIONS,
+        _CONSTRAINT_OPTIONS,
+    ),
+)  # fmt: skip
