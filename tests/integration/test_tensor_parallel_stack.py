@@ -45,8 +45,9 @@ def rank_one(up: Up) -> psutil.Process:
 
 
 def test_a_two_rank_primary_answers_fails_over_and_comes_back(tmp_path: Path, real_model_dir: Path) -> None:
-    """Paris from the two-rank primary; its rank 1 killed mid-stream: the stream ends on the fallback
-    (failover_at_token > 0); the primary serves again after strata up restarts it with a new rank 1."""
+    """Paris from the two-rank primary, which ListModels reports as split; its rank 1 killed mid-stream:
+    the stream ends on the fallback (failover_at_token > 0); the primary serves again after strata up
+    restarts it with a new rank 1."""
     two_ranks = {"tensor_parallel_size": 2, "threads": 1, "tensor_parallel_timeout_s": 30.0}
     path, config = default_config(tmp_path, {0: two_ranks})
     primary, fallback = (worker["model_name"] for worker in config["workers"])
@@ -60,6 +61,9 @@ def test_a_two_rank_primary_answers_fails_over_and_comes_back(tmp_path: Path, re
                 gateway_pb2.GenerateRequest(messages=QUESTION, sampling=greedy), timeout=120
             )
             assert "Paris" in answer.text and answer.model == primary
+            listed = {info.name: info for info in stub.ListModels(gateway_pb2.ListModelsRequest()).models}
+            assert "tensor parallel over 2 ranks" in listed[primary].weights_format[0]
+            assert "no native decode stack (tensor parallel)" in listed[primary].native_paths[0]
             long = common_pb2.SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
             stream = stub.GenerateStream(
                 gateway_pb2.GenerateRequest(messages=QUESTION, sampling=long), timeout=300
