@@ -124,7 +124,7 @@ class WorkerHost:
             torch.set_num_threads(self.settings.threads)
         quantization = None if self.settings.quantization == "none" else self.settings.quantization
         if self.settings.tensor_parallel_size > 1:
-            return self._build_tensor_parallel(quantization)
+            return self._build_tensor_parallel()
         return LLMEngine.from_model_dir(
             self.settings.model_path,
             self.settings.engine,
@@ -133,16 +133,10 @@ class WorkerHost:
             quantization=quantization,
         )
 
-    def _build_tensor_parallel(self, quantization: str | None) -> LLMEngine:
-        settings = self.settings
-        if quantization is not None:
-            raise ValueError(
-                f"quantization={quantization!r} with tensor_parallel_size={settings.tensor_parallel_size}: "
-                "the ranks split float weights only; set quantization: none"
-            )
-        loaded = load_tensor_parallel(rank_spec(settings))
+    def _build_tensor_parallel(self) -> LLMEngine:
+        loaded = load_tensor_parallel(rank_spec(self.settings))
         try:
-            return LLMEngine(loaded, settings.engine)
+            return LLMEngine(loaded, self.settings.engine)
         except BaseException:
             loaded.model.close()
             raise

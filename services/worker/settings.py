@@ -83,6 +83,11 @@ class WorkerSettings(ServiceSettings):
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1, e.g. 2")
+        if self.tensor_parallel_size > 1 and self.quantization != "none":
+            raise ValueError(
+                f"quantization={self.quantization!r} with tensor_parallel_size={self.tensor_parallel_size}: "
+                "the ranks split float weights only; set quantization: none, or tensor_parallel_size: 1"
+            )
         if not self.tensor_parallel_timeout_s > 0:
             raise ValueError(
                 f"tensor_parallel_timeout_s={self.tensor_parallel_timeout_s} must be > 0, e.g. 60"

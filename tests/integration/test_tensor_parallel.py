@@ -25,6 +25,7 @@ from services.worker.model.config import ModelLoadError
 from services.worker.model.loader import load_model
 from services.worker.model.ranks import RankSpec, collective_clock, load_tensor_parallel
 from services.worker.model.tensor_parallel import Shard
+from services.worker.settings import WorkerSettings
 from tests.conftest import build_tiny_model
 from tests.parity import TIE_GAP
 
@@ -196,3 +197,19 @@ def test_a_shard_is_its_share_of_the_heads(tiny_llama_linear_mqa_dir: Path, tiny
     assert mqa.config.num_key_value_heads == 1
     with pytest.raises(ModelLoadError, match="tensor_parallel_size of at most 2"):
         load_model(tiny_llama_dir, shard=Shard(0, 3))
+
+
+def test_quantized_weights_are_refused_over_ranks(tiny_llama_dir: Path) -> None:
+    """Only float weights are split: the settings refuse a quantization with several ranks, and the
+    loader refuses to split quantized weights, each naming the fix."""
+    with pytest.raises(ValueError, match="tensor_parallel_size: 1"):
+        WorkerSettings.build(
+            {
+                "model_name": "tiny",
+                "model_path": str(tiny_llama_dir),
+                "tensor_parallel_size": 2,
+                "quantization": "dynamic-int8",
+            }
+        )
+    with pytest.raises(ModelLoadError, match="dynamic-int8 cannot be split over tensor-parallel ranks"):
+        load_model(tiny_llama_dir, quantization="dynamic-int8", shard=Shard(0, 2))
