@@ -6,48 +6,13 @@ on (for the staleness check), an estimated run time (for `make records --list`),
 use when a record's provenance names none, and the target that reruns it when `make records` does
 not. A record that measured code no longer at HEAD (a before/after comparison) cannot be rerun and
 is deleted, not catalogued. scripts/records.py and the generator's own tables of runs read it.
-This module must not run anything or read records.
+An entry's type and the shapes of its commands are docs_tables_entry.py's. This module must not run
+anything or read records.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-ENGINE = ("services/worker/",)
-KERNELS = ("services/worker/model/",)
-STACK = ("gateway/", "services/", "strata/", "configs/local.yaml")
-GATEWAY = ("gateway/", "strata/")
-
-
-@dataclass(frozen=True)
-class Entry:
-    paths: tuple[str, ...]
-    """What its figures depend on, besides its own benchmark module."""
-    bench: str
-    """Its benchmark's module (bench/X.py) or script."""
-    estimate_s: int
-    """Seconds a run takes here: a `make records` record's last whole run (bench/results/records-run.json)
-    plus 30% for these machines' swings; for the others, their last run or a guess."""
-    command: tuple[str, ...]
-    """Used only when the record's provenance names no command."""
-    target: str = "make records"
-
-    @property
-    def depends_on(self) -> tuple[str, ...]:
-        return (*self.paths, self.bench)
-
-
-def _py(module: str, *args: str) -> tuple[str, ...]:
-    return ("python", "-m", module, *args)
-
-
-def _strata(*args: str) -> tuple[str, ...]:
-    return ("python", "-m", "strata.cli", "bench", "--spawn", *args)
-
-
-def _json(name: str) -> tuple[str, ...]:
-    return ("--json", f"bench/results/{name}")
-
+from docs_tables_entry import ENGINE, GATEWAY, KERNELS, STACK, Entry, out, py, spawn
 
 # bench.peer on Qwen2.5-Coder-0.5B: its float32 conversion for llama.cpp's converter, its Q4_K_M
 # file as shipped for both sides' Q4_K_M contestants (make bench-peer fetches both).
@@ -66,7 +31,7 @@ CATALOG: dict[str, Entry] = {
         ENGINE,
         "bench/engine.py",
         480,
-        _py(
+        py(
             "bench.engine",
             "--requests",
             "64",
@@ -74,27 +39,27 @@ CATALOG: dict[str, Entry] = {
             "64",
             "--new-tokens",
             "64",
-            *_json("engine-cpu.json"),
+            *out("engine-cpu.json"),
         ),
     ),
     "engine-cpu-native.json": Entry(
         ENGINE,
         "bench/engine.py",
         300,
-        _py(
+        py(
             "bench.engine",
             "--requests",
             "64",
             "--no-hf-cb",
             "--compare-native",
-            *_json("engine-cpu-native.json"),
+            *out("engine-cpu-native.json"),
         ),
     ),
     "engine-cpu-1-stream.json": Entry(
         ENGINE,
         "bench/engine.py",
         120,
-        _py(
+        py(
             "bench.engine",
             "--requests",
             "1",
@@ -103,20 +68,20 @@ CATALOG: dict[str, Entry] = {
             "--no-hf-cb",
             "--no-asyncio",
             "--compare-native",
-            *_json("engine-cpu-1-stream.json"),
+            *out("engine-cpu-1-stream.json"),
         ),
     ),
     "engine-cpu-one-team.json": Entry(
         ENGINE,
         "bench/engine.py",
         240,
-        _py("bench.engine", "--requests", "64", "--no-hf-cb", *_json("engine-cpu-one-team.json")),
+        py("bench.engine", "--requests", "64", "--no-hf-cb", *out("engine-cpu-one-team.json")),
     ),
     "facade-cpu.json": Entry(
         ENGINE,
         "bench/facade.py",
         300,
-        _py(
+        py(
             "bench.facade",
             "--requests",
             "64",
@@ -124,14 +89,14 @@ CATALOG: dict[str, Entry] = {
             "64",
             "--new-tokens",
             "64",
-            *_json("facade-cpu.json"),
+            *out("facade-cpu.json"),
         ),
     ),
     "mixing-cpu.json": Entry(
         ENGINE,
         "bench/mixing.py",
         120,
-        _py(
+        py(
             "bench.mixing",
             "--requests",
             "64",
@@ -139,38 +104,38 @@ CATALOG: dict[str, Entry] = {
             "64",
             "--new-tokens",
             "64",
-            *_json("mixing-cpu.json"),
+            *out("mixing-cpu.json"),
         ),
     ),
     "step-cost-cpu.json": Entry(
-        ENGINE, "bench/step_cost.py", 120, _py("bench.step_cost", *_json("step-cost-cpu.json"))
+        ENGINE, "bench/step_cost.py", 120, py("bench.step_cost", *out("step-cost-cpu.json"))
     ),
     # bench.peer sets these perplexities beside its ratios, so they are rerun first.
     "run-memory-cpu.json": Entry(
-        STACK, "bench/run_memory.py", 60, _py("bench.run_memory", *_json("run-memory-cpu.json"))
+        STACK, "bench/run_memory.py", 60, py("bench.run_memory", *out("run-memory-cpu.json"))
     ),
     "model-parity-cpu.json": Entry(
-        ENGINE, "bench/model_parity.py", 240, _py("bench.model_parity", *_json("model-parity-cpu.json"))
+        ENGINE, "bench/model_parity.py", 240, py("bench.model_parity", *out("model-parity-cpu.json"))
     ),
     "models-cpu.json": Entry(
-        ENGINE, "bench/model_cost.py", 1200, _py("bench.model_cost", *_json("models-cpu.json"))
+        ENGINE, "bench/model_cost.py", 1200, py("bench.model_cost", *out("models-cpu.json"))
     ),
     "perplexity-cpu.json": Entry(
-        ENGINE, "bench/perplexity.py", 60, _py("bench.perplexity", *_json("perplexity-cpu.json"))
+        ENGINE, "bench/perplexity.py", 60, py("bench.perplexity", *out("perplexity-cpu.json"))
     ),
     # Five rounds of three pairs; the first run also probes the CPU and builds llama.cpp (about 12 minutes).
-    "peer-cpu.json": Entry(ENGINE, "bench/peer.py", 1980, _py("bench.peer", *_json("peer-cpu.json"))),
+    "peer-cpu.json": Entry(ENGINE, "bench/peer.py", 1980, py("bench.peer", *out("peer-cpu.json"))),
     # 64 streams only: the one-stream rounds are the record below.
     "peer-qwen05-cpu.json": Entry(
         ENGINE,
         "bench/peer.py",
         3600,
-        _py(
+        py(
             "bench.peer",
             *QWEN05_PEER,
             "--npl",
             "64",
-            *_json("peer-qwen05-cpu.json"),
+            *out("peer-qwen05-cpu.json"),
         ),
         target="make bench-peer",
     ),
@@ -179,19 +144,19 @@ CATALOG: dict[str, Entry] = {
         ENGINE,
         "bench/peer.py",
         960,
-        _py(
+        py(
             "bench.peer",
             *QWEN05_PEER,
             "--npl",
             "1",
-            *_json("peer-qwen05-1-stream-cpu.json"),
+            *out("peer-qwen05-1-stream-cpu.json"),
         ),
     ),
     "serve-peer-cpu.json": Entry(
         STACK,
         "bench/serve_peer.py",
         900,
-        _py("bench.serve_peer", *_json("serve-peer-cpu.json")),
+        py("bench.serve_peer", *out("serve-peer-cpu.json")),
         target="make bench-serve-peer",
     ),
     # make bench-peer-avx2: the three runs of a machine without AVX-512, capped on this one.
@@ -199,19 +164,19 @@ CATALOG: dict[str, Entry] = {
         ENGINE,
         "bench/perplexity.py",
         300,
-        _py("bench.perplexity", *AVX2, *_json("perplexity-avx2-cpu.json")),
+        py("bench.perplexity", *AVX2, *out("perplexity-avx2-cpu.json")),
         target="make bench-peer-avx2",
     ),
     "peer-avx2-cpu.json": Entry(
         ENGINE,
         "bench/peer.py",
         1200,
-        _py(
+        py(
             "bench.peer",
             *AVX2,
             "--perplexity-record",
             "bench/results/perplexity-avx2-cpu.json",
-            *_json("peer-avx2-cpu.json"),
+            *out("peer-avx2-cpu.json"),
         ),
         target="make bench-peer-avx2",
     ),
@@ -219,14 +184,14 @@ CATALOG: dict[str, Entry] = {
         STACK,
         "bench/serve_peer.py",
         900,
-        _py("bench.serve_peer", *AVX2, *_json("serve-peer-avx2-cpu.json")),
+        py("bench.serve_peer", *AVX2, *out("serve-peer-avx2-cpu.json")),
         target="make bench-peer-avx2",
     ),
     "serve-peer-qwen05-cpu.json": Entry(
         STACK,
         "bench/serve_peer.py",
         1500,
-        _py(
+        py(
             "bench.serve_peer",
             "--config",
             "bench/serve_peer_qwen.yaml",
@@ -234,55 +199,53 @@ CATALOG: dict[str, Entry] = {
             "64x64",
             "--rounds",
             "5",
-            *_json("serve-peer-qwen05-cpu.json"),
+            *out("serve-peer-qwen05-cpu.json"),
         ),
         target="make bench-serve-peer-qwen",
     ),
     "small-linear-cpu.json": Entry(
-        KERNELS, "bench/small_linear.py", 60, _py("bench.small_linear", *_json("small-linear-cpu.json"))
+        KERNELS, "bench/small_linear.py", 60, py("bench.small_linear", *out("small-linear-cpu.json"))
     ),
     "generate-cli-cpu.json": Entry(
         ("services/worker/", "strata/cli/"),
         "bench/generate_cli.py",
         300,
-        _py("bench.generate_cli", *_json("generate-cli-cpu.json")),
+        py("bench.generate_cli", *out("generate-cli-cpu.json")),
         target="make bench-peer",
     ),
     "gguf-linear-cpu.json": Entry(
-        KERNELS, "bench/gguf_linear.py", 60, _py("bench.gguf_linear", *_json("gguf-linear-cpu.json"))
+        KERNELS, "bench/gguf_linear.py", 60, py("bench.gguf_linear", *out("gguf-linear-cpu.json"))
     ),
     "large-linear-cpu.json": Entry(
-        KERNELS, "bench/large_linear.py", 60, _py("bench.large_linear", *_json("large-linear-cpu.json"))
+        KERNELS, "bench/large_linear.py", 60, py("bench.large_linear", *out("large-linear-cpu.json"))
     ),
     "torch-compile-cpu.json": Entry(
-        KERNELS, "bench/torch_compile.py", 60, _py("bench.torch_compile", *_json("torch-compile-cpu.json"))
+        KERNELS, "bench/torch_compile.py", 60, py("bench.torch_compile", *out("torch-compile-cpu.json"))
     ),
     "busy-neighbour-cpu.json": Entry(
-        ENGINE, "bench/busy_neighbour.py", 420, _py("bench.busy_neighbour", *_json("busy-neighbour-cpu.json"))
+        ENGINE, "bench/busy_neighbour.py", 420, py("bench.busy_neighbour", *out("busy-neighbour-cpu.json"))
     ),
     "memory-profile-cpu.json": Entry(
-        ENGINE, "bench/memory_profile.py", 60, _py("bench.memory_profile", *_json("memory-profile-cpu.json"))
+        ENGINE, "bench/memory_profile.py", 60, py("bench.memory_profile", *out("memory-profile-cpu.json"))
     ),
     "memory-soak-cpu.json": Entry(
         ENGINE,
         "bench/memory_soak.py",
         240,
-        _py("bench.memory_soak", "--seconds", "120", *_json("memory-soak-cpu.json")),
+        py("bench.memory_soak", "--seconds", "120", *out("memory-soak-cpu.json")),
     ),
-    "stack-cpu.json": Entry(
-        STACK, "bench/stack.py", 300, _strata("--engine-baseline", *_json("stack-cpu.json"))
-    ),
+    "stack-cpu.json": Entry(STACK, "bench/stack.py", 300, spawn("--engine-baseline", *out("stack-cpu.json"))),
     "stack-1-stream-cpu.json": Entry(
         STACK,
         "bench/stack.py",
         180,
-        _strata("--concurrency", "1", "--runs", "3", "--engine-baseline", *_json("stack-1-stream-cpu.json")),
+        spawn("--concurrency", "1", "--runs", "3", "--engine-baseline", *out("stack-1-stream-cpu.json")),
     ),
     "stack-rate-qwen-cpu.json": Entry(
         (*STACK, "configs/qwen.yaml"),
         "bench/rate.py",
         900,
-        _strata(
+        spawn(
             "--config",
             "configs/qwen.yaml",
             "--rate",
@@ -291,43 +254,41 @@ CATALOG: dict[str, Entry] = {
             "4",
             "--ttft-slo-ms",
             "10000",
-            *_json("stack-rate-qwen-cpu.json"),
+            *out("stack-rate-qwen-cpu.json"),
         ),
         target="make bench-fallback",
     ),
     "stack-rate-cpu.json": Entry(
-        STACK, "bench/rate.py", 480, _strata("--rate", "14,28", *_json("stack-rate-cpu.json"))
+        STACK, "bench/rate.py", 480, spawn("--rate", "14,28", *out("stack-rate-cpu.json"))
     ),
-    "tenants-cpu.json": Entry(
-        STACK, "bench/tenants.py", 540, _py("bench.tenants", *_json("tenants-cpu.json"))
-    ),
+    "tenants-cpu.json": Entry(STACK, "bench/tenants.py", 540, py("bench.tenants", *out("tenants-cpu.json"))),
     "http-vs-grpc-cpu.json": Entry(
-        STACK, "bench/http_vs_grpc.py", 180, _py("bench.http_vs_grpc", *_json("http-vs-grpc-cpu.json"))
+        STACK, "bench/http_vs_grpc.py", 180, py("bench.http_vs_grpc", *out("http-vs-grpc-cpu.json"))
     ),
     "trace-overhead-cpu.json": Entry(
-        STACK, "bench/trace_overhead.py", 480, _py("bench.trace_overhead", *_json("trace-overhead-cpu.json"))
+        STACK, "bench/trace_overhead.py", 480, py("bench.trace_overhead", *out("trace-overhead-cpu.json"))
     ),
     "kv-cache-cpu.json": Entry(
         ENGINE,
         "bench/kv_cache.py",
         1500,
-        _py("bench.kv_cache", *_json("kv-cache-cpu.json")),
+        py("bench.kv_cache", *out("kv-cache-cpu.json")),
         target="make bench-kv",
     ),
     "spec-cpu.json": Entry(
-        ENGINE, "bench/spec.py", 1800, _py("bench.spec", *_json("spec-cpu.json")), target="make bench-spec"
+        ENGINE, "bench/spec.py", 1800, py("bench.spec", *out("spec-cpu.json")), target="make bench-spec"
     ),
     "spec-qwen15-cpu.json": Entry(
         ENGINE,
         "bench/spec.py",
         3600,
-        _py(
+        py(
             "bench.spec",
             "--model",
             "models/Qwen2.5-Coder-1.5B-Instruct",
             "--streams",
             "0",
-            *_json("spec-qwen15-cpu.json"),
+            *out("spec-qwen15-cpu.json"),
         ),
         target="make bench-spec-qwen",
     ),
@@ -335,18 +296,18 @@ CATALOG: dict[str, Entry] = {
         ENGINE,
         "bench/spec_peer.py",
         1500,
-        _py("bench.spec_peer", *_json("spec-peer-cpu.json")),
+        py("bench.spec_peer", *out("spec-peer-cpu.json")),
         target="make bench-spec-peer",
     ),
     "spec-peer-qwen15-cpu.json": Entry(
         ENGINE,
         "bench/spec_peer.py",
         3600,
-        _py(
+        py(
             "bench.spec_peer",
             "--model",
             "models/Qwen2.5-Coder-1.5B-Instruct",
-            *_json("spec-peer-qwen15-cpu.json"),
+            *out("spec-peer-qwen15-cpu.json"),
         ),
         target="make bench-spec-peer",
     ),
@@ -354,52 +315,52 @@ CATALOG: dict[str, Entry] = {
         STACK,
         "bench/spec_stack.py",
         900,
-        _py("bench.spec_stack", *_json("spec-stack-cpu.json")),
+        py("bench.spec_stack", *out("spec-stack-cpu.json")),
         target="make bench-spec-stack",
     ),
-    "tp-cpu.json": Entry(ENGINE, "bench/tp.py", 480, _py("bench.tp", *_json("tp-cpu.json"))),
+    "tp-cpu.json": Entry(ENGINE, "bench/tp.py", 480, py("bench.tp", *out("tp-cpu.json"))),
     "kv-schemes-cpu.json": Entry(
-        ENGINE, "bench/kv_schemes.py", 240, _py("bench.kv_schemes", *_json("kv-schemes-cpu.json"))
+        ENGINE, "bench/kv_schemes.py", 240, py("bench.kv_schemes", *out("kv-schemes-cpu.json"))
     ),
     "prefix-cache-cpu.json": Entry(
-        ENGINE, "bench/prefix_cache.py", 960, _py("bench.prefix_cache", *_json("prefix-cache-cpu.json"))
+        ENGINE, "bench/prefix_cache.py", 960, py("bench.prefix_cache", *out("prefix-cache-cpu.json"))
     ),
     "prefix-routing-cpu.json": Entry(
-        STACK, "bench/prefix_routing.py", 900, _py("bench.prefix_routing", *_json("prefix-routing-cpu.json"))
+        STACK, "bench/prefix_routing.py", 900, py("bench.prefix_routing", *out("prefix-routing-cpu.json"))
     ),
     "outputs-logprobs-cpu.json": Entry(
-        ENGINE, "bench/outputs.py", 360, _py("bench.outputs", "--part", "logprobs")
+        ENGINE, "bench/outputs.py", 360, py("bench.outputs", "--part", "logprobs")
     ),
     "outputs-samples-cpu.json": Entry(
-        ENGINE, "bench/outputs.py", 60, _py("bench.outputs", "--part", "samples")
+        ENGINE, "bench/outputs.py", 60, py("bench.outputs", "--part", "samples")
     ),
     "grammar-cost-cpu.json": Entry(
-        ENGINE, "bench/grammar_cost.py", 240, _py("bench.grammar_cost", *_json("grammar-cost-cpu.json"))
+        ENGINE, "bench/grammar_cost.py", 240, py("bench.grammar_cost", *out("grammar-cost-cpu.json"))
     ),
     "grammar-cost-cpu-5runs.json": Entry(
         ENGINE,
         "bench/grammar_cost.py",
         300,
-        _py("bench.grammar_cost", "--runs", "5", *_json("grammar-cost-cpu-5runs.json")),
+        py("bench.grammar_cost", "--runs", "5", *out("grammar-cost-cpu-5runs.json")),
     ),
     "grammar-quality-cpu.json": Entry(
         ENGINE,
         "bench/grammar_quality.py",
         120,
-        _py("bench.grammar_quality", *_json("grammar-quality-cpu.json")),
+        py("bench.grammar_quality", *out("grammar-quality-cpu.json")),
     ),
     "grammar-libs-cpu.json": Entry(
         ENGINE,
         "bench/grammar_libs.py",
         60,
-        _py("bench.grammar_libs", *_json("grammar-libs-cpu.json")),
+        py("bench.grammar_libs", *out("grammar-libs-cpu.json")),
         target="make bench-grammar-libs",
     ),
     "images-cpu.json": Entry(
         ("deploy/docker/", "requirements.lock", "scripts/container_engine.py", "scripts/local_base.py"),
         "scripts/images.py",
         180,
-        ("python", "scripts/images.py", "--cold", *_json("images-cpu.json")),
+        ("python", "scripts/images.py", "--cold", *out("images-cpu.json")),
         target='make images IMAGES_ARGS="--cold --json bench/results/images-cpu.json"',
     ),
     "compose-cpu.json": Entry(
@@ -413,7 +374,7 @@ CATALOG: dict[str, Entry] = {
         GATEWAY,
         "scripts/request_path.py",
         60,
-        ("python", "scripts/request_path.py", *_json("request-path.json")),
+        ("python", "scripts/request_path.py", *out("request-path.json")),
     ),
 }
 
