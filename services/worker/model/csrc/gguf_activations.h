@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace strata {
@@ -91,6 +92,20 @@ inline void quantize_row(const float* x, int64_t row, Activations* out) {
 inline void quantize_activations(const float* x, int64_t m, int64_t k, int64_t block, Activations* out) {
   size_activations(m, k, block, out);
   for (int64_t row = 0; row < m; ++row) quantize_row(x + row * k, row, out);
+}
+
+// Calls f(std::integral_constant<int, R>{}) with R = min(count, Max) for count >= 1: the kernels' row
+// counts are template arguments, and this turns a run-time count into one. Always inlined, so f's body
+// keeps the instructions of the region that calls it (see gguf_linear.cpp).
+template <int Max, class F>
+[[gnu::always_inline]] inline void with_rows(int64_t count, F&& f) {
+  if constexpr (Max > 1) {
+    if (count < Max) {
+      with_rows<Max - 1>(count, f);
+      return;
+    }
+  }
+  f(std::integral_constant<int, Max>{});
 }
 
 }  // namespace strata

@@ -364,20 +364,8 @@ void row_dots(int64_t type, const uint8_t* row, const strata::Activations& a, in
 // out[i] = row . (rows first + i of the activations) for i < count <= kDotRows.
 inline void dot_rows(int64_t type, const uint8_t* row, const strata::Activations& a, int64_t first, int64_t count,
                      float* out) {
-  switch (count) {
-    case 1:
-      row_dots<1>(type, row, a, first, out);
-      break;
-    case 2:
-      row_dots<2>(type, row, a, first, out);
-      break;
-    case 3:
-      row_dots<3>(type, row, a, first, out);
-      break;
-    default:
-      row_dots<kDotRows>(type, row, a, first, out);
-      break;
-  }
+  strata::with_rows<kDotRows>(
+      count, [&](auto rows) { row_dots<decltype(rows)::value>(type, row, a, first, out); });
 }
 
 }  // namespace STRATA_GGUF_NS

@@ -148,20 +148,8 @@ void run_panels(int64_t type, const strata::Activations& a, const uint8_t* w, co
     for (int64_t i = 0; i < m; i += kXRows) {
       const int64_t xr = std::min<int64_t>(kXRows, m - i);
       for (int64_t j = 0; j < kPanelRows && row + j < n; j += kWeightRows) {
-        switch (xr) {
-          case 1:
-            Kernel::template rows<1>(panel, j, a, i, dots);
-            break;
-          case 2:
-            Kernel::template rows<2>(panel, j, a, i, dots);
-            break;
-          case 3:
-            Kernel::template rows<3>(panel, j, a, i, dots);
-            break;
-          default:
-            Kernel::template rows<kXRows>(panel, j, a, i, dots);
-            break;
-        }
+        strata::with_rows<kXRows>(
+            xr, [&](auto rows) { Kernel::template rows<decltype(rows)::value>(panel, j, a, i, dots); });
         const int64_t wr = std::min<int64_t>(kWeightRows, n - row - j);
         for (int64_t r = 0; r < xr; ++r) {
           for (int64_t c = 0; c < wr; ++c) {

@@ -197,32 +197,8 @@ inline void dot_rows(int64_t type, const uint8_t* row, const strata::Activations
     one_row_dots(type, row, a, first, out);
     return;
   }
-  switch (count) {
-    case 1:
-      any_row_dots<1>(type, row, a, first, out);
-      break;
-    case 2:
-      any_row_dots<2>(type, row, a, first, out);
-      break;
-    case 3:
-      any_row_dots<3>(type, row, a, first, out);
-      break;
-    case 4:
-      any_row_dots<4>(type, row, a, first, out);
-      break;
-    case 5:
-      any_row_dots<5>(type, row, a, first, out);
-      break;
-    case 6:
-      any_row_dots<6>(type, row, a, first, out);
-      break;
-    case 7:
-      any_row_dots<7>(type, row, a, first, out);
-      break;
-    default:
-      any_row_dots<kDotRows>(type, row, a, first, out);
-      break;
-  }
+  strata::with_rows<kDotRows>(
+      count, [&](auto rows) { any_row_dots<decltype(rows)::value>(type, row, a, first, out); });
 }
 
 }  // namespace gguf_vnni
