@@ -12,6 +12,8 @@ decide the cache's size (memory_budget.py does) nor keep anything it allocated f
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import logging
 from dataclasses import replace
@@ -161,6 +163,7 @@ def _tensor_bytes(value: object, seen: set[int]) -> int:
 def _cpu_peak(run: Callable[[], None], proc_self: Path = PROC_SELF) -> tuple[str, int, int]:
     """(method, resident bytes before, resident high-water mark during) around `run()`."""
     gc.collect()
+    _release_free_heap()
     try:
         # "5" resets VmHWM to the current resident set (Linux 4.0+), so the mark is this step's alone.
         (proc_self / "clear_refs").write_text("5")
@@ -173,6 +176,18 @@ def _cpu_peak(run: Callable[[], None], proc_self: Path = PROC_SELF) -> tuple[str
     run()
     gc.collect()
     return method, baseline, max(baseline, read_vm_hwm(proc_self))
+
+
+def _release_free_heap() -> None:
+    """Hand the allocator's free pages back to the kernel (glibc's malloc_trim, every arena), so the
+    step's allocations raise the resident set: freed memory that stayed resident from earlier work
+    would otherwise hold the step and read as a zero peak, its bytes counted as runtime instead."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        log.warning("no glibc malloc_trim: freed heap kept resident may hide part of the step's peak")
+        return
+    libc.malloc_trim(0)
 
 
 def read_vm_hwm(proc_self: Path = PROC_SELF) -> int:
