@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-kv-schemes bench-spec bench-spec-qwen bench-spec-stack bench-spec-peer bench-prefix-routing bench-peer bench-peer-avx2 bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar-libs bench-grammar bench-outputs bench-tp records reliability chaos images compose-test run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-kv-schemes bench-spec bench-spec-qwen bench-spec-draft bench-spec-stack bench-spec-peer bench-prefix-routing bench-peer bench-peer-avx2 bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar-libs bench-grammar bench-outputs bench-tp records reliability chaos images compose-test run clean
 
 setup: $(STAMP)
 
@@ -111,6 +111,12 @@ bench-spec: setup model
 bench-spec-qwen: setup
 	$(BIN)/strata fetch-model qwen2.5-coder-1.5b-instruct
 	$(BIN)/python -m bench.spec --model models/Qwen2.5-Coder-1.5B-Instruct --streams 0 --json bench/results/spec-qwen15-cpu.json
+
+# The same with Qwen2.5-Coder-0.5B-Instruct's Q4_K_M file drafting for the 1.5B (about 50 minutes).
+bench-spec-draft: setup
+	$(BIN)/strata fetch-model qwen2.5-coder-1.5b-instruct
+	$(BIN)/strata fetch-model qwen2.5-coder-0.5b-instruct
+	$(BIN)/python -m bench.spec --model models/Qwen2.5-Coder-1.5B-Instruct --method draft --draft-model models/Qwen2.5-Coder-0.5B-Instruct --streams 0 --json bench/results/spec-draft-qwen15-cpu.json
 
 # Speculative decoding through the stack: the same 32 prompts one at a time over the HTTP API against
 # the in-process engine with the same settings, alternated, 5 rounds (about 15 minutes).
