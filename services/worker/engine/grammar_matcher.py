@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from services.worker.engine.sequence import FinishReason
-
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -52,13 +50,6 @@ class GrammarMatcher:
     def replay(self, tokens: Sequence[int]) -> bool:
         """Accept tokens generated before this matcher existed (a failover's prior output)."""
         return all(self.advance(token) for token in tokens)
-
-    def finish_after(self, token: int) -> FinishReason | None:
-        """Advance by a sampled token: STOP when it completes the grammar, ERROR when the grammar
-        refuses it (only a row whose every allowed logit was -inf or NaN can sample one), else None."""
-        if not self.advance(token):
-            return FinishReason.ERROR
-        return FinishReason.STOP if self.is_complete else None
 
     @property
     def is_complete(self) -> bool:

@@ -118,8 +118,17 @@ def _append(seq: Sequence, new: list[int], stop: StopRule) -> tuple[list[int], F
     for count, token in enumerate(new, 1):
         seq.output_ids.append(token)
         # The grammar first: a token that completes it ends the output even at max_new_tokens.
-        reason = seq.grammar.finish_after(token) if seq.grammar is not None else None
-        reason = reason or stop.reason(seq, token)
+        reason = _grammar_reason(seq, token) or stop.reason(seq, token)
         if reason is not None:
             return new[:count], reason
     return new, None
+
+
+def _grammar_reason(seq: Sequence, token: int) -> FinishReason | None:
+    """Advance the sequence's grammar by a sampled token: STOP when it completes the grammar, ERROR
+    when the grammar refuses it (only a row whose every allowed logit was -inf or NaN can sample one)."""
+    if seq.grammar is None:
+        return None
+    if not seq.grammar.advance(token):
+        return FinishReason.ERROR
+    return FinishReason.STOP if seq.grammar.is_complete else None
