@@ -111,7 +111,10 @@ def start(
 ) -> Telemetry:
     """Logs, /metrics and tracing for this process, as `settings` and the OTEL_* variables say."""
     configure_logging(settings.log_format)
-    telemetry = Telemetry(Tracing.start(service_name, settings, os.environ if environ is None else environ))
+    env = os.environ if environ is None else environ
+    telemetry = Telemetry(
+        Tracing.start(service_name, settings.tracing, settings.otlp_endpoint, settings.sampling_ratio, env)
+    )
     if settings.metrics_listen:
         host, _, port = settings.metrics_listen.rpartition(":")
         server, _thread = start_http_server(int(port), addr=host.strip("[]") or "0.0.0.0")

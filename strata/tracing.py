@@ -1,11 +1,11 @@
 """One service's OpenTelemetry tracing: its tracer, W3C propagation, and spans placed on its own clock.
 
-A service gets one Tracing at start (`Tracing.start`, from its telemetry settings and the standard
-OTEL_* variables) and hands it to whatever records spans. With tracing off it is `Tracing.off()`:
-every method returns None or an empty carrier and builds no span, so callers guard nothing but a
-None. Spans are often placed after the fact from timestamps the request path already took with
-time.perf_counter (or time.monotonic: one clock on Linux), so `wall_ns` converts those to the epoch
-nanoseconds a span needs. W3C trace context travels as a plain str->str carrier: gRPC metadata, or a
+A service gets one Tracing at start (`Tracing.start`, from its telemetry settings' tracing fields
+and the standard OTEL_* variables) and hands it to whatever records spans. With tracing off it is
+`Tracing.off()`: every method returns None or an empty carrier and builds no span, so callers guard
+nothing but a None. Spans are often placed after the fact from timestamps the request path already
+took with time.perf_counter (or time.monotonic: one clock on Linux), so `wall_ns` converts those to
+the epoch nanoseconds a span needs. W3C trace context travels as a plain str->str carrier: gRPC metadata, or a
 message's trace_context map; no gRPC instrumentation wraps our stubs, so a traced stream keeps its
 `.cancel()`. This module must not decide which spans a request gets (the services do) nor read the
 environment anywhere but in `start`.
@@ -32,8 +32,6 @@ if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.trace import Span
-
-    from strata.telemetry import TelemetrySettings
 
 __all__ = ["Link", "SpanKind", "Tracing", "trace_id_hex"]
 
@@ -67,9 +65,15 @@ class Tracing:
 
     @classmethod
     def start(
-        cls, service_name: str, settings: TelemetrySettings, environ: Mapping[str, str] | None = None
+        cls,
+        service_name: str,
+        mode: str,
+        otlp_endpoint: str,
+        sampling_ratio: float | None,
+        environ: Mapping[str, str] | None = None,
     ) -> Tracing:
-        """The service's tracing as its settings and OTEL_* variables say; off unless they enable it.
+        """The service's tracing as its telemetry settings (`tracing` as `mode`, `otlp_endpoint`,
+        `sampling_ratio`) and OTEL_* variables say; off unless they enable it.
 
         `tracing: auto` traces when OTEL_EXPORTER_OTLP_ENDPOINT (or ..._TRACES_ENDPOINT) is set and
         OTEL_SDK_DISABLED is not true. The endpoint is the settings' otlp_endpoint, else those
@@ -78,13 +82,13 @@ class Tracing:
         """
         env = os.environ if environ is None else environ
         endpoint_env = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-        if settings.tracing == "off" or env.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        if mode == "off" or env.get("OTEL_SDK_DISABLED", "").lower() == "true":
             return cls.off()
-        if settings.tracing == "auto" and not (endpoint_env or settings.otlp_endpoint):
+        if mode == "auto" and not (endpoint_env or otlp_endpoint):
             return cls.off()
-        endpoint = settings.otlp_endpoint or endpoint_env or DEFAULT_OTLP_ENDPOINT
+        endpoint = otlp_endpoint or endpoint_env or DEFAULT_OTLP_ENDPOINT
         exporter = OTLPSpanExporter(endpoint=endpoint, insecure=endpoint.startswith("http://"))
-        return cls.with_exporter(service_name, exporter, settings.sampling_ratio, batch=True)
+        return cls.with_exporter(service_name, exporter, sampling_ratio, batch=True)
 
     @classmethod
     def with_exporter(

@@ -78,7 +78,9 @@ def test_json_lines_carry_the_records_fields() -> None:
 )
 def test_when_tracing_is_on(tracing: str, environ: dict[str, str], enabled: bool) -> None:
     settings = TelemetrySettings(tracing=tracing)  # type: ignore[arg-type]
-    started = Tracing.start("strata-test", settings, environ)
+    started = Tracing.start(
+        "strata-test", settings.tracing, settings.otlp_endpoint, settings.sampling_ratio, environ
+    )
     try:
         assert started.enabled is enabled
     finally:
