@@ -26,8 +26,7 @@ if TYPE_CHECKING:
     from services.worker.engine.cuda_graphs import CaptureReport, CudaGraphRunner
     from services.worker.engine.grammar_mask import GrammarMasker
     from services.worker.engine.grammar_matcher import GrammarMatcher
-    from services.worker.engine.scheduler import ScheduledBatch
-    from services.worker.engine.sequence import TokenLogprobs
+    from services.worker.engine.sequence import ScheduledBatch, TokenLogprobs
     from services.worker.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
