@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from gateway.admission import Ticket
     from gateway.forecast import Forecast
     from gateway.worker_link import WorkerLink
@@ -41,7 +44,8 @@ class SlotQueue(Protocol):
 
 
 class StreamCredits:
-    """One worker stream's credit limit, other gateways' share, and the slots held on it."""
+    """One worker stream's credit limit, other gateways' share, and the slots held on it; its counts
+    change only through its methods."""
 
     def __init__(self) -> None:
         self.limit = 0
@@ -65,6 +69,29 @@ class StreamCredits:
     def report(self, reported: int, open_on_worker: int) -> None:
         """The worker's credits in a message, with this stream's requests still open on the worker."""
         self.others = max(0, self.limit - reported - open_on_worker)
+
+    def take(self, slot: Slot) -> None:
+        """A grant: `slot` holds one credit here, its submission not sent yet."""
+        self.held += 1
+        self.unsent.add(slot)
+
+    def sent(self, slot: Slot) -> None:
+        """`slot`'s submission is on the wire; it keeps its credit until released."""
+        self.unsent.discard(slot)
+
+    def give_back(self, slot: Slot) -> None:
+        """`slot` released its credit here (or moved it to another stream)."""
+        self.held -= 1
+        self.unsent.discard(slot)
+
+    @contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """Count one held credit as free meanwhile: a choice that may keep a slot here or move it."""
+        self.held -= 1
+        try:
+            yield
+        finally:
+            self.held += 1
 
 
 class Slot:
@@ -111,8 +138,7 @@ class Slot:
 
     def grant(self, link: WorkerLink) -> None:
         """The dispatcher's grant: take one of `link`'s credits for this slot."""
-        link.credits.held += 1
-        link.credits.unsent.add(self)
+        link.credits.take(self)
         self.link = link
         self._outcome.set_result(link)
 
@@ -127,11 +153,9 @@ class Slot:
         old = self.link
         if old is None or self.wire_id or self._released:
             raise RuntimeError("only a granted slot whose submission is not sent yet can move")
-        link.credits.held += 1
-        link.credits.unsent.add(self)
+        link.credits.take(self)
         self.link = link
-        old.credits.held -= 1
-        old.credits.unsent.discard(self)
+        old.credits.give_back(self)
         old.slot_released(self)
 
     async def granted(self, prompt_tokens: int, prompt_ids: list[int] | None = None) -> WorkerLink:
@@ -160,6 +184,5 @@ class Slot:
         if link is None:
             self._queue.withdraw(self)
             return
-        link.credits.held -= 1
-        link.credits.unsent.discard(self)
+        link.credits.give_back(self)
         link.slot_released(self)

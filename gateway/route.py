@@ -243,11 +243,8 @@ class Route:
         if slot.prefix_key is None or link is None or slot.wire_id:
             return
         # The slot's own credit is free for this choice: it is about to leave `link` or stay.
-        link.credits.held -= 1
-        try:
+        with link.credits.set_aside():
             choice = self._choose(slot)
-        finally:
-            link.credits.held += 1
         if choice is None:
             return
         chosen = choice.replica

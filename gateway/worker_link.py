@@ -139,7 +139,7 @@ class WorkerLink:
         if not self.ready:
             raise Unavailable(f"worker {self.address} is not ready: {self.not_ready_reason}")
         wire_id = slot.wire_id = submission.request_id
-        self.credits.unsent.discard(slot)
+        self.credits.sent(slot)
         self._open[wire_id] = request
         self.load.sent(submission, slot.first_token_due, slot.ticket.tenant)
         self.submitted += 1
