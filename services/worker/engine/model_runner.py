@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class StepResult:
+class ForwardResult:
     """What one forward pass produced: one token per sampled row, in entry order, and the log
     probabilities of the rows that asked for them."""
 
@@ -98,11 +98,11 @@ class ModelRunner:
         """Forward the batch and return one sampled token per sampled row, in entry order."""
         return self.run_step(batch).tokens
 
-    def run_step(self, batch: ScheduledBatch) -> StepResult:
+    def run_step(self, batch: ScheduledBatch) -> ForwardResult:
         """Forward the batch, sample, and take the log probabilities its entries asked for."""
         with torch.inference_mode():
             hidden, logits_indices = self._forward(batch)
-            result = StepResult([], prompt_logprobs=self._prompt_logprobs(batch, hidden))
+            result = ForwardResult([], prompt_logprobs=self._prompt_logprobs(batch, hidden))
             if not logits_indices:
                 return result
             index = torch.tensor(logits_indices, dtype=torch.long, device=self.device)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from services.worker.engine.batch_builder import BatchBuilder, SchedulerStats
 from services.worker.engine.block_manager import NO_HIT
 from services.worker.engine.params import InvalidRequestError
 from services.worker.engine.sequence import (
@@ -26,7 +27,6 @@ from services.worker.engine.sequence import (
     SequenceStatus,
     StepOutput,
 )
-from services.worker.engine.step_plan import SchedulerStats, StepPlan
 from services.worker.engine.step_results import StopRule, apply_step
 from services.worker.engine.waiting_queue import WaitingQueue
 
@@ -177,7 +177,7 @@ class Scheduler:
         plain decode is placed, so that drafts never preempt nor displace anyone's work.
         """
         self._num_steps += 1
-        plan = StepPlan(self._num_steps, self.config.max_num_batched_tokens)
+        plan = BatchBuilder(self._num_steps, self.config.max_num_batched_tokens)
         order = sorted(self._running, key=_urgency)
         if self.config.mixed_batches:
             self._schedule_decodes(plan, order)
@@ -262,7 +262,7 @@ class Scheduler:
             raise AssertionError("a sequence has more computed tokens than its blocks hold")
         self.block_manager.check_invariants(self._running)
 
-    def _schedule_decodes(self, plan: StepPlan, order: list[Sequence]) -> None:
+    def _schedule_decodes(self, plan: BatchBuilder, order: list[Sequence]) -> None:
         i = 0
         while i < len(order) and plan.budget > 0:
             seq = order[i]
@@ -280,7 +280,7 @@ class Scheduler:
                 self._preempt(seq)
                 plan.batch.preempted.append(seq)
 
-    def _add_drafts(self, plan: StepPlan, proposals: Mapping[str, list[int]]) -> int:
+    def _add_drafts(self, plan: BatchBuilder, proposals: Mapping[str, list[int]]) -> int:
         """Let the step's decodes score their proposals, in urgency order, while budget and free
         blocks last; return how many draft tokens it took."""
         bm = self.block_manager
@@ -298,7 +298,7 @@ class Scheduler:
             taken += room
         return taken
 
-    def _schedule_prefills(self, plan: StepPlan, order: list[Sequence]) -> None:
+    def _schedule_prefills(self, plan: BatchBuilder, order: list[Sequence]) -> None:
         bm = self.block_manager
         i = 0
         while i < len(order) and plan.budget > 0:
@@ -346,7 +346,7 @@ class Scheduler:
         self._prefix_query_blocks += cacheable
         self._prefix_hit_blocks += min(hit_blocks, cacheable)
 
-    def _make_room(self, plan: StepPlan, order: list[Sequence], index: int, target: int) -> int:
+    def _make_room(self, plan: BatchBuilder, order: list[Sequence], index: int, target: int) -> int:
         """Preempt running sequences less urgent than order[index] and not yet scheduled this step
         until it can cache target tokens; return how many tokens it can cache (maybe fewer)."""
         bm = self.block_manager

@@ -1,6 +1,6 @@
-"""What one schedule() call builds and what the scheduler reports: a step's plan and the stats snapshot.
+"""What one schedule() call builds and what the scheduler reports: the batch and the stats snapshot.
 
-StepPlan is a batch being built with the step's remaining token budget; SchedulerStats is the
+BatchBuilder is a batch being built with the step's remaining token budget; SchedulerStats is the
 snapshot of queues, KV cache and counters the engine hands to other threads. This module only
 describes records: it must not decide what runs (scheduler.py does) nor take KV blocks.
 """
@@ -51,7 +51,7 @@ class SchedulerStats:
     """Decodes that scored drafts since start (accepted tokens per such decode: their ratio)."""
 
 
-class StepPlan:
+class BatchBuilder:
     """A batch being built, with the step's remaining token budget."""
 
     def __init__(self, step_id: int, budget: int) -> None:
