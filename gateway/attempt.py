@@ -12,11 +12,11 @@ module must not do I/O nor decide where a request goes.
 
 from __future__ import annotations
 
-import itertools
 import time
 from typing import TYPE_CHECKING
 
 from gateway.errors import Unavailable
+from gateway.request_ids import wire_id
 from gateway.request_trace import CONNECT_RPC
 from strata.v1 import common_pb2, worker_pb2
 
@@ -29,8 +29,6 @@ if TYPE_CHECKING:
     from gateway.route import Route
     from gateway.stage_clock import Call
     from gateway.worker_link import WorkerLink
-
-_WIRE_SEQUENCE = itertools.count(1)
 
 
 class Attempt:
@@ -102,10 +100,7 @@ class Attempt:
         sampling.CopyFrom(request.valid.sampling)
         sampling.ClearField("stop")  # stop strings are matched here, not by the worker
         submission = worker_pb2.Submission(
-            # The id on the worker stream: unique there even when two callers choose the same
-            # request_id, and for each attempt of one request, so a retry on the same worker is never
-            # confused with the attempt it replaces (its late updates, its cancellation).
-            request_id=f"{request.valid.request_id}#{next(_WIRE_SEQUENCE)}",
+            request_id=wire_id(request.valid.request_id),
             prompt_ids=self.prompt_ids,
             sampling=sampling,
             deadline_unix_ms=request.incoming.deadline_unix_ms,

@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import json
 import time
-import uuid
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -37,6 +36,7 @@ from gateway.openai_mapping import FINISH_REASONS, Reply, extension, headers, to
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from gateway.openai_tools import ToolStream
 from gateway.request import Incoming
+from gateway.request_ids import new_request_id
 from gateway.request_trace import TRACE_KEYS
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class Completions:
         except ValidationError as error:
             raise from_validation(error) from error
         generate = to_generate_request(body, self._settings, self._context)
-        generate.request_id = uuid.uuid4().hex  # known before the first chunk: every chunk's id
+        generate.request_id = new_request_id()  # known before the first chunk: every chunk's id
         trace = {key: value for key in TRACE_KEYS if (value := request.headers.get(key)) is not None}
         incoming = Incoming(
             generate,

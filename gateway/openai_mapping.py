@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway import openai_tools
 from gateway.openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
+from gateway.request_ids import response_id
 from gateway.stage_clock import STAGES
 from strata.v1 import common_pb2, gateway_pb2
 
@@ -138,7 +139,7 @@ class Reply:
 
     def started(self, request_id: str, model: str) -> None:
         """The request's id and serving model, as the first chunk tells them."""
-        self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
+        self.id = response_id(request_id, chat=self.chat)
         self.model = model
 
     def whole(self, final: gateway_pb2.GenerateResponse) -> dict[str, Any]:

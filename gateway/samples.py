@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from gateway import tool_calls
 from gateway.errors import GatewayError, InvalidArgument
 from gateway.request import Chunk
+from gateway.request_ids import or_new
 from strata.v1 import gateway_pb2
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ async def run_samples(
     run: Callable[[Incoming], AsyncGenerator[Chunk, None]], incoming: Incoming, n: int
 ) -> AsyncGenerator[Chunk, None]:
     """The merged chunks of `n` samples of `incoming`, each sample run by `run`."""
-    request_id = incoming.request.request_id or uuid.uuid4().hex
+    request_id = or_new(incoming.request.request_id)
     queue: asyncio.Queue[tuple[int, Chunk | GatewayError | None]] = asyncio.Queue()
 
     async def pump(index: int) -> None:

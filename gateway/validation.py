@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import math
-import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gateway import tool_calls
 from gateway.errors import InvalidArgument, NotFound
+from gateway.request_ids import or_new
 from strata.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -90,7 +90,7 @@ def validate(
     return ValidRequest(
         request=request,
         model=model,
-        request_id=request_id or uuid.uuid4().hex,
+        request_id=or_new(request_id),
         sampling=sampling,
     )
 
