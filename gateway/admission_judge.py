@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gateway.admission import PromptEstimate
 from gateway.forecast import Forecast, LinkView, forecast
@@ -62,7 +62,7 @@ class AdmissionJudge:
         ahead = [self._exact(slot) for slot in self._queue.ahead_slots(ticket)]
         return forecast(views, ahead, self._sized(ticket, None))
 
-    def _exact(self, slot: Slot) -> Ticket:
+    def _exact(self, slot: Slot[Any]) -> Ticket:
         return self._sized(slot.ticket, slot.tokens if slot.exact else None)
 
     def _sized(self, ticket: Ticket, exact: int | None) -> Ticket:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gateway.admission import Priority
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from gateway.admission import Ticket
     from gateway.credits import Slot
 
-Entry = tuple[float, int, "Slot"]
+Entry = tuple[float, int, "Slot[Any]"]
 """(tag, arrival number, slot): a lane is sorted by it."""
 
 
@@ -62,7 +62,7 @@ class AdmissionQueue:
         start = max(self._virtual[ticket.priority], self._finish.get((ticket.priority, ticket.tenant), 0.0))
         return start + ticket.cost / self._weight(ticket.tenant)
 
-    def ahead_slots(self, ticket: Ticket) -> list[Slot]:
+    def ahead_slots(self, ticket: Ticket) -> list[Slot[Any]]:
         """The waiting slots `ticket` would wait behind, were it queued now, in the order served."""
         tag = self._tag(ticket)
         interactive = [s for t, _, s in self._lanes[Priority.INTERACTIVE]]
@@ -74,10 +74,10 @@ class AdmissionQueue:
         """How many waiting tickets `ticket` would wait behind."""
         return len(self.ahead_slots(ticket))
 
-    def victims(self, ticket: Ticket) -> list[Slot] | tuple[str, str]:
+    def victims(self, ticket: Ticket) -> list[Slot[Any]] | tuple[str, str]:
         """The batch slots to shed so `ticket` fits (often none), or (reason, text) when it cannot fit."""
         count, tokens = self.requests, self.tokens
-        shed: list[Slot] = []
+        shed: list[Slot[Any]] = []
         batch = self._lanes[Priority.BATCH]
         sheddable = (
             (s for _, _, s in reversed(batch)) if ticket.priority is Priority.INTERACTIVE else iter(())
@@ -98,7 +98,7 @@ class AdmissionQueue:
             tokens -= victim.tokens
         return shed
 
-    def push(self, slot: Slot) -> None:
+    def push(self, slot: Slot[Any]) -> None:
         ticket = slot.ticket
         arrival = next(self._arrivals)
         tag = self._tag(ticket)
@@ -109,7 +109,7 @@ class AdmissionQueue:
         bisect.insort(self._lanes[ticket.priority], (tag, arrival, slot), key=lambda entry: entry[:2])
         self.tokens += slot.tokens
 
-    def remove(self, slot: Slot) -> bool:
+    def remove(self, slot: Slot[Any]) -> bool:
         """Take a slot out (cancelled, expired, shed); False when it was not waiting."""
         lane = self._lanes[slot.ticket.priority]
         for index, (_, _, waiting) in enumerate(lane):
@@ -119,7 +119,7 @@ class AdmissionQueue:
                 return True
         return False
 
-    def pop_next(self) -> Slot | None:
+    def pop_next(self) -> Slot[Any] | None:
         """The next slot to serve: the lowest tag of the interactive lane, else of the batch lane."""
         for priority in Priority:
             lane = self._lanes[priority]
@@ -131,14 +131,14 @@ class AdmissionQueue:
                 return slot
         return None
 
-    def set_tokens(self, slot: Slot, tokens: int) -> None:
+    def set_tokens(self, slot: Slot[Any], tokens: int) -> None:
         """The exact prompt size, once tokenized, replaces the estimate in the totals."""
         if any(waiting is slot for _, _, waiting in self._lanes[slot.ticket.priority]):
             self.tokens += tokens - slot.tokens
         slot.tokens = tokens
         slot.exact = True
 
-    def clear(self) -> list[Slot]:
+    def clear(self) -> list[Slot[Any]]:
         """Empty the queue, returning every slot in the order it would have been served."""
         slots = [slot for priority in Priority for _, _, slot in self._lanes[priority]]
         for lane in self._lanes.values():

@@ -6,8 +6,9 @@ ends it (the last update, a worker failure, a queue that let it go, the client c
 leaving the block releases its slot, which gives the worker credit back and cancels the submission on
 the worker if it is still open there, and closes its spans. While sent, it keeps what the StageClock
 needs of it (when it was sent, when its last update arrived, the worker's own time, the last update's
-Detokenize call), and the request's clock and trace are moved at its start and its end only. This
-module must not do I/O nor decide where a request goes.
+Detokenize call, from the deltas the pipeline hands it with `record`), and the request's clock and
+trace are moved at its start and its end only. The attempt never changes the request's answer nor
+its facts (the pipeline does). This module must not do I/O nor decide where a request goes.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ if TYPE_CHECKING:
 
     from gateway.credits import Slot
     from gateway.fallback import Detour
-    from gateway.request import Delta, Request
+    from gateway.request import Request
+    from gateway.request_values import Delta
     from gateway.route import Route
     from gateway.stage_clock import Call
     from gateway.worker_link import WorkerLink
@@ -35,7 +37,12 @@ class Attempt:
     """One slot of the request on one route. Used from the event loop only."""
 
     def __init__(
-        self, request: Request, route: Route, detour: Detour | None, slot: Slot, replica_retries: int
+        self,
+        request: Request,
+        route: Route,
+        detour: Detour | None,
+        slot: Slot[WorkerLink],
+        replica_retries: int,
     ) -> None:
         self.request = request
         self.route = route
@@ -69,7 +76,6 @@ class Attempt:
         return cls(request, route, detour, slot, replica_retries)
 
     def __enter__(self) -> Attempt:
-        self.request.attempt = self
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -88,11 +94,6 @@ class Attempt:
         """Submit on the granted link: the wait so far was queueing; the worker's part begins."""
         request = self.request
         prior = list(request.token_ids)
-        if self.detour is not None and not request.fallback_reason:
-            request.fallback_reason = self.detour.reason
-        if prior:
-            request.failover_at_token = len(prior)
-        request.model = self.route.name
         self.prompt_ids = list(request.prompt_ids)
         trace = request.trace
         self.hop = trace.open_hop(CONNECT_RPC, time.perf_counter(), **{"server.address": link.address})
@@ -114,11 +115,24 @@ class Attempt:
         request.clock.wait("queue", self.submitted)
         trace.emit(request.clock)
         try:
-            link.submit(self.slot, submission, request)
+            link.submit(self.slot, submission, request.sink)
         except Unavailable as error:  # the link broke between the grant and now: this attempt failed
-            request.fail(error)
+            request.sink.fail(error)
 
-    def took(self, delta: Delta) -> None:
+    def record(self, deltas: list[Delta]) -> None:
+        """Keep this attempt's part of the deltas it sent, before the request makes its chunk of them;
+        an error or a finish among them ends the attempt (nothing of it follows)."""
+        for delta in deltas:
+            if delta.error is not None:
+                self.end()
+                return
+            if delta.token_ids or delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                self._took(delta)
+            if delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                self.end()
+                return
+
+    def _took(self, delta: Delta) -> None:
         """Keep what the attempt's part needs: the last update's arrival, worker time and decode call."""
         if self.received is None:
             self.worker_queue_ms = delta.queue_ms

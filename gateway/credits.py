@@ -22,25 +22,37 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from gateway.admission import Ticket
     from gateway.forecast import Forecast
-    from gateway.worker_link import WorkerLink
+
+
+class CreditLink(Protocol):
+    """What a Slot needs of the link its credit is on (a WorkerLink): the stream's credits, and a word
+    when the slot lets its credit go."""
+
+    @property
+    def credits(self) -> StreamCredits: ...
+
+    def slot_released(self, slot: Slot[Any]) -> None: ...
+
+
+LinkT = TypeVar("LinkT", bound=CreditLink)
 
 
 class SlotQueue(Protocol):
     """What a waiting Slot needs of its route's queue."""
 
-    def set_tokens(self, slot: Slot, tokens: int) -> None: ...
+    def set_tokens(self, slot: Slot[Any], tokens: int) -> None: ...
 
-    def set_prompt(self, slot: Slot, prompt_ids: list[int]) -> None:
+    def set_prompt(self, slot: Slot[Any], prompt_ids: list[int]) -> None:
         """The tokenized prompt: the queue may route the slot by its prefix (and move its credit)."""
 
-    def withdraw(self, slot: Slot) -> None: ...
+    def withdraw(self, slot: Slot[Any]) -> None: ...
 
 
 class StreamCredits:
@@ -53,7 +65,7 @@ class StreamCredits:
         """Credits other gateways held at the worker's last report."""
         self.held = 0
         """Slots granted on this stream and not released: its requests about to be sent, or sent."""
-        self.unsent: set[Slot] = set()
+        self.unsent: set[Slot[Any]] = set()
         """The held slots whose submissions are not sent yet (their prompts are being tokenized): the
         forecast counts them by their own sizes."""
 
@@ -70,16 +82,16 @@ class StreamCredits:
         """The worker's credits in a message, with this stream's requests still open on the worker."""
         self.others = max(0, self.limit - reported - open_on_worker)
 
-    def take(self, slot: Slot) -> None:
+    def take(self, slot: Slot[Any]) -> None:
         """A grant: `slot` holds one credit here, its submission not sent yet."""
         self.held += 1
         self.unsent.add(slot)
 
-    def sent(self, slot: Slot) -> None:
+    def sent(self, slot: Slot[Any]) -> None:
         """`slot`'s submission is on the wire; it keeps its credit until released."""
         self.unsent.discard(slot)
 
-    def give_back(self, slot: Slot) -> None:
+    def give_back(self, slot: Slot[Any]) -> None:
         """`slot` released its credit here (or moved it to another stream)."""
         self.held -= 1
         self.unsent.discard(slot)
@@ -94,8 +106,9 @@ class StreamCredits:
             self.held += 1
 
 
-class Slot:
-    """One request's claim on a worker credit for one submission. Used from the event loop only."""
+class Slot(Generic[LinkT]):
+    """One request's claim on a worker credit for one submission, on a link of type LinkT. Used from
+    the event loop only."""
 
     def __init__(self, ticket: Ticket, queue: SlotQueue) -> None:
         self.ticket = ticket
@@ -108,7 +121,7 @@ class Slot:
         """Fires at the ticket's deadline while the slot waits."""
         self.forecast: Forecast | None = None
         """What admission forecast for it (forecast.py); None without a forecast."""
-        self.link: WorkerLink | None = None
+        self.link: LinkT | None = None
         """The link the credit was granted on; None while waiting."""
         self.wire_id = ""
         """The submission's id on the link's stream, once submitted."""
@@ -119,7 +132,7 @@ class Slot:
         self.preferred = ""
         """The replica the prompt's prefix preferred; empty without a key."""
         self._queue = queue
-        self._outcome: asyncio.Future[WorkerLink] = asyncio.get_running_loop().create_future()
+        self._outcome: asyncio.Future[LinkT] = asyncio.get_running_loop().create_future()
         self._released = False
 
     @property
@@ -136,7 +149,7 @@ class Slot:
         """Granted, refused, or given up: no longer waiting for the dispatcher."""
         return self._outcome.done()
 
-    def grant(self, link: WorkerLink) -> None:
+    def grant(self, link: LinkT) -> None:
         """The dispatcher's grant: take one of `link`'s credits for this slot."""
         link.credits.take(self)
         self.link = link
@@ -147,7 +160,7 @@ class Slot:
         if not self._outcome.done():
             self._outcome.set_exception(error)
 
-    def move(self, link: WorkerLink) -> None:
+    def move(self, link: LinkT) -> None:
         """Carry a granted, unsent credit to `link` (prefix routing's choice once the prompt is
         tokenized): the old link gets its credit back at once."""
         old = self.link
@@ -158,7 +171,7 @@ class Slot:
         old.credits.give_back(self)
         old.slot_released(self)
 
-    async def granted(self, prompt_tokens: int, prompt_ids: list[int] | None = None) -> WorkerLink:
+    async def granted(self, prompt_tokens: int, prompt_ids: list[int] | None = None) -> LinkT:
         """Wait for the grant (the exact prompt size replaces the estimate, the tokenized prompt
         lets the route choose by prefix); the link it is on.
 

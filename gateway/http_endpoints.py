@@ -35,9 +35,9 @@ from gateway.openai_logprobs import prompt_logprobs
 from gateway.openai_mapping import FINISH_REASONS, Reply, extension, headers, to_generate_request
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from gateway.openai_tools import ToolStream
-from gateway.request import Incoming
 from gateway.request_ids import new_request_id
 from gateway.request_trace import TRACE_KEYS
+from gateway.request_values import Incoming
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Coroutine
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
     from gateway.pipeline import Pipeline
-    from gateway.request import Chunk
+    from gateway.request_values import Chunk
     from gateway.router import Router
     from gateway.settings import GatewaySettings
     from strata.v1 import gateway_pb2

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Callable
 
     from gateway.fallback import Detour
-    from gateway.request import Chunk, Failure, Incoming
+    from gateway.request_values import Chunk, Failure, Incoming
     from gateway.route import Route
     from gateway.router import Router
     from gateway.settings import GatewaySettings
@@ -153,9 +153,12 @@ class Pipeline:
                 else:
                     if detour is not None and not request.fallback_reason:
                         FALLBACKS.labels(model=request.primary.name, reason=detour.trigger.value).inc()
+                    request.sent_to(route.name, detour)
                     attempt.send(link)
                     while True:
-                        chunk, failure = request.add(await request.next_deltas())
+                        deltas = await request.sink.next_deltas()
+                        attempt.record(deltas)
+                        chunk, failure = request.add(deltas)
                         if chunk is not None:
                             yield chunk
                             if chunk.final is not None:

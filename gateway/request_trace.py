@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
     from gateway.errors import GatewayError
-    from gateway.request import Incoming
+    from gateway.request_values import Incoming
     from gateway.stage_clock import StageClock
     from gateway.validation import ValidRequest
     from strata.tracing import Tracing

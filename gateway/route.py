@@ -196,7 +196,7 @@ class Route:
         found = self._judge.refusal(ticket, self.forecast(ticket), self.free_credits(), self.links)
         return found[1] if found is not None else None
 
-    def enqueue(self, ticket: Ticket, prompt_ids: list[int] | None = None) -> Slot:
+    def enqueue(self, ticket: Ticket, prompt_ids: list[int] | None = None) -> Slot[WorkerLink]:
         """Decide at once: a Slot in the queue (granted at once when a credit is free), or raise Refused,
         Unavailable or DeadlineExceeded. With `prompt_ids` (a retry or a failover: already tokenized)
         the slot is routed by its prefix and the forecast is the chosen replica's."""
@@ -216,7 +216,7 @@ class Route:
             raise self._refusal(reason, text, wait)
         victims = self._queue.victims(ticket)
         wait = predicted.start_s if predicted is not None else None
-        slot = Slot(ticket, self)
+        slot: Slot[WorkerLink] = Slot(ticket, self)
         slot.forecast = predicted
         slot.prefix_key = key
         for victim in victims if isinstance(victims, list) else ():
@@ -229,11 +229,11 @@ class Route:
         ADMISSION_DECISION_SECONDS.labels(self.name, "admitted").observe(time.perf_counter() - started)
         return slot
 
-    def set_tokens(self, slot: Slot, tokens: int) -> None:
+    def set_tokens(self, slot: Slot[WorkerLink], tokens: int) -> None:
         self._judge.prompts.observe(slot.ticket.prompt_tokens, tokens)
         self._queue.set_tokens(slot, tokens)
 
-    def set_prompt(self, slot: Slot, prompt_ids: list[int]) -> None:
+    def set_prompt(self, slot: Slot[WorkerLink], prompt_ids: list[int]) -> None:
         """The slot's prompt is tokenized: a waiting slot is granted by its prefix; one the dispatcher
         granted before the prompt was known (a credit was free at once) moves to the replica its
         prefix chooses when that is another and has a free credit, since nothing was sent yet; the
@@ -253,7 +253,7 @@ class Route:
             slot.move(chosen)
             slot.forecast = self._judge.forecast(slot.ticket, [chosen]) or slot.forecast
 
-    def withdraw(self, slot: Slot) -> None:
+    def withdraw(self, slot: Slot[WorkerLink]) -> None:
         """A released slot that was never granted leaves the queue (if still in it)."""
         if self._queue.remove(slot):
             self._dispatch()
@@ -264,19 +264,19 @@ class Route:
             f"model {self.name!r} is overloaded: {text}; retry in {retry_s:.1f} s", retry_s, reason
         )
 
-    def _leave(self, slot: Slot, error: Exception) -> None:
+    def _leave(self, slot: Slot[WorkerLink], error: Exception) -> None:
         """A waiting slot leaves the queue without a credit."""
         if slot.timer is not None:
             slot.timer.cancel()
         slot.refuse(error)
 
-    def _shed(self, victim: Slot, wait_s: float | None) -> None:
+    def _shed(self, victim: Slot[WorkerLink], wait_s: float | None) -> None:
         self._queue.remove(victim)
         REJECTIONS.labels(self.name, "shed").inc()
         text = "a batch request was shed to admit an interactive one"
         self._leave(victim, self._refusal("shed", text, wait_s))
 
-    def _expire(self, slot: Slot) -> None:
+    def _expire(self, slot: Slot[WorkerLink]) -> None:
         if not self._queue.remove(slot):
             return
         REJECTIONS.labels(self.name, "deadline").inc()
@@ -300,7 +300,7 @@ class Route:
             return
         self._dispatch()
 
-    def _choose(self, slot: Slot) -> Choice[WorkerLink] | None:
+    def _choose(self, slot: Slot[WorkerLink]) -> Choice[WorkerLink] | None:
         """The ready link for `slot` (by its prefix when known); None when no link has a credit."""
         return self._choose_key(slot.prefix_key)
 

@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING
 
 from gateway import tool_calls
 from gateway.errors import GatewayError, InvalidArgument
-from gateway.request import Chunk
 from gateway.request_ids import or_new
+from gateway.request_values import Chunk
 from strata.v1 import gateway_pb2
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Callable
 
-    from gateway.request import Incoming
+    from gateway.request_values import Incoming
 
 MAX_SAMPLES = 16
 _MASK64 = (1 << 64) - 1

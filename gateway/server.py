@@ -24,8 +24,8 @@ from gateway.errors import GatewayError, abort
 from gateway.http_server import HttpFrontDoor
 from gateway.metrics import ROUTER_GAUGES, STUCK_STREAMS
 from gateway.pipeline import Pipeline
-from gateway.request import Incoming
 from gateway.request_trace import TRACE_KEYS
+from gateway.request_values import Incoming
 from gateway.router import Router
 from gateway.settings import GatewaySettings
 from gateway.tenant_settings import DEFAULT_TENANT

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from gateway.credits import Slot
-    from gateway.request import Request
+    from gateway.delta_sink import DeltaSink
     from gateway.settings import GatewaySettings
     from gateway.tokenizer_client import TokenizerClient
 
@@ -72,8 +72,8 @@ class WorkerLink:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._task: asyncio.Task[None] | None = None
         self._outbound: asyncio.Queue[worker_pb2.Submission | str] = asyncio.Queue()
-        self._open: dict[str, Request] = {}
-        """The requests the worker runs for this stream, by wire id."""
+        self._open: dict[str, DeltaSink] = {}
+        """Where the updates of the requests the worker runs for this stream go, by wire id."""
         self._idle = asyncio.Event()
         self._delivering = False
         """A message's deltas are being detokenized: a finished request's last one is not out yet."""
@@ -132,21 +132,21 @@ class WorkerLink:
         self._drop("the gateway is shutting down", expected=True)
         await self._channel.close()
 
-    def submit(self, slot: Slot, submission: worker_pb2.Submission, request: Request) -> None:
+    def submit(self, slot: Slot[WorkerLink], submission: worker_pb2.Submission, sink: DeltaSink) -> None:
         """Queue a submission (named by its wire id) for the next write, on the credit `slot` holds
-        here; `request` gets what the worker sends back for it. Unavailable when the stream is down."""
+        here; `sink` gets what the worker sends back for it. Unavailable when the stream is down."""
         assert slot.link is self, "a submission rides on a slot granted on this link"
         if not self.ready:
             raise Unavailable(f"worker {self.address} is not ready: {self.not_ready_reason}")
         wire_id = slot.wire_id = submission.request_id
         self.credits.sent(slot)
-        self._open[wire_id] = request
+        self._open[wire_id] = sink
         self.load.sent(submission, slot.first_token_due, slot.ticket.tenant)
         self.submitted += 1
         WORKER_SUBMISSIONS.labels(self.model, self.address).inc()
         self._outbound.put_nowait(submission)
 
-    def slot_released(self, slot: Slot) -> None:
+    def slot_released(self, slot: Slot[Any]) -> None:
         """A slot granted here was released: cancel its submission if the worker still runs it. The
         worker reads a cancellation before any submission queued after it: the credit is free already."""
         self._cancel(slot.wire_id)
@@ -244,16 +244,16 @@ class WorkerLink:
             if rejected is not None:
                 message = f"worker {self.address}: {rejection.message}"
                 rejected.fail(from_code(rejection.code, message, self._settings.overload_retry_after_s))
-        targets: list[tuple[str, Request, worker_pb2.TokenUpdate]] = []
+        targets: list[tuple[str, DeltaSink, worker_pb2.TokenUpdate]] = []
         entries: list[tokenizer_pb2.DetokenizeEntry] = []
         for update in response.updates:
-            request = self._open.get(update.request_id)
-            if request is None:  # cancelled, stopped or failed already
+            sink = self._open.get(update.request_id)
+            if sink is None:  # cancelled, stopped or failed already
                 continue
             if update.finished:
                 del self._open[update.request_id]
-            targets.append((update.request_id, request, update))
-            entries.append(request.entry(update))
+            targets.append((update.request_id, sink, update))
+            entries.append(sink.entry(update, self.model))
         if response.HasField("credits"):
             self.credits.report(response.credits.requests, len(self._open))
         self._on_capacity()
@@ -267,25 +267,25 @@ class WorkerLink:
 
     async def _detokenize(
         self,
-        targets: list[tuple[str, Request, worker_pb2.TokenUpdate]],
+        targets: list[tuple[str, DeltaSink, worker_pb2.TokenUpdate]],
         entries: list[tokenizer_pb2.DetokenizeEntry],
         received: float,
     ) -> None:
         try:
             results, call = await self._tokenizer.detokenize(entries)
         except TokenizerUnavailable as lost:
-            for wire_id, request, _ in targets:
+            for wire_id, sink, _ in targets:
                 self._cancel(wire_id)
-                request.fail(lost)
+                sink.fail(lost)
             return
-        for (wire_id, request, update), result in zip(targets, results, strict=True):
+        for (wire_id, sink, update), result in zip(targets, results, strict=True):
             if result.HasField("error"):
                 self._cancel(wire_id)
-                request.fail(from_code(result.error.code, result.error.message))
+                sink.fail(from_code(result.error.code, result.error.message))
                 continue
             if result.stopped:
                 self._cancel(wire_id)  # the worker may still be generating: free its KV blocks now
-            request.deliver(update, result, received, call)
+            sink.deliver(update, result, received, call)
 
     def _drop(self, reason: str, *, expected: bool = False) -> None:
         """Fail every open request and mark the link not ready; a loss nobody planned is a warning."""
@@ -296,8 +296,8 @@ class WorkerLink:
         self.credits.reset(0, 0)
         self.load.clear()
         error = Unavailable(f"worker {self.address} for model {self.model!r} is gone: {reason}")
-        for request in failed.values():
-            request.fail(error)
+        for sink in failed.values():
+            sink.fail(error)
         self._note_idle()
         self._on_capacity()
         if was_ready:

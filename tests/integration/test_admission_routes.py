@@ -20,8 +20,9 @@ from gateway.attempt import Attempt
 from gateway.credits import Slot
 from gateway.discovery import resolve
 from gateway.errors import Unavailable
-from gateway.request import Incoming, Request
+from gateway.request import Request
 from gateway.request_trace import RequestTrace
+from gateway.request_values import Incoming
 from gateway.router import Router
 from gateway.settings import GatewaySettings
 from gateway.tokenizer_client import TokenizerClient
@@ -111,6 +112,7 @@ async def generate(route: Route, name: str, new_tokens: int = 4) -> list[int]:
     """Place, send and collect one request's tokens, as the pipeline's attempt does."""
     request = request_of(route, name, new_tokens)
     with Attempt.place(request, route, None, 0) as attempt:
+        request.sent_to(route.name, None)
         attempt.send(await attempt.granted())
         return await collect(request)
 
@@ -118,7 +120,7 @@ async def generate(route: Route, name: str, new_tokens: int = 4) -> list[int]:
 async def collect(request: Request) -> list[int]:
     tokens: list[int] = []
     while True:
-        for delta in await asyncio.wait_for(request.next_deltas(), WAIT_S):
+        for delta in await asyncio.wait_for(request.sink.next_deltas(), WAIT_S):
             if delta.error is not None:
                 raise delta.error
             tokens.extend(delta.token_ids)
@@ -185,14 +187,14 @@ def test_a_dns_route_resolves_localhost_and_follows_its_changes(tiny_serving_dir
 async def generate_on(route: Route, link: Any, name: str, new_tokens: int) -> list[int]:
     """A request submitted straight to one link: its slot granted there, bypassing the dispatcher."""
     request = request_of(route, name, new_tokens)
-    slot = Slot(ticket(name), route)
+    slot: Slot[Any] = Slot(ticket(name), route)
     slot.grant(link)
     try:
         sampling = common_pb2.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
         submission = worker_pb2.Submission(
             request_id=f"{name}#direct", prompt_ids=[5, 6, 7], sampling=sampling
         )
-        link.submit(slot, submission, request)
+        link.submit(slot, submission, request.sink)
         return await collect(request)
     finally:
         slot.release()

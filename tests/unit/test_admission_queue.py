@@ -5,7 +5,7 @@ forecast is tests/unit/test_forecast.py's."""
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
@@ -46,15 +46,15 @@ class RecordingRoute:
     """What a Slot calls back on its route: recorded, since these tests drive the queue by hand."""
 
     def __init__(self) -> None:
-        self.withdrawn: list[Slot] = []
+        self.withdrawn: list[Slot[Any]] = []
 
-    def set_tokens(self, slot: Slot, tokens: int) -> None:
+    def set_tokens(self, slot: Slot[Any], tokens: int) -> None:
         slot.tokens = tokens
 
-    def set_prompt(self, slot: Slot, prompt_ids: list[int]) -> None:
+    def set_prompt(self, slot: Slot[Any], prompt_ids: list[int]) -> None:
         slot.prefix_key = len(prompt_ids)
 
-    def withdraw(self, slot: Slot) -> None:
+    def withdraw(self, slot: Slot[Any]) -> None:
         self.withdrawn.append(slot)
 
 
@@ -63,9 +63,9 @@ class RecordingLink:
 
     def __init__(self) -> None:
         self.credits = StreamCredits()
-        self.released: list[Slot] = []
+        self.released: list[Slot[Any]] = []
 
-    def slot_released(self, slot: Slot) -> None:
+    def slot_released(self, slot: Slot[Any]) -> None:
         self.released.append(slot)
 
 
@@ -76,12 +76,12 @@ def slot(
     route: RecordingRoute | None = None,
     tenant: str = "default",
     new_tokens: int = 8,
-) -> Slot:
+) -> Slot[Any]:
     ticket = Ticket(
         request_id=name, prompt_tokens=tokens, max_new_tokens=new_tokens, priority=priority, tenant=tenant
     )
 
-    async def make() -> Slot:  # a slot belongs to the running loop, as on a route
+    async def make() -> Slot[Any]:  # a slot belongs to the running loop, as on a route
         return Slot(ticket, route or RecordingRoute())
 
     return asyncio.get_event_loop().run_until_complete(make())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -20,13 +20,17 @@ from gateway.credits import StreamCredits
 from gateway.errors import InvalidArgument, Unavailable
 from gateway.fallback import Detour, Trigger
 from gateway.forecast import LinkLoad
-from gateway.request import ENGINE_ERROR, Delta, Failure, Incoming, Request
+from gateway.request import ENGINE_ERROR, Request
 from gateway.request_trace import RequestTrace
+from gateway.request_values import Chunk, Delta, Failure, Incoming
 from gateway.route import Route
 from gateway.settings import GatewaySettings
 from gateway.validation import ValidRequest
 from strata.tracing import Tracing
 from strata.v1 import common_pb2, gateway_pb2, worker_pb2
+
+if TYPE_CHECKING:
+    from gateway.delta_sink import DeltaSink
 
 
 @dataclass
@@ -38,7 +42,7 @@ class RecordingLink:
     load: LinkLoad = field(default_factory=LinkLoad)
     """What fair queuing's worker priority reads of the link."""
 
-    def submit(self, slot: Any, submission: worker_pb2.Submission, request: Request) -> None:
+    def submit(self, slot: Any, submission: worker_pb2.Submission, sink: DeltaSink) -> None:
         self.sent.append(submission)
 
 
@@ -80,12 +84,20 @@ def _request(model: str = "big") -> Request:
 
 
 def _sent(request: Request, route: Route, detour: Detour | None = None) -> tuple[Attempt, RecordingLink]:
-    """An attempt queued on `route` (no worker: it waits) and sent on a recording link."""
+    """An attempt queued on `route` (no worker: it waits) and sent on a recording link, as the
+    pipeline sends one."""
     attempt = Attempt.place(request, route, detour, 0)
     attempt.__enter__()
     link = RecordingLink()
+    request.sent_to(route.name, detour)
     attempt.send(link)  # type: ignore[arg-type]
     return attempt, link
+
+
+def _add(request: Request, attempt: Attempt, deltas: list[Delta]) -> tuple[Chunk | None, Failure | None]:
+    """The pipeline's turn on a batch of deltas: the attempt records its part, the request answers."""
+    attempt.record(deltas)
+    return request.add(deltas)
 
 
 def run(coroutine_function: Any) -> Any:
@@ -96,13 +108,15 @@ def test_tokens_before_a_broken_stream_still_reach_the_client() -> None:
     async def main() -> None:
         request = _request()
         attempt, _ = _sent(request, request.primary)
-        chunk, failure = request.add(
+        chunk, failure = _add(
+            request,
+            attempt,
             [
                 Delta("He", [5]),
                 Delta("llo", [6, 7]),
                 Delta(error=Unavailable("worker w is gone")),
                 Delta("x", [9]),
-            ]
+            ],
         )
         assert chunk is not None and (chunk.text, chunk.token_ids, chunk.final) == ("Hello", [5, 6, 7], None)
         assert failure == Failure("worker w is gone", worker_lost=True)
@@ -114,13 +128,15 @@ def test_tokens_before_a_broken_stream_still_reach_the_client() -> None:
 def test_an_engine_error_ends_the_attempt_after_its_tokens() -> None:
     async def main() -> None:
         request = _request()
-        _sent(request, request.primary)
-        chunk, failure = request.add([Delta("a", [1]), Delta("b", [2], common_pb2.FINISH_REASON_ERROR)])
+        attempt, _ = _sent(request, request.primary)
+        chunk, failure = _add(
+            request, attempt, [Delta("a", [1]), Delta("b", [2], common_pb2.FINISH_REASON_ERROR)]
+        )
         assert chunk is not None and chunk.token_ids == [1, 2] and chunk.final is None
         assert failure == Failure(ENGINE_ERROR)
         other = _request()
-        _sent(other, other.primary)
-        empty, failure = other.add([Delta(error=Unavailable("refused"))])
+        other_attempt, _ = _sent(other, other.primary)
+        empty, failure = _add(other, other_attempt, [Delta(error=Unavailable("refused"))])
         assert empty is None and failure == Failure("refused", worker_lost=True)
 
     run(main)
@@ -129,9 +145,9 @@ def test_an_engine_error_ends_the_attempt_after_its_tokens() -> None:
 def test_other_errors_end_the_request() -> None:
     async def main() -> None:
         request = _request()
-        _sent(request, request.primary)
+        attempt, _ = _sent(request, request.primary)
         with pytest.raises(InvalidArgument):
-            request.add([Delta("a", [1]), Delta(error=InvalidArgument("prompt: too long"))])
+            _add(request, attempt, [Delta("a", [1]), Delta(error=InvalidArgument("prompt: too long"))])
 
     run(main)
 
@@ -140,7 +156,7 @@ def test_a_failover_submission_carries_the_tokens_sent_and_the_final_names_the_f
     async def main() -> None:
         request = _request()
         first, _ = _sent(request, request.primary)
-        request.add([Delta("ab", [1, 2]), Delta(error=Unavailable("gone"))])
+        _add(request, first, [Delta("ab", [1, 2]), Delta(error=Unavailable("gone"))])
         first.__exit__(None, None, None)
         small = _route("small")
         detour = Detour("small", Trigger.FAILOVER, "primary big failed mid-stream after 2 tokens: gone")
@@ -154,7 +170,7 @@ def test_a_failover_submission_carries_the_tokens_sent_and_the_final_names_the_f
         last = Delta(
             "c", [3], common_pb2.FINISH_REASON_LENGTH, queue_ms=2.0, forward_ms=5.0, received=received
         )
-        chunk, failure = request.add([last])
+        chunk, failure = _add(request, second, [last])
         assert failure is None and chunk is not None and chunk.final is not None
         final = chunk.final
         assert (final.text, list(final.token_ids), final.model) == ("abc", [1, 2, 3], "small")
