@@ -62,7 +62,21 @@ def request_path(records: Mapping[str, Record]) -> list[str]:
     return [
         f"One streaming request runs code in {data['gateway_modules_run_count']} of the "
         f"{data['gateway_modules_total']} gateway modules and makes {data['gateway_types_made_count']} "
-        "gateway types."
+        "gateway types.",
+        *_walk(data.get("walk_from_serve")),
+    ]
+
+
+def _walk(walk: Mapping[str, Any] | None) -> list[str]:
+    """The walk from Pipeline._serve, when the record has one."""
+    if walk is None:
+        return []
+    most = ", ".join(f"{module} {count}" for module, count in list(walk["stops_per_module"].items())[:4])
+    return [
+        "",
+        f"Read from `Pipeline._serve` on, function by function as each is first called, the path makes "
+        f"{walk['stops']} stops in {walk['modules']} modules, {walk['returns_to_a_module_left']} of them "
+        f"returns to a module already left; most stops: {most}.",
     ]
 
 

@@ -1,14 +1,19 @@
 """What one streaming request runs in the gateway: the modules it enters, the gateway types it makes,
-and the line counts of the request-path code.
+the walk a reader of its path takes, and the line counts of the request-path code.
 
 Starts the real tokenizer service, one worker and the gateway in this process on 127.0.0.1:0 over the
 default model (`make model`), sends one warm-up request, then one streaming request while a profile
 hook records every gateway function that runs and a wrapper on each gateway class's `__init__`
-records every gateway type made. The figures are the request path's size as a newcomer reading the
-code meets it; they change only when the code does. This script must not change any service's
-behaviour: the hooks only record.
+records every gateway type made. The walk is the gateway functions the request runs from
+`Pipeline._serve` on, each at its first call, in the order they are first called: read as a list of
+modules (a function in the same module as the one before is the same stop), it counts the stops, the
+returns to a module the walk already left, and the stops in each module. The figures are the request
+path's size as a newcomer reading the code meets it; they change only when the code does. This
+script must not change any service's behaviour: the hooks only record.
 
-    .venv/bin/python scripts/request_path.py [--model-dir DIR] [--json PATH]
+    .venv/bin/python scripts/request_path.py [--model-dir DIR] [--json PATH] [--tree DIR]
+
+`--tree` measures another checkout's code (an older commit in a git worktree) with this script.
 """
 
 from __future__ import annotations
@@ -26,11 +31,23 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-import gateway  # noqa: E402  (after the path: this checkout's packages, never an installed copy)
-from bench.provenance import finish_provenance, start_provenance  # noqa: E402
+
+def _tree() -> Path:
+    """The checkout whose code is measured: --tree's, else this script's."""
+    if "--tree" in sys.argv[:-1]:
+        return Path(sys.argv[sys.argv.index("--tree") + 1]).resolve()
+    return ROOT
+
+
+TREE = _tree()
+sys.path.insert(0, str(ROOT))
+from bench.provenance import finish_provenance, start_provenance  # noqa: E402  (this checkout's)
 from bench.stats import save_record  # noqa: E402
+
+sys.path.insert(0, str(TREE))
+
+import gateway  # noqa: E402  (after the path: the measured checkout's packages, never an installed copy)
 from gateway.server import start as start_gateway  # noqa: E402
 from gateway.settings import GatewaySettings  # noqa: E402
 from services.tokenizer.server import start as start_tokenizer  # noqa: E402
@@ -40,7 +57,8 @@ from services.worker.settings import WorkerSettings  # noqa: E402
 from strata.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 
 GATEWAY_DIR = Path(gateway.__file__).resolve().parent
-WORKER_DIR = ROOT / "services" / "worker"
+WORKER_DIR = TREE / "services" / "worker"
+WALK_START = "_serve"
 
 
 class Recorder:
@@ -50,12 +68,23 @@ class Recorder:
         self.on = False
         self.modules: set[str] = set()
         self.types: set[str] = set()
+        self.walk: list[tuple[str, str]] = []
+        """(module, function) at each gateway function's first call from Pipeline._serve's on."""
+        self._seen: set[object] = set()
 
     def profile(self, frame: Any, event: str, arg: object) -> None:
         if self.on and event == "call":
-            path = Path(frame.f_code.co_filename)
+            code = frame.f_code
+            path = Path(code.co_filename)
             if path.parent == GATEWAY_DIR:
                 self.modules.add(path.stem)
+                started = self.walk or (path.stem == "pipeline" and code.co_name == WALK_START)
+                # A coroutine's every resumption is a call: a function is on the walk at its first
+                # call only, and one first called before _serve (the front door) is not on it.
+                if code not in self._seen:
+                    self._seen.add(code)
+                    if started:
+                        self.walk.append((path.stem, code.co_qualname))
 
     def wrap_classes(self) -> None:
         """Wrap the `__init__` of every class defined in a gateway module (enums and protocols aside)."""
@@ -78,6 +107,28 @@ class Recorder:
             init(instance, *args, **kwargs)
 
         return recorded
+
+
+def walk_figures(walk: list[tuple[str, str]]) -> dict[str, Any]:
+    """The walk as a reader takes it: stops (a run of functions in one module is one stop), the
+    returns to a module already left, and the stops per module, most first."""
+    stops: list[str] = []
+    for module, _ in walk:
+        if not stops or stops[-1] != module:
+            stops.append(module)
+    entries: dict[str, int] = {}
+    returns = 0
+    for module in stops:
+        returns += module in entries
+        entries[module] = entries.get(module, 0) + 1
+    return {
+        "functions": [f"{module}.{name}" for module, name in walk],
+        "stops": len(stops),
+        "modules": len(entries),
+        "returns_to_a_module_left": returns,
+        "stops_per_module": dict(sorted(entries.items(), key=lambda item: (-item[1], item[0]))),
+        "most_stops_in_one_module": max(entries.values(), default=0),
+    }
 
 
 def line_counts() -> dict[str, int]:
@@ -125,12 +176,22 @@ async def measure(model_dir: Path, recorder: Recorder) -> None:
         await tokenizer.stop(0)
 
 
+def _tree_commit() -> str:
+    """The commit of the measured checkout (this one's unless --tree names another)."""
+    import subprocess
+
+    return subprocess.run(
+        ["git", "-C", str(TREE), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model-dir", type=Path, default=ROOT / "models" / "SmolLM2-135M-Instruct")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--tree", type=Path, default=ROOT, help="the checkout to measure (default: this one)")
     args = parser.parse_args()
     provenance = start_provenance()
     recorder = Recorder()
@@ -152,6 +213,8 @@ def main() -> int:
         "gateway_modules_total": modules_total,
         "gateway_types_made": sorted(recorder.types),
         "gateway_types_made_count": len(recorder.types),
+        "walk_from_serve": walk_figures(recorder.walk),
+        "measured_tree": _tree_commit(),
         "lines": line_counts(),
     }
     print(json.dumps(record, indent=2))
