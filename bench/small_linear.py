@@ -63,7 +63,7 @@ def _contestants(weights: list[torch.Tensor], m: int) -> dict[str, Callable[[], 
 
 
 def parse_args(module: str, doc: str | None, rows: list[int], argv: list[str] | None) -> argparse.Namespace:
-    """The options this benchmark and bench.large_linear share: rows, rounds, threads, seed, record."""
+    """This benchmark's options: rows, rounds, threads, seed, record."""
     p = argparse.ArgumentParser(prog=f"python -m {module}", description=(doc or "").split("\n")[0])
     p.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=rows)
     p.add_argument("--runs", type=int, default=5)

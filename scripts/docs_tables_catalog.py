@@ -12,7 +12,7 @@ anything or read records.
 
 from __future__ import annotations
 
-from docs_tables_entry import ENGINE, GATEWAY, KERNELS, STACK, Entry, out, py, spawn
+from docs_tables_entry import DROPPED, ENGINE, GATEWAY, KERNELS, STACK, Entry, out, py, spawn
 
 # bench.peer on Qwen2.5-Coder-0.5B: its float32 conversion for llama.cpp's converter, its Q4_K_M
 # file as shipped for both sides' Q4_K_M contestants (make bench-peer fetches both).
@@ -217,10 +217,18 @@ CATALOG: dict[str, Entry] = {
         KERNELS, "bench/gguf_linear.py", 60, py("bench.gguf_linear", *out("gguf-linear-cpu.json"))
     ),
     "large-linear-cpu.json": Entry(
-        KERNELS, "bench/large_linear.py", 60, py("bench.large_linear", *out("large-linear-cpu.json"))
+        KERNELS,
+        "bench/large_linear.py",
+        60,
+        py("bench.large_linear", *out("large-linear-cpu.json")),
+        target=DROPPED,
     ),
     "torch-compile-cpu.json": Entry(
-        KERNELS, "bench/torch_compile.py", 60, py("bench.torch_compile", *out("torch-compile-cpu.json"))
+        KERNELS,
+        "bench/torch_compile.py",
+        60,
+        py("bench.torch_compile", *out("torch-compile-cpu.json")),
+        target=DROPPED,
     ),
     "busy-neighbour-cpu.json": Entry(
         ENGINE, "bench/busy_neighbour.py", 420, py("bench.busy_neighbour", *out("busy-neighbour-cpu.json"))

@@ -34,6 +34,10 @@ class Entry:
         return (*self.paths, self.bench)
 
 
+DROPPED = "none: a dropped lever's record (its script is at the record's commit)"
+"""The target of a lever measured and dropped: the record and its row stay, its script left with it."""
+
+
 def py(module: str, *args: str) -> tuple[str, ...]:
     """`python -m module args`."""
     return ("python", "-m", module, *args)

@@ -167,13 +167,13 @@ LEVERS: tuple[tuple[str, str | None, Figures | str, str], ...] = (
         "kept",
     ),
     (
-        "a faster GEMM for 64 streams (`python -m bench.large_linear`, the decoder's projections at M=64)",
+        "a faster GEMM for 64 streams (the decoder's projections at M=64)",
         "large-linear-cpu.json",
         large_linear,
         "neither kept: the pack costs 4x the weights",
     ),
     (
-        "torch.compile (Inductor, CPU) of the decode step (`python -m bench.torch_compile`, one stream)",
+        "torch.compile (Inductor, CPU) of the decode step (one stream)",
         "torch-compile-cpu.json",
         torch_compile,
         "dropped (no setting)",
