@@ -25,6 +25,9 @@ QWEN05_PEER = (
     "--perplexity-record",
     "bench/results/perplexity-qwen05-cpu.json",
 )
+# bench.spec and bench.spec_peer on Qwen2.5-Coder-1.5B's Q4_K_M file, one stream.
+QWEN15 = ("--model", "models/Qwen2.5-Coder-1.5B-Instruct")
+QWEN05_DRAFT = ("--method", "draft", "--draft-model", "models/Qwen2.5-Coder-0.5B-Instruct")
 
 CATALOG: dict[str, Entry] = {
     "engine-cpu.json": Entry(
@@ -290,15 +293,15 @@ CATALOG: dict[str, Entry] = {
         ENGINE,
         "bench/spec.py",
         3600,
-        py(
-            "bench.spec",
-            "--model",
-            "models/Qwen2.5-Coder-1.5B-Instruct",
-            "--streams",
-            "0",
-            *out("spec-qwen15-cpu.json"),
-        ),
+        py("bench.spec", *QWEN15, "--streams", "0", *out("spec-qwen15-cpu.json")),
         target="make bench-spec-qwen",
+    ),
+    "spec-draft-qwen15-cpu.json": Entry(
+        ENGINE,
+        "bench/spec.py",
+        6000,
+        py("bench.spec", *QWEN15, *QWEN05_DRAFT, "--streams", "0", *out("spec-draft-qwen15-cpu.json")),
+        target="make bench-spec-draft",
     ),
     "spec-peer-cpu.json": Entry(
         ENGINE,
@@ -311,12 +314,7 @@ CATALOG: dict[str, Entry] = {
         ENGINE,
         "bench/spec_peer.py",
         3600,
-        py(
-            "bench.spec_peer",
-            "--model",
-            "models/Qwen2.5-Coder-1.5B-Instruct",
-            *out("spec-peer-qwen15-cpu.json"),
-        ),
+        py("bench.spec_peer", *QWEN15, *out("spec-peer-qwen15-cpu.json")),
         target="make bench-spec-peer",
     ),
     "spec-stack-cpu.json": Entry(

@@ -327,6 +327,7 @@ def spec_sides(name: str, sides: tuple[str, str]) -> Callable[[Mapping[str, Reco
 TABLES = (
     Table("spec", ("spec-cpu.json",), speculative_of("spec-cpu.json")),
     Table("spec-qwen", ("spec-qwen15-cpu.json",), speculative_of("spec-qwen15-cpu.json")),
+    Table("spec-draft", ("spec-draft-qwen15-cpu.json",), speculative_of("spec-draft-qwen15-cpu.json")),
     Table("spec-stack", ("spec-stack-cpu.json",), spec_sides("spec-stack-cpu.json", ("engine", "stack"))),
     Table("spec-peer", ("spec-peer-cpu.json",), spec_sides("spec-peer-cpu.json", ("strata", "llama.cpp"))),
     Table(
