@@ -18,14 +18,7 @@ from typing import TYPE_CHECKING
 from gateway import tool_calls
 from gateway.errors import InvalidArgument, NotFound
 from gateway.request_ids import or_new
-from strata.sampling import (
-    MAX_LOGIT_BIAS,
-    MAX_LOGIT_BIAS_ENTRIES,
-    MAX_PENALTY,
-    MAX_STOP_TOKEN_IDS,
-    MAX_TOP_LOGPROBS,
-    SEED_LIMIT,
-)
+from strata.sampling import BOUNDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_TOKEN_IDS, out_of_bounds
 from strata.v1 import common_pb2, gateway_pb2
 
 if TYPE_CHECKING:
@@ -118,22 +111,7 @@ def _check_sampling(
         raise InvalidArgument(
             f"sampling.max_new_tokens: {sampling.max_new_tokens} must be >= 0 (0 takes the default)"
         )
-    if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
-        raise InvalidArgument(f"sampling.temperature: {sampling.temperature} must be >= 0 (0 is greedy)")
-    if sampling.HasField("top_p") and not 0 < sampling.top_p <= 1:
-        raise InvalidArgument(f"sampling.top_p: {sampling.top_p} must be in (0, 1]")
-    if sampling.top_k < 0:
-        raise InvalidArgument(f"sampling.top_k: {sampling.top_k} must be >= 0 (0 turns it off)")
-    if sampling.HasField("repetition_penalty") and not (
-        math.isfinite(sampling.repetition_penalty) and sampling.repetition_penalty > 0
-    ):
-        raise InvalidArgument(f"sampling.repetition_penalty: {sampling.repetition_penalty} must be > 0")
-    if sampling.no_repeat_ngram_size < 0:
-        raise InvalidArgument(
-            f"sampling.no_repeat_ngram_size: {sampling.no_repeat_ngram_size} must be >= 0 (0 turns it off)"
-        )
-    if sampling.HasField("seed") and sampling.seed >= SEED_LIMIT:
-        raise InvalidArgument(f"sampling.seed: {sampling.seed} must be below 2**63")
+    _check_bounds(sampling)
     if len(sampling.stop) > settings.max_stop_strings:
         raise InvalidArgument(
             f"sampling.stop: {len(sampling.stop)} stop strings, at most {settings.max_stop_strings} allowed"
@@ -180,14 +158,22 @@ def _check_constraint(sampling: common_pb2.SamplingParams) -> None:
             raise InvalidArgument("sampling.constraint.json_schema: must be a JSON Schema object")
 
 
-def _check_processors(sampling: common_pb2.SamplingParams) -> None:
-    """The OpenAI/vLLM processors' ranges; token ids beyond the vocabulary are the worker's to refuse."""
-    for name in ("presence_penalty", "frequency_penalty"):
+def _check_bounds(sampling: common_pb2.SamplingParams) -> None:
+    """Every scalar the request set, by the table's rule (strata/sampling.py's BOUNDS); an optional
+    field left unset takes its default, which is in range."""
+    present = {field.name for field, _ in sampling.ListFields()}
+    for name in BOUNDS:
+        field = common_pb2.SamplingParams.DESCRIPTOR.fields_by_name[name]
+        if field.has_presence and name not in present:
+            continue
         value = getattr(sampling, name)
-        if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
-            raise InvalidArgument(f"sampling.{name}: {value} must be in [-2, 2] (0 turns it off)")
-    if not (math.isfinite(sampling.min_p) and 0 <= sampling.min_p <= 1):
-        raise InvalidArgument(f"sampling.min_p: {sampling.min_p} must be in [0, 1] (0 turns it off)")
+        problem = out_of_bounds(name, value)
+        if problem is not None:
+            raise InvalidArgument(f"sampling.{name}: {value} {problem}")
+
+
+def _check_processors(sampling: common_pb2.SamplingParams) -> None:
+    """The OpenAI/vLLM processors' lists; token ids beyond the vocabulary are the worker's to refuse."""
     if len(sampling.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
         raise InvalidArgument(
             f"sampling.logit_bias: {len(sampling.logit_bias)} entries, "
@@ -207,14 +193,6 @@ def _check_logprobs(sampling: common_pb2.SamplingParams) -> None:
     if sampling.top_logprobs and not sampling.logprobs:
         raise InvalidArgument(
             f"sampling.top_logprobs: {sampling.top_logprobs} needs sampling.logprobs set (or send 0)"
-        )
-    if sampling.top_logprobs > MAX_TOP_LOGPROBS:
-        raise InvalidArgument(
-            f"sampling.top_logprobs: {sampling.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]"
-        )
-    if sampling.HasField("prompt_logprobs") and sampling.prompt_logprobs > MAX_TOP_LOGPROBS:
-        raise InvalidArgument(
-            f"sampling.prompt_logprobs: {sampling.prompt_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]"
         )
 
 

@@ -2,14 +2,17 @@
 its default and range, and its name in every front door (the HTTP API's body, the Python client's
 keyword arguments, `strata generate`'s flags).
 
-The limits the gateway and the worker check are defined here and nowhere else. The front doors are
-checked against the table by tests/unit/test_sampling_table.py, which fails when a field is added to
-one of them (or to the proto) and not to the table, or the other way round. This module must not
-import a service, the gateway or grpc: every layer reads it.
+The limits the gateway and the worker check are defined here and nowhere else, and so is the rule
+for each scalar's range (BOUNDS, `out_of_bounds`): the gateway's validation and the engine's apply
+the same rule and say it in the same words. The front doors are checked against the table by
+tests/unit/test_sampling_table.py, which fails when a field is added to one of them (or to the proto)
+and not to the table, or the other way round. This module must not import a service, the gateway or
+grpc: every layer reads it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 MAX_PENALTY = 2.0
@@ -24,6 +27,62 @@ MAX_STOP_TOKEN_IDS = 32
 """vLLM's most stop_token_ids."""
 SEED_LIMIT = 2**63
 """Seeds are below this (a signed 64-bit generator state)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """The range a scalar sampling parameter must be in: a finite number between its ends."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    high_text: str = ""
+    """How the high end is written when its digits would say less (2**63)."""
+    off: str = ""
+    """What the value that turns it off is, as the message adds it ("0 turns it off")."""
+
+    def holds(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    @property
+    def text(self) -> str:
+        """The range as a message says it: ">= 0", "> 0", "in (0, 1]", "in [0, 2**63)"."""
+        assert self.low is not None, "every range here has a low end"
+        if self.high is None:
+            rule = f"{'>' if self.low_open else '>='} {self.low:g}"
+        else:
+            high = self.high_text or f"{self.high:g}"
+            rule = f"in {'(' if self.low_open else '['}{self.low:g}, {high}{')' if self.high_open else ']'}"
+        return f"{rule} ({self.off})" if self.off else rule
+
+
+_PENALTY = Bounds(-MAX_PENALTY, MAX_PENALTY, off="0 turns it off")
+_ALTERNATIVES = Bounds(0, MAX_TOP_LOGPROBS)
+BOUNDS: dict[str, Bounds] = {
+    "temperature": Bounds(0, off="0 is greedy"),
+    "top_p": Bounds(0, 1, low_open=True),
+    "top_k": Bounds(0, off="0 turns it off"),
+    "repetition_penalty": Bounds(0, low_open=True),
+    "no_repeat_ngram_size": Bounds(0, off="0 turns it off"),
+    "seed": Bounds(0, SEED_LIMIT, high_open=True, high_text=f"2**{SEED_LIMIT.bit_length() - 1}"),
+    "presence_penalty": _PENALTY,
+    "frequency_penalty": _PENALTY,
+    "min_p": Bounds(0, 1, off="0 turns it off"),
+    "top_logprobs": _ALTERNATIVES,
+    "prompt_logprobs": _ALTERNATIVES,
+}
+"""Each scalar parameter's range; the gateway and the engine check a value they were given against it."""
+
+
+def out_of_bounds(name: str, value: float) -> str | None:
+    """Why `value` is not a valid `name` ("must be in (0, 1]"), or None when it is."""
+    bounds = BOUNDS[name]
+    return None if bounds.holds(value) else f"must be {bounds.text}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +111,10 @@ def _same(name: str) -> tuple[str, ...]:
     return (name,)
 
 
+def _range(name: str) -> str:
+    return BOUNDS[name].text
+
+
 SAMPLING_PARAMS: tuple[SamplingParam, ...] = (
     SamplingParam(
         "max_new_tokens", "the gateway's default_max_new_tokens", ">= 1, and room in the context",
@@ -59,48 +122,51 @@ SAMPLING_PARAMS: tuple[SamplingParam, ...] = (
         _same("max_new_tokens"),
     ),
     SamplingParam(
-        "temperature", "0 (gRPC), 1 (HTTP)", ">= 0; 0 is greedy", "the logits' divisor before sampling",
+        "temperature", "0 (gRPC), 1 (HTTP)", _range("temperature"), "the logits' divisor before sampling",
         _same("temperature"), _same("temperature"), _same("temperature"),
     ),
     SamplingParam(
-        "top_p", "1 (off)", "(0, 1]", "nucleus sampling: keep the smallest set of tokens with this mass",
-        _same("top_p"), _same("top_p"), _same("top_p"),
+        "top_p", "1 (off)", _range("top_p"),
+        "nucleus sampling: keep the smallest set of tokens with this mass", _same("top_p"), _same("top_p"),
+        _same("top_p"),
     ),
     SamplingParam(
-        "top_k", "0 (off)", ">= 0", "keep the k most likely tokens", _same("top_k"), _same("top_k"),
+        "top_k", "0 (off)", _range("top_k"), "keep the k most likely tokens", _same("top_k"), _same("top_k"),
         _same("top_k"),
     ),
     SamplingParam(
-        "repetition_penalty", "1 (off)", "> 0", "divides the logits of tokens already seen (> 1 discourages)",
-        _same("repetition_penalty"), _same("repetition_penalty"), _same("repetition_penalty"),
+        "repetition_penalty", "1 (off)", _range("repetition_penalty"),
+        "divides the logits of tokens already seen (> 1 discourages)", _same("repetition_penalty"),
+        _same("repetition_penalty"), _same("repetition_penalty"),
     ),
     SamplingParam(
-        "no_repeat_ngram_size", "0 (off)", ">= 0", "never repeat an n-gram of this size",
-        _same("no_repeat_ngram_size"), _same("no_repeat_ngram_size"), None,
+        "no_repeat_ngram_size", "0 (off)", _range("no_repeat_ngram_size"),
+        "never repeat an n-gram of this size", _same("no_repeat_ngram_size"), _same("no_repeat_ngram_size"),
+        None,
     ),
     SamplingParam(
         "stop", "none", "at most the gateway's max_stop_strings, each non-empty",
         "strings that end the text (cut before them)", _same("stop"), _same("stop"), _same("stop"),
     ),
     SamplingParam(
-        "seed", "random", f"[0, 2**{SEED_LIMIT.bit_length() - 1})", "makes sampling repeatable",
+        "seed", "random", _range("seed"), "makes sampling repeatable",
         _same("seed"), _same("seed"), _same("seed"),
     ),
     SamplingParam(
         "ignore_eos", "false", "", "go on past EOS", _same("ignore_eos"), _same("ignore_eos"), None
     ),
     SamplingParam(
-        "presence_penalty", "0 (off)", f"[-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+        "presence_penalty", "0 (off)", _range("presence_penalty"),
         "subtracted once from the logit of every token generated so far", _same("presence_penalty"),
         _same("presence_penalty"), _same("presence_penalty"),
     ),
     SamplingParam(
-        "frequency_penalty", "0 (off)", f"[-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+        "frequency_penalty", "0 (off)", _range("frequency_penalty"),
         "subtracted from a token's logit once per time it was generated", _same("frequency_penalty"),
         _same("frequency_penalty"), _same("frequency_penalty"),
     ),
     SamplingParam(
-        "min_p", "0 (off)", "[0, 1]", "drop tokens below min_p times the top token's probability",
+        "min_p", "0 (off)", _range("min_p"), "drop tokens below min_p times the top token's probability",
         _same("min_p"), _same("min_p"), _same("min_p"),
     ),
     SamplingParam(
@@ -121,12 +187,12 @@ SAMPLING_PARAMS: tuple[SamplingParam, ...] = (
         _same("logprobs"), _same("logprobs"),
     ),
     SamplingParam(
-        "top_logprobs", "0", f"[0, {MAX_TOP_LOGPROBS}], with logprobs",
+        "top_logprobs", "0", f"{_range('top_logprobs')}, with logprobs",
         "and this many most likely alternatives at each position", _same("top_logprobs"),
         _same("logprobs"), _same("logprobs"),
     ),
     SamplingParam(
-        "prompt_logprobs", "unset (off)", f"[0, {MAX_TOP_LOGPROBS}]",
+        "prompt_logprobs", "unset (off)", _range("prompt_logprobs"),
         "return each prompt token's log probability, with this many alternatives", _same("prompt_logprobs"),
         _same("prompt_logprobs"), None,
     ),

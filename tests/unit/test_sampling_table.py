@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from gateway.validation import validate
 from services.worker.engine.params import InvalidRequestError, SamplingParams
 from strata.cli.client_commands import add_generate
 from strata.client import GenerateOptions
-from strata.sampling import MAX_PENALTY, SAMPLING_PARAMS, SamplingParam
+from strata.sampling import BOUNDS, MAX_PENALTY, SAMPLING_PARAMS, SamplingParam, out_of_bounds
 from strata.v1 import common_pb2, gateway_pb2
 from tests.unit.test_gateway_validation import SETTINGS
 
@@ -114,3 +115,55 @@ def test_the_gateway_and_the_engine_refuse_past_the_tables_limit() -> None:
         else:
             validate(request, SETTINGS, lambda _model: None)
             engine_params.validate(4, 100)
+
+
+# The engine's name of each bounded field where it differs from the proto's.
+ENGINE_NAMES = {"top_logprobs": "logprobs"}
+# Per bounded field: a value at the range's end (taken) and one just past it (refused).
+EDGES: dict[str, tuple[float, float]] = {
+    "temperature": (0.0, -0.5),
+    "top_p": (1.0, 0.0),
+    "top_k": (0, -1),
+    "repetition_penalty": (0.5, 0.0),
+    "no_repeat_ngram_size": (0, -1),
+    "seed": (2**63 - 1, 2**63),
+    "presence_penalty": (2.0, 2.5),
+    "frequency_penalty": (-2.0, -2.5),
+    "min_p": (1.0, 1.5),
+    "top_logprobs": (20, 21),
+    "prompt_logprobs": (20, 21),
+}
+
+
+def test_every_bounded_field_has_its_edges_here() -> None:
+    assert set(EDGES) == set(BOUNDS)
+
+
+@pytest.mark.parametrize("name", sorted(EDGES))
+def test_the_gateway_and_the_engine_check_each_range_by_the_tables_one_rule(name: str) -> None:
+    """The value at the range's end is taken by both sides and the one past it refused by both, in
+    the table's own words (out_of_bounds): one rule, not two that happen to agree."""
+    taken, refused = EDGES[name]
+    field = common_pb2.SamplingParams.DESCRIPTOR.fields_by_name[name]
+    unsigned = field.type in (field.TYPE_UINT32, field.TYPE_UINT64)
+    for value, past in ((taken, False), (refused, True)):
+        if unsigned and value < 0:
+            continue  # the proto cannot carry it; the engine's side is checked below
+        request = gateway_pb2.GenerateRequest(model="tiny", prompt="hi")
+        setattr(request.sampling, name, value)
+        request.sampling.logprobs = name == "top_logprobs"  # alternatives need logprobs on
+        if past:
+            with pytest.raises(InvalidArgument, match=_words(name, value)):
+                validate(request, SETTINGS, lambda _model: None)
+        else:
+            validate(request, SETTINGS, lambda _model: None)
+    engine_name = ENGINE_NAMES.get(name, name)
+    SamplingParams(**{engine_name: taken}).validate(4, 100)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match=_words(name, refused)):
+        SamplingParams(**{engine_name: refused}).validate(4, 100)  # type: ignore[arg-type]
+
+
+def _words(name: str, value: float) -> str:
+    problem = out_of_bounds(name, value)
+    assert problem is not None
+    return re.escape(problem)

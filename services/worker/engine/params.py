@@ -1,14 +1,31 @@
 """Per-request generation parameters and the one validation error the engine raises for them.
 
-This module owns the rules for what a request may ask of the engine; the limits are strata/sampling.py's,
-the one table of sampling parameters. It must not import torch: the scheduler validates with it too.
+This module owns the rules for what a request may ask of the engine; the limits, and the rule each
+scalar's range is checked by, are strata/sampling.py's, the one table of sampling parameters, which
+the gateway checks by too. It must not import torch: the scheduler validates with it too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from strata.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, SEED_LIMIT
+from strata.sampling import MAX_LOGIT_BIAS, out_of_bounds
+
+# The engine's scalar fields checked by the table's rule, and the table's name of each: `logprobs`
+# here is the count of alternatives, common.proto's top_logprobs.
+_BOUNDED = {
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "repetition_penalty": "repetition_penalty",
+    "no_repeat_ngram_size": "no_repeat_ngram_size",
+    "seed": "seed",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "min_p": "min_p",
+    "logprobs": "top_logprobs",
+    "prompt_logprobs": "prompt_logprobs",
+}
 
 
 class InvalidRequestError(ValueError):
@@ -77,32 +94,17 @@ class SamplingParams:
                 self.max_new_tokens,
                 f"must be in [1, {room}] (context {max_model_len} minus the prompt's {prompt_len} tokens)",
             )
-        if not self.temperature >= 0.0 or self.temperature != self.temperature:
-            raise InvalidRequestError("temperature", self.temperature, "must be >= 0 (0 is greedy)")
-        if self.top_k < 0:
-            raise InvalidRequestError("top_k", self.top_k, "must be >= 0 (0 turns it off)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError("top_p", self.top_p, "must be in (0, 1]")
-        if not self.repetition_penalty > 0.0:
-            raise InvalidRequestError("repetition_penalty", self.repetition_penalty, "must be > 0")
-        if self.no_repeat_ngram_size < 0:
-            raise InvalidRequestError(
-                "no_repeat_ngram_size", self.no_repeat_ngram_size, "must be >= 0 (0 turns it off)"
-            )
-        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
-            raise InvalidRequestError("seed", self.seed, "must be in [0, 2**63)")
+        for name, table_name in _BOUNDED.items():
+            value = getattr(self, name)
+            problem = None if value is None else out_of_bounds(table_name, value)
+            if problem is not None:
+                raise InvalidRequestError(name, value, problem)
         for token in self.stop_token_ids:
             if token < 0:
                 raise InvalidRequestError("stop_token_ids", token, "token ids must be >= 0")
         self._validate_processors()
 
     def _validate_processors(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not -MAX_PENALTY <= value <= MAX_PENALTY:
-                raise InvalidRequestError(name, value, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequestError("min_p", self.min_p, "must be in [0, 1] (0 turns it off)")
         for token, bias in self.logit_bias:
             if token < 0:
                 raise InvalidRequestError("logit_bias", token, "token ids must be >= 0")
@@ -114,9 +116,5 @@ class SamplingParams:
             raise InvalidRequestError(
                 "min_tokens", self.min_tokens, f"must be in [0, max_new_tokens={self.max_new_tokens}]"
             )
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
-                raise InvalidRequestError(name, value, f"must be in [0, {MAX_TOP_LOGPROBS}] alternatives")
         if self.prior_output_tokens < 0:
             raise InvalidRequestError("prior_output_tokens", self.prior_output_tokens, "must be >= 0")
