@@ -112,7 +112,7 @@ bench-spec-qwen: setup
 	$(BIN)/strata fetch-model qwen2.5-coder-1.5b-instruct
 	$(BIN)/python -m bench.spec --model models/Qwen2.5-Coder-1.5B-Instruct --streams 0 --json bench/results/spec-qwen15-cpu.json
 
-# The same with Qwen2.5-Coder-0.5B-Instruct's Q4_K_M file drafting for the 1.5B (about 50 minutes).
+# The same with Qwen2.5-Coder-0.5B-Instruct's Q4_K_M file drafting for the 1.5B (about 55 minutes).
 bench-spec-draft: setup
 	$(BIN)/strata fetch-model qwen2.5-coder-1.5b-instruct
 	$(BIN)/strata fetch-model qwen2.5-coder-0.5b-instruct

@@ -299,7 +299,7 @@ CATALOG: dict[str, Entry] = {
     "spec-draft-qwen15-cpu.json": Entry(
         ENGINE,
         "bench/spec.py",
-        6000,
+        4200,
         py("bench.spec", *QWEN15, *QWEN05_DRAFT, "--streams", "0", *out("spec-draft-qwen15-cpu.json")),
         target="make bench-spec-draft",
     ),
