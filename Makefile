@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-kv-schemes bench-spec bench-spec-qwen bench-spec-draft bench-spec-stack bench-spec-peer bench-prefix-routing bench-peer bench-peer-avx2 bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar-libs bench-grammar bench-outputs bench-tp records reliability chaos images compose-test run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-kv-schemes bench-spec bench-spec-qwen bench-spec-draft bench-spec-stack bench-spec-peer bench-prefix-routing bench-peer bench-peer-avx2 bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar bench-outputs bench-tp records reliability chaos images compose-test run clean
 
 setup: $(STAMP)
 
@@ -194,14 +194,6 @@ bench-serve-peer-qwen: setup
 # One stream of the primary next to a busy int8 fallback, the native decode stack on and off, alternated.
 bench-neighbour: setup model
 	$(BIN)/python -m bench.busy_neighbour --json bench/results/busy-neighbour-cpu.json
-
-# Which grammar library: llguidance (the dependency) against xgrammar, installed for this run alone into
-# build/xgrammar without its requirements (triton among them): dependencies, sizes, compile and mask times.
-XGRAMMAR_SPEC ?= xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
-bench-grammar-libs: setup model
-	$(BIN)/python -m pip install --quiet --no-deps --target build/xgrammar $(XGRAMMAR_SPEC)
-	PYTHONPATH=$(CURDIR):$(CURDIR)/build/xgrammar $(BIN)/python -m bench.grammar_libs \
-		--json bench/results/grammar-libs-cpu.json
 
 # Structured output's cost (64 streams, a JSON schema on every request against none, cold compiles) and
 # its quality on the real model (100 prompts, 5 schemas, greedy, 256 tokens: stop rate, jsonschema).

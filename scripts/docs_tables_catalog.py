@@ -360,7 +360,7 @@ CATALOG: dict[str, Entry] = {
         "bench/grammar_libs.py",
         60,
         py("bench.grammar_libs", *out("grammar-libs-cpu.json")),
-        target="make bench-grammar-libs",
+        target=DROPPED,
     ),
     "images-cpu.json": Entry(
         ("deploy/docker/", "requirements.lock", "scripts/container_engine.py", "scripts/local_base.py"),

@@ -17,9 +17,9 @@ those, in the order given (the most quoted first, when a session has less time t
 `--stale` lists the records more than 50 commits behind HEAD in the paths they measure. A run of the
 whole list keeps its log (scripts/records_log.py) after each record; `--resume` continues it in a
 later sitting while the code is the same, and `--minutes N` starts no record whose estimate would
-end it past N minutes, so a sitting ends between records. A record
-with a target of its own is left to it (`grammar-libs-cpu.json`: `make bench-grammar-libs`); the
-reliability report and the chaos soak have targets of their own (`make reliability`, `make chaos`).
+end it past N minutes, so a sitting ends between records. A record with a target of its own is left
+to it, and a dropped lever's record is not rerun (its script is at its commit); the reliability
+report and the chaos soak have targets of their own (`make reliability`, `make chaos`).
 This module runs the benchmarks' own commands and must not time or judge anything itself.
 """
 
