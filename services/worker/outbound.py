@@ -31,6 +31,13 @@ def merge_update(into: worker_pb2.TokenUpdate, later: worker_pb2.TokenUpdate) ->
     if not into.queue_ms:
         into.queue_ms = later.queue_ms
     into.forward_ms = later.forward_ms
+    # Every update carries the prefix cache's count, and the last one the device's memory.
+    into.cached_prompt_tokens = later.cached_prompt_tokens
+    if later.device_memory_bytes:
+        into.device_memory_bytes = later.device_memory_bytes
+    # Drafts are counted per step: the merged update reports both steps'.
+    into.draft_tokens += later.draft_tokens
+    into.accepted_draft_tokens += later.accepted_draft_tokens
 
 
 class OutboundQueue:

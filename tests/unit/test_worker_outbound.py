@@ -40,6 +40,33 @@ def test_updates_of_one_request_merge_into_one_entry_in_first_seen_order() -> No
     assert not queue.pending
 
 
+def test_a_merged_update_reports_both_steps_drafts_and_the_last_ones_memory() -> None:
+    """Draft counts are per step, so merging adds them (a write in flight must not lose a step's
+    drafts); the prefix cache's count and the device memory are the newest update's."""
+    queue = OutboundQueue()
+    queue.put(
+        updates=[_update("a", [1, 2], draft_tokens=3, accepted_draft_tokens=1, cached_prompt_tokens=16)]
+    )
+    queue.put(
+        updates=[
+            _update(
+                "a",
+                [3, 4, 5],
+                draft_tokens=4,
+                accepted_draft_tokens=2,
+                cached_prompt_tokens=16,
+                finished=True,
+                device_memory_bytes=1 << 20,
+            )
+        ]
+    )
+    message = queue.take()
+    assert message is not None
+    (merged,) = message.updates
+    assert (merged.draft_tokens, merged.accepted_draft_tokens) == (7, 3)
+    assert (merged.cached_prompt_tokens, merged.device_memory_bytes) == (16, 1 << 20)
+
+
 def test_a_finished_update_keeps_its_final_state_and_seals_the_entry() -> None:
     queue = OutboundQueue()
     queue.put(updates=[_update("a", [1], output_tokens=1, prompt_tokens=3)])
