@@ -126,9 +126,9 @@ class Attempt:
             if delta.error is not None:
                 self.end()
                 return
-            if delta.token_ids or delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            if delta.from_worker:
                 self._took(delta)
-            if delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            if delta.finished:
                 self.end()
                 return
 

@@ -114,7 +114,7 @@ class Request:
                     raise delta.error
                 failure = Failure(delta.error.message, worker_lost=True)
                 break
-            if delta.token_ids or delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            if delta.from_worker:
                 # Every update carries it; a failover's attempt replaces what the lost one reported.
                 self.cached_input_tokens = delta.cached_prompt_tokens
                 # Per update, so a lost attempt's drafts stay counted: they were scored.

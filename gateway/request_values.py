@@ -66,6 +66,15 @@ class Delta:
     prompt_logprobs: list[common_pb2.PositionLogprobs] = field(default_factory=list)
     """With sampling.prompt_logprobs: on the attempt's first update."""
 
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+
+    @property
+    def from_worker(self) -> bool:
+        """It reports a worker step (new ids, or the end): the worker's times and counts are in it."""
+        return bool(self.token_ids) or self.finished
+
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
