@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 MAX_PENALTY = 2.0
 """OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]."""
@@ -107,102 +108,62 @@ _CONSTRAINT_OPTIONS = ("json_schema", "json_object", "regex", "grammar")
 """The client's keyword arguments and the CLI's options for the constraint's four kinds."""
 
 
-def _same(name: str) -> tuple[str, ...]:
-    return (name,)
+OWN: Literal["own"] = "own"
+"""A front door names the parameter as the proto does."""
+Names = tuple[str, ...] | Literal["own"] | None
 
 
-def _range(name: str) -> str:
-    return BOUNDS[name].text
+def _param(
+    name: str,
+    default: str,
+    meaning: str,
+    *,
+    valid: str | None = None,
+    http: Names = OWN,
+    client: Names = OWN,
+    cli: Names = OWN,
+) -> SamplingParam:
+    """A table entry: its range is BOUNDS' unless `valid` says it; each front door names it as the
+    proto does (OWN) unless given its names, or None where the door does not expose it."""
+
+    def names(given: Names) -> tuple[str, ...] | None:
+        return (name,) if isinstance(given, str) else given
+
+    if valid is None:
+        valid = BOUNDS[name].text if name in BOUNDS else ""
+    return SamplingParam(name, default, valid, meaning, names(http), names(client), names(cli))
 
 
 SAMPLING_PARAMS: tuple[SamplingParam, ...] = (
-    SamplingParam(
-        "max_new_tokens", "the gateway's default_max_new_tokens", ">= 1, and room in the context",
-        "tokens to generate at most", ("max_tokens", "max_completion_tokens"), _same("max_new_tokens"),
-        _same("max_new_tokens"),
-    ),
-    SamplingParam(
-        "temperature", "0 (gRPC), 1 (HTTP)", _range("temperature"), "the logits' divisor before sampling",
-        _same("temperature"), _same("temperature"), _same("temperature"),
-    ),
-    SamplingParam(
-        "top_p", "1 (off)", _range("top_p"),
-        "nucleus sampling: keep the smallest set of tokens with this mass", _same("top_p"), _same("top_p"),
-        _same("top_p"),
-    ),
-    SamplingParam(
-        "top_k", "0 (off)", _range("top_k"), "keep the k most likely tokens", _same("top_k"), _same("top_k"),
-        _same("top_k"),
-    ),
-    SamplingParam(
-        "repetition_penalty", "1 (off)", _range("repetition_penalty"),
-        "divides the logits of tokens already seen (> 1 discourages)", _same("repetition_penalty"),
-        _same("repetition_penalty"), _same("repetition_penalty"),
-    ),
-    SamplingParam(
-        "no_repeat_ngram_size", "0 (off)", _range("no_repeat_ngram_size"),
-        "never repeat an n-gram of this size", _same("no_repeat_ngram_size"), _same("no_repeat_ngram_size"),
-        None,
-    ),
-    SamplingParam(
-        "stop", "none", "at most the gateway's max_stop_strings, each non-empty",
-        "strings that end the text (cut before them)", _same("stop"), _same("stop"), _same("stop"),
-    ),
-    SamplingParam(
-        "seed", "random", _range("seed"), "makes sampling repeatable",
-        _same("seed"), _same("seed"), _same("seed"),
-    ),
-    SamplingParam(
-        "ignore_eos", "false", "", "go on past EOS", _same("ignore_eos"), _same("ignore_eos"), None
-    ),
-    SamplingParam(
-        "presence_penalty", "0 (off)", _range("presence_penalty"),
-        "subtracted once from the logit of every token generated so far", _same("presence_penalty"),
-        _same("presence_penalty"), _same("presence_penalty"),
-    ),
-    SamplingParam(
-        "frequency_penalty", "0 (off)", _range("frequency_penalty"),
-        "subtracted from a token's logit once per time it was generated", _same("frequency_penalty"),
-        _same("frequency_penalty"), _same("frequency_penalty"),
-    ),
-    SamplingParam(
-        "min_p", "0 (off)", _range("min_p"), "drop tokens below min_p times the top token's probability",
-        _same("min_p"), _same("min_p"), _same("min_p"),
-    ),
-    SamplingParam(
-        "logit_bias", "none", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, each in "
-        f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", "added to listed tokens' logits first",
-        _same("logit_bias"), _same("logit_bias"), None,
-    ),
-    SamplingParam(
-        "stop_token_ids", "none", f"at most {MAX_STOP_TOKEN_IDS} ids",
-        "token ids that end generation like EOS", _same("stop_token_ids"), _same("stop_token_ids"), None,
-    ),
-    SamplingParam(
-        "min_tokens", "0 (off)", "[0, max_new_tokens]", "nothing ends the text before this many tokens",
-        _same("min_tokens"), _same("min_tokens"), _same("min_tokens"),
-    ),
-    SamplingParam(
-        "logprobs", "false", "", "return each generated token's log probability", _same("logprobs"),
-        _same("logprobs"), _same("logprobs"),
-    ),
-    SamplingParam(
-        "top_logprobs", "0", f"{_range('top_logprobs')}, with logprobs",
-        "and this many most likely alternatives at each position", _same("top_logprobs"),
-        _same("logprobs"), _same("logprobs"),
-    ),
-    SamplingParam(
-        "prompt_logprobs", "unset (off)", _range("prompt_logprobs"),
-        "return each prompt token's log probability, with this many alternatives", _same("prompt_logprobs"),
-        _same("prompt_logprobs"), None,
-    ),
-    SamplingParam(
-        "no_speculation", "false", "", "keep this request out of speculative decoding", _same("speculate"),
-        _same("speculate"), None,
-    ),
-    SamplingParam(
-        "constraint", "unset (free text)", "one of a JSON schema, any JSON object, a regex, a Lark grammar",
-        "the language the output must belong to", _same("response_format"), _CONSTRAINT_OPTIONS,
-        _CONSTRAINT_OPTIONS,
-    ),
+    _param("max_new_tokens", "the gateway's default_max_new_tokens", "tokens to generate at most",
+           valid=">= 1, and room in the context", http=("max_tokens", "max_completion_tokens")),
+    _param("temperature", "0 (gRPC), 1 (HTTP)", "the logits' divisor before sampling"),
+    _param("top_p", "1 (off)", "nucleus sampling: keep the smallest set of tokens with this mass"),
+    _param("top_k", "0 (off)", "keep the k most likely tokens"),
+    _param("repetition_penalty", "1 (off)", "divides the logits of tokens already seen (> 1 discourages)"),
+    _param("no_repeat_ngram_size", "0 (off)", "never repeat an n-gram of this size", cli=None),
+    _param("stop", "none", "strings that end the text (cut before them)",
+           valid="at most the gateway's max_stop_strings, each non-empty"),
+    _param("seed", "random", "makes sampling repeatable"),
+    _param("ignore_eos", "false", "go on past EOS", cli=None),
+    _param("presence_penalty", "0 (off)", "subtracted once from the logit of every token generated so far"),
+    _param("frequency_penalty", "0 (off)", "subtracted from a token's logit once per time it was generated"),
+    _param("min_p", "0 (off)", "drop tokens below min_p times the top token's probability"),
+    _param("logit_bias", "none", "added to listed tokens' logits first",
+           valid=f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, each in "
+           f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", cli=None),
+    _param("stop_token_ids", "none", "token ids that end generation like EOS",
+           valid=f"at most {MAX_STOP_TOKEN_IDS} ids", cli=None),
+    _param("min_tokens", "0 (off)", "nothing ends the text before this many tokens",
+           valid="[0, max_new_tokens]"),
+    _param("logprobs", "false", "return each generated token's log probability"),
+    _param("top_logprobs", "0", "and this many most likely alternatives at each position",
+           valid=f"{BOUNDS['top_logprobs'].text}, with logprobs", client=("logprobs",), cli=("logprobs",)),
+    _param("prompt_logprobs", "unset (off)",
+           "return each prompt token's log probability, with this many alternatives", cli=None),
+    _param("no_speculation", "false", "keep this request out of speculative decoding",
+           http=("speculate",), client=("speculate",), cli=None),
+    _param("constraint", "unset (free text)", "the language the output must belong to",
+           valid="one of a JSON schema, any JSON object, a regex, a Lark grammar",
+           http=("response_format",), client=_CONSTRAINT_OPTIONS, cli=_CONSTRAINT_OPTIONS),
 )  # fmt: skip
