@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from services.worker.engine.speculation import StepCostModel
+from services.worker.engine.step_cost import StepCostModel
 
 if TYPE_CHECKING:
     from services.worker.engine.engine import LLMEngine
@@ -40,7 +40,7 @@ class PinnedDraftCost(StepCostModel):
     def observe(self, num_tokens: int, seconds: float) -> None:
         return
 
-    def draft_cost(self, num_decodes: int) -> float:
+    def draft_cost(self, num_decodes: int, drafting: StepCostModel | None = None) -> float:
         return self._cost
 
 

@@ -80,6 +80,9 @@ def test_the_model_drafting_for_itself_keeps_its_drafts_and_its_tokens(
     assert engine.speculator is not None and engine.speculator.draft is not None
     assert engine.speculator.draft.num_mirrors == 0
     assert engine.speculator.draft.blocks.num_used_blocks == 0
+    # Its passes (prompt catch-ups and one-token drafts) gave the rule a line to price drafts by.
+    draft_passes = engine.speculator.draft.costs
+    assert draft_passes.fitted and draft_passes.seconds(1) > 0
 
 
 @pytest.fixture(scope="module")

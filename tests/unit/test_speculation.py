@@ -12,13 +12,10 @@ import pytest
 
 from services.worker.engine.config import EngineConfig, SpeculativeConfig
 from services.worker.engine.ngram import ngram_proposal
-from services.worker.engine.sequence import FinishReason
-from services.worker.engine.speculation import (
-    COST_WINDOW,
-    StepCostModel,
-    accepted_tokens,
-    draft_length,
-)
+from services.worker.engine.params import SamplingParams
+from services.worker.engine.sequence import FinishReason, Sequence
+from services.worker.engine.speculation import Speculator, accepted_tokens, draft_length
+from services.worker.engine.step_cost import COST_WINDOW, StepCostModel
 from tests.unit.scheduler_helpers import FakeModel, make_scheduler, make_seq, run_all, step
 
 
@@ -63,6 +60,36 @@ def test_cost_model_fits_the_steps_and_prices_a_draft_by_batch_size() -> None:
     settled = (costs.fixed, costs.per_token)
     costs.observe(4, 0.9)
     assert (costs.fixed, costs.per_token) == settled
+
+
+def test_a_draft_models_passes_price_each_draft_on_top_of_scoring_it() -> None:
+    """c = (b * B + a_d + b_d * B) / (a + b * B): one draft pass finds a token for each of B decodes."""
+    costs, passes = StepCostModel(), StepCostModel()
+    for tokens in (1, 5, 2, 8, 3):
+        costs.observe(tokens, 0.020 + 0.001 * tokens)
+        passes.observe(tokens, 0.008 + 0.0005 * tokens)
+    assert costs.draft_cost(1, passes) == pytest.approx((0.001 + 0.0085) / 0.021)
+    assert costs.draft_cost(64, passes) == pytest.approx((0.064 + 0.040) / 0.084)
+    assert costs.draft_cost(1, StepCostModel()) == costs.draft_cost(1)  # no passes fitted yet
+
+
+def _decoding_on_a_loop() -> Sequence:
+    """A decoding sequence whose prompt repeats 1..5: prompt lookup always finds what follows."""
+    seq = Sequence("loop", [1, 2, 3, 4, 5] * 4, SamplingParams(max_new_tokens=64))
+    seq.num_computed_tokens = seq.num_tokens - 1
+    return seq
+
+
+def test_the_speculator_drafts_while_the_step_line_says_drafts_pay() -> None:
+    speculator = Speculator(SpeculativeConfig(method="ngram", num_tokens=4), max_model_len=1024)
+    seq = _decoding_on_a_loop()
+    assert speculator.propose([seq]) == {"loop": [1, 2, 3, 4]}  # no fit yet: draft, and measure
+    for tokens in (1, 5, 2, 8, 3):
+        speculator.observe_step(tokens, 0.020 + 0.001 * tokens)
+    assert speculator.propose([seq]) == {"loop": [1, 2, 3, 4]}  # c = 1/21: all four pay
+    for tokens in (1, 5, 2, 8) * (COST_WINDOW // 4):  # the window now holds the new line alone
+        speculator.observe_step(tokens, 0.001 + 0.010 * tokens)
+    assert speculator.propose([seq]) == {}  # c = 10/11 > the prior's 1/2: none pays
 
 
 def test_draft_length_takes_drafts_while_their_chance_pays_their_cost() -> None:

@@ -16,12 +16,14 @@ proposes.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.model_runner import ModelRunner
 from services.worker.engine.sequence import ScheduledBatch, ScheduledEntry, Sequence
+from services.worker.engine.step_cost import StepCostModel
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
@@ -43,6 +45,8 @@ class DraftModel:
         self.step_budget = step_budget
         self._mirrors: dict[str, Sequence] = {}
         self._steps = 0
+        self.costs = StepCostModel()
+        """The draft's passes, seconds against tokens: what finding a draft costs (speculation.py)."""
 
     @property
     def num_mirrors(self) -> int:
@@ -136,7 +140,9 @@ class DraftModel:
     def _run(self, entries: list[ScheduledEntry], num_decodes: int) -> None:
         self._steps += 1
         batch = ScheduledBatch(self._steps, entries, num_decodes)
+        started = time.perf_counter()
         sampled = iter(self.runner.run(batch))
+        self.costs.observe(batch.num_batched_tokens, time.perf_counter() - started)
         for entry in entries:
             entry.seq.num_computed_tokens += entry.num_tokens
             if entry.sample:

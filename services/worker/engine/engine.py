@@ -226,9 +226,7 @@ class LLMEngine:
         return self.scheduler.has_work
 
     def step(self) -> list[StepOutput]:
-        proposing = time.perf_counter()
         proposals = self.speculator.propose(self.scheduler.running) if self.speculator is not None else None
-        drafting = time.perf_counter() - proposing
         batch = self.scheduler.schedule(proposals)
         if batch.is_empty:
             return []
@@ -248,8 +246,7 @@ class LLMEngine:
                     self.speculator.release(out.request_id)
         elapsed = time.perf_counter() - started
         if self.speculator is not None:
-            # What a draft costs includes drafting it: a draft model's passes.
-            self.speculator.observe_step(batch.num_batched_tokens, elapsed + drafting)
+            self.speculator.observe_step(batch.num_batched_tokens, elapsed)
         self._last_step_ms = elapsed * 1000.0
         self.step_seconds.append(elapsed)
         self._last_batch_size = len(batch.entries)

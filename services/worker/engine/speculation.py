@@ -9,20 +9,25 @@ without speculation, greedy or sampled: the target distribution is kept exactly,
 
 The draft length is a rule, not a switch (docs/speculative-decoding.md): a step's seconds are fitted
 as a + b * tokens over the recent steps (StepCostModel), so at B decoding sequences a token costs
-(a + b * B) / B on average and each drafted token costs b more. The j-th draft of a sequence is taken
-while its chance of being kept, alpha ** j (alpha: the sequence's measured per-draft acceptance,
-started from an even prior), is at least c = b * B / (a + b * B): what it buys pays what it costs. At
-one stream c is small (the weights' read dominates a); at 64 busy streams it is near 1 and nobody
-drafts. This module must not schedule, take blocks nor sample: it proposes (ngram.py finds the
-tokens), the scheduler fits what it can, the runner scores, step_results.py keeps the accepted ones.
+(a + b * B) / B on average and each drafted token costs b more to score. A draft model's passes are
+fitted the same way (draft_model.py), a_d + b_d * tokens, and one pass drafts a token for each of the
+B sequences, so finding each costs (a_d + b_d * B) / B; prompt lookup's is nothing next to a step.
+The j-th draft of a sequence is taken while its chance of being kept, alpha ** j (alpha: the
+sequence's measured per-draft acceptance, started from an even prior), is at least c, a drafted
+token's cost over the average token's: c = (b * B + a_d + b_d * B) / (a + b * B). What it buys must
+pay what it costs. At one stream of prompt lookup c is small (the weights' read dominates a); at 64
+busy streams it is near 1 and nobody drafts; a draft model whose pass costs most of a target step
+puts it near 1 at one stream too. This module must not schedule, take blocks nor sample: it proposes
+(ngram.py finds the tokens), the scheduler fits what it can, the runner scores, step_results.py keeps
+the accepted ones.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from typing import TYPE_CHECKING
 
 from services.worker.engine.ngram import ngram_proposal
+from services.worker.engine.step_cost import StepCostModel
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -32,9 +37,6 @@ if TYPE_CHECKING:
     from services.worker.engine.draft_model import DraftModel
     from services.worker.engine.sequence import Sequence
 
-# Steps the cost model fits over: recent enough to follow the batch's regime (a few rows against
-# dozens), long enough to average out a noisy machine.
-COST_WINDOW = 64
 # The acceptance a sequence starts from, as accepted drafts out of trials: one of two.
 PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0
 
@@ -49,39 +51,6 @@ def accepted_tokens(drafts: SequenceOf[int], samples: SequenceOf[int]) -> list[i
         if samples[i] != draft:
             return list(samples[: i + 1])
     return list(samples)
-
-
-class StepCostModel:
-    """A step's seconds as a + b * tokens, least squares over the last COST_WINDOW steps."""
-
-    def __init__(self) -> None:
-        self._steps: deque[tuple[int, float]] = deque(maxlen=COST_WINDOW)
-        self.fixed = 0.0
-        """a: seconds a step costs whatever its size (reading the weights, Python, launching)."""
-        self.per_token = 0.0
-        """b: seconds each token adds."""
-        self.fitted = False
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        self._steps.append((num_tokens, seconds))
-        n = len(self._steps)
-        mean_t = sum(t for t, _ in self._steps) / n
-        mean_s = sum(s for _, s in self._steps) / n
-        spread = sum((t - mean_t) ** 2 for t, _ in self._steps)
-        if spread == 0:
-            return  # every step the same size: the last fit stands
-        slope = sum((t - mean_t) * (s - mean_s) for t, s in self._steps) / spread
-        self.per_token = max(0.0, slope)
-        self.fixed = max(0.0, mean_s - self.per_token * mean_t)
-        self.fitted = True
-
-    def draft_cost(self, num_decodes: int) -> float:
-        """c: a drafted token's cost relative to the average token of a step of num_decodes decodes
-        (0 until a fit exists: the first steps draft, and measure what it costs)."""
-        if not self.fitted or num_decodes < 1:
-            return 0.0
-        step = self.fixed + self.per_token * num_decodes
-        return self.per_token * num_decodes / step if step > 0 else 0.0
 
 
 def acceptance(seq: Sequence) -> float:
@@ -125,7 +94,7 @@ class Speculator:
         """Request id -> drafted tokens, for the running sequences that decode next and may draft."""
         running = list(running)
         decoding = [seq for seq in running if seq.num_new_tokens_to_compute == 1]
-        cost = self.costs.draft_cost(len(decoding))
+        cost = self.costs.draft_cost(len(decoding), self.draft.costs if self.draft is not None else None)
         lengths = {}
         for seq in decoding:
             most = min(self.config.num_tokens, self._room(seq))
