@@ -193,7 +193,12 @@ def verdicts(record: dict[str, Any]) -> list[dict[str, Any]]:
         (
             f"one stream, {workload['method']} against off: >= {bar}x tokens/s, identical text",
             f"{one['ratio']['median']:.2f}x (range {one['ratio']['low']:.2f}-{one['ratio']['high']:.2f}), "
-            f"identical: {one['identical_text']}, acceptance {100 * one['acceptance_rate']:.0f}%",
+            f"identical: {one['identical_text']}, "
+            + (
+                f"acceptance {100 * one['acceptance_rate']:.0f}%"
+                if any(run["draft_tokens"] for run in one["on"]["runs"])
+                else "nothing drafted"
+            ),
             one["ratio"]["median"] >= bar and one["identical_text"],
         )
     ]

@@ -293,11 +293,18 @@ def speculative_of(name: str) -> Callable[[Mapping[str, Record]], list[str]]:
         data = records[name].data
         one = data["one_stream"]
         rows = [[line["target"], line["figure"], met(line["met"])] for line in data["targets"]]
+        drafted = sum(run["draft_tokens"] for run in one["on"]["runs"])
+        kept = (
+            f"{one['accepted_per_speculative_decode']:.2f} drafts kept per decode that drafted"
+            if drafted
+            else "no token drafted in the timed rounds: the draft-length rule priced every draft "
+            "above what it buys"
+        )
         note = (
             f"{Path(data['workload']['model']).name}, one stream: "
             f"{one['off']['tok_s']['median']:.1f} tokens/s without speculation, "
             f"{one['on']['tok_s']['median']:.1f} with it (medians of {len(one['on']['runs'])} rounds); "
-            f"{one['accepted_per_speculative_decode']:.2f} drafts kept per decode that drafted."
+            f"{kept}."
         )
         return [*table(["target", "measured", ""], rows), "", note]
 
