@@ -22,6 +22,7 @@ from gateway import openai_tools
 from gateway.openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from gateway.request_ids import response_id
 from gateway.stage_clock import STAGES
+from strata.sampling import SAMPLING_PARAMS
 from strata.v1 import common_pb2, gateway_pb2
 
 if TYPE_CHECKING:
@@ -36,6 +37,13 @@ TRUNCATIONS = {"refuse": gateway_pb2.TRUNCATION_REFUSE, "left": gateway_pb2.TRUN
 # The OpenAI API's newer name for the system role.
 ROLE_ALIASES = {"developer": "system"}
 _SAMPLING_PATH = re.compile(r"^sampling\.(\w+)")
+_BY_HAND = frozenset({"logprobs", "top_logprobs", "stop", "stop_token_ids", "logit_bias"})
+"""Sampling fields the body names as the proto does but carries in another shape (per endpoint, a
+list, string keys): to_generate_request converts them."""
+_AS_SENT = tuple(
+    param.name for param in SAMPLING_PARAMS if param.http == (param.name,) and param.name not in _BY_HAND
+)
+"""The sampling fields the body carries as the proto does: copied by name where the client set them."""
 
 
 def to_generate_request(
@@ -52,30 +60,16 @@ def to_generate_request(
             max_tokens = max(1, min(max_tokens, context - 1))
     sampling = common_pb2.SamplingParams(
         max_new_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        no_repeat_ngram_size=body.no_repeat_ngram_size,
         stop=body.stops(),
-        ignore_eos=body.ignore_eos,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        min_p=body.min_p,
         logit_bias=body.logit_bias_ids(),
         stop_token_ids=body.stop_token_ids or [],
-        min_tokens=body.min_tokens,
         no_speculation=not body.speculate,
+        **{name: value for name in _AS_SENT if (value := getattr(body, name)) is not None},
     )
     top = body.top_alternatives()
     if top is not None:
         sampling.logprobs = True
         sampling.top_logprobs = top
-    if body.prompt_logprobs is not None:
-        sampling.prompt_logprobs = body.prompt_logprobs
-    if body.repetition_penalty is not None:
-        sampling.repetition_penalty = body.repetition_penalty
-    if body.seed is not None:
-        sampling.seed = body.seed
     response_format = getattr(body, "response_format", None)
     if response_format is not None:
         openai_tools.set_constraint(sampling, response_format)

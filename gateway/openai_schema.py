@@ -142,6 +142,7 @@ class _Common(_Body):
     # Strata's own options (extra body fields, as vLLM takes its own).
     top_k: int = 0
     min_p: float = 0.0
+    typical_p: float = 1.0
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
     prompt_logprobs: int | None = Field(default=None, ge=0)

@@ -70,6 +70,7 @@ class GenerateOptions(TypedDict, total=False):
     presence_penalty: float
     frequency_penalty: float
     min_p: float
+    typical_p: float | None
     logit_bias: Mapping[int, float] | None
     stop_token_ids: Sequence[int]
     min_tokens: int

@@ -61,6 +61,7 @@ def build_request(
     presence_penalty: float = 0.0,
     frequency_penalty: float = 0.0,
     min_p: float = 0.0,
+    typical_p: float | None = None,
     logit_bias: Mapping[int, float] | None = None,
     stop_token_ids: Sequence[int] = (),
     min_tokens: int = 0,
@@ -105,6 +106,8 @@ def build_request(
         sampling.prompt_logprobs = prompt_logprobs
     if top_p is not None:
         sampling.top_p = top_p
+    if typical_p is not None:
+        sampling.typical_p = typical_p
     if repetition_penalty is not None:
         sampling.repetition_penalty = repetition_penalty
     if seed is not None:

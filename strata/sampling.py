@@ -74,6 +74,7 @@ BOUNDS: dict[str, Bounds] = {
     "presence_penalty": _PENALTY,
     "frequency_penalty": _PENALTY,
     "min_p": Bounds(0, 1, off="0 turns it off"),
+    "typical_p": Bounds(0, 1, low_open=True),
     "top_logprobs": _ALTERNATIVES,
     "prompt_logprobs": _ALTERNATIVES,
 }
@@ -149,6 +150,8 @@ SAMPLING_PARAMS: tuple[SamplingParam, ...] = (
     _param("presence_penalty", "0 (off)", "subtracted once from the logit of every token generated so far"),
     _param("frequency_penalty", "0 (off)", "subtracted from a token's logit once per time it was generated"),
     _param("min_p", "0 (off)", "drop tokens below min_p times the top token's probability"),
+    _param("typical_p", "1 (off)", "locally typical sampling: keep the tokens whose surprisal is nearest "
+           "the entropy until they hold this mass"),
     _param("logit_bias", "none", "added to listed tokens' logits first",
            valid=f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, each in "
            f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", cli=None),

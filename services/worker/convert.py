@@ -3,17 +3,20 @@ token updates (with their log probabilities), priorities, the continuation of a 
 worker started, and the memory budget.
 
 The proto leaves some sampling fields unset to mean "off"; this module fills the engine's defaults
-for them and rejects what the gateway must always fill. A submission with `prior_output_ids` (a
-failover) runs in the engine as prompt + prior ids with max_new_tokens shortened by the prior count;
-token updates then count the prior ids as output, not prompt, and never carry them. It must not
-validate ranges (the engine's SamplingParams.validate does) nor hold any state. An output constraint
-becomes a GrammarSpec here; compiling it is the grammar compiler's job.
+for them and rejects what the gateway must always fill. A scalar the engine names as the proto does
+and takes as it comes (`_AS_SENT`) is copied by name, so a new one needs no line here. A submission
+with `prior_output_ids` (a failover) runs in the engine as prompt + prior ids with max_new_tokens
+shortened by the prior count; token updates then count the prior ids as output, not prompt, and
+never carry them. It must not validate ranges (the engine's SamplingParams.validate does) nor hold
+any state. An output constraint becomes a GrammarSpec here; compiling it is the grammar compiler's
+job.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from services.worker.engine.grammar_spec import GrammarKind, GrammarSpec
 from services.worker.engine.params import InvalidRequestError, SamplingParams
@@ -26,6 +29,28 @@ if TYPE_CHECKING:
 
     from services.worker.engine.sequence import StepOutput, TokenLogprobs
     from services.worker.memory_budget import MemoryBudget
+
+_CONVERTED = frozenset({"max_new_tokens", "min_tokens", "stop_token_ids", "logit_bias", "logprobs"})
+"""The engine's fields that sampling_params computes from the submission rather than copying: the
+prior output shortens two, two merge or reshape a list, and `logprobs` is the proto's top_logprobs."""
+_PROTO_FIELDS = common_pb2.SamplingParams.DESCRIPTOR.fields_by_name
+_AS_SENT = tuple(
+    field.name
+    for field in dataclasses.fields(SamplingParams)
+    if field.name in _PROTO_FIELDS and field.name not in _CONVERTED
+)
+"""The engine's fields the proto carries under the same name, copied as sent (an optional one left
+unset keeps the engine's default)."""
+
+
+def _as_sent(wire: common_pb2.SamplingParams) -> dict[str, Any]:
+    present = {field.name for field, _ in wire.ListFields()}
+    return {
+        name: getattr(wire, name)
+        for name in _AS_SENT
+        if not _PROTO_FIELDS[name].has_presence or name in present
+    }
+
 
 FINISH_REASONS: dict[FinishReason, common_pb2.FinishReason.ValueType] = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
@@ -55,23 +80,13 @@ def sampling_params(submission: worker_pb2.Submission) -> SamplingParams:
             "sampling.top_logprobs", wire.top_logprobs, "needs sampling.logprobs set (or send 0)"
         )
     return SamplingParams(
+        **_as_sent(wire),
         max_new_tokens=wire.max_new_tokens - prior,
-        temperature=wire.temperature,
-        top_k=wire.top_k,
-        top_p=wire.top_p if wire.HasField("top_p") else 1.0,
-        repetition_penalty=wire.repetition_penalty if wire.HasField("repetition_penalty") else 1.0,
-        no_repeat_ngram_size=wire.no_repeat_ngram_size,
         stop_token_ids=tuple(dict.fromkeys([*submission.stop_token_ids, *wire.stop_token_ids])),
-        ignore_eos=wire.ignore_eos,
-        seed=wire.seed if wire.HasField("seed") else None,
-        presence_penalty=wire.presence_penalty,
-        frequency_penalty=wire.frequency_penalty,
-        min_p=wire.min_p,
         logit_bias=tuple(sorted(wire.logit_bias.items())),
         # A failover's prior tokens count toward min_tokens as the tokens it already generated.
         min_tokens=max(0, wire.min_tokens - prior),
         logprobs=wire.top_logprobs if wire.logprobs else None,
-        prompt_logprobs=wire.prompt_logprobs if wire.HasField("prompt_logprobs") else None,
         prior_output_tokens=prior,
         speculate=not wire.no_speculation,
     )

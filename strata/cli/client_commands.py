@@ -38,6 +38,7 @@ _REMOTE_ONLY = (
     "presence_penalty",
     "frequency_penalty",
     "min_p",
+    "typical_p",
     "min_tokens",
     "logprobs",
     "n",
@@ -70,6 +71,7 @@ def _generate_request(args: argparse.Namespace) -> gateway_pb2.GenerateRequest:
         presence_penalty=args.presence_penalty or 0.0,
         frequency_penalty=args.frequency_penalty or 0.0,
         min_p=args.min_p or 0.0,
+        typical_p=args.typical_p,
         min_tokens=args.min_tokens or 0,
         logprobs=args.logprobs,
         n=args.n or 1,
@@ -216,6 +218,9 @@ def add_generate(subparsers: SubParsers) -> None:
     parser.add_argument("--presence-penalty", type=float, help="in [-2, 2]: OpenAI's (default: 0, off)")
     parser.add_argument("--frequency-penalty", type=float, help="in [-2, 2]: OpenAI's (default: 0, off)")
     parser.add_argument("--min-p", type=float, help="drop tokens below min_p x the top one's probability")
+    parser.add_argument(
+        "--typical-p", type=float, help="locally typical sampling mass in (0, 1] (default: off)"
+    )
     parser.add_argument("--min-tokens", type=int, help="generate at least this many tokens (default: 0)")
     parser.add_argument(
         "--n", type=int, help="generate N samples of PROMPT, printed as [i] TEXT (default: 1)"

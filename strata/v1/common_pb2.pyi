@@ -122,6 +122,7 @@ class SamplingParams(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     NO_SPECULATION_FIELD_NUMBER: _builtins.int
+    TYPICAL_P_FIELD_NUMBER: _builtins.int
     CONSTRAINT_FIELD_NUMBER: _builtins.int
     max_new_tokens: _builtins.int
     """Tokens to generate at most; 0 takes the gateway's default (64). Must fit the model's context."""
@@ -168,6 +169,11 @@ class SamplingParams(_message.Message):
     """Keep this request out of speculative decoding where the worker has it on: one token a step. Its
     tokens are the same either way; only how many steps produce them changes.
     """
+    typical_p: _builtins.float
+    """Locally typical sampling's mass in (0, 1]: keep the tokens whose surprisal is nearest the
+    distribution's entropy until they hold this much probability (after top_k, top_p and min_p); unset
+    is 1 (off).
+    """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Stop strings: the text ends just before the first place one of them begins (at most 8, 64 bytes each)."""
@@ -210,11 +216,12 @@ class SamplingParams(_message.Message):
         top_logprobs: _builtins.int = ...,
         prompt_logprobs: _builtins.int | None = ...,
         no_speculation: _builtins.bool = ...,
+        typical_p: _builtins.float | None = ...,
         constraint: Global___OutputConstraint | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "constraint", b"constraint", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "_typical_p", b"_typical_p", "constraint", b"constraint", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "top_p", b"top_p", "typical_p", b"typical_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "constraint", b"constraint", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "no_repeat_ngram_size", b"no_repeat_ngram_size", "no_speculation", b"no_speculation", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_top_p", b"_top_p", "_typical_p", b"_typical_p", "constraint", b"constraint", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "no_repeat_ngram_size", b"no_repeat_ngram_size", "no_speculation", b"no_speculation", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p", "typical_p", b"typical_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
     _WhichOneofArgType__prompt_logprobs: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs"]  # noqa: Y015
@@ -224,6 +231,8 @@ class SamplingParams(_message.Message):
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    _WhichOneofReturnType__typical_p: _TypeAlias = _typing.Literal["typical_p"]  # noqa: Y015
+    _WhichOneofArgType__typical_p: _TypeAlias = _typing.Literal["_typical_p", b"_typical_p"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_logprobs) -> _WhichOneofReturnType__prompt_logprobs | None: ...
     @_typing.overload
@@ -232,6 +241,8 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__typical_p) -> _WhichOneofReturnType__typical_p | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
 

@@ -106,6 +106,7 @@ def test_traceparent_joins_the_callers_trace(stack: HttpStack) -> None:
         ('{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"a": 1}}', "logit_bias"),
         ('{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"3": 101}}', "logit_bias"),
         ('{"messages": [{"role": "user", "content": "x"}], "min_p": 1.5}', "min_p"),
+        ('{"messages": [{"role": "user", "content": "x"}], "typical_p": 0}', "typical_p"),
         ('{"messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5}', "presence_penalty"),
         ('{"messages": [{"role": "user", "content": "x"}], "frequency_penalty": -3}', "frequency_penalty"),
         (

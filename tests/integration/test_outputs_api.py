@@ -143,11 +143,40 @@ def test_processors_act_end_to_end(grpc_client: StrataClient) -> None:
     assert len(set(repeated.token_ids)) >= len(set(greedy.token_ids[:6]))
 
 
+def test_typical_p_reaches_the_sampler_over_grpc_and_http(
+    grpc_client: StrataClient, http_stack: HttpStack
+) -> None:
+    """A tiny typical_p keeps only the one token nearest the entropy, so two seeds write the same
+    text, which they do not without it; the HTTP API's extra body field gets the same."""
+
+    def sample(seed: int, typical_p: float | None) -> tuple[int, ...]:
+        response = grpc_client.generate(
+            "hello world", max_new_tokens=8, temperature=1.0, ignore_eos=True, seed=seed, typical_p=typical_p
+        )
+        return tuple(response.token_ids)
+
+    assert len({sample(seed, None) for seed in (1, 2, 3)}) > 1
+    typical = {sample(seed, 1e-6) for seed in (1, 2, 3)}
+    assert len(typical) == 1
+    completion = sdk(http_stack).completions.create(
+        model=MODEL,
+        prompt="hello world",
+        max_tokens=8,
+        seed=4,
+        extra_body={"typical_p": 1e-6, "ignore_eos": True},
+    )
+    expected = grpc_client.generate(
+        "hello world", max_new_tokens=8, temperature=1.0, ignore_eos=True, seed=5, typical_p=1e-6
+    )
+    assert completion.choices[0].text == expected.text
+
+
 @pytest.mark.parametrize(
     ("options", "field"),
     [
         ({"presence_penalty": 2.5}, "sampling.presence_penalty"),
         ({"min_p": -0.5}, "sampling.min_p"),
+        ({"typical_p": 1.5}, "sampling.typical_p"),
         ({"logit_bias": {3: 150.0}}, "sampling.logit_bias"),
         ({"logprobs": 21}, "sampling.top_logprobs"),
         ({"min_tokens": 9, "max_new_tokens": 8}, "sampling.min_tokens"),

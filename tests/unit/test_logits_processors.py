@@ -1,6 +1,6 @@
-"""Tests of the OpenAI/vLLM processors (logit_bias, presence/frequency, min_tokens, min_p): each against
-transformers' processor where it has one (a direct formula where it has none), all of them together
-in the documented order, and their parameter validation.
+"""Tests of the OpenAI/vLLM processors (logit_bias, presence/frequency, min_tokens, min_p, typical_p):
+each against transformers' processor where it has one (a direct formula where it has none), all of
+them together in the documented order, and their parameter validation.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
+    TypicalLogitsWarper,
 )
 
 from services.worker.engine.logits_processors import (
@@ -64,6 +65,8 @@ def reference_allowed(
         scores = TopPLogitsWarper(p.top_p)(ids, scores)
     if p.min_p:
         scores = MinPLogitsWarper(p.min_p)(cast("torch.LongTensor", ids), scores)
+    if p.typical_p < 1.0:
+        scores = TypicalLogitsWarper(p.typical_p)(cast("torch.LongTensor", ids), scores)
     allowed: torch.Tensor = (scores > float("-inf"))[0]
     return allowed
 
@@ -139,6 +142,21 @@ def test_min_p_allowed_set_equals_transformers(min_p: float, scale: float) -> No
     assert all(bool(ours[i, t]) for i, t in enumerate(tokens))
 
 
+@pytest.mark.parametrize("typical_p", [0.05, 0.3, 0.9, 0.999])
+@pytest.mark.parametrize("scale", [0.3, 3.0])
+def test_typical_p_allowed_set_equals_transformers(typical_p: float, scale: float) -> None:
+    """The kept set, and every draw inside it, over flat and peaked rows; seeds and positions vary, so
+    the draws cover the set's several tokens."""
+    logits = torch.randn(6, 2000, generator=torch.Generator().manual_seed(5)) * scale
+    p = SamplingParams(temperature=0.7, typical_p=typical_p)
+    rows = [row_for(p, [1], [2] * i, seed=i) for i in range(6)]
+    ours = Sampler().allowed(logits, rows)
+    for i in range(6):
+        assert torch.equal(ours[i], reference_allowed(logits[i], [1], [2] * i, p))
+    tokens = Sampler()(logits, rows)
+    assert all(bool(ours[i, t]) for i, t in enumerate(tokens))
+
+
 def test_all_processors_together_match_the_reference_in_order() -> None:
     rng = random.Random(4)
     vocab = 300
@@ -151,6 +169,7 @@ def test_all_processors_together_match_the_reference_in_order() -> None:
             top_k=rng.choice([0, 10, 120]),
             top_p=rng.choice([1.0, 0.6, 0.95]),
             min_p=rng.choice([0.0, 0.02, 0.2]),
+            typical_p=rng.choice([1.0, 1.0, 0.5, 0.9]),
             repetition_penalty=rng.choice([1.0, 1.3]),
             no_repeat_ngram_size=rng.choice([0, 2]),
             presence_penalty=rng.choice([0.0, 1.0, -0.5]),
@@ -186,6 +205,8 @@ def test_greedy_rows_with_processors_take_the_processed_argmax() -> None:
         (SamplingParams(frequency_penalty=-2.01), "frequency_penalty"),
         (SamplingParams(min_p=1.5), "min_p"),
         (SamplingParams(min_p=-0.1), "min_p"),
+        (SamplingParams(typical_p=0.0), "typical_p"),
+        (SamplingParams(typical_p=1.5), "typical_p"),
         (SamplingParams(logit_bias=((3, 101.0),)), "logit_bias[3]"),
         (SamplingParams(logit_bias=((-1, 1.0),)), "logit_bias"),
         (SamplingParams(min_tokens=65), "min_tokens"),

@@ -207,6 +207,25 @@ def test_draws_follow_softmax_of_the_allowed_set(
     assert chi_square(tokens, allowed.double() / allowed.sum()) > 10 * limit, name
 
 
+def test_typical_draws_follow_softmax_of_the_typical_set() -> None:
+    """Locally typical sampling draws from the softmax over its kept set and nothing else: here the
+    most likely token, whose surprisal is far below the row's entropy, is left out, which a top-p or
+    min_p set never does."""
+    from services.worker.engine.logits_processors import typical_keep
+
+    logits = torch.cat([torch.tensor([3.0]), torch.linspace(1.2, -1.2, 39)])
+    params = SamplingParams(temperature=1.0, typical_p=0.6)
+    allowed = typical_keep(logits[None, :], torch.tensor([0.6]))[0]
+    assert not allowed[0] and 3 < int(allowed.sum()) < 39
+    probs = torch.where(allowed, logits, float("-inf")).softmax(-1)
+    tokens = draws(Sampler(), logits, params)
+    kept = int(allowed.sum())
+    # chi-square's critical value at p about 1e-6: its degrees of freedom plus about 7 deviations.
+    limit = (kept - 1) + 7 * (2 * (kept - 1)) ** 0.5
+    assert chi_square(tokens, probs) < limit
+    assert chi_square(tokens, allowed.double() / allowed.sum()) > 10 * limit
+
+
 def test_head_and_tail_stages_are_both_used() -> None:
     sampler = Sampler(head_size=4)
     draws(sampler, torch.linspace(2.0, -2.0, 40), SamplingParams(temperature=1.5))

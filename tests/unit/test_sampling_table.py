@@ -130,6 +130,7 @@ EDGES: dict[str, tuple[float, float]] = {
     "presence_penalty": (2.0, 2.5),
     "frequency_penalty": (-2.0, -2.5),
     "min_p": (1.0, 1.5),
+    "typical_p": (1.0, 0.0),
     "top_logprobs": (20, 21),
     "prompt_logprobs": (20, 21),
 }

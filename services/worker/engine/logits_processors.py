@@ -1,4 +1,5 @@
-"""The OpenAI/vLLM logit processors: logit_bias, presence and frequency penalties, min_tokens, min_p.
+"""The OpenAI/vLLM logit processors: logit_bias, presence and frequency penalties, min_tokens, min_p,
+typical_p.
 
 The sampler (sampler.py) applies every processor of a row in one fixed order, transformers' where it
 has the processor and vLLM's for the penalties it lacks:
@@ -10,11 +11,15 @@ has the processor and vLLM's for the penalties it lacks:
 4. min_tokens: while fewer tokens than min_tokens were generated, EOS (unless ignore_eos) and the
    request's stop token ids are banned (-inf), as transformers' MinNewTokensLengthLogitsProcessor;
 5. temperature, top-k, top-p (sampler.py), then min_p: tokens whose probability is below min_p times
-   the most likely token's are dropped (transformers' MinPLogitsWarper, last of its warpers).
+   the most likely token's are dropped (transformers' MinPLogitsWarper);
+6. typical_p (locally typical sampling, transformers' TypicalLogitsWarper, after min_p as there):
+   over what is left, tokens are taken in order of how near their surprisal -log p is to the
+   distribution's entropy, until they hold typical_p of the probability; ties with the last one taken
+   stay too.
 
 Steps 1-4 act on raw logits before temperature. A failover's prior output counts as generated.
-This module owns steps 1, 3, 4 and min_p's threshold; it must not draw tokens, scale by temperature or
-read the prompt (only the output, which the row carries).
+This module owns steps 1, 3, 4, min_p's threshold and typical_p's set; it must not draw tokens, scale
+by temperature or read the prompt (only the output, which the row carries).
 """
 
 from __future__ import annotations
@@ -104,3 +109,21 @@ def min_p_threshold(best: Tensor, min_p: Tensor) -> Tensor:
     """
     log_min_p = torch.where(min_p > 0, min_p.clamp_min(1e-30).log(), torch.full_like(min_p, _NEG_INF))
     return best + log_min_p
+
+
+def typical_keep(x: Tensor, mass: Tensor) -> Tensor:
+    """Bool [R, V]: what typical_p keeps of scaled logits x [R, V] (-inf: already dropped), per row's
+    mass [R]. A token's distance is |-log p - H| (H: the row's entropy); the kept set is every token
+    no farther than the one at which the nearest-first running mass first reaches `mass`. Defined by
+    values, so it does not depend on how a sort orders ties, nor on the batch.
+    """
+    logp = torch.log_softmax(x, dim=-1)
+    p = logp.exp()
+    entropy = -(p * logp).nansum(dim=-1, keepdim=True)
+    distance = (logp.neg() - entropy).abs()
+    nearest, order = distance.sort(dim=-1)
+    # The running mass from a softmax taken in that order, as transformers takes it: the same bits at
+    # the boundary, where summing p in another order can flip the last token in or out.
+    running = x.gather(1, order).softmax(dim=-1).cumsum(dim=-1)
+    last = (running < mass[:, None]).sum(dim=-1).clamp_(max=x.shape[1] - 1)
+    return (distance <= nearest.gather(1, last[:, None])) & (x > _NEG_INF)

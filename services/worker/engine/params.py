@@ -9,23 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from strata.sampling import MAX_LOGIT_BIAS, out_of_bounds
+from strata.sampling import BOUNDS, MAX_LOGIT_BIAS, out_of_bounds
 
 # The engine's scalar fields checked by the table's rule, and the table's name of each: `logprobs`
-# here is the count of alternatives, common.proto's top_logprobs.
-_BOUNDED = {
-    "temperature": "temperature",
-    "top_k": "top_k",
-    "top_p": "top_p",
-    "repetition_penalty": "repetition_penalty",
-    "no_repeat_ngram_size": "no_repeat_ngram_size",
-    "seed": "seed",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "min_p": "min_p",
-    "logprobs": "top_logprobs",
-    "prompt_logprobs": "prompt_logprobs",
-}
+# here is the count of alternatives, common.proto's top_logprobs; the others share the table's name.
+_BOUNDED = {{"top_logprobs": "logprobs"}.get(name, name): name for name in BOUNDS}
 
 
 class InvalidRequestError(ValueError):
@@ -46,7 +34,7 @@ class SamplingParams:
     pick one at admission, so every request draws from the same counter-based noise.
 
     The OpenAI/vLLM processors (logits_processors.py) are off at their defaults: presence and
-    frequency penalties 0, min_p 0, no logit_bias, min_tokens 0. logprobs None returns no log
+    frequency penalties 0, min_p 0, typical_p 1, no logit_bias, min_tokens 0. logprobs None returns no log
     probabilities; N >= 0 returns each sampled token's and its N most likely alternatives'.
     prompt_logprobs likewise for the prompt's tokens. prior_output_tokens counts the trailing prompt
     ids that are a failed worker's output, which the penalties and min_tokens count as output.
@@ -66,6 +54,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_p: float = 0.0
+    typical_p: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     min_tokens: int = 0
     logprobs: int | None = None

@@ -2,7 +2,7 @@
 
 Per row, in the order logits_processors.py states: logit_bias, repetition penalty and
 no-repeat-ngram (penalties.py), presence/frequency penalties and min_tokens, temperature, top-k,
-top-p, min_p, then a draw whose randomness is a pure function of (seed, output position, token id)
+top-p, min_p, typical_p, then a draw whose randomness is a pure function of (seed, output position, token id)
 (noise.py): a request gets the tokens transformers' processors allow, and the same tokens alone, in
 any batch, in any row order and after preemption.
 
@@ -10,7 +10,8 @@ Cost: greedy rows without penalties are one max (no noise, no softmax); the othe
 once. Top-k/top-p search each row's top candidates (torch.topk), growing the list only for rows whose
 allowed set is not inside it yet, then draw by Gumbel-max over the allowed candidates (inverse CDF
 when the set is too wide to hash). Temperature-only rows use noise.head_tail_pick, which never hashes
-a whole vocabulary row either.
+a whole vocabulary row either. typical_p rows need the whole row's entropy: their set is found over
+the whole row (logits_processors.typical_keep) and drawn by inverse CDF.
 
 This module must not check stop tokens, EOS or max_new_tokens (the scheduler does), nor validate
 params (done upstream).
@@ -28,6 +29,7 @@ from services.worker.engine.logits_processors import (
     apply_logit_bias,
     apply_output_penalties,
     min_p_threshold,
+    typical_keep,
 )
 from services.worker.engine.noise import coins, gumbel_pick, head_tail_pick, inverse_cdf_pick, row_keys
 from services.worker.engine.penalties import apply_penalties
@@ -65,16 +67,24 @@ class SamplerStats:
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    """Row indices by the work they need; `union` (filtered, free, greedy_penalised) is one gather."""
+    """Row indices by the work they need; `union` (filtered, typical, free, greedy_penalised) is one
+    gather, its sampled rows first."""
 
     plain: list[int]
     filtered: list[int]
+    typical: list[int]
     free: list[int]
     greedy_penalised: list[int]
 
     @property
     def union(self) -> list[int]:
-        return self.filtered + self.free + self.greedy_penalised
+        return self.filtered + self.typical + self.free + self.greedy_penalised
+
+    @property
+    def bounds(self) -> tuple[int, int, int]:
+        """Where the union's filtered, typical and free rows end."""
+        nf = len(self.filtered)
+        return nf, nf + len(self.typical), nf + len(self.typical) + len(self.free)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,13 +112,20 @@ def _top_k(p: SamplingParams, vocab: int) -> int:
     return p.top_k if 0 < p.top_k < vocab else 0
 
 
+def _is_filtered(p: SamplingParams, vocab: int) -> bool:
+    """Whether top-k, top-p or min_p drop any of the row's tokens."""
+    return bool(_top_k(p, vocab)) or p.top_p < 1.0 or p.min_p > 0.0
+
+
 def _plan(rows: Sequence[SampleRow], vocab: int) -> _Plan:
-    plan = _Plan([], [], [], [])
+    plan = _Plan([], [], [], [], [])
     for i, row in enumerate(rows):
         p = row.params
         if p.greedy:
             (plan.greedy_penalised if _is_processed(row) else plan.plain).append(i)
-        elif _top_k(p, vocab) or p.top_p < 1.0 or p.min_p > 0.0:
+        elif p.typical_p < 1.0:
+            plan.typical.append(i)
+        elif _is_filtered(p, vocab):
             plan.filtered.append(i)
         else:
             plan.free.append(i)
@@ -142,10 +159,11 @@ class Sampler:
             degenerate[plain] = best.isnan()
         if plan.union:
             x = self._prepare(logits, rows, plan)
-            nf, ns = len(plan.filtered), len(plan.filtered) + len(plan.free)
+            nf, nt, ns = plan.bounds
             picked = [
                 self._draw_filtered(x[:nf], [rows[i] for i in plan.filtered]),
-                self._draw_free(x[nf:ns], [rows[i] for i in plan.free]),
+                self._draw_typical(x[nf:nt], [rows[i] for i in plan.typical]),
+                self._draw_free(x[nt:ns], [rows[i] for i in plan.free]),
                 x[ns:].max(dim=-1),
             ]
             union = torch.tensor(plan.union, device=device)
@@ -171,12 +189,14 @@ class Sampler:
             mask[plan.plain, logits[plan.plain].argmax(-1)] = True
         if plan.union:
             x = self._prepare(logits, rows, plan)
-            nf, ns = len(plan.filtered), len(plan.filtered) + len(plan.free)
+            nf, nt, ns = plan.bounds
             for c in self._filter(x[:nf], [rows[i] for i in plan.filtered]):
                 part = torch.zeros(len(c.rows), vocab, dtype=torch.bool, device=logits.device)
                 part.scatter_(1, c.ids, (c.vals >= c.thr[:, None]) & (c.vals > _NEG_INF))
                 mask[torch.tensor(plan.filtered, device=logits.device)[c.rows]] = part
-            mask[plan.free] = x[nf:ns] > _NEG_INF
+            if plan.typical:
+                mask[plan.typical] = self._typical_allowed(x[nf:nt], [rows[i] for i in plan.typical])
+            mask[plan.free] = x[nt:ns] > _NEG_INF
             greedy = x[ns:].argmax(-1)
             mask[plan.greedy_penalised, greedy] = True
         return mask
@@ -195,7 +215,7 @@ class Sampler:
             # The bias comes first and the penalties read its result: never write the caller's logits.
             source = source.clone() if source is logits else source
             apply_logit_bias(source, params)
-        sampled = len(plan.filtered) + len(plan.free)
+        sampled = plan.bounds[2]
         temps = [p.temperature for p in params[:sampled]] + [1.0] * (len(union) - sampled)
         divisor = torch.tensor(temps, dtype=torch.float32, device=logits.device)
         # The division makes the working copy, so `source` stays raw for the penalties to read.
@@ -305,6 +325,32 @@ class Sampler:
                 token[wide_rows] = picked.squeeze(1)
                 score[wide_rows] = xw.gather(1, picked).squeeze(1)
         return score, token
+
+    def _typical_allowed(self, x: Tensor, rows: Sequence[SampleRow]) -> Tensor:
+        """Bool [R, V]: what typical_p keeps of each row after its top-k, top-p and min_p."""
+        r, vocab = x.shape
+        thr = torch.full((r,), _NEG_INF, device=x.device)
+        filtered = [i for i, row in enumerate(rows) if _is_filtered(row.params, vocab)]
+        if filtered:
+            index = torch.tensor(filtered, device=x.device)
+            for c in self._filter(x[index], [rows[i] for i in filtered]):
+                thr[index[c.rows]] = c.thr
+        kept = torch.where(x >= thr[:, None], x, _NEG_INF)
+        mass = torch.tensor([row.params.typical_p for row in rows], device=x.device)
+        self.stats.normalized_rows += r
+        return typical_keep(kept, mass)
+
+    def _draw_typical(self, x: Tensor, rows: Sequence[SampleRow]) -> tuple[Tensor, Tensor]:
+        r = x.shape[0]
+        if r == 0:
+            return torch.empty(0, device=x.device), torch.empty(0, dtype=torch.int64, device=x.device)
+        allowed = self._typical_allowed(x, rows)
+        coin = coins(self._keys(rows, x.device))[:, 1]
+        self.stats.noise_values += 2 * r
+        best = torch.where(allowed, x, _NEG_INF).max(dim=-1).values
+        picked = inverse_cdf_pick(x, ~allowed, best, coin)
+        score = torch.where(allowed.gather(1, picked), x.gather(1, picked), _NEG_INF).squeeze(1)
+        return score, picked.squeeze(1)
 
     def _draw_free(self, x: Tensor, rows: Sequence[SampleRow]) -> tuple[Tensor, Tensor]:
         r, vocab = x.shape
