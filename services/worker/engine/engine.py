@@ -46,9 +46,8 @@ MAX_FAILED_STEPS_ALONE = 3
 
 @dataclass(frozen=True, slots=True)
 class EngineStats(SchedulerStats):
-    """The scheduler's snapshot plus the last step's shape and time; safe to hand to another thread."""
+    """The scheduler's snapshot plus the last step's shape; safe to hand to another thread."""
 
-    last_step_ms: float
     last_batch_size: int
     last_batch_tokens: int
     last_num_decodes: int
@@ -150,7 +149,6 @@ class LLMEngine:
         self.step_cached_tokens: list[int] = []
         self._arrivals = 0
         self._failed_steps = 0
-        self._last_step_ms = 0.0
         self._last_batch_size = 0
         self._last_batch_tokens = 0
         self._last_num_decodes = 0
@@ -247,7 +245,6 @@ class LLMEngine:
         elapsed = time.perf_counter() - started
         if self.speculator is not None:
             self.speculator.observe_step(batch.num_batched_tokens, elapsed)
-        self._last_step_ms = elapsed * 1000.0
         self.step_seconds.append(elapsed)
         self._last_batch_size = len(batch.entries)
         self._last_batch_tokens = batch.num_batched_tokens
@@ -321,7 +318,6 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(
             **asdict(self.scheduler.stats),
-            last_step_ms=self._last_step_ms,
             last_batch_size=self._last_batch_size,
             last_batch_tokens=self._last_batch_tokens,
             last_num_decodes=self._last_num_decodes,

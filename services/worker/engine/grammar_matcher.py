@@ -23,14 +23,13 @@ if TYPE_CHECKING:
 class GrammarMatcher:
     """The grammar state of one sequence. Used from the engine thread only, after construction."""
 
-    __slots__ = ("_matcher", "consumed", "spec", "vocab_size")
+    __slots__ = ("_matcher", "spec", "vocab_size")
 
     def __init__(self, matcher: llguidance.LLMatcher, spec: GrammarSpec, vocab_size: int) -> None:
         """`vocab_size`: ids the grammar's tokenizer knows; logits wider than that are padding."""
         self._matcher = matcher
         self.spec = spec
         self.vocab_size = vocab_size
-        self.consumed = 0
 
     @property
     def raw(self) -> llguidance.LLMatcher:
@@ -39,7 +38,6 @@ class GrammarMatcher:
 
     def advance(self, token: int) -> bool:
         """Accept one sampled token; False when the grammar refuses it (the state is then an error)."""
-        self.consumed += 1
         return bool(self._matcher.consume_token(token))
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
