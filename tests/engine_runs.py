@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from services.worker.engine.step_cost import StepCostModel
+from services.worker.engine.cost_line import StepCostModel
 
 if TYPE_CHECKING:
     from services.worker.engine.engine import LLMEngine

@@ -21,9 +21,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from services.worker.engine.block_manager import BlockManager
+from services.worker.engine.cost_line import StepCostModel
 from services.worker.engine.model_runner import ModelRunner
 from services.worker.engine.sequence import ScheduledBatch, ScheduledEntry, Sequence
-from services.worker.engine.step_cost import StepCostModel
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from services.worker.engine.cost_line import StepCostModel
 from services.worker.engine.ngram import ngram_proposal
-from services.worker.engine.step_cost import StepCostModel
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
