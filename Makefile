@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-kv-schemes bench-spec bench-spec-qwen bench-spec-draft bench-spec-stack bench-spec-peer bench-prefix-routing bench-peer bench-peer-avx2 bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar bench-outputs bench-tp records reliability chaos images compose-test run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-kv-schemes bench-spec bench-spec-qwen bench-spec-draft bench-spec-stack bench-spec-peer bench-spec-peer-draft bench-prefix-routing bench-peer bench-peer-avx2 bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar bench-outputs bench-tp records reliability chaos images compose-test run clean
 
 setup: $(STAMP)
 
@@ -130,6 +130,13 @@ bench-spec-peer: setup model
 	$(BIN)/python -m bench.spec_peer --json bench/results/spec-peer-cpu.json
 	$(BIN)/strata fetch-model qwen2.5-coder-1.5b-instruct
 	$(BIN)/python -m bench.spec_peer --model models/Qwen2.5-Coder-1.5B-Instruct --json bench/results/spec-peer-qwen15-cpu.json
+
+# Qwen2.5-Coder-0.5B's Q4_K_M file drafting for the 1.5B's on both sides, against llama.cpp's
+# llama-speculative (-md) over the same 32 prompts, alternated, 5 rounds (about 100 minutes).
+bench-spec-peer-draft: setup
+	$(BIN)/strata fetch-model qwen2.5-coder-1.5b-instruct
+	$(BIN)/strata fetch-model qwen2.5-coder-0.5b-instruct
+	$(BIN)/python -m bench.spec_peer --model models/Qwen2.5-Coder-1.5B-Instruct --draft-model models/Qwen2.5-Coder-0.5B-Instruct --json bench/results/spec-peer-draft-qwen15-cpu.json
 
 # The engine over two tensor-parallel ranks against one rank on the same cores, alternated, 5 rounds,
 # one stream and 16; then the collectives and the vocabulary projection timed alone (about 5 minutes).

@@ -1,18 +1,21 @@
-"""`python -m bench.spec_peer` (`make bench-spec-peer`): Strata's prompt lookup against llama.cpp's own
-(`llama-lookup`, built as `make bench-peer` builds llama.cpp), one stream, on the same model and
-prompts.
+"""`python -m bench.spec_peer` (`make bench-spec-peer`): Strata's speculative decoding against llama.cpp's
+own (built as `make bench-peer` builds llama.cpp), one stream, on the same model and prompts: prompt
+lookup against `llama-lookup`, or with `--draft-model` a draft model against `llama-speculative`
+drafting with that model's GGUF file.
 
 The model is `--model`'s: a float checkpoint's folder (llama.cpp gets its F32 conversion, so both
 sides compute in float32) or a folder holding a GGUF file (both sides serve that file as it is).
 Each round runs bench/data/spec-prompts.json's 32 prompts, through the model's chat template, one at
 a time on both sides, the order flipped every round: here through LLMEngine.generate with
-engine.speculative `{method: ngram, num_tokens: --draft-max}`, there one `llama-lookup` run per
-prompt (`--draft-max` drafts, greedy, `--threads`), up to `--new-tokens` tokens each, EOS ending one
-early on both sides. A side's rate is its generated tokens over its time: our wall time around
-the engine's calls, llama.cpp's own encode-plus-decode seconds as it prints them (its model load is
-left out, ours was done before). Acceptance is each side's kept drafts over drafted tokens. The
-two models' numerics differ, so their texts may too: the record keeps both sides' token counts.
-Target: ours at least 1.0x llama.cpp's. It writes bench/results/spec-peer-cpu.json with
+engine.speculative `{method: ngram, num_tokens: --draft-max}` (or `{method: draft, ...,
+draft_model_path}`), there one `llama-lookup` (or `llama-speculative -md`) run per prompt
+(`--draft-max` drafts, greedy, `--threads`, llama.cpp's other drafting settings as it ships them),
+up to `--new-tokens` tokens each, EOS ending one early on both sides. A side's rate is its generated
+tokens over its time: our wall time around the engine's calls, llama.cpp's own encode-plus-decode
+seconds as it prints them (its model load is left out, ours was done before). Acceptance is each
+side's kept drafts over drafted tokens. The two models' numerics differ, so their texts may too: the
+record keeps both sides' token counts.
+Target: ours at least 1.0x llama.cpp's. It writes `--json` (bench/results/spec-peer-cpu.json) with
 bench/provenance.py's block; the verdict is arithmetic on the record.
 """
 
@@ -42,6 +45,7 @@ _COUNTS = re.compile(r"\b(?P<name>n_predict|n_drafted|n_accept)\s+= (?P<value>\d
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.spec_peer", description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    p.add_argument("--draft-model", type=Path, default=None, help="the draft model's folder (a GGUF inside)")
     p.add_argument("--draft-max", type=int, default=4, help="most drafted tokens a step, both sides")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
@@ -63,32 +67,49 @@ def peer_for(model: Path) -> tuple[Peer, Path]:
     return peer, peer.models["f32"]
 
 
+def draft_file(draft_model: Path) -> Path:
+    """The GGUF file llama-speculative drafts with: the one in the draft model's folder, as shipped."""
+    shipped = sorted(draft_model.glob("*.gguf"))
+    if not shipped:
+        raise SystemExit(f"--draft-model {draft_model}: no .gguf file in it; fetch a GGUF draft model")
+    return shipped[0].resolve()
+
+
 def parse_lookup(log: str) -> dict[str, float]:
-    """llama-lookup's figures: seconds to encode the prompt and to decode, tokens predicted, drafted
-    and accepted; a missing one is an error naming what the run printed."""
+    """llama-lookup's (or llama-speculative's, which prints the same) figures: seconds to encode the
+    prompt and to decode, tokens predicted, drafted and accepted; a missing one is an error naming
+    what the run printed."""
     times = {m["kind"]: float(m["seconds"]) for m in _TIMES.finditer(log)}
     counts = {m["name"]: int(m["value"]) for m in _COUNTS.finditer(log)}
     if set(times) != {"encoded", "decoded"} or set(counts) != {"n_predict", "n_drafted", "n_accept"}:
-        raise RuntimeError(f"llama-lookup printed no timings and counts; its log ends: {log[-800:]}")
+        raise RuntimeError(f"llama.cpp printed no timings and counts; its log ends: {log[-800:]}")
     return {"seconds": times["encoded"] + times["decoded"], **counts}
 
 
+def llama_command(peer: Peer, gguf: Path, prompt: Path, args: argparse.Namespace) -> list[str]:
+    """One prompt's llama-lookup run, or llama-speculative's when a draft model drafts."""
+    tool = peer.tool("llama-lookup" if args.draft_model is None else "llama-speculative")
+    command = [
+        str(tool), "-m", str(gguf), "-f", str(prompt), "-n", str(args.new_tokens),
+        "-t", str(args.threads), "-c", "4096", "--temp", "0",
+        "--spec-draft-n-max", str(args.draft_max),
+    ]  # fmt: skip
+    if args.draft_model is not None:
+        command += ["-md", str(draft_file(args.draft_model)), "-td", str(args.threads)]
+    return command
+
+
 def llama_round(peer: Peer, gguf: Path, texts: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    """Every prompt through one llama-lookup run each: tokens over its own seconds, its drafts."""
-    tool = peer.tool("llama-lookup")
+    """Every prompt through one llama.cpp run each: tokens over its own seconds, its drafts."""
     runs = []
     with tempfile.TemporaryDirectory(prefix="strata-spec-peer-") as scratch:
         prompt = Path(scratch) / "prompt.txt"
         for text in texts:
             prompt.write_text(text)
-            command = [
-                str(tool), "-m", str(gguf), "-f", str(prompt), "-n", str(args.new_tokens),
-                "-t", str(args.threads), "-c", "4096", "--temp", "0",
-                "--spec-draft-n-max", str(args.draft_max),
-            ]  # fmt: skip
+            command = llama_command(peer, gguf, prompt, args)
             done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=1200)
             if done.returncode != 0:
-                raise RuntimeError(f"llama-lookup exited with {done.returncode}: {done.stderr[-800:]}")
+                raise RuntimeError(f"{command[0]} exited with {done.returncode}: {done.stderr[-800:]}")
             runs.append(parse_lookup(done.stderr))
     tokens = sum(int(run["n_predict"]) for run in runs)
     seconds = sum(run["seconds"] for run in runs)
@@ -113,7 +134,10 @@ def strata_round(eng: Any, prompts: list[list[int]], new_tokens: int) -> dict[st
 
 def verdicts(record: dict[str, Any]) -> list[dict[str, Any]]:
     """The one target: {"target", "figure", "met"}."""
-    target = f"one stream, prompt lookup: >= {RATIO_TARGET}x llama.cpp's llama-lookup"
+    if record["workload"]["method"] == "draft":
+        target = f"one stream, draft model: >= {RATIO_TARGET}x llama.cpp's llama-speculative"
+    else:
+        target = f"one stream, prompt lookup: >= {RATIO_TARGET}x llama.cpp's llama-lookup"
     met = record["ratio"]["median"] >= RATIO_TARGET
     return [{"target": target, "figure": ratio_figure(record, *SIDES), "met": met}]
 
@@ -126,7 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     peer, gguf = peer_for(args.model)
     provenance = start_provenance(threads=args.threads)
     loaded = load_model(args.model)
-    eng = engine(loaded, {"method": "ngram", "num_tokens": args.draft_max}, 1)
+    speculative: dict[str, Any] = {"method": "ngram", "num_tokens": args.draft_max}
+    if args.draft_model is not None:
+        speculative |= {"method": "draft", "draft_model_path": str(args.draft_model)}
+    eng = engine(loaded, speculative, 1)
     prompts, texts = workload_ids(args.model), workload_texts(args.model)
     # Untimed: the engine's first steps, llama.cpp's page cache.
     strata_round(eng, prompts[:1], 16)
@@ -149,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         "workload": {
             "model": str(args.model),
             "llama_cpp_model": str(gguf),
+            "method": speculative["method"],
+            "draft_model": None if args.draft_model is None else str(args.draft_model),
+            "llama_cpp_draft_model": None if args.draft_model is None else str(draft_file(args.draft_model)),
             "prompts": str(WORKLOAD),
             "new_tokens": args.new_tokens,
             "draft_max": args.draft_max,

@@ -317,6 +317,13 @@ CATALOG: dict[str, Entry] = {
         py("bench.spec_peer", *QWEN15, *out("spec-peer-qwen15-cpu.json")),
         target="make bench-spec-peer",
     ),
+    "spec-peer-draft-qwen15-cpu.json": Entry(
+        ENGINE,
+        "bench/spec_peer.py",
+        6000,
+        py("bench.spec_peer", *QWEN15, *QWEN05_DRAFT[2:], *out("spec-peer-draft-qwen15-cpu.json")),
+        target="make bench-spec-peer-draft",
+    ),
     "spec-stack-cpu.json": Entry(
         STACK,
         "bench/spec_stack.py",
