@@ -1,11 +1,12 @@
 """POST /v1/chat/completions and POST /v1/completions: one HTTP request through the pipeline.
 
 Each endpoint is an ASGI app behind the API-key middleware (http_auth.py, which names the tenant).
-It reads the body up to max_message_bytes (413 beyond), parses it (openai_schema.py), builds the pipeline's
-Incoming with protocol "http", the caller's W3C trace context and the deadline of the
-`x-strata-timeout-ms` header, and answers: a whole JSON response, or Server-Sent Events (`data:`
-chunks, then `data: [DONE]`). A stream's headers go out with its first chunk, so a request refused
-before any token gets its real status (429, 503, ...); a failure after that is an error event.
+It reads the body up to max_message_bytes (413 beyond) within http_body_timeout_s (408 past it),
+parses it (openai_schema.py), builds the pipeline's Incoming with protocol "http", the caller's W3C
+trace context and the deadline of the `x-strata-timeout-ms` header, and answers: a whole JSON
+response, or Server-Sent Events (`data:` chunks, then `data: [DONE]`). A stream's headers go out
+with its first chunk, so a request refused before any token gets its real status (429, 503, ...); a
+failure after that is an error event.
 
 From the moment the body is read, a watcher waits for the client to disconnect; when it does, the
 request's task is cancelled wherever it is (queued, prefilling, streaming; stream or not), which
@@ -30,7 +31,7 @@ from starlette.responses import JSONResponse
 from gateway.errors import GatewayError
 from gateway.http_auth import answer_refusal, tenant
 from gateway.metrics import HTTP_RESPONSES, STUCK_STREAMS
-from gateway.openai_errors import HttpError, from_gateway, from_validation, too_large
+from gateway.openai_errors import HttpError, from_gateway, from_validation, too_large, too_slow
 from gateway.openai_logprobs import prompt_logprobs
 from gateway.openai_mapping import FINISH_REASONS, Reply, extension, headers, to_generate_request
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
@@ -96,7 +97,7 @@ class Completions:
         self, request: Request, arrival: float
     ) -> tuple[Incoming, ChatCompletionRequest | CompletionRequest]:
         deadline = _deadline(request.headers.get(TIMEOUT_HEADER), arrival)
-        raw = await _read_body(request, self._settings.max_message_bytes)
+        raw = await _read_body(request, self._settings.max_message_bytes, self._settings.http_body_timeout_s)
         try:
             body = self._schema.model_validate_json(raw)
         except ValidationError as error:
@@ -249,18 +250,23 @@ def _deadline(header: str | None, arrival: float) -> int:
     return int(arrival * 1000 + timeout_ms)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to be over `limit` bytes."""
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, refused with 413 as soon as it is known to be over `limit` bytes, and with 408 when
+    it has not all arrived within `timeout_s` (a client trickling bytes holds a request slot)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large(limit)
     parts: list[bytes] = []
     size = 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise too_large(limit)
-        parts.append(part)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    raise too_large(limit)
+                parts.append(part)
+    except TimeoutError:
+        raise too_slow("request body", "http_body_timeout_s", timeout_s) from None
     return b"".join(parts)
 
 

@@ -8,8 +8,8 @@ needs no key), and stops on the gateway's command: uvicorn's own
 SIGINT/SIGTERM handlers are turned off, so the gateway's drain decides (health 503, no new
 connections, running requests finish within the grace period, then are cancelled). uvicorn runs on
 the running asyncio loop (never a loop of its own choosing, such as uvloop under grpc.aio), with TLS
-from the gateway's `tls` settings and at most `http_max_connections` connections and requests at
-once (503 beyond). This module must not hold request logic (the pipeline) nor map errors.
+from the gateway's `tls` settings and the connection bounds of http_guard.py. This module must not
+hold request logic (the pipeline) nor map errors.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 from gateway.http_auth import ApiKeys
 from gateway.http_endpoints import Completions
+from gateway.http_guard import guarded_protocol
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Generator
@@ -93,13 +94,12 @@ class HttpFrontDoor:
         config = uvicorn.Config(
             self.app,
             loop="none",
-            http="h11",
+            http=guarded_protocol(self._settings),
             ws="none",
             lifespan="off",
             log_config=None,  # the service's logging (JSON lines) stays as strata.telemetry set it
             access_log=False,  # the pipeline logs one line per request
             server_header=False,
-            limit_concurrency=self._settings.http_max_connections,
             timeout_keep_alive=self._settings.http_keep_alive_s,
             timeout_graceful_shutdown=max(1, round(self._settings.shutdown_grace_s)),
             ssl_certfile=tls.cert_file if tls else None,

@@ -4,9 +4,9 @@ Every error a client of the HTTP API sees is `{"error": {"message", "type", "par
 `param` in the HTTP API's names. A pipeline error (GatewayError) maps one to one from its gRPC code
 (INVALID_ARGUMENT 400, NOT_FOUND 404, RESOURCE_EXHAUSTED 429 with Retry-After and retry-after-ms from
 the same estimate as the gRPC RetryInfo, UNAVAILABLE 503, DEADLINE_EXCEEDED 504); a body that is not
-JSON, has a wrong type or asks for an unsupported feature is 400 naming the field; 401 and 413 are the
-HTTP front door's own. This module must not decide when something fails: callers raise, the front
-door answers.
+JSON, has a wrong type or asks for an unsupported feature is 400 naming the field; 401, 408, 413 and
+the 503 of a full front door (http_guard.py) are the HTTP front door's own. This module must not
+decide when something fails: callers raise, the front door answers.
 """
 
 from __future__ import annotations
@@ -60,10 +60,7 @@ def from_gateway(error: GatewayError, token_field: str = "max_tokens") -> HttpEr
     status, kind, code = _BY_CODE.get(error.code, (500, "internal_error", error.code.name.lower()))
     headers: dict[str, str] = {}
     if isinstance(error, ResourceExhausted):
-        delay = max(0.0, error.retry_after_s)
-        # Retry-After counts whole seconds (rounded up, so a client never comes back early);
-        # retry-after-ms, which the openai SDK reads first, keeps the estimate's precision.
-        headers = {"retry-after": str(math.ceil(delay)), "retry-after-ms": str(round(delay * 1000))}
+        headers = retry_headers(error.retry_after_s)
         if isinstance(error, QuotaExceeded):
             code = "quota_exceeded"
     param = http_param(error.message, token_field) if status in (400, 404) else None
@@ -108,6 +105,34 @@ _TYPE_NAMES = frozenset({"str", "int", "float", "bool", "TextPart", "StreamOptio
 
 def unauthenticated() -> HttpError:
     return HttpError(401, UNAUTHENTICATED, "authentication_error", None, "invalid_api_key")
+
+
+def retry_headers(delay_s: float) -> dict[str, str]:
+    """Retry-After in whole seconds (rounded up, so a client never comes back early) and
+    retry-after-ms, which the openai SDK reads first, with the estimate's precision."""
+    delay = max(0.0, delay_s)
+    return {"retry-after": str(math.ceil(delay)), "retry-after-ms": str(round(delay * 1000))}
+
+
+def over_connections(limit: int, retry_after_s: float) -> HttpError:
+    return HttpError(
+        503,
+        f"this gateway holds {limit} HTTP connections, its limit (http_max_connections); retry later",
+        "service_unavailable",
+        code="too_many_connections",
+        headers=retry_headers(retry_after_s),
+    )
+
+
+def too_slow(part: str, setting: str, limit_s: float) -> HttpError:
+    """408; the connection closes with it (what is left of the request would be read as the next)."""
+    return HttpError(
+        408,
+        f"the {part} did not arrive within {limit_s:g} s ({setting}); send it at once",
+        "timeout",
+        code="request_timeout",
+        headers={"connection": "close"},
+    )
 
 
 def too_large(limit: int) -> HttpError:

@@ -250,6 +250,7 @@ class GatewayServer:
             register=[lambda server: add_servicer(server, servicer, SERVICE)],
             service_names=[SERVICE_NAME],
             max_message_bytes=self.settings.max_message_bytes,
+            limits=self.settings.rpc_limits,
             announce_file=announce_file,
             health_listen=self.settings.health_listen,
             tls=self.settings.tls,

@@ -152,9 +152,15 @@ class GatewaySettings(ServiceSettings):
     """max_tokens of an HTTP request that sends neither max_tokens nor max_completion_tokens, capped by
     max_new_tokens_limit and the model's context (the gRPC API's default is default_max_new_tokens)."""
     http_max_connections: int = 1024
-    """Open HTTP connections plus requests in progress at most; beyond it the HTTP API answers 503."""
+    """Open HTTP connections at most; a connection beyond it has its requests answered 503 (an OpenAI
+    error body with Retry-After) and is closed."""
     http_keep_alive_s: int = 5
     """How long an idle HTTP/1.1 keep-alive connection stays open."""
+    http_header_timeout_s: float = 10.0
+    """A request's head (request line and headers) must arrive within this many seconds of the
+    connection opening or of its first byte; a slower one is answered 408 and closed (slowloris)."""
+    http_body_timeout_s: float = 30.0
+    """A request's whole body must arrive within this many seconds of its head; a slower one is 408."""
 
     @field_validator("http_listen")
     @classmethod
@@ -217,6 +223,9 @@ class GatewaySettings(ServiceSettings):
         for name in ("http_default_max_tokens", "http_max_connections", "http_keep_alive_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1, e.g. 256")
+        for name in ("http_header_timeout_s", "http_body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0, e.g. 10")
         if self.api_keys_file is not None:
             try:
                 self.accepted_keys()

@@ -172,4 +172,30 @@ SCENARIOS: dict[int, dict[str, str | tuple[str, ...]]] = {
         "tests": ("test_supervision",),
         "run": ("tests/integration/test_supervision.py",),
     },
+    17: {
+        "title": "gRPC clients that flood or misbehave",
+        "done": "Raw HTTP/2 (h2) and grpcio clients against a worker server (every service builds its "
+        "server the same way): two Connect streams hold a server capped at two calls while 100 more "
+        "calls arrive; three streams on a connection capped at two; 20 pings back to back; a DATA frame "
+        "1 KiB over the max frame size the server announced.",
+        "holds": "Calls past max_concurrent_rpcs are refused with RESOURCE_EXHAUSTED naming the limit, "
+        "a RetryInfo and pushback (p99 round trip under 250 ms) while health checks answer SERVING; "
+        "the third stream waits while another connection is served and starts when one ends; the "
+        "pinging client gets GOAWAY (too_many_pings); the oversized frame ends its connection "
+        "unanswered; a good call is served after each.",
+        "tests": ("test_s17_",),
+    },
+    18: {
+        "title": "HTTP clients that trickle, hold or never read",
+        "done": "Raw sockets against the HTTP API (head and body timeouts 0.5 s, 4 connections, "
+        "stream idle timeout 1 s): a head sent a byte every 50 ms; a silent connection; a body cut "
+        "after 10 of 200 bytes; 4 idle connections then the openai SDK; a 2,000-token stream (60 s "
+        "at the least) read through a 4 KiB buffer, first event only.",
+        "holds": "408 with an OpenAI error body naming the setting for the slow head, the silent "
+        "connection and the cut body (within 5x the timeout); 503 too_many_connections with "
+        "Retry-After as the SDK parses it, and the SDK served once the connections close; the unread "
+        "stream cancelled (stuck-stream count +1) and its KV blocks freed long before its end; the "
+        "SDK served after each.",
+        "tests": ("test_s18_",),
+    },
 }

@@ -19,6 +19,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from strata.rpc_limits import RpcCap, RpcLimits
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from pathlib import Path
@@ -26,7 +28,7 @@ if TYPE_CHECKING:
     from strata.tls import ClientTlsSettings, TlsSettings
 
 MIB = 1 << 20
-HEALTH_SERVICE = "grpc.health.v1.Health"
+HEALTH_SERVICE = health.SERVICE_NAME
 LIVENESS = "liveness"
 """The health service name a liveness probe asks for: SERVING while the process serves at all."""
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -97,7 +99,6 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
         *channel_options(max_message_bytes),
         ("grpc.http2.min_ping_interval_without_data_ms", MIN_RECV_PING_INTERVAL_MS),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_RECV_PING_INTERVAL_MS),
-        ("grpc.http2.max_ping_strikes", 0),
         # A restarted service must never share its port with a predecessor that still holds it (frozen
         # by SIGSTOP, say) and get half its traffic: gRPC turns SO_REUSEPORT on unless told not to.
         ("grpc.so_reuseport", 0),
@@ -135,6 +136,7 @@ async def start_server(
     register: Sequence[Callable[[grpc.aio.Server], None]],
     service_names: Sequence[str],
     max_message_bytes: int,
+    limits: RpcLimits,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     announce_file: Path | None = None,
     health_listen: str = "",
@@ -146,8 +148,13 @@ async def start_server(
     same statuses), for probes that must work whatever the main port's transport security; there
     LIVENESS reads SERVING for as long as the process serves, whatever its readiness. With `tls` the
     main port speaks TLS (mutual TLS when it names a client CA); the health-only port stays plaintext.
+    `limits` bound what clients may hold (strata/rpc_limits.py); the count of calls comes first, so a
+    refused call costs no other interceptor's work.
     """
-    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=list(interceptors))
+    server = grpc.aio.server(
+        options=[*server_options(max_message_bytes), *limits.server_options()],
+        interceptors=[RpcCap(limits), *interceptors],
+    )
     for add in register:
         add(server)
     health_servicer = health.aio.HealthServicer()

@@ -17,6 +17,7 @@ from pydantic import ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from strata.rpc import check_listen
+from strata.rpc_limits import RpcLimits
 from strata.telemetry import TelemetrySettings
 from strata.tls import TlsSettings
 
@@ -71,6 +72,9 @@ class ServiceSettings(BaseSettings):
     health_listen: str = ""
     """host:port of a plaintext server that serves only gRPC health (probes: readiness under "" and the
     service's name, `liveness` while the process serves); empty: health on the main port only."""
+    rpc_limits: RpcLimits = RpcLimits()
+    """What clients may hold of the main port: calls at once, streams per connection, ping strikes
+    (strata/rpc_limits.py, docs/security.md)."""
 
     @field_validator("health_listen")
     @classmethod

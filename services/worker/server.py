@@ -161,6 +161,7 @@ async def start(
         register=[lambda server: add_servicer(server, servicer, SERVICE)],
         service_names=[SERVICE_NAME],
         max_message_bytes=settings.max_message_bytes,
+        limits=settings.rpc_limits,
         announce_file=announce_file,
         health_listen=settings.health_listen,
         tls=settings.tls,

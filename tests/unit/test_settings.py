@@ -93,3 +93,19 @@ def test_the_embedded_default_serves_smollm2_on_50051() -> None:
     assert TokenizerSettings.load(None).models["smollm2-135m-instruct"] == worker.model_path
     with pytest.raises(SettingsError, match="STRATA_GATEWAY_TOKENIZER_ADDRESS"):
         GatewaySettings.load(None)  # strata up supplies the addresses of the services it started
+
+
+def test_every_service_takes_rpc_limits_from_the_file_or_environment(
+    config: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rpc_limits is one section every service shares the shape and defaults of; a bad value is named."""
+    monkeypatch.setenv("STRATA_WORKER_RPC_LIMITS__MAX_CONCURRENT_RPCS", "7")
+    assert WorkerSettings.load(config, index=0).rpc_limits.max_concurrent_rpcs == 7
+    assert GatewaySettings.load(config).rpc_limits == TokenizerSettings.load(config).rpc_limits
+    monkeypatch.setenv("STRATA_GATEWAY_RPC_LIMITS__MAX_STREAMS_PER_CONNECTION", "0")
+    with pytest.raises(SettingsError, match=r"rpc_limits.max_streams_per_connection=0 must be >= 1"):
+        GatewaySettings.load(config)
+    monkeypatch.delenv("STRATA_GATEWAY_RPC_LIMITS__MAX_STREAMS_PER_CONNECTION")
+    monkeypatch.setenv("STRATA_GATEWAY_HTTP_HEADER_TIMEOUT_S", "0")
+    with pytest.raises(SettingsError, match=r"http_header_timeout_s=0.0 must be > 0"):
+        GatewaySettings.load(config)
