@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING
 from gateway import tool_calls
 from gateway.errors import InvalidArgument, NotFound
 from gateway.request_ids import or_new
-from strata.sampling import BOUNDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_TOKEN_IDS, out_of_bounds
+from strata.sampling import (
+    BOUNDS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_STOP_TOKEN_IDS,
+    as_sent,
+    out_of_bounds,
+)
 from strata.v1 import common_pb2, gateway_pb2
 
 if TYPE_CHECKING:
@@ -161,12 +168,7 @@ def _check_constraint(sampling: common_pb2.SamplingParams) -> None:
 def _check_bounds(sampling: common_pb2.SamplingParams) -> None:
     """Every scalar the request set, by the table's rule (strata/sampling.py's BOUNDS); an optional
     field left unset takes its default, which is in range."""
-    present = {field.name for field, _ in sampling.ListFields()}
-    for name in BOUNDS:
-        field = common_pb2.SamplingParams.DESCRIPTOR.fields_by_name[name]
-        if field.has_presence and name not in present:
-            continue
-        value = getattr(sampling, name)
+    for name, value in as_sent(sampling, BOUNDS).items():
         problem = out_of_bounds(name, value)
         if problem is not None:
             raise InvalidArgument(f"sampling.{name}: {value} {problem}")

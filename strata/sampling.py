@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from google.protobuf.message import Message
 
 MAX_PENALTY = 2.0
 """OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]."""
@@ -85,6 +90,16 @@ def out_of_bounds(name: str, value: float) -> str | None:
     """Why `value` is not a valid `name` ("must be in (0, 1]"), or None when it is."""
     bounds = BOUNDS[name]
     return None if bounds.holds(value) else f"must be {bounds.text}"
+
+
+def as_sent(message: Message, names: Iterable[str]) -> dict[str, Any]:
+    """The named fields of a SamplingParams message as its sender set them: a field with presence
+    (proto3 `optional`: unset means "the default") only when it was set, any other always, its zero
+    being its value. The gateway checks these, the worker copies them."""
+    present = {field.name for field, _ in message.ListFields()}
+    fields = message.DESCRIPTOR.fields_by_name
+    sent = (name for name in names if not fields[name].has_presence or name in present)
+    return {name: getattr(message, name) for name in sent}
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from services.worker.engine.grammar_spec import GrammarKind, GrammarSpec
 from services.worker.engine.params import InvalidRequestError, SamplingParams
 from services.worker.engine.sequence import FinishReason
 from services.worker.errors import DeadlinePassedError
+from strata.sampling import as_sent
 from strata.v1 import common_pb2, worker_pb2
 
 if TYPE_CHECKING:
@@ -41,15 +42,6 @@ _AS_SENT = tuple(
 )
 """The engine's fields the proto carries under the same name, copied as sent (an optional one left
 unset keeps the engine's default)."""
-
-
-def _as_sent(wire: common_pb2.SamplingParams) -> dict[str, Any]:
-    present = {field.name for field, _ in wire.ListFields()}
-    return {
-        name: getattr(wire, name)
-        for name in _AS_SENT
-        if not _PROTO_FIELDS[name].has_presence or name in present
-    }
 
 
 FINISH_REASONS: dict[FinishReason, common_pb2.FinishReason.ValueType] = {
@@ -80,7 +72,7 @@ def sampling_params(submission: worker_pb2.Submission) -> SamplingParams:
             "sampling.top_logprobs", wire.top_logprobs, "needs sampling.logprobs set (or send 0)"
         )
     return SamplingParams(
-        **_as_sent(wire),
+        **as_sent(wire, _AS_SENT),
         max_new_tokens=wire.max_new_tokens - prior,
         stop_token_ids=tuple(dict.fromkeys([*submission.stop_token_ids, *wire.stop_token_ids])),
         logit_bias=tuple(sorted(wire.logit_bias.items())),
