@@ -342,6 +342,11 @@ TABLES = (
         ("spec-peer-qwen15-cpu.json",),
         spec_sides("spec-peer-qwen15-cpu.json", ("strata", "llama.cpp")),
     ),
+    Table(
+        "spec-peer-draft",
+        ("spec-peer-draft-qwen15-cpu.json",),
+        spec_sides("spec-peer-draft-qwen15-cpu.json", ("strata", "llama.cpp")),
+    ),
     Table("kv-cache", ("kv-cache-cpu.json",), kv_cache),
     Table("kv-schemes", ("kv-schemes-cpu.json",), kv_schemes),
     Table("prefix-cache", ("prefix-cache-cpu.json",), prefix_cache),
