@@ -148,8 +148,8 @@ async def start_server(
     same statuses), for probes that must work whatever the main port's transport security; there
     LIVENESS reads SERVING for as long as the process serves, whatever its readiness. With `tls` the
     main port speaks TLS (mutual TLS when it names a client CA); the health-only port stays plaintext.
-    `limits` bound what clients may hold (strata/rpc_limits.py); the count of calls comes first, so a
-    refused call costs no other interceptor's work.
+    `limits` bound what clients may hold (strata/rpc_limits.py); the count of calls wraps every other
+    interceptor's handler, so a call past the cap is refused before any handler runs.
     """
     server = grpc.aio.server(
         options=[*server_options(max_message_bytes), *limits.server_options()],
