@@ -389,6 +389,13 @@ CATALOG: dict[str, Entry] = {
         60,
         ("python", "scripts/request_path.py", *out("request-path.json")),
     ),
+    "stack-before-after-cpu.json": Entry(
+        STACK,
+        "bench/before_after.py",
+        3600,
+        py("bench.before_after", "--before", "../before", "--after", ".", "--rounds", "5"),
+        target="python -m bench.before_after, with a checkout of the before commit beside this one",
+    ),
 }
 
 LONG_RUNS = (

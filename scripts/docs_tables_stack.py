@@ -80,6 +80,38 @@ def _walk(walk: Mapping[str, Any] | None) -> list[str]:
     ]
 
 
+BEFORE_AFTER_TARGETS = (0.97, 1.03)
+"""After against before: output tokens/s at the top concurrency at least the first, one stream's TTFT
+p50 at most the second."""
+_BEFORE_AFTER_FIGURES = ("output_tok_s", "ttft_p50_ms_one_stream")
+
+
+def before_after(records: Mapping[str, Record]) -> list[str]:
+    """Two checkouts alternated through `strata bench` (bench/before_after.py): each side's medians
+    and spreads, and the ratios after / before against their bounds."""
+    data = records["stack-before-after-cpu.json"].data
+    top = data["after"]["concurrency"]
+    rows = [
+        [
+            f"{name} ({data['commits'][name][:7]})",
+            *(spread(data[name][key]["median"], data[name][key]["spread"]) for key in _BEFORE_AFTER_FIGURES),
+        ]
+        for name in ("before", "after")
+    ]
+    speed = data["ratios"]["output_tok_s_after_over_before"]
+    ttft = data["ratios"]["ttft_p50_one_stream_after_over_before"]
+    least, most = BEFORE_AFTER_TARGETS
+    verdicts = [
+        [f"{top} streams' tokens/s, after >= {least}x before", ratio(speed), met(speed >= least)],
+        [f"one stream's TTFT p50, after <= {most}x before", ratio(ttft), met(ttft <= most)],
+    ]
+    return [
+        *table(["checkout", f"output tokens/s at {top} streams", "TTFT p50 at 1 stream (ms)"], rows),
+        "",
+        *table(["target (medians of the rounds)", "measured", ""], verdicts),
+    ]
+
+
 def fallback(records: Mapping[str, Record], record: str) -> list[str]:
     rows = []
     for rate in records[record].data["rates"]:
@@ -316,6 +348,7 @@ TABLES = (
     stack_table("stack", "stack-cpu.json"),
     stack_table("stack-one-stream", "stack-1-stream-cpu.json"),
     Table("request-path", ("request-path.json",), request_path),
+    Table("stack-before-after", ("stack-before-after-cpu.json",), before_after),
     Table("fallback", ("stack-rate-cpu.json",), lambda records: fallback(records, "stack-rate-cpu.json")),
     Table(
         "fallback-qwen",
