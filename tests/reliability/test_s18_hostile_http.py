@@ -6,7 +6,7 @@ byte at a time (slowloris), a connection that sends nothing, a body that stops h
 connections past http_max_connections, and a stream whose client stops reading (a small receive
 buffer, nothing read after the first event). The answers are checked as the official openai SDK
 parses them (408 and 503 are OpenAI error bodies), and after each case the SDK is served. One real
-stack for the module (http_harness.py) with short limits, so each case takes about a second.
+stack for the module (http_harness.py) with short limits, so most cases take about a second.
 """
 
 from __future__ import annotations
