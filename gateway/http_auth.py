@@ -15,7 +15,6 @@ import logging
 from typing import TYPE_CHECKING
 
 from starlette.datastructures import Headers
-from starlette.responses import JSONResponse
 
 from gateway.auth import key_matches, tenant_of
 from gateway.metrics import HTTP_RESPONSES
@@ -82,8 +81,7 @@ async def answer_refusal(error: HttpError, endpoint: str, scope: Scope, receive:
             }
         },
     )
-    response = JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-    await response(scope, receive, send)
+    await error.response()(scope, receive, send)
     HTTP_RESPONSES.labels(endpoint, str(error.status)).inc()
 
 

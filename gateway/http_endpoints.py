@@ -129,7 +129,7 @@ class Completions:
                     if chunk.final is not None:
                         return JSONResponse(reply.whole(chunk.final), headers=headers(chunk.final))
         except GatewayError as error:
-            return _error_response(from_gateway(error, token_field))
+            return from_gateway(error, token_field).response()
         raise AssertionError("the pipeline ended without a final chunk")
 
     async def _stream(
@@ -148,7 +148,7 @@ class Completions:
             try:
                 first = await anext(chunks)
             except GatewayError as error:
-                return _error_response(from_gateway(error, token_field))
+                return from_gateway(error, token_field).response()
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
             HTTP_RESPONSES.labels(self.endpoint, "200").inc()
             held = ToolStream(incoming.request)
@@ -226,10 +226,6 @@ _SSE_HEADERS = [
 
 def _finish(final: gateway_pb2.GenerateResponse) -> str:
     return FINISH_REASONS.get(final.finish_reason, "stop")
-
-
-def _error_response(error: HttpError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 def _deadline(header: str | None, arrival: float) -> int:

@@ -27,15 +27,12 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 import h11
-from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gateway.openai_errors import HttpError, over_connections, too_slow
 
 if TYPE_CHECKING:
     import asyncio
-
-    from starlette.types import Receive, Scope, Send
 
     from gateway.settings import GatewaySettings
 
@@ -73,7 +70,7 @@ class GuardedH11(H11Protocol):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         if len(self.connections) > self.max_connections:
             error = over_connections(self.max_connections, self.retry_after_s)
-            self.app = _answer(error)
+            self.app = error.response()  # an ASGI app: every request on it gets the 503
             log.warning("HTTP connection over http_max_connections=%d answered 503", self.max_connections)
         self._arm_head_timer()
 
@@ -109,21 +106,10 @@ class GuardedH11(H11Protocol):
         self.transport.close()
 
 
-def _answer(error: HttpError) -> Any:
-    """An ASGI app that answers every request with `error` and closes the connection."""
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        headers = {**error.headers, "connection": "close"}
-        await JSONResponse(error.body(), error.status, headers=headers)(scope, receive, send)
-
-    return app
-
-
 def _raw(error: HttpError) -> bytes:
-    """`error` as a whole HTTP/1.1 response with `connection: close`."""
+    """`error` as a whole HTTP/1.1 response (too_slow's headers close the connection)."""
     body = json.dumps(error.body()).encode()
     headers = {"content-type": "application/json", **error.headers, "content-length": str(len(body))}
-    headers["connection"] = "close"
     head = [f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}"]
     head += [f"{name}: {value}" for name, value in headers.items()]
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body

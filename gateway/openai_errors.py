@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from starlette.responses import JSONResponse
 
 from gateway.errors import ResourceExhausted
 from gateway.openai_mapping import http_message, http_param
@@ -53,6 +54,10 @@ class HttpError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        """The answer: its status, body and headers."""
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def from_gateway(error: GatewayError, token_field: str = "max_tokens") -> HttpError:
@@ -115,12 +120,13 @@ def retry_headers(delay_s: float) -> dict[str, str]:
 
 
 def over_connections(limit: int, retry_after_s: float) -> HttpError:
+    """503; the connection closes with it (it is over the cap for as long as it stays open)."""
     return HttpError(
         503,
         f"this gateway holds {limit} HTTP connections, its limit (http_max_connections); retry later",
         "service_unavailable",
         code="too_many_connections",
-        headers=retry_headers(retry_after_s),
+        headers={**retry_headers(retry_after_s), "connection": "close"},
     )
 
 

@@ -70,8 +70,8 @@ class RpcCap(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def __init__(self, limits: RpcLimits) -> None:
         self._limit = limits.max_concurrent_rpcs
         self._retry_after_s = limits.busy_retry_after_s
-        self.running = 0
-        """Calls counted and not yet finished (read by tests and stats; changed here only)."""
+        self._running = 0
+        """Calls counted and not yet finished."""
 
     async def intercept_service(
         self,
@@ -86,13 +86,13 @@ class RpcCap(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     async def _enter(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         """Count the call in, or end it RESOURCE_EXHAUSTED when the server is full. No await comes
         between the check and the count, so two arrivals cannot both take the last place."""
-        if self.running >= self._limit:
+        if self._running >= self._limit:
             message = (
-                f"this server is running {self.running} calls, its limit (rpc_limits.max_concurrent_rpcs="
+                f"this server is running {self._running} calls, its limit (rpc_limits.max_concurrent_rpcs="
                 f"{self._limit}); retry after {self._retry_after_s:g} s"
             )
             await abort(context, ResourceExhausted(message, self._retry_after_s))
-        self.running += 1
+        self._running += 1
 
     def _counted(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """A handler of the same kind as `handler` that runs it counted."""
@@ -111,7 +111,7 @@ class RpcCap(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             try:
                 return await behavior(request, context)
             finally:
-                self.running -= 1
+                self._running -= 1
 
         return counted
 
@@ -125,6 +125,6 @@ class RpcCap(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 async for response in behavior(request, context):
                     yield response
             finally:
-                self.running -= 1
+                self._running -= 1
 
         return counted
