@@ -16,6 +16,7 @@ import enum
 import time
 from dataclasses import dataclass
 
+from gateway.prompt_prefix import NO_PREFIX, PromptPrefix
 from gateway.tenant_settings import DEFAULT_TENANT
 from strata.status import ResourceExhausted
 from strata.v1 import gateway_pb2
@@ -73,6 +74,8 @@ class Ticket:
     deadline: float | None = None
     """time.monotonic() deadline; None when the call has none."""
     tenant: str = DEFAULT_TENANT
+    prefix: PromptPrefix = NO_PREFIX
+    """The prompt's piece hashes: what of it a worker's prefix cache likely holds (prompt_prefix.py)."""
 
     @property
     def cost(self) -> int:

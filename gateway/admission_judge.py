@@ -54,22 +54,31 @@ class AdmissionJudge:
                 link.load,
                 link.load.slots(link.credits.limit),
                 link.free_credits,
-                [self._exact(slot) for slot in link.credits.unsent],
+                [self._exact(slot, [link]) for slot in link.credits.unsent],
                 self._worker_priority(ticket.priority, ticket.tenant, link),
+                self._cached(ticket, [link]),
             )
             for link in links
         ]
-        ahead = [self._exact(slot) for slot in self._queue.ahead_slots(ticket)]
+        ahead = [self._exact(slot, links) for slot in self._queue.ahead_slots(ticket)]
         return forecast(views, ahead, self._sized(ticket, None))
 
-    def _exact(self, slot: Slot[Any]) -> Ticket:
-        return self._sized(slot.ticket, slot.tokens if slot.exact else None)
+    def _exact(self, slot: Slot[Any], links: list[WorkerLink]) -> Ticket:
+        """A queued or granted ticket as the forecast prices it: sized, less what the worker it will
+        likely run on (the one of `links` that has most of it) has cached."""
+        sized = self._sized(slot.ticket, slot.tokens if slot.exact else None)
+        cached = min(self._cached(sized, links), sized.prompt_tokens - 1)
+        return replace(sized, prompt_tokens=sized.prompt_tokens - max(0, cached))
 
     def _sized(self, ticket: Ticket, exact: int | None) -> Ticket:
         """`ticket` as the forecast prices it: its exact prompt size when tokenized, else the size its
         bound likely has (PromptEstimate)."""
         tokens = exact if exact is not None else self.prompts.expected(ticket.prompt_tokens)
         return replace(ticket, prompt_tokens=tokens)
+
+    def _cached(self, ticket: Ticket, links: list[WorkerLink]) -> int:
+        """The most of `ticket`'s prompt one of `links`' prefix caches likely serves."""
+        return max((link.load.cache.cached_tokens(ticket.prefix) for link in links), default=0)
 
     def refusal(
         self, ticket: Ticket, predicted: Forecast | None, free_credits: int, links: list[WorkerLink]

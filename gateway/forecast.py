@@ -9,7 +9,10 @@ last token of its request is due (tokens left x step time); the requests a link 
 slots, then the tickets ahead in the route's queue, each take the earliest free slot and hold it for
 their whole generation; the new ticket starts in the slot it gets, and its first token comes after the
 step it waits for plus its prompt's prefill chunks, each priced by the stream's step-time model
-(step_cost.py) once it is fitted, less what the reported steps already computed of them. Prompts not
+(step_cost.py) once it is fitted, less what the reported steps already computed of them and what
+the worker's prefix cache likely serves (each stream's CachedPrefixes, prompt_prefix.py: a request's
+first update tells it the prompt is cached now, and how much of the guess sent with it was right;
+how late first tokens still come feeds the margin as for any other error). Prompts not
 yet prefilled on the worker count ahead of the ticket only when their worker priority is at least the
 ticket's (the worker prefills a favoured tenant's prompt first, route.py). A request counts as running
 to its max_new_tokens, so the forecast is an upper bound when requests stop early (the safe side of the
@@ -26,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gateway.prompt_prefix import NO_PREFIX, CachedPrefixes, PromptPrefix
 from gateway.step_cost import StepCost
 
 if TYPE_CHECKING:
@@ -57,6 +61,9 @@ class _Open:
     """Its first token came: it holds a running slot and only decodes."""
     due: float | None = None
     """When admission forecast its first token (time.monotonic(), the margin left out); None: no forecast."""
+    prefix: PromptPrefix = NO_PREFIX
+    cached: int = 0
+    """Prompt tokens the stream's CachedPrefixes guessed the worker's cache serves, when it was sent."""
 
 
 class LinkLoad:
@@ -77,6 +84,8 @@ class LinkLoad:
         self.running = 0
         """Requests the engine ran in its last step."""
         self.cost = StepCost()
+        self.cache = CachedPrefixes()
+        """The prompts the worker prefilled lately: what of a new one its prefix cache likely holds."""
         self._errors: deque[float] = deque(maxlen=MARGIN_SAMPLES)
         """Seconds each recent first token came after its forecast (negative: before)."""
         self._margin: float | None = None
@@ -90,17 +99,30 @@ class LinkLoad:
         self._open.clear()
         self._last = None
         self.cost.clear()
+        self.cache.clear()
 
-    def sent(self, submission: worker_pb2.Submission, due: float | None = None, tenant: str = "") -> None:
+    def sent(
+        self,
+        submission: worker_pb2.Submission,
+        due: float | None = None,
+        tenant: str = "",
+        prefix: PromptPrefix = NO_PREFIX,
+    ) -> None:
         """A submission of `tenant` was queued for the worker; `due` is when its first token was
-        forecast for."""
+        forecast for, `prefix` its prompt's piece hashes. The part of its prompt the worker likely has
+        cached counts as prefilled already."""
+        prompt_tokens = len(submission.prompt_ids) + len(submission.prior_output_ids)
+        cached = min(self.cache.cached_tokens(prefix), prompt_tokens - 1)
         self._open[submission.request_id] = _Open(
-            prompt_tokens=len(submission.prompt_ids) + len(submission.prior_output_ids),
+            prompt_tokens=prompt_tokens,
             max_new_tokens=submission.sampling.max_new_tokens,
             output_tokens=len(submission.prior_output_ids),
             tenant=tenant,
             priority=submission.priority,
             due=due,
+            prefix=prefix,
+            cached=max(0, cached),
+            prefilled=max(0, cached),
         )
 
     def under_share(self, tenant: str, weight: Callable[[str], float]) -> bool:
@@ -137,14 +159,21 @@ class LinkLoad:
         of requests, and the step."""
         for rejection in response.rejections:
             self.forget(rejection.request_id)
+        if response.HasField("hello"):
+            memory = response.hello.info.memory
+            self.cache.size(memory.kv_tokens, memory.kv_blocks)
         if response.HasField("step"):
             # Before the updates: the prompts this step finished were still unstarted when it ran.
             self._prefilled(response.step.prefill_tokens)
         for update in response.updates:
+            request = self._open.get(update.request_id)
+            if request is not None and not request.started:
+                # Its prompt is in the worker's cache now; and the guess sent with it is checked.
+                self.cache.prefilled(request.prefix, request.prompt_tokens)
+                self.cache.confirmed(request.cached, update.cached_prompt_tokens)
             if update.finished:
                 self.forget(update.request_id)
                 continue
-            request = self._open.get(update.request_id)
             if request is not None:
                 if not request.started and request.due is not None:
                     self._errors.append(now - request.due)
@@ -238,6 +267,8 @@ class LinkView:
     """The tickets of slots granted on it whose submissions are not sent yet (being tokenized)."""
     priority: int = 0
     """The Submission.priority the ticket would have on it (route.py's worker_priority)."""
+    cached_tokens: int = 0
+    """Of the ticket's prompt, the tokens this worker's prefix cache likely serves (CachedPrefixes)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,7 +318,8 @@ def forecast(links: Sequence[LinkView], ahead: Sequence[Ticket], ticket: Ticket)
     # Prompts that start in the same step or the one before (slots often free together: requests
     # admitted in one burst end in one) share the prefill budget of the steps that follow; so do the
     # prompts not yet prefilled when the ticket starts now.
-    prompt = ticket.prompt_tokens + (pending.get(index, 0) if start <= step_s else 0)
+    prompt = max(1, ticket.prompt_tokens - links[index].cached_tokens)
+    prompt += pending.get(index, 0) if start <= step_s else 0
     prompt += sum(t.prompt_tokens for (at, i), t in starts if i == index and at >= start - step_s)
     margin = load.margin_s
     priced = load.cost.coefficients is not None

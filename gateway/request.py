@@ -23,6 +23,7 @@ from gateway.delta_sink import DeltaSink
 from gateway.errors import DeadlineExceeded, TokenizerUnavailable, Unavailable
 from gateway.fallback import FallbackPolicy
 from gateway.metrics import INTER_TOKEN_LATENCY
+from gateway.prompt_prefix import prompt_prefix
 from gateway.request_values import Chunk, Delta, Failure
 from gateway.stage_clock import StageClock
 from strata.v1 import common_pb2, gateway_pb2
@@ -55,6 +56,8 @@ class Request:
         self.clock = StageClock(arrival)
         self.prompt_ids: list[int] = []
         """The prompt as the current route reads it; empty until tokenized."""
+        self.prefix = prompt_prefix(valid.request, incoming.tenant)
+        """The prompt's piece hashes, for the forecast's guess of what a worker has cached."""
         self.sink = DeltaSink(valid.stop, valid.sampling.min_tokens)
         """Fed by the current attempt's worker link; read by the pipeline."""
         self.token_ids: list[int] = []
@@ -88,6 +91,7 @@ class Request:
             priority=self.priority,
             deadline=self.deadline,
             tenant=self.incoming.tenant,
+            prefix=self.prefix,
         )
 
     def sent_to(self, model: str, detour: Detour | None) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from gateway.admission import Priority, Refused, Ticket
@@ -36,6 +36,7 @@ from gateway.discovery import Discovery, resolve
 from gateway.errors import DeadlineExceeded, Unavailable
 from gateway.metrics import ADMISSION_DECISION_SECONDS, REJECTIONS
 from gateway.prefix_routing import Ring, choose, prefix_key
+from gateway.prompt_prefix import NO_PREFIX
 
 if TYPE_CHECKING:
     from collections import Counter
@@ -193,6 +194,7 @@ class Route:
 
     def saturation(self, ticket: Ticket) -> str | None:
         """Why the route cannot take `ticket` now within its SLO or deadline; None when it can."""
+        ticket = self._priced(ticket)
         found = self._judge.refusal(ticket, self.forecast(ticket), self.free_credits(), self.links)
         return found[1] if found is not None else None
 
@@ -201,6 +203,7 @@ class Route:
         Unavailable or DeadlineExceeded. With `prompt_ids` (a retry or a failover: already tokenized)
         the slot is routed by its prefix and the forecast is the chosen replica's."""
         started = time.perf_counter()
+        ticket = self._priced(ticket)
         remaining = ticket.remaining_s(time.monotonic())
         if remaining is not None and remaining <= 0:
             raise DeadlineExceeded(f"the deadline passed before model {self.name!r} could admit the request")
@@ -228,6 +231,11 @@ class Route:
         self._dispatch()
         ADMISSION_DECISION_SECONDS.labels(self.name, "admitted").observe(time.perf_counter() - started)
         return slot
+
+    def _priced(self, ticket: Ticket) -> Ticket:
+        """`ticket` as this route forecasts it: without its prompt's piece hashes when the route's
+        forecast_cached_prompts is off, so no cached part of it is guessed, here or on its link."""
+        return ticket if self.settings.forecast_cached_prompts else replace(ticket, prefix=NO_PREFIX)
 
     def set_tokens(self, slot: Slot[WorkerLink], tokens: int) -> None:
         self._judge.prompts.observe(slot.ticket.prompt_tokens, tokens)

@@ -45,6 +45,9 @@ class RouteSettings(BaseModel):
     """A request is admitted when its forecast time to first token is at most this share of
     ttft_slo_ms: the rest is margin for what the forecast cannot see (another worker's load slowing
     the steps, the arrivals of the next moments)."""
+    forecast_cached_prompts: bool = True
+    """The TTFT forecast prices only the part of a prompt its worker's prefix cache likely lacks
+    (gateway/prompt_prefix.py); false prices every prompt token as computed, as with the cache off."""
     prefix_routing_tokens: int = 64
     """With several workers, requests whose first this-many prompt tokens (and tenant) agree go to
     the same worker, which has their prefix cached (prefix_routing.py); 0 routes to the least loaded."""

@@ -141,7 +141,7 @@ class WorkerLink:
         wire_id = slot.wire_id = submission.request_id
         self.credits.sent(slot)
         self._open[wire_id] = sink
-        self.load.sent(submission, slot.first_token_due, slot.ticket.tenant)
+        self.load.sent(submission, slot.first_token_due, slot.ticket.tenant, slot.ticket.prefix)
         self.submitted += 1
         WORKER_SUBMISSIONS.labels(self.model, self.address).inc()
         self._outbound.put_nowait(submission)

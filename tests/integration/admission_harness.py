@@ -49,6 +49,7 @@ MODELS = (
     "dns",
     "stop",
     "cancel",
+    "cached",
 )
 WAIT_S = 60.0
 
@@ -77,10 +78,17 @@ class Stack(ServerStack):
         self._engine: LLMEngine | None = None
 
     def start_worker(
-        self, model: str, *, max_requests: int, step_delay_s: float = 0.0, max_running: int | None = None
+        self,
+        model: str,
+        *,
+        max_requests: int,
+        step_delay_s: float = 0.0,
+        max_running: int | None = None,
+        engine: dict[str, Any] | None = None,
     ) -> WorkerServer:
-        """A worker holding `max_requests`, running `max_running` of them at once (all by default)."""
-        settings = worker_settings(self.model_dir, model, max_requests, max_running)
+        """A worker holding `max_requests`, running `max_running` of them at once (all by default), its
+        engine settings changed by `engine`."""
+        settings = worker_settings(self.model_dir, model, max_requests, max_running, engine)
         server: WorkerServer = self.loop.run(start_worker(settings))
         self.loop.run(server.wait_ready())
         self.servers.append(server)
@@ -128,10 +136,14 @@ class Stack(ServerStack):
 
 
 def worker_settings(
-    model_dir: Path, model: str, max_requests: int, max_running: int | None = None
+    model_dir: Path,
+    model: str,
+    max_requests: int,
+    max_running: int | None = None,
+    engine: dict[str, Any] | None = None,
 ) -> WorkerSettings:
     """A tiny worker of `model` on a free port, its engine running `max_running` (default
-    `max_requests`) at once."""
+    `max_requests`) at once, with `engine`'s settings over engine_config's."""
     return WorkerSettings.build(
         {
             "listen": "127.0.0.1:0",
@@ -140,7 +152,7 @@ def worker_settings(
             "device": "cpu",
             "threads": 1,
             "max_requests": max_requests,
-            "engine": engine_config(max_running or max_requests),
+            "engine": {**engine_config(max_running or max_requests), **(engine or {})},
         }
     )
 
