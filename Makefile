@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-kv-schemes bench-spec bench-spec-qwen bench-spec-draft bench-spec-stack bench-spec-peer bench-spec-peer-draft bench-prefix-routing bench-peer bench-peer-avx2 bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar bench-outputs bench-tp records reliability chaos images compose-test run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-cached bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-kv-schemes bench-spec bench-spec-qwen bench-spec-draft bench-spec-stack bench-spec-peer bench-spec-peer-draft bench-prefix-routing bench-peer bench-peer-avx2 bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar bench-outputs bench-tp records reliability chaos images compose-test run clean
 
 setup: $(STAMP)
 
@@ -70,6 +70,12 @@ bench-stack: setup model
 bench-fallback: setup model
 	$(BIN)/python -m strata.cli bench --spawn --rate 14,28 --json bench/results/stack-rate-cpu.json
 	$(BIN)/python -m strata.cli bench --spawn --config configs/qwen.yaml --rate auto --rate-factor 4 --ttft-slo-ms 10000 --json bench/results/stack-rate-qwen-cpu.json
+
+# Admission on cached prompts: 90% of requests share one of 4 system prompts of 1,000 tokens, at 2x the
+# mix's capacity measured in the same run; the forecast's guess of what is cached against pricing every
+# prompt token and against an oracle, alternated over 3 rounds, each phase on fresh services.
+bench-cached: setup model
+	$(BIN)/python -m bench.cached_admission --json bench/results/cached-admission-cpu.json
 
 # Fairness between tenants: a noisy tenant at 5x its shape's capacity (512-token prompts) next to a quiet
 # one at 0.3x (32-token prompts) on the primary, fair queuing on against FIFO, 3 rounds alternated, each

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its page modules, also when loaded by path
+import docs_tables_admission
 import docs_tables_engine
 import docs_tables_features
 import docs_tables_levers
@@ -44,6 +45,7 @@ RECORD_TABLES: tuple[Table, ...] = (
     *docs_tables_models.TABLES,
     *docs_tables_levers.TABLES,
     *docs_tables_stack.TABLES,
+    *docs_tables_admission.TABLES,
     *docs_tables_features.TABLES,
 )
 

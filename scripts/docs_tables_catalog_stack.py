@@ -157,6 +157,13 @@ STACK_AND_FEATURES: dict[str, Entry] = {
         60,
         ("python", "scripts/request_path.py", *out("request-path.json")),
     ),
+    "cached-admission-cpu.json": Entry(
+        STACK,
+        "bench/cached_admission.py",
+        1200,
+        py("bench.cached_admission", *out("cached-admission-cpu.json")),
+        target="make bench-cached",
+    ),
     "stack-before-after-cpu.json": Entry(
         STACK,
         "bench/before_after.py",

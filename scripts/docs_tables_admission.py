@@ -1,0 +1,77 @@
+"""The generated tables of admission's own benchmarks beyond the fallback and tenants runs: admission on
+prompts the prefix cache holds (bench/cached_admission.py). This module only renders records.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from docs_tables_common import Table, met, ratio, runs, spread, table
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from docs_tables_common import Record
+
+CACHED = "cached-admission-cpu.json"
+_MODE_NAMES = {
+    "guess": "guess what is cached (the product)",
+    "oracle": "told the true cached length (oracle)",
+    "price_all": "price every prompt token",
+}
+
+
+def _p99(value: float | None) -> str:
+    return "no first token" if value is None else f"{value / 1000:.2f} s"
+
+
+def cached_admission(records: Mapping[str, Record]) -> list[str]:
+    """Each mode's admitted TTFT p99 (median of the rounds), goodput and refusals, then the target."""
+    data: dict[str, Any] = records[CACHED].data
+    slo_s = data["ttft_slo_ms"] / 1000
+    rows = []
+    for mode, name in _MODE_NAMES.items():
+        phase = data["phases"][mode]
+        primary = phase["routes"]["primary"]
+        rows.append(
+            [
+                name,
+                _p99(primary["ttft_ms"]["p99"]),
+                spread(phase["goodput_tok_s"], phase["goodput_tok_s_spread"]),
+                f"{phase['admitted']} / {phase['refused']}",
+                f"{primary['met_slo']} / {primary['admitted']}",
+            ]
+        )
+    header = [
+        f"forecast (offered {data['offered_rps']:.2f} req/s)",
+        f"admitted TTFT p99 (SLO {slo_s:g} s)",
+        "goodput tok/s, median (min-max)",
+        "admitted / refused",
+        "admitted within the SLO",
+    ]
+    target = data["target"]
+    limit = target["admitted_ttft_p99_over_slo_at_most"]
+    over = target["guess_ttft_p99_over_slo"]
+    phases = data["phases"]
+    verdicts = [
+        [f"guessing: admitted TTFT p99 <= {limit}x the SLO", "no first token" if over is None else
+         ratio(over), met(target["ttft_met"])],
+        [f"guessing: goodput >= {target['goodput_over_oracle_at_least']}x the oracle's",
+         _ratio(target["goodput_guess_over_oracle"]), met(target["goodput_met"])],
+        ["goodput, guessing over pricing every token", _ratio(target["goodput_guess_over_price_all"]), ""],
+    ]  # fmt: skip
+    rounds = [[_MODE_NAMES[mode], runs(phases[mode]["goodput_tok_s_runs"], 1)] for mode in _MODE_NAMES]
+    return [
+        *table(header, rows),
+        "",
+        *table(["target (medians of the rounds)", "measured", ""], verdicts),
+        "",
+        *table(["forecast", "goodput tok/s of each round"], rounds),
+    ]
+
+
+def _ratio(value: float | None) -> str:
+    return "none" if value is None else ratio(value)
+
+
+TABLES = (Table("cached-admission", (CACHED,), cached_admission),)
