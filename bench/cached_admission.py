@@ -9,7 +9,8 @@ of `--system-tokens` (1,000) tokens followed by a question of `--question-tokens
 the rest are a system prompt of the same size of their own, then a question. Each is raw text,
 greedy, EOS ignored, `--new-tokens` (32) a request, no_fallback, interactive, Poisson arrivals
 (bench/rate.py). The offered rate is `--rate-factor` (2) times the capacity measured at the start of
-the same run: a closed loop of `--capacity-concurrency` (16) streams over the same mix.
+the same run: a closed loop of `--capacity-concurrency` (16) streams over the same mix, through the
+route with its SLO off (what the worker completes, not what admission lets in).
 
 Every phase starts the config's tokenizer and workers as processes (a cold prefix cache), then a
 gateway in this process on them with the config's first route (its fallback left out), the one thing
@@ -245,7 +246,9 @@ async def _capacity(
     args: argparse.Namespace, mix: Mix, stack: Stack, route: dict[str, Any]
 ) -> dict[str, Any]:
     model = route["model"]
-    async with _gateway(stack, route, "guess", mix) as stub:
+    # What the worker completes, not what admission lets in: no SLO, a queue for every stream.
+    serving = {**route, "ttft_slo_ms": 0.0, "max_queued_requests": args.capacity_concurrency}
+    async with _gateway(stack, serving, "guess", mix) as stub:
         await _warm(stub, mix, model)
         prompts = mix.prompts(args.capacity_requests, f"{args.seed}/capacity")
         run = await run_level(
