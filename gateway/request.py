@@ -1,8 +1,9 @@
 """One request in the gateway, from validation to its response: the one object that every step shares.
 
 A Request holds the request's facts (the front door's Incoming, the validated request, its primary
-route, fallback policy, priority and deadline), its trace and StageClock, the prompt ids as the
-current route reads them, its DeltaSink (delta_sink.py: where the worker link of its current attempt
+route, fallback policy, priority and deadline, its prompt's piece hashes for the forecast's guess of
+what a worker has cached), its trace and StageClock, the prompt ids as the current route reads
+them, its DeltaSink (delta_sink.py: where the worker link of its current attempt
 puts its deltas, with the detokenization state kept across attempts), and the answer as it grows.
 The pipeline, its one owner, changes it: it names the route an attempt is sent on (`sent_to`) and
 turns the deltas into chunks (`add`). A delta that reports a worker failure (UNAVAILABLE: the stream
