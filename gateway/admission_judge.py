@@ -2,6 +2,7 @@
 
 The judge prices a ticket as the forecast (forecast.py) sees it: its exact prompt size once tokenized,
 else the size its byte bound likely has (`PromptEstimate`, learnt from the route's tokenized prompts),
+less what a worker's prefix cache likely holds of it (each link's CachedPrefixes, prompt_prefix.py),
 behind the slots ahead of it in the route's queue and the granted but unsent slots of each link. It
 then says whether the route must refuse the ticket now: the queue is full and nothing can be shed, no
 worker has reported a step yet and the ticket cannot start at once, the deadline is shorter than the
