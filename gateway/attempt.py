@@ -110,6 +110,7 @@ class Attempt:
             prior_output_ids=prior,
             # The tenant salts the worker's prefix cache: tenants never share cached blocks.
             cache_salt=self.slot.ticket.tenant,
+            itl_slo_ms=self.route.settings.itl_slo_ms,
         )
         self.submitted = time.perf_counter()
         request.clock.wait("queue", self.submitted)

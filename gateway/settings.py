@@ -45,6 +45,12 @@ class RouteSettings(BaseModel):
     """A request is admitted when its forecast time to first token is at most this share of
     ttft_slo_ms: the rest is margin for what the forecast cannot see (another worker's load slowing
     the steps, the arrivals of the next moments)."""
+    itl_slo_ms: float = 0.0
+    """The inter-token latency every admitted request is promised; 0 (the default) promises none. Its
+    workers then cut prefill into smaller chunks and run fewer sequences, so that a step of a stream
+    decoding stays within it (services/worker/engine/step_limits.py); the TTFT forecast sees the
+    smaller chunks and fewer slots they report, so both promises hold together and more requests are
+    refused under load."""
     forecast_cached_prompts: bool = True
     """The TTFT forecast prices only the part of a prompt its worker's prefix cache likely lacks
     (gateway/prompt_prefix.py); false prices every prompt token as computed, as with the cache off."""
@@ -77,7 +83,14 @@ class RouteSettings(BaseModel):
                 f"route {self.model!r}: prefix_routing_load_factor={self.prefix_routing_load_factor} must be "
                 ">= 1 (1 keeps every worker at the average), e.g. 1.25"
             )
-        for name in ("max_queued_requests", "max_queued_tokens", "ttft_slo_ms", "prefix_routing_tokens"):
+        names = (
+            "max_queued_requests",
+            "max_queued_tokens",
+            "ttft_slo_ms",
+            "itl_slo_ms",
+            "prefix_routing_tokens",
+        )
+        for name in names:
             if getattr(self, name) < 0:
                 raise ValueError(f"route {self.model!r}: {name}={getattr(self, name)} must be >= 0")
         return self

@@ -23,6 +23,7 @@ from services.worker.convert import (
     ended_update,
     engine_priority,
     engine_prompt,
+    itl_slo,
     remaining_s,
     sampling_params,
 )
@@ -74,6 +75,7 @@ class StreamHost(RequestHost, Protocol):
         owner: Connection,
         cache_salt: str = "",
         grammar: GrammarMatcher | None = None,
+        itl_slo_s: float | None = None,
     ) -> None:
         """Check the request once, take a credit, queue it on the engine; raise what refuses it."""
 
@@ -220,7 +222,7 @@ class Connection:
         engine_id = self._prefix + request_id
         prior = len(submission.prior_output_ids)
         # Everything that may raise comes before the credit is taken, so a refusal holds nothing.
-        params, prompt = sampling_params(submission), engine_prompt(submission)
+        params, prompt, slo = sampling_params(submission), engine_prompt(submission), itl_slo(submission)
         if grammar is not None and not grammar.replay(submission.prior_output_ids):
             raise InvalidRequestError(
                 "prior_output_ids",
@@ -236,6 +238,7 @@ class Connection:
             self,
             submission.cache_salt,
             grammar,
+            slo,
         )
         record = AcceptedRequest(
             request_id,

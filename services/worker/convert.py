@@ -1,6 +1,6 @@
 """Translation between the worker's wire types and the engine's: sampling parameters, finish reasons,
-token updates (with their log probabilities), priorities, the continuation of a request another
-worker started, and the memory budget.
+token updates (with their log probabilities), priorities, inter-token SLOs, the continuation of a
+request another worker started, and the memory budget.
 
 The proto leaves some sampling fields unset to mean "off"; this module fills the engine's defaults
 for them and rejects what the gateway must always fill. A scalar the engine names as the proto does
@@ -15,6 +15,7 @@ job.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -101,6 +102,16 @@ def constraint_spec(submission: worker_pb2.Submission) -> GrammarSpec | None:
 def engine_prompt(submission: worker_pb2.Submission) -> list[int]:
     """What the engine prefills: the prompt, then the tokens a failed worker already generated."""
     return [*submission.prompt_ids, *submission.prior_output_ids]
+
+
+def itl_slo(submission: worker_pb2.Submission) -> float | None:
+    """The submission's inter-token SLO in seconds; None when it has none (0)."""
+    value = submission.itl_slo_ms
+    if not value >= 0 or math.isinf(value):
+        raise InvalidRequestError(
+            "itl_slo_ms", value, "must be a finite number of milliseconds >= 0 (0 is none)"
+        )
+    return value / 1000.0 if value else None
 
 
 def engine_priority(wire_priority: int) -> int:

@@ -267,6 +267,7 @@ class WorkerHost:
         owner: Connection,
         cache_salt: str = "",
         grammar: GrammarMatcher | None = None,
+        itl_slo_s: float | None = None,
     ) -> None:
         """Check the request once, take a credit for `owner`, queue it on the engine.
 
@@ -279,7 +280,7 @@ class WorkerHost:
         self.credits.acquire()
         self._owners[engine_id] = owner
         self._idle.clear()
-        self.engine.add_request(engine_id, prompt, params, priority, cache_salt, grammar)
+        self.engine.add_request(engine_id, prompt, params, priority, cache_salt, grammar, itl_slo_s)
 
     def abort(self, engine_id: str) -> None:
         """Abort an accepted request in the engine (its KV blocks are free before the next step)."""

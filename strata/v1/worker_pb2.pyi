@@ -120,6 +120,7 @@ class Submission(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     PRIOR_OUTPUT_IDS_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    ITL_SLO_MS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request id, unique among the stream's running requests."""
     deadline_unix_ms: _builtins.int
@@ -129,6 +130,11 @@ class Submission(_message.Message):
     cache_salt: _builtins.str
     """Who may share this request's cached KV blocks: the gateway sends the tenant's name, so requests of
     one tenant share prompt prefixes and no tenant can time another's. Empty shares with other empties.
+    """
+    itl_slo_ms: _builtins.float
+    """The inter-token latency the request's route promises, in milliseconds; 0 is none. The worker
+    sizes its steps so that the steps of a sequence carrying one are forecast within it: prefill
+    goes in smaller chunks, and no more sequences run than such a step holds (StepInfo reports both).
     """
     @_builtins.property
     def prompt_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -165,10 +171,11 @@ class Submission(_message.Message):
         priority: _builtins.int = ...,
         prior_output_ids: _abc.Iterable[_builtins.int] | None = ...,
         cache_salt: _builtins.str = ...,
+        itl_slo_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "deadline_unix_ms", b"deadline_unix_ms", "prior_output_ids", b"prior_output_ids", "priority", b"priority", "prompt_ids", b"prompt_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "deadline_unix_ms", b"deadline_unix_ms", "itl_slo_ms", b"itl_slo_ms", "prior_output_ids", b"prior_output_ids", "priority", b"priority", "prompt_ids", b"prompt_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -250,10 +257,12 @@ class StepInfo(_message.Message):
     waiting: _builtins.int
     """Sequences waiting for a running slot after the step."""
     max_running: _builtins.int
-    """The most sequences the engine runs at once (its running limit now)."""
+    """The most sequences the engine runs at once (its running limit now, an inter-token SLO's cap
+    included).
+    """
     prefill_budget: _builtins.int
     """Prompt tokens the next step may compute with the batch now running: the step's token budget less
-    what its decodes cost.
+    what its decodes cost, and under an inter-token SLO what keeps the step within it.
     """
     draft_tokens: _builtins.int
     """Drafted tokens the step's decodes scored (speculative decoding); not in decodes nor prefill_tokens."""

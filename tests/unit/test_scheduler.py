@@ -157,8 +157,8 @@ def test_decodes_leave_prefill_less_so_that_a_step_stays_bounded() -> None:
         assert prefill + 2 * batch.num_decodes <= 128
         chunks.append(prefill)
     assert chunks == [96] * 6 + [24]
-    assert sched.prefill_budget(num_decodes=70) == 16  # decodes past the budget still leave one block
-    assert sched.prefill_budget(num_decodes=0) == 128
+    assert sched.limits.prefill_budget(num_decodes=70) == 16  # decodes past the budget still leave one block
+    assert sched.limits.prefill_budget(num_decodes=0) == 128
 
 
 def test_without_chunking_a_prompt_waits_for_a_whole_budget_unless_it_never_fits() -> None:

@@ -64,6 +64,7 @@ class _Add:
     priority: int
     cache_salt: str = ""
     grammar: GrammarMatcher | None = None
+    itl_slo_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,12 +182,15 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str = "",
         grammar: GrammarMatcher | None = None,
+        itl_slo_s: float | None = None,
     ) -> None:
         """Queue a request that passed `check` (not checked again), whose outputs reach only the step
         listeners and its failure the failure listeners. For servers that read whole steps, not one
         stream per request, and that take their own resources for a request between the two calls.
-        cache_salt: who may share its cached KV blocks (the tenant); grammar: its output constraint."""
-        self._enqueue(_Add(request_id, list(prompt_ids), params, priority, cache_salt, grammar), None)
+        cache_salt: who may share its cached KV blocks (the tenant); grammar: its output constraint;
+        itl_slo_s: the inter-token latency its route promises."""
+        command = _Add(request_id, list(prompt_ids), params, priority, cache_salt, grammar, itl_slo_s)
+        self._enqueue(command, None)
 
     def add_step_listener(
         self, on_step: StepListener, on_failure: FailureListener | None = None
@@ -268,7 +272,13 @@ class AsyncEngine:
             if isinstance(cmd, _Add):
                 try:
                     self.engine.add_request(
-                        cmd.request_id, cmd.prompt_ids, cmd.params, cmd.priority, cmd.cache_salt, cmd.grammar
+                        cmd.request_id,
+                        cmd.prompt_ids,
+                        cmd.params,
+                        cmd.priority,
+                        cmd.cache_salt,
+                        cmd.grammar,
+                        cmd.itl_slo_s,
                     )
                 except (InvalidRequestError, ValueError) as exc:
                     # `check` ran on the loop, the scheduler's own state lives here: should they ever

@@ -1,7 +1,8 @@
 """The synchronous engine: one step is `schedule`, `run`, `postprocess`.
 
 It owns one model's scheduler, block manager, runner and (with engine.speculative on) speculator,
-whose drafts the schedule takes and whose cost model each step's time feeds; it validates requests,
+whose drafts the schedule takes and whose cost model each step's time feeds, and the fit of its steps'
+cadence that an inter-token SLO sizes steps by (step_limits.py reads it); it validates requests,
 resolves seeds, and turns an out-of-memory step into load shedding instead of a crash. It has no
 threads and no asyncio: async_engine.py drives it from its own thread.
 """
@@ -28,6 +29,7 @@ from services.worker.engine.sequence import FinishReason, Sequence, StepOutput
 from services.worker.engine.speculation import Speculator
 from services.worker.model.loader import load_model
 from strata.fingerprint import tokenizer_fingerprint, weights_fingerprint
+from strata.step_cost import StepCost
 
 if TYPE_CHECKING:
     from collections.abc import Sequence as SequenceOf
@@ -154,6 +156,12 @@ class LLMEngine:
         self._last_num_decodes = 0
         self._last_num_draft_tokens = 0
         self._last_num_accepted_tokens = 0
+        self.step_cost = StepCost()
+        """Seconds from one step's start to the next's, as a line in decodes and other tokens: what a
+        stream waits between two tokens, the engine loop's own work between steps included."""
+        self._unfed: tuple[int, int, float] | None = None
+        """The last step's (decodes, other tokens, start) while work followed it: the next step's start
+        gives its cadence."""
 
     @classmethod
     def from_model_dir(
@@ -196,10 +204,12 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str = "",
         grammar: GrammarMatcher | None = None,
+        itl_slo_s: float | None = None,
     ) -> Sequence:
         """Queue a request that passed `validate` (this is not checked again); it shares cached KV
         blocks only with requests of the same cache_salt (the tenant). grammar: its compiled output
-        constraint (grammar_compiler.py), already advanced past any prior output it was given."""
+        constraint (grammar_compiler.py), already advanced past any prior output it was given.
+        itl_slo_s: the inter-token latency its route promises; steps are sized to keep it."""
         seed = params.seed if params.seed is not None else secrets.randbelow(2**63)
         self._arrivals += 1
         seq = Sequence(
@@ -211,6 +221,7 @@ class LLMEngine:
             seed=seed,
             cache_salt=cache_salt,
             grammar=grammar,
+            itl_slo_s=itl_slo_s,
         )
         self.scheduler.add(seq)
         return seq
@@ -224,6 +235,13 @@ class LLMEngine:
         return self.scheduler.has_work
 
     def step(self) -> list[StepOutput]:
+        begun = time.perf_counter()
+        if self._unfed is not None:
+            decodes, others, at = self._unfed
+            self.step_cost.add(decodes, others, begun - at)
+            self._unfed = None
+        if self.scheduler.itl_slo_s is not None:
+            self.scheduler.limits.cost = self.step_cost.coefficients
         proposals = self.speculator.propose(self.scheduler.running) if self.speculator is not None else None
         batch = self.scheduler.schedule(proposals)
         if batch.is_empty:
@@ -246,6 +264,11 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.observe_step(batch.num_batched_tokens, elapsed)
         self.step_seconds.append(elapsed)
+        others = batch.num_batched_tokens - batch.num_decodes
+        if self.scheduler.has_work:
+            self._unfed = (batch.num_decodes, others, begun)
+        else:  # idle next: its cadence is its own length
+            self.step_cost.add(batch.num_decodes, others, time.perf_counter() - begun)
         self._last_batch_size = len(batch.entries)
         self._last_batch_tokens = batch.num_batched_tokens
         self._last_num_decodes = batch.num_decodes

@@ -1,9 +1,10 @@
 """Continuous batching: which sequences run in the next engine step, and how many tokens each.
 
-Owns the waiting and running queues, the per-step token budget (of which a step's decodes leave
-prefill less, at decode_cost_tokens each, so that a step's length stays bounded), chunked prefill,
-priorities (FCFS within one), preemption by recompute when KV blocks run out, load shedding after a
-step that ran out of memory, and which decodes score drafted tokens (speculation.py proposes them;
+Owns the waiting and running queues, chunked prefill within the step's prefill budget and running
+limit (step_limits.py sets both: what a step's decodes leave, an inter-token SLO's caps, load
+shedding's limit), priorities (FCFS within one), preemption by recompute when KV blocks run out,
+load shedding after a step that ran out of memory, and which decodes score drafted tokens
+(speculation.py proposes them;
 only budget and free blocks left after every plain decode go to them). A waiting sequence whose prefix
 the block manager has cached starts from those blocks: its KV need and its share of the prefill budget
 count only the tokens it computes. postprocess applies each step's sampled tokens through
@@ -27,6 +28,7 @@ from services.worker.engine.sequence import (
     SequenceStatus,
     StepOutput,
 )
+from services.worker.engine.step_limits import StepLimits
 from services.worker.engine.step_results import StopRule, apply_step
 from services.worker.engine.waiting_queue import WaitingQueue
 
@@ -65,14 +67,12 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.stop = StopRule(frozenset(eos_token_ids), max_model_len)
-        self.effective_max_num_seqs = config.max_num_seqs
+        self.limits = StepLimits(config, block_manager.block_size)
         self._waiting = WaitingQueue()
         self._running: list[Sequence] = []  # in admission order: shed_load drops the newest
         self._requests: dict[str, Sequence] = {}
         self._num_steps = 0
         self._num_preemptions = 0
-        self._num_load_sheds = 0
-        self._steps_since_shed = 0
         self._last_kind_was_prefill = False
         self._prefix_query_blocks = 0
         self._prefix_hit_blocks = 0
@@ -149,9 +149,9 @@ class Scheduler:
             kv_cache_usage=bm.usage,
             num_steps=self._num_steps,
             num_preemptions=self._num_preemptions,
-            num_load_sheds=self._num_load_sheds,
+            num_load_sheds=self.limits.num_load_sheds,
             effective_max_num_seqs=self.effective_max_num_seqs,
-            prefill_budget=self.prefill_budget(len(self._running)),
+            prefill_budget=self.limits.prefill_budget(len(self._running), self.itl_slo_s),
             num_cached_blocks=bm.num_cached_blocks,
             num_evictable_blocks=bm.num_evictable_blocks,
             num_evictions=bm.num_evictions,
@@ -162,12 +162,19 @@ class Scheduler:
             num_speculative_decodes=self._num_speculative_decodes,
         )
 
-    def prefill_budget(self, num_decodes: int) -> int:
-        """Prompt tokens a step with `num_decodes` decodes may compute: the token budget less what the
-        decodes cost, never below one block (a waiting prompt always advances)."""
-        budget = self.config.max_num_batched_tokens
-        left = budget - int(num_decodes * self.config.decode_cost_tokens + 0.5)
-        return max(min(self.block_manager.block_size, budget), left)
+    @property
+    def itl_slo_s(self) -> float | None:
+        """The tightest inter-token SLO among the running sequences and the next to admit; None: none."""
+        slos = [seq.itl_slo_s for seq in self._running if seq.itl_slo_s is not None]
+        head = self._waiting.peek() if self._waiting else None
+        if head is not None and head.itl_slo_s is not None:
+            slos.append(head.itl_slo_s)
+        return min(slos, default=None)
+
+    @property
+    def effective_max_num_seqs(self) -> int:
+        """The running limit now: load shedding's, and what the inter-token SLO leaves room for."""
+        return self.limits.max_running(self.itl_slo_s)
 
     def schedule(self, proposals: Mapping[str, list[int]] | None = None) -> ScheduledBatch:
         """Pick this step's work. Allocates the KV blocks it needs; may preempt running sequences.
@@ -179,17 +186,20 @@ class Scheduler:
         self._num_steps += 1
         plan = BatchBuilder(self._num_steps, self.config.max_num_batched_tokens)
         order = sorted(self._running, key=_urgency)
+        slo = self.itl_slo_s
         if self.config.mixed_batches:
             self._schedule_decodes(plan, order)
             drafted = self._add_drafts(plan, proposals or {})
-            plan.budget = min(plan.budget, self.prefill_budget(plan.batch.num_decodes + drafted))
-            self._schedule_prefills(plan, order)
+            plan.budget = min(plan.budget, self.limits.prefill_budget(plan.batch.num_decodes + drafted, slo))
+            self._schedule_prefills(plan, order, self.limits.max_running(slo))
             return plan.batch
         # Alternate when both kinds of work exist, so neither prefills nor decodes starve.
         prefill_first = not self._last_kind_was_prefill
         for is_prefill in (prefill_first, not prefill_first):
             if is_prefill:
-                self._schedule_prefills(plan, order)
+                # A prefill-only step delays every running stream's next token as much as a decode step.
+                plan.budget = min(plan.budget, self.limits.prefill_budget(len(order), slo))
+                self._schedule_prefills(plan, order, self.limits.max_running(slo))
             else:
                 self._schedule_decodes(plan, order)
                 self._add_drafts(plan, proposals or {})
@@ -226,7 +236,7 @@ class Scheduler:
                 self._num_draft_tokens += out.num_drafted
                 self._num_accepted_tokens += out.num_accepted
                 self._num_speculative_decodes += 1
-        self._recover_after_shed()
+        self.limits.stepped()
         return outputs
 
     def shed_load(self) -> list[Sequence]:
@@ -242,9 +252,7 @@ class Scheduler:
         # Newest first, so the oldest victim ends up at the very front of the waiting queue.
         for victim in reversed(victims):
             self._preempt(victim)
-        self.effective_max_num_seqs = max(1, min(self.effective_max_num_seqs, n - count))
-        self._num_load_sheds += 1
-        self._steps_since_shed = 0
+        self.limits.shed(n - count)
         return victims
 
     def check_invariants(self) -> None:
@@ -298,7 +306,7 @@ class Scheduler:
             taken += room
         return taken
 
-    def _schedule_prefills(self, plan: BatchBuilder, order: list[Sequence]) -> None:
+    def _schedule_prefills(self, plan: BatchBuilder, order: list[Sequence], max_running: int) -> None:
         bm = self.block_manager
         i = 0
         while i < len(order) and plan.budget > 0:
@@ -315,7 +323,7 @@ class Scheduler:
         # Never admit in a step that preempted: the blocks just freed belong to running sequences.
         if plan.batch.preempted:
             return
-        while self._waiting and plan.budget > 0 and len(self._running) < self.effective_max_num_seqs:
+        while self._waiting and plan.budget > 0 and len(self._running) < max_running:
             seq = self._waiting.peek()
             # Prompt positions whose logprobs are still wanted must be computed, not read from cache.
             hit = NO_HIT if seq.needs_prompt_logits else bm.cached_prefix(seq)
@@ -384,11 +392,3 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._requests[seq.request_id]
-
-    def _recover_after_shed(self) -> None:
-        if self.effective_max_num_seqs >= self.config.max_num_seqs:
-            return
-        self._steps_since_shed += 1
-        if self._steps_since_shed >= self.config.shed_recovery_steps:
-            self.effective_max_num_seqs += 1
-            self._steps_since_shed = 0

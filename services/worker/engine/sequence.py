@@ -67,6 +67,7 @@ class Sequence:
         "cache_salt",
         "finish_reason",
         "grammar",
+        "itl_slo_s",
         "num_accepted_drafts",
         "num_cached_tokens",
         "num_committed_blocks",
@@ -94,9 +95,11 @@ class Sequence:
         seed: int | None = None,
         cache_salt: str = "",
         grammar: GrammarMatcher | None = None,
+        itl_slo_s: float | None = None,
     ) -> None:
         """cache_salt: who may share this sequence's cached blocks (the tenant); "" shares with all
-        sequences of salt "" only. grammar: the output constraint's state, advanced by every token."""
+        sequences of salt "" only. grammar: the output constraint's state, advanced by every token.
+        itl_slo_s: the inter-token latency its route promises (step_limits.py keeps steps within it)."""
         self.request_id = request_id
         self.prompt_ids: list[int] = list(prompt_ids)
         if not self.prompt_ids:
@@ -120,6 +123,7 @@ class Sequence:
         self.num_cached_tokens = 0
         """Prompt tokens the prefix cache served at its first admission (Usage's cached_input_tokens)."""
         self.grammar = grammar
+        self.itl_slo_s = itl_slo_s
         self.prompt_logprobs: list[TokenLogprobs] = []
         """With params.prompt_logprobs: entry j is prompt token j + 1's, filled as prefill runs."""
         self.num_draft_trials = 0
