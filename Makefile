@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-cached bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-kv-schemes bench-spec bench-spec-qwen bench-spec-draft bench-spec-stack bench-spec-peer bench-spec-peer-draft bench-prefix-routing bench-peer bench-peer-avx2 bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar bench-outputs bench-tp records reliability chaos images compose-test run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-cached bench-itl bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-kv-schemes bench-spec bench-spec-qwen bench-spec-draft bench-spec-stack bench-spec-peer bench-spec-peer-draft bench-prefix-routing bench-peer bench-peer-avx2 bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar bench-outputs bench-tp records reliability chaos images compose-test run clean
 
 setup: $(STAMP)
 
@@ -76,6 +76,12 @@ bench-fallback: setup model
 # prompt token and against an oracle, alternated over 3 rounds, each phase on fresh services.
 bench-cached: setup model
 	$(BIN)/python -m bench.cached_admission --json bench/results/cached-admission-cpu.json
+
+# An inter-token SLO beside the first token's: the open loop at 14 req/s on the default mix, the route
+# promising 150 ms between tokens against the same route promising none, 5 rounds alternated, each
+# phase on freshly started services (docs/benchmarks.md).
+bench-itl: setup model
+	$(BIN)/python -m bench.itl_admission --json bench/results/itl-admission-cpu.json
 
 # Fairness between tenants: a noisy tenant at 5x its shape's capacity (512-token prompts) next to a quiet
 # one at 0.3x (32-token prompts) on the primary, fair queuing on against FIFO, 3 rounds alternated, each

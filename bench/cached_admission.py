@@ -33,32 +33,31 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import random
 import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bench.inprocess_gateway import first_route, in_process_gateway, model_dir, services
 from bench.load import run_level, summarize_level
 from bench.provenance import finish_provenance, start_provenance
 from bench.rate import arrival_offsets, drain, run_phase
 from bench.rate_phase import aggregate_phase, summarize_phase
-from bench.session import gateway
 from bench.stack_prompts import Prompt, build_prompt, load_tokenizer
 from bench.stats import save_record
 from gateway.prompt_prefix import CachedPrefixes, PromptPrefix, prompt_prefix
-from gateway.server import start as start_gateway
-from gateway.settings import GatewaySettings
 from gateway.tenant_settings import DEFAULT_TENANT
-from strata.cli.launcher import Stack, start_stack
-from strata.settings import DEFAULT_CONFIG, read_config
+from strata.settings import DEFAULT_CONFIG
 from strata.v1 import common_pb2, gateway_pb2
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Iterator, Mapping
+    import contextlib
+    from collections.abc import Mapping
 
     from bench.driver import Stub
+    from gateway.server import GatewayServer
+    from strata.cli.launcher import Stack
 
 MODES = {"guess": True, "price_all": False, "oracle": True}
 """Each contestant's forecast_cached_prompts (the oracle's guesses are replaced by the truth)."""
@@ -190,58 +189,21 @@ class OracleCache(CachedPrefixes):
 
 def _route(args: argparse.Namespace) -> tuple[dict[str, Any], str, float]:
     """The config's first route (its fallback left out: no request may use it), its model and SLO (ms)."""
-    routes = (read_config(args.config.resolve()).get("gateway") or {}).get("routes") or []
-    if not routes:
-        raise SystemExit(f"{args.config}: no gateway route to drive")
-    route = {key: value for key, value in routes[0].items() if key != "fallback"}
-    route["ttft_slo_ms"] = args.ttft_slo_ms
+    route = {**first_route(args.config), "ttft_slo_ms": args.ttft_slo_ms}
     return route, str(route["model"]), args.ttft_slo_ms
 
 
-def _model_dir(args: argparse.Namespace, model: str) -> Path:
-    config: Path = args.config.resolve()
-    models = (read_config(config).get("tokenizer") or {}).get("models") or {}
-    return (config.parent / str(models[model])).resolve()
-
-
-@contextlib.contextmanager
-def _services(args: argparse.Namespace, log_dir: Path) -> Iterator[Stack]:
-    """The config's tokenizer and workers (and its own gateway, left idle) as processes, a cold cache."""
-    env = {"STRATA_GATEWAY_LISTEN": "127.0.0.1:0", "STRATA_GATEWAY_HTTP_LISTEN": ""}
-    stack = start_stack(args.config, env=env, log_dir=log_dir)
-    try:
-        yield stack
-    finally:
-        stack.stop()
-
-
-@contextlib.asynccontextmanager
-async def _gateway(stack: Stack, route: dict[str, Any], mode: str, mix: Mix) -> AsyncIterator[Stub]:
+def _gateway(
+    stack: Stack, route: dict[str, Any], mode: str, mix: Mix
+) -> contextlib.AbstractAsyncContextManager[Stub]:
     """A gateway in this process on `stack`'s services, its one route as `mode` forecasts."""
-    model = route["model"]
-    workers = [
-        address
-        for address, name in zip(stack.addresses.workers, stack.worker_models, strict=True)
-        if name == model
-    ]
-    settings = GatewaySettings.build(
-        {
-            "listen": "127.0.0.1:0",
-            "tokenizer_address": stack.addresses.tokenizer,
-            "routes": [{**route, "workers": workers, "forecast_cached_prompts": MODES[mode]}],
-        }
-    )
-    server = await start_gateway(settings)
-    try:
-        if not await server.wait_ready(120.0):
-            raise SystemExit("cached_admission: the in-process gateway did not become ready in 120 s")
-        if mode == "oracle":
-            for link in server.router.route(model).links:
-                link.load.cache = OracleCache(mix.truth, link.load.cache.block_tokens)
-        async with gateway(server.address) as (stub, _):
-            yield stub
-    finally:
-        await server.stop(0)
+
+    def oracle(server: GatewayServer) -> None:
+        for link in server.router.route(route["model"]).links:
+            link.load.cache = OracleCache(mix.truth, link.load.cache.block_tokens)
+
+    forecasting = {**route, "forecast_cached_prompts": MODES[mode]}
+    return in_process_gateway(stack, forecasting, oracle if mode == "oracle" else None)
 
 
 async def _warm(stub: Stub, mix: Mix, model: str) -> None:
@@ -309,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     provenance = start_provenance()
     directory = Path(tempfile.mkdtemp(prefix="strata-cached-admission-"))
     route, model, slo_ms = _route(args)
-    mix = Mix(args, _model_dir(args, model))
-    with _services(args, directory / "capacity") as stack:
+    mix = Mix(args, model_dir(args.config, model))
+    with services(args.config, directory / "capacity") as stack:
         capacity = asyncio.run(_capacity(args, mix, stack, route))
     rate = args.rate_factor * capacity["requests_per_s"]
     print(
@@ -321,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     for round_index in range(args.rounds):
         order = list(MODES) if round_index % 2 == 0 else list(reversed(MODES))
         for mode in order:
-            with _services(args, directory / f"{mode}-{round_index}") as stack:
+            with services(args.config, directory / f"{mode}-{round_index}") as stack:
                 got = asyncio.run(_phase(args, mix, stack, route, rate, mode, f"{mode}-r{round_index}"))
             runs[mode].append(got)
             print(f"cached_admission: round {round_index + 1} {mode}: {got['goodput_tok_s']:.1f} good tok/s, "

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gateway.prompt_prefix import NO_PREFIX, CachedPrefixes, PromptPrefix
-from strata.step_cost import StepCost
+from gateway.step_cost import StepCost
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence

@@ -1,5 +1,6 @@
 """The generated tables of admission's own benchmarks beyond the fallback and tenants runs: admission on
-prompts the prefix cache holds (bench/cached_admission.py). This module only renders records.
+prompts the prefix cache holds (bench/cached_admission.py) and the inter-token SLO kept beside the
+first token's (bench/itl_admission.py). This module only renders records.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
     from docs_tables_common import Record
 
 CACHED = "cached-admission-cpu.json"
+ITL = "itl-admission-cpu.json"
 _MODE_NAMES = {
     "guess": "guess what is cached (the product)",
     "oracle": "told the true cached length (oracle)",
@@ -74,4 +76,57 @@ def _ratio(value: float | None) -> str:
     return "none" if value is None else ratio(value)
 
 
-TABLES = (Table("cached-admission", (CACHED,), cached_admission),)
+_PHASE_NAMES = {"ttft": "first token only (itl_slo_ms 0)", "itl": "and the tokens after it"}
+
+
+def itl_admission(records: Mapping[str, Record]) -> list[str]:
+    """Each phase's inter-token and admitted TTFT p99 (medians of the rounds), goodputs and refusals,
+    then the targets."""
+    data: dict[str, Any] = records[ITL].data
+    itl_slo = data["workload"]["itl_slo_ms"]
+    rows = []
+    for phase_name, name in _PHASE_NAMES.items():
+        phase = data["phases"][phase_name]
+        primary = phase["routes"]["primary"]
+        rows.append(
+            [
+                name,
+                f"{phase['itl_ms']['p99']:.0f} ms",
+                _p99(primary["ttft_ms"]["p99"]),
+                spread(phase["goodput_tok_s"], phase["goodput_tok_s_spread"]),
+                spread(phase["goodput_both_tok_s"], phase["goodput_both_tok_s_spread"]),
+                f"{phase['admitted']} / {phase['refused']}",
+            ]
+        )
+    header = [
+        f"the route promises ({data['workload']['rate']:g} req/s offered)",
+        f"inter-token p99 (SLO {itl_slo:g} ms)",
+        f"admitted TTFT p99 (SLO {data['ttft_slo_ms'] / 1000:g} s)",
+        "goodput tok/s, TTFT met",
+        "goodput tok/s, both met",
+        "admitted / refused",
+    ]
+    target = data["target"]
+    goodput = ratio(target["goodput_over_ttft_only"])
+    low, high = target["goodput_over_ttft_only_spread"]
+    verdicts = [
+        [f"inter-token p99 <= {target['itl_p99_over_slo_at_most']}x the ITL SLO",
+         ratio(target["itl_p99_over_slo"]), met(target["itl_met"])],
+        [f"admitted TTFT p99 <= {target['ttft_p99_over_slo_at_most']}x the TTFT SLO",
+         ratio(target["ttft_p99_over_slo"]), met(target["ttft_met"])],
+        [f"goodput, both met, >= {target['goodput_over_ttft_only_at_least']}x the TTFT-only run's",
+         f"{goodput} ({ratio(low)}-{ratio(high)})", met(target["goodput_met"])],
+        [f"without the ITL SLO: inter-token p99 over {itl_slo:g} ms",
+         ratio(target["ttft_phase_itl_p99_over_slo"]), ""],
+    ]  # fmt: skip
+    return [
+        *table(header, rows),
+        "",
+        *table(["target (medians of the rounds)", "measured", ""], verdicts),
+    ]
+
+
+TABLES = (
+    Table("cached-admission", (CACHED,), cached_admission),
+    Table("itl-admission", (ITL,), itl_admission),
+)

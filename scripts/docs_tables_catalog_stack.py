@@ -164,6 +164,13 @@ STACK_AND_FEATURES: dict[str, Entry] = {
         py("bench.cached_admission", *out("cached-admission-cpu.json")),
         target="make bench-cached",
     ),
+    "itl-admission-cpu.json": Entry(
+        STACK,
+        "bench/itl_admission.py",
+        900,
+        py("bench.itl_admission", *out("itl-admission-cpu.json")),
+        target="make bench-itl",
+    ),
     "stack-before-after-cpu.json": Entry(
         STACK,
         "bench/before_after.py",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from strata.step_cost import RECENT_SAMPLES, SIZED_SAMPLES, STEP_COST_MIN_SAMPLES, StepCost
+from gateway.step_cost import RECENT_SAMPLES, SIZED_SAMPLES, STEP_COST_MIN_SAMPLES, StepCost
 
 
 def steps(cost: StepCost, fixed: float, per_decode: float, per_token: float, count: int = 24) -> None:

@@ -1,8 +1,9 @@
 """The synchronous engine: one step is `schedule`, `run`, `postprocess`.
 
 It owns one model's scheduler, block manager, runner and (with engine.speculative on) speculator,
-whose drafts the schedule takes and whose cost model each step's time feeds, and the fit of its steps'
-cadence that an inter-token SLO sizes steps by (step_limits.py reads it); it validates requests,
+whose drafts the schedule takes and whose cost model each step's time feeds; it times the steps'
+cadence (start to next start) that an inter-token SLO's caps are steered by (step_limits.py); it
+validates requests,
 resolves seeds, and turns an out-of-memory step into load shedding instead of a crash. It has no
 threads and no asyncio: async_engine.py drives it from its own thread.
 """
@@ -29,7 +30,6 @@ from services.worker.engine.sequence import FinishReason, Sequence, StepOutput
 from services.worker.engine.speculation import Speculator
 from services.worker.model.loader import load_model
 from strata.fingerprint import tokenizer_fingerprint, weights_fingerprint
-from strata.step_cost import StepCost
 
 if TYPE_CHECKING:
     from collections.abc import Sequence as SequenceOf
@@ -156,12 +156,9 @@ class LLMEngine:
         self._last_num_decodes = 0
         self._last_num_draft_tokens = 0
         self._last_num_accepted_tokens = 0
-        self.step_cost = StepCost()
-        """Seconds from one step's start to the next's, as a line in decodes and other tokens: what a
-        stream waits between two tokens, the engine loop's own work between steps included."""
         self._unfed: tuple[int, int, float] | None = None
         """The last step's (decodes, other tokens, start) while work followed it: the next step's start
-        gives its cadence."""
+        gives its cadence, what a stream waits between two tokens (the loop's work between steps too)."""
 
     @classmethod
     def from_model_dir(
@@ -238,10 +235,8 @@ class LLMEngine:
         begun = time.perf_counter()
         if self._unfed is not None:
             decodes, others, at = self._unfed
-            self.step_cost.add(decodes, others, begun - at)
+            self.scheduler.limits.paced(begun - at, decodes, others, self.scheduler.itl_slo_s)
             self._unfed = None
-        if self.scheduler.itl_slo_s is not None:
-            self.scheduler.limits.cost = self.step_cost.coefficients
         proposals = self.speculator.propose(self.scheduler.running) if self.speculator is not None else None
         batch = self.scheduler.schedule(proposals)
         if batch.is_empty:
@@ -264,11 +259,8 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.observe_step(batch.num_batched_tokens, elapsed)
         self.step_seconds.append(elapsed)
-        others = batch.num_batched_tokens - batch.num_decodes
-        if self.scheduler.has_work:
-            self._unfed = (batch.num_decodes, others, begun)
-        else:  # idle next: its cadence is its own length
-            self.step_cost.add(batch.num_decodes, others, time.perf_counter() - begun)
+        if self.scheduler.has_work:  # the next step follows at once: its start ends this one's cadence
+            self._unfed = (batch.num_decodes, batch.num_batched_tokens - batch.num_decodes, begun)
         self._last_batch_size = len(batch.entries)
         self._last_batch_tokens = batch.num_batched_tokens
         self._last_num_decodes = batch.num_decodes

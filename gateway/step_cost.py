@@ -1,21 +1,19 @@
-"""A worker's step-time model: seconds = fixed + per_decode x decodes + per_token x prefill tokens.
+"""A worker stream's step-time model: seconds = fixed + per_decode x decodes + per_token x prefill tokens.
 
-Two owners fit one each: the gateway, per worker stream, from the steps the worker reports
-(gateway/forecast.py's LinkLoad), to price a first token; and the worker's engine, from its own steps'
-cadence, to keep each step within the inter-token SLO of the streams it decodes (engine/step_limits.py).
-A first token's forecast needs what the steps *carrying its prefill* cost, not the average step:
+The forecast of a first token needs what the steps *carrying its prefill* cost, not the average step:
 on a CPU a step with a 384-token chunk takes several times a decode-only step of the same batch, and an
 average over mostly short steps promises first tokens far too early. StepCost fits the three
-coefficients by least squares over the recent steps (their cadence, decodes and prefill tokens;
-bench/step_cost.py fits the same model offline). The samples are kept by prefill size: the
+coefficients by least squares over the worker's recent steps (their cadence, decodes and prefill
+tokens; bench/step_cost.py fits the same model offline). The samples are kept by prefill size: the
 last RECENT_SAMPLES steps with little or no prefill, and the last SIZED_SAMPLES of each larger size.
 So the price of a long prompt stays anchored on steps that computed long prompts, however many short
 steps followed: fitted on short prompts alone, a per-request overhead reads as a per-token price, a
 long prompt is then forecast far too slow, refused, and never measured again. A coefficient the
 samples make negative is dropped (fixed at 0) and the rest refitted, since no step gets cheaper with
 more work; a prefill token that comes out free leaves the model unfitted. Until the samples vary
-enough to tell the three apart, `coefficients` is None. This module does no I/O and must not decide
-what a fit is used for, nor read worker messages or time steps itself: its owner feeds it.
+enough to tell the three apart, the forecast keeps the average step (`coefficients` is None). This
+module does no I/O and must not forecast (forecast.py) nor read worker messages (forecast.py's LinkLoad
+feeds it).
 """
 
 from __future__ import annotations
