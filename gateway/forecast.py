@@ -3,22 +3,22 @@
 Each worker stream has a LinkLoad: the requests open on it (prompt size, tokens still to generate,
 whether the first token came) and the worker's steps, which every message on the stream reports
 (StepInfo: an average of the steps' cadence, the engine's running limit and its prefill budget for the
-batch now running). `forecast` replays the near future of a route with those facts: each running slot
-of a link (the engine's running limit, at most the credits this gateway holds there) frees when the
-last token of its request is due (tokens left x step time); the requests a link has queued beyond its
-slots, then the tickets ahead in the route's queue, each take the earliest free slot and hold it for
-their whole generation; the new ticket starts in the slot it gets, and its first token comes after the
-step it waits for plus its prompt's prefill chunks, each priced by the stream's step-time model
-(step_cost.py) once it is fitted, less what the reported steps already computed of them and what
-the worker's prefix cache likely serves (each stream's CachedPrefixes, prompt_prefix.py: a request's
-first update tells it the prompt is cached now, and how much of the guess sent with it was right;
-how late first tokens still come feeds the margin as for any other error). Prompts not
-yet prefilled on the worker count ahead of the ticket only when their worker priority is at least the
-ticket's (the worker prefills a favoured tenant's prompt first, route.py). A request counts as running
-to its max_new_tokens, so the forecast is an upper bound when requests stop early (the safe side of the
-promise). `under_share` tells whether a tenant holds less than its weighted share of the work open on a
-stream. This module does no I/O and must not decide: route.py compares the forecast with the SLO and
-the deadline, and worker_link.py feeds the LinkLoad.
+batch now running). `forecast` replays the near future of a route with those facts: each running slot of
+a link (the engine's running limit, at most the credits this gateway holds there) frees when the last
+token of its request is due (tokens left x step time); the requests a link has queued beyond its slots,
+then the tickets ahead in the route's queue, each take the earliest free slot and hold it for their
+whole generation; the new ticket starts in the slot it gets, and its first token comes after the step it
+waits for plus its prompt's prefill chunks, each priced by the stream's step-time model (step_cost.py, a
+chunk's own price beside its tokens') once it is fitted, less what the reported steps already computed
+of them and what the worker's prefix cache likely serves (each stream's CachedPrefixes,
+prompt_prefix.py: a request's first update tells it the prompt is cached now, and how much of the guess
+sent with it was right; how late first tokens still come feeds the margin as for any other error).
+Prompts not yet prefilled on the worker count ahead of the ticket only when their worker priority is at
+least the ticket's (the worker prefills a favoured tenant's prompt first, route.py). A request counts as
+running to its max_new_tokens, so the forecast is an upper bound when requests stop early (the safe side
+of the promise). `under_share` tells whether a tenant holds less than its weighted share of the work
+open on a stream. This module does no I/O and must not decide: route.py compares the forecast with the
+SLO and the deadline, and worker_link.py feeds the LinkLoad.
 """
 
 from __future__ import annotations
@@ -223,13 +223,14 @@ class LinkLoad:
 
     def prefill_s(self, prompt_tokens: int) -> float:
         """Seconds the steps computing `prompt_tokens` of prefill take, at the current batch: priced by
-        the step-time model, else the average step per chunk."""
+        the step-time model (each chunk's step its fixed part, its decodes and what computing any
+        prefill costs it, plus the tokens), else the average step per chunk."""
         chunks = self.chunks(prompt_tokens)
         fit = self.cost.coefficients
         if fit is None:
             return chunks * (self.step_s or 0.0)
         fixed, per_decode, per_token = fit
-        return chunks * (fixed + per_decode * self.running) + per_token * prompt_tokens
+        return chunks * (fixed + per_decode * self.running + self.cost.per_chunk) + per_token * prompt_tokens
 
     def busy_until(
         self, slots: int, unsent: Sequence[_Open] = (), priority: int = 0

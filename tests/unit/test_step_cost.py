@@ -52,16 +52,17 @@ def test_the_fit_follows_the_latest_steps_and_a_new_stream_starts_over() -> None
 
 
 def test_steps_with_long_prefills_keep_pricing_long_prompts_however_many_short_ones_follow() -> None:
-    """Short prompts carry a per-request overhead that a fit on them alone reads as a per-token price
-    (half again too slow at 512 tokens); the last long-prefill steps stay in the fit and anchor it."""
+    """Short prompts carry an overhead that grows with them up to 64 tokens, which a fit on them alone
+    reads as a per-token price (half again too slow at 512 tokens); the last long-prefill steps stay in
+    the fit and anchor it."""
 
     def seconds(decodes: int, prefill: int) -> float:
-        return 0.02 + 0.003 * decodes + 0.001 * prefill + (0.03 if prefill else 0.0)
+        return 0.02 + 0.003 * decodes + 0.001 * prefill + 0.03 * min(prefill, 64) / 64
 
     def price(cost: StepCost) -> float:
         fit = cost.coefficients
         assert fit is not None
-        return fit[0] + fit[2] * 512
+        return fit[0] + fit[2] * 512 + cost.per_chunk
 
     true = seconds(0, 512)
     short_only, anchored = StepCost(), StepCost()
@@ -73,3 +74,24 @@ def test_steps_with_long_prefills_keep_pricing_long_prompts_however_many_short_o
             cost.add(decodes, prefill, seconds(decodes, prefill))
     assert price(short_only) > 1.3 * true
     assert price(anchored) == pytest.approx(true, rel=0.1)
+
+
+def test_a_chunk_has_a_price_of_its_own_once_two_prefill_sizes_tell_it_apart() -> None:
+    """On a CPU any prefill takes a step off the fused decode path: 60 ms whatever the chunk. With steps
+    of one prefill size the price stays in the tokens'; with two or more the fit finds it, and a small
+    chunk is priced whole where a line in tokens would price it at a third."""
+
+    def seconds(decodes: int, prefill: int) -> float:
+        return 0.02 + 0.003 * decodes + 0.001 * prefill + (0.06 if prefill else 0.0)
+
+    one_size, sizes = StepCost(), StepCost()
+    for i in range(3 * RECENT_SAMPLES):
+        decodes = 2 + i % 5
+        one_size.add(decodes, 16 * (i % 2), seconds(decodes, 16 * (i % 2)))
+        prefill = (0, 16, 128)[i % 3]
+        sizes.add(decodes, prefill, seconds(decodes, prefill))
+    assert one_size.per_chunk == 0.0
+    fixed, _, per_token = one_size.coefficients or (0.0, 0.0, 0.0)
+    assert fixed + per_token * 16 == pytest.approx(0.02 + 0.016 + 0.06, rel=1e-6)  # in the tokens' price
+    assert sizes.per_chunk == pytest.approx(0.06, rel=1e-6)
+    assert sizes.coefficients == pytest.approx((0.02, 0.003, 0.001), rel=1e-6)
