@@ -1,24 +1,23 @@
-"""A worker stream's step-time model: seconds = fixed + per_decode x decodes + per_token x prefill
-tokens + per_chunk when the step computes any prefill.
+"""A worker stream's step-time model: seconds = fixed + per_decode x decodes + per_token x prefill tokens +
+per_chunk when the step computes any prefill.
 
-The forecast of a first token needs what the steps *carrying its prefill* cost, not the average step:
-on a CPU a step with a 384-token chunk takes several times a decode-only step of the same batch, and an
-average over mostly short steps promises first tokens far too early. Any prefill also takes a step
-off the fused decode path, a price of its own whatever the chunk's size (a 16-token chunk
-beside 7 decodes took 116 ms where the 7 decodes took 35), so a line in tokens alone prices small
-chunks (those of a worker keeping an inter-token SLO) far short. StepCost fits the four
-coefficients by least squares over the worker's recent steps (their cadence, decodes and prefill
-tokens; bench/step_cost.py fits the first three offline). The samples are kept by prefill size: the
-last RECENT_SAMPLES steps with little or no prefill, and the last SIZED_SAMPLES of each larger size.
-So the price of a long prompt stays anchored on steps that computed long prompts, however many short
-steps followed: fitted on short prompts alone, a per-request overhead reads as a per-token price, a
-long prompt is then forecast far too slow, refused, and never measured again. A coefficient the
-samples make negative is dropped (fixed at 0) and the rest refitted, since no step gets cheaper with
-more work; a prefill token that comes out free leaves the model unfitted. Until the samples vary
-enough to tell the first three apart, the forecast keeps the average step (`coefficients` is None);
-with a single prefill size the chunk's price is left in its tokens' (`per_chunk` is 0). This
-module does no I/O and must not forecast (forecast.py) nor read worker messages (forecast.py's LinkLoad
-feeds it).
+The forecast of a first token needs what the steps *carrying its prefill* cost, not the average step: on
+a CPU a step with a 384-token chunk takes several times a decode-only step of the same batch, and an
+average over mostly short steps promises first tokens far too early. Any prefill also takes a step off
+the fused decode path, a price of its own whatever the chunk's size (a 16-token chunk beside a few
+decodes takes several times as long as the decodes alone), so a line in tokens alone prices small chunks
+(those of a worker keeping an inter-token SLO) far short. StepCost fits the four coefficients by least
+squares over the worker's recent steps (their cadence, decodes and prefill tokens; bench/step_cost.py
+fits the first three offline). The samples are kept by prefill size: the last RECENT_SAMPLES steps with
+little or no prefill, and the last SIZED_SAMPLES of each larger size. So the price of a long prompt
+stays anchored on steps that computed long prompts, however many short steps followed: fitted on short
+prompts alone, a per-request overhead reads as a per-token price, a long prompt is then forecast far too
+slow, refused, and never measured again. A coefficient the samples make negative is dropped (fixed at 0)
+and the rest refitted, since no step gets cheaper with more work; a prefill token that comes out free
+leaves the model unfitted. Until the samples vary enough to tell the first three apart, the forecast
+keeps the average step (`coefficients` is None); with a single prefill size the chunk's price is left in
+its tokens' (`per_chunk` is 0). This module does no I/O and must not forecast (forecast.py) nor read
+worker messages (forecast.py's LinkLoad feeds it).
 """
 
 from __future__ import annotations

@@ -2,29 +2,28 @@
 
 Owns the running limit that load shedding lowers (halved after an out-of-memory step, regained one per
 shed_recovery_steps good steps), the prefill budget a step's decodes leave (the token budget less
-decode_cost_tokens per decode, never below one block, so a waiting prompt always advances), and the
-caps an inter-token SLO puts on both. A sequence may carry such an SLO (its route's itl_slo_ms); the
-tightest among the running ones sets a step's plan, ITL_HEADROOM of it. Both caps are steered by what
-the steps measure, start to next start (the engine loop's work between steps included): the moving
-average of decode-only steps, plus the average of what a prefill chunk adds to a step, is what a
-stream waits for its next token when prefill joins. Past the plan, the prefill cap drops to the chunk
-that ran, in the proportion of plan to pace and at least by half (never below a block); at a block, or
-when decode-only steps alone run past the plan, the running limit drops to the decodes the step ran
-in that proportion (at most by half), and a few steps pass before the next cut shows. A cut that did
-not lower the pace is not repeated: a block's prefill alone takes the plan then, and fewer decodes
-would only serve fewer. A run of steps well within the plan raises the prefill cap by a block and the
-running limit by one, doubling it instead until the first cut (TCP's congestion window: slow start,
-additive increase, fast decrease). So prefill goes
-in smaller chunks, and the batch stops growing, rather than stretch the decoding streams' steps
-(Sarathi-Serve's stall-free batching, its budget found from the SLO).
+decode_cost_tokens per decode, never below one block, so a waiting prompt always advances), and the caps
+an inter-token SLO puts on both. A sequence may carry such an SLO (its route's itl_slo_ms); the tightest
+among the running ones sets a step's plan, ITL_HEADROOM of it. Both caps are steered by what the steps
+measure, start to next start (the engine loop's work between steps included): the moving average of
+decode-only steps, plus the average of what a prefill chunk adds to a step, is what a stream waits for
+its next token when prefill joins. Past the plan, the prefill cap drops to the chunk that ran, in the
+proportion of plan to pace and at least by half (never below a block); at a block, or when decode-only
+steps alone run past the plan, the running limit drops to the decodes the step ran in that proportion
+(at most by half), and a few steps pass before the next cut shows. A cut that did not lower the pace is
+not repeated: a block's prefill alone takes the plan then, and fewer decodes would only serve fewer. A
+run of steps well within the plan raises the prefill cap by a block and the running limit by one,
+doubling it instead until the first cut (TCP's congestion window: slow start, additive increase, fast
+decrease). So prefill goes in smaller chunks, and the batch stops growing, rather than stretch the
+decoding streams' steps (Sarathi-Serve's stall-free batching, its budget found from the SLO).
 
 Measured rather than forecast, since no step-time line fits a CPU: a step with any prefill leaves the
-fused decode path for the layer-by-layer one, so a 16-token chunk beside 7 decodes took 116 ms where
-the 7 decodes alone took 35, while a 112-token chunk took 1.2 ms more a token; a line over steps the
-caps keep alike cannot tell a decode's price from the rest either. The worker reports the limits it
-holds in each StepInfo, so a gateway's TTFT forecast counts the smaller chunks and the fewer slots.
-This module must not choose sequences nor touch blocks (scheduler.py does) nor time steps (the engine
-measures them and hands them over).
+fused decode path for the layer-by-layer one, so a chunk of one block beside a few decodes takes several
+times as long as the decodes alone, while each further token adds little; a line over steps the caps
+keep alike cannot tell a decode's price from the rest either. The worker reports the limits it holds in
+each StepInfo, so a gateway's TTFT forecast counts the smaller chunks and the fewer slots. This module
+must not choose sequences nor touch blocks (scheduler.py does) nor time steps (the engine measures them
+and hands them over).
 """
 
 from __future__ import annotations
