@@ -132,9 +132,9 @@ class Submission(_message.Message):
     one tenant share prompt prefixes and no tenant can time another's. Empty shares with other empties.
     """
     itl_slo_ms: _builtins.float
-    """The inter-token latency the request's route promises, in milliseconds; 0 is none. The worker
-    sizes its steps so that the steps of a sequence carrying one are forecast within it: prefill
-    goes in smaller chunks, and no more sequences run than such a step holds (StepInfo reports both).
+    """The inter-token latency the request's route promises, in milliseconds; 0 is none. While a sequence
+    carrying one runs, the worker keeps its steps within it by what they measure: prefill goes in
+    smaller chunks and fewer sequences run (StepInfo reports both). Negative: INVALID_ARGUMENT.
     """
     @_builtins.property
     def prompt_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:

@@ -148,16 +148,18 @@ def test_invalid_submissions_are_rejected_and_the_stream_keeps_serving(tiny_serv
                 submission("", [1, 2], 4),
                 submission("dup", [1, 2], 30),
                 submission("dup", [1, 2], 4),
+                submission("slo", [1, 2], 4, itl_slo_ms=-5.0),
             )
-            await side.read_until(lambda s: len(s.rejections) == 6)
+            await side.read_until(lambda s: len(s.rejections) == 7)
             await side.send(submission("ok", [1, 2, 3], 6))
             await side.read_until(lambda s: {"ok", "dup"} <= s.finals.keys())
             return side
 
     side = asyncio.run(main())
     assert {rid: r.code for rid, r in side.rejections.items()} == dict.fromkeys(
-        ["top_p", "zero", "vocab", "long", "", "dup"], INVALID_ARGUMENT
+        ["top_p", "zero", "vocab", "long", "", "dup", "slo"], INVALID_ARGUMENT
     )
+    assert "itl_slo_ms" in side.rejections["slo"].message
     assert "top_p" in side.rejections["top_p"].message
     assert "max_new_tokens" in side.rejections["zero"].message
     assert "prompt_ids" in side.rejections["vocab"].message

@@ -1,11 +1,10 @@
 """The synchronous engine: one step is `schedule`, `run`, `postprocess`.
 
-It owns one model's scheduler, block manager, runner and (with engine.speculative on) speculator,
-whose drafts the schedule takes and whose cost model each step's time feeds; it times the steps'
-cadence (start to next start) that an inter-token SLO's caps are steered by (step_limits.py); it
-validates requests,
-resolves seeds, and turns an out-of-memory step into load shedding instead of a crash. It has no
-threads and no asyncio: async_engine.py drives it from its own thread.
+It owns one model's scheduler, block manager, runner and (with engine.speculative on) speculator, whose
+drafts the schedule takes and whose cost model each step's time feeds; it times the steps' cadence
+(start to next start) that an inter-token SLO's caps are steered by (step_limits.py); it validates
+requests, resolves seeds, and turns an out-of-memory step into load shedding instead of a crash. It has
+no threads and no asyncio: async_engine.py drives it from its own thread.
 """
 
 from __future__ import annotations
