@@ -42,6 +42,9 @@ STEP_EWMA_WEIGHT = 0.3
 """Weight of each reported step in the step-time average: a few steps follow a change of load."""
 MARGIN_SAMPLES = 200
 MARGIN_MIN_SAMPLES = 20
+MARGIN_AGE_S = 10.0
+"""Seconds a first token's lateness counts in the margin. Only admitted requests teach it, so without an
+age a margin learnt in one bad moment refused every request after it and never heard otherwise."""
 MARGIN_QUANTILE = 0.95
 
 
@@ -86,8 +89,8 @@ class LinkLoad:
         self.cost = StepCost()
         self.cache = CachedPrefixes()
         """The prompts the worker prefilled lately: what of a new one its prefix cache likely holds."""
-        self._errors: deque[float] = deque(maxlen=MARGIN_SAMPLES)
-        """Seconds each recent first token came after its forecast (negative: before)."""
+        self._errors: deque[tuple[float, float]] = deque(maxlen=MARGIN_SAMPLES)
+        """(when, seconds) each recent first token came after its forecast (negative: before)."""
         self._margin: float | None = None
 
     @property
@@ -139,11 +142,12 @@ class LinkLoad:
     @property
     def margin_s(self) -> float:
         """How late first tokens came against their forecast on this stream, lately: the
-        MARGIN_QUANTILE of the last MARGIN_SAMPLES errors (0 while fewer than MARGIN_MIN_SAMPLES, or
-        when they came early). The forecast adds it: what the replay cannot see (a neighbour taking
-        the cores, the gateway's own lag) shows up here, and leaves again when it passes."""
+        MARGIN_QUANTILE of the last MARGIN_SAMPLES errors within MARGIN_AGE_S seconds of worker
+        messages (0 while fewer than MARGIN_MIN_SAMPLES, or when they came early). The forecast adds
+        it: what the replay cannot see (a neighbour taking the cores, the gateway's own lag) shows up
+        here, and leaves again when it passes."""
         if self._margin is None:
-            errors = sorted(self._errors)
+            errors = sorted(error for _, error in self._errors)
             if len(errors) < MARGIN_MIN_SAMPLES:
                 self._margin = 0.0
             else:
@@ -159,6 +163,9 @@ class LinkLoad:
         of requests, and the step."""
         for rejection in response.rejections:
             self.forget(rejection.request_id)
+        while self._errors and self._errors[0][0] < now - MARGIN_AGE_S:
+            self._errors.popleft()
+            self._margin = None
         if response.HasField("hello"):
             memory = response.hello.info.memory
             self.cache.size(memory.kv_tokens, memory.kv_blocks)
@@ -176,7 +183,7 @@ class LinkLoad:
                 continue
             if request is not None:
                 if not request.started and request.due is not None:
-                    self._errors.append(now - request.due)
+                    self._errors.append((now, now - request.due))
                     self._margin = None
                 request.output_tokens = max(request.output_tokens, update.output_tokens)
                 request.started = True

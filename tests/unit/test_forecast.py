@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.admission import Ticket
-from gateway.forecast import LinkLoad, LinkView, forecast
+from gateway.forecast import MARGIN_AGE_S, MARGIN_MIN_SAMPLES, LinkLoad, LinkView, forecast
 from strata.v1 import common_pb2, worker_pb2
 
 
@@ -311,3 +311,19 @@ def test_reported_prefill_is_credited_to_the_prompts_in_the_order_the_worker_tak
     assert pending == (112 - 36) + 256
     _, _, ahead_of_favoured = load.busy_until(8, priority=1)
     assert ahead_of_favoured == 0
+
+
+def test_lateness_leaves_the_margin_after_a_while_even_with_no_request_admitted() -> None:
+    """Only admitted requests teach the margin: one learnt in a bad moment would refuse every request
+    after it and never hear otherwise, so its samples count for MARGIN_AGE_S seconds of worker messages."""
+    load = LinkLoad()
+    load.observe(worker_pb2.ConnectResponse(step=step(100.0)), 0.0)
+    for i in range(MARGIN_MIN_SAMPLES):
+        load.sent(submission(f"r{i}"), due=1.0)
+        update = worker_pb2.TokenUpdate(request_id=f"r{i}", token_ids=[1], output_tokens=1)
+        load.observe(worker_pb2.ConnectResponse(updates=[update]), 3.0)  # each 2 s late
+    assert load.margin_s == pytest.approx(2.0)
+    load.observe(worker_pb2.ConnectResponse(step=step(100.0)), 3.0 + MARGIN_AGE_S / 2)
+    assert load.margin_s == pytest.approx(2.0)  # still lately
+    load.observe(worker_pb2.ConnectResponse(step=step(100.0)), 3.0 + MARGIN_AGE_S + 0.1)
+    assert load.margin_s == 0.0

@@ -84,7 +84,21 @@ def test_the_scheduler_runs_no_more_than_the_limit_and_chunks_prefill_by_the_cap
         if any(s.itl_slo_s for s in sched.running):
             assert sched.num_running <= 5
             assert batch.num_batched_tokens - batch.num_decodes <= 48
-    assert sched.stats.effective_max_num_seqs == 64  # nobody with an SLO left: the limit is lifted
+    assert sched.stats.effective_max_num_seqs == 64  # no step kept an SLO: nothing to report
+
+
+def test_an_idle_worker_reports_the_pace_it_kept_but_runs_requests_without_an_slo_unpaced() -> None:
+    """Between two requests of an SLO route the worker reports the limits it kept for them, so that a
+    gateway does not send a burst into slots the next step would not run; a request without an SLO
+    still runs as many at once as the token budget and max_num_seqs allow."""
+    sched = make_scheduler(max_num_batched_tokens=512, max_num_seqs=64)
+    sched.limits.paced(cadence(1, 0), 1, 0, SLO)  # one step kept the SLO: the limit is still slow start's
+    assert sched.stats.effective_max_num_seqs == 1 and sched.stats.prefill_budget == 512
+    model = FakeModel(256, 16)
+    for i in range(8):
+        sched.add(make_seq(f"d{i}", 4, max_new=3, arrival=i))
+    batch, _ = step(sched, model)
+    assert len(batch.entries) == 8
 
 
 def test_without_an_slo_the_step_is_the_token_budget_as_before() -> None:

@@ -150,7 +150,9 @@ class Scheduler:
             num_preemptions=self._num_preemptions,
             num_load_sheds=self.limits.num_load_sheds,
             effective_max_num_seqs=self.effective_max_num_seqs,
-            prefill_budget=self.limits.prefill_budget(len(self._running), self.itl_slo_s),
+            prefill_budget=self.limits.prefill_budget(
+                len(self._running), self.limits.reported_slo(self.itl_slo_s)
+            ),
             num_cached_blocks=bm.num_cached_blocks,
             num_evictable_blocks=bm.num_evictable_blocks,
             num_evictions=bm.num_evictions,
@@ -172,8 +174,8 @@ class Scheduler:
 
     @property
     def effective_max_num_seqs(self) -> int:
-        """The running limit now: load shedding's, and what the inter-token SLO leaves room for."""
-        return self.limits.max_running(self.itl_slo_s)
+        """The running limit reported: load shedding's, and what the inter-token SLO leaves room for."""
+        return self.limits.max_running(self.limits.reported_slo(self.itl_slo_s))
 
     def schedule(self, proposals: Mapping[str, list[int]] | None = None) -> ScheduledBatch:
         """Pick this step's work. Allocates the KV blocks it needs; may preempt running sequences.
