@@ -42,9 +42,10 @@ PACE_EWMA_WEIGHT = 0.25
 PACE_GROW_BELOW = 0.85
 """The caps grow only while every average is under this share of the plan: a margin against flapping."""
 PACE_GROW_STEPS = 4
+"""Steps in a row within that margin for each growth (a block of prefill, one sequence), and steps
+after a cut before the next (a cut shows in the averages only after a few steps)."""
 PACE_HELPED = 0.95
 """A cut of the running limit helped when the pace after it is under this share of the pace before."""
-"""Steps in a row within that margin for each growth (a block of prefill, one sequence)."""
 
 
 class StepLimits:
