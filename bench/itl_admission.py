@@ -42,6 +42,8 @@ from strata.settings import DEFAULT_CONFIG
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from tokenizers import Tokenizer
+
     from bench.driver import RequestResult
     from bench.stack_prompts import Prompt
     from strata.cli.launcher import Stack
@@ -104,10 +106,9 @@ def summarize_itl_phase(
 
 
 async def _phase(
-    args: argparse.Namespace, stack: Stack, route: dict[str, Any], phase: str, tag: str
+    args: argparse.Namespace, stack: Stack, route: dict[str, Any], tokenizer: Tokenizer, phase: str, tag: str
 ) -> dict[str, Any]:
     model = str(route["model"])
-    tokenizer = load_tokenizer(model_dir(args.config, model))
     offsets = arrival_offsets(
         args.rate, max(1, round(args.rate * args.duration)), "poisson", f"{args.seed}/arrivals"
     )
@@ -115,7 +116,7 @@ async def _phase(
     warm = build_prompts(tokenizer, WARM_REQUESTS, args.prompt_tokens, f"{args.seed}/warm")
     itl_slo_ms = args.itl_slo_ms if phase == "itl" else 0.0
     async with in_process_gateway(stack, {**route, "itl_slo_ms": itl_slo_ms}) as stub:
-        # Untimed: the forecast learns the steps and the worker fits its step cost on batches of sizes.
+        # Untimed: the forecast learns the steps, and with the promise the worker's caps settle.
         warming = [
             rate_request(p, args.new_tokens, f"warm-{i}", model, fallback=False) for i, p in enumerate(warm)
         ]
@@ -140,12 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     directory = Path(tempfile.mkdtemp(prefix="strata-itl-admission-"))
     route = first_route(args.config)
     route.setdefault("ttft_slo_ms", RouteSettings.model_fields["ttft_slo_ms"].default)
+    tokenizer = load_tokenizer(model_dir(args.config, str(route["model"])))
     runs: dict[str, list[dict[str, Any]]] = {phase: [] for phase in PHASES}
     for round_index in range(args.rounds):
         order = PHASES if round_index % 2 == 0 else tuple(reversed(PHASES))
         for phase in order:
             with services(args.config, directory / f"{phase}-{round_index}") as stack:
-                got = asyncio.run(_phase(args, stack, route, phase, f"{phase}-r{round_index}"))
+                got = asyncio.run(_phase(args, stack, route, tokenizer, phase, f"{phase}-r{round_index}"))
             runs[phase].append(got)
             print(f"itl_admission: round {round_index + 1} {phase}: {got['goodput_tok_s']:.1f} good tok/s "
                   f"(both {got['goodput_both_tok_s']:.1f}), ITL p99 {got['itl_ms']['p99']:.0f} ms, "

@@ -138,6 +138,7 @@ class Scheduler:
     @property
     def stats(self) -> SchedulerStats:
         bm = self.block_manager
+        slo = self.limits.reported_slo(self.itl_slo_s)
         return SchedulerStats(
             num_running=len(self._running),
             num_waiting=len(self._waiting),
@@ -149,10 +150,8 @@ class Scheduler:
             num_steps=self._num_steps,
             num_preemptions=self._num_preemptions,
             num_load_sheds=self.limits.num_load_sheds,
-            effective_max_num_seqs=self.effective_max_num_seqs,
-            prefill_budget=self.limits.prefill_budget(
-                len(self._running), self.limits.reported_slo(self.itl_slo_s)
-            ),
+            effective_max_num_seqs=self.limits.max_running(slo),
+            prefill_budget=self.limits.prefill_budget(len(self._running), slo),
             num_cached_blocks=bm.num_cached_blocks,
             num_evictable_blocks=bm.num_evictable_blocks,
             num_evictions=bm.num_evictions,

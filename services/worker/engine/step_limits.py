@@ -73,7 +73,7 @@ class StepLimits:
         self._calm_steps = 0
         self._cooling = 0
         """Steps left before another cut: a cut shows in the averages only after a few steps."""
-        self.last_slo_s: float | None = None
+        self._last_slo_s: float | None = None
         """The tightest SLO of the last step that decoded sequences carrying one."""
         self._cut_pace: float | None = None
         """The pace when the running limit was last cut; a cut that did not lower it is not repeated."""
@@ -98,7 +98,7 @@ class StepLimits:
         tightest SLO among its sequences `itl_slo_s`) lasted `seconds` to the next step's start."""
         if itl_slo_s is None or decodes == 0:
             return
-        self.last_slo_s = itl_slo_s
+        self._last_slo_s = itl_slo_s
         if prefill_tokens:
             self._prefill_extra = _average(self._prefill_extra, seconds - (self._decode_pace or 0.0))
         else:
@@ -153,7 +153,7 @@ class StepLimits:
         Between two requests of an SLO route the worker holds no sequence with one, and reporting the
         unpaced limit then let a gateway send a burst into slots the next step would not run: its first
         tokens came late, and admission learnt a margin that refused for long after."""
-        return itl_slo_s if itl_slo_s is not None else self.last_slo_s
+        return itl_slo_s if itl_slo_s is not None else self._last_slo_s
 
     def max_running(self, itl_slo_s: float | None) -> int:
         """Sequences that may run at once: the shed limit, and under an inter-token SLO the limit its
