@@ -40,10 +40,14 @@ class AdmissionJudge:
         settings: RouteSettings,
         queue: AdmissionQueue,
         worker_priority: Callable[[Priority, str, WorkerLink], int],
+        usable_credits: Callable[[str, WorkerLink], int],
     ) -> None:
+        """`worker_priority` and `usable_credits` are the route's: the priority a tenant's request
+        would have on a link, and the credits it may take there."""
         self._settings = settings
         self._queue = queue
         self._worker_priority = worker_priority
+        self._usable_credits = usable_credits
         self.prompts = PromptEstimate()
         """What the route's prompts tokenize to against their byte bounds; the route feeds it."""
 
@@ -54,7 +58,7 @@ class AdmissionJudge:
             LinkView(
                 link.load,
                 link.load.slots(link.credits.limit),
-                link.free_credits,
+                self._usable_credits(ticket.tenant, link),
                 [self._exact(slot, [link]) for slot in link.credits.unsent],
                 self._worker_priority(ticket.priority, ticket.tenant, link),
                 self._cached(ticket, [link]),

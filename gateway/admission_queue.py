@@ -119,6 +119,11 @@ class AdmissionQueue:
                 return True
         return False
 
+    def peek_next(self) -> Slot[Any] | None:
+        """The slot `pop_next` would take, left in the queue."""
+        lane = next((lane for lane in self._lanes.values() if lane), None)
+        return lane[0][2] if lane is not None else None
+
     def pop_next(self) -> Slot[Any] | None:
         """The next slot to serve: the lowest tag of the interactive lane, else of the batch lane."""
         for priority in Priority:

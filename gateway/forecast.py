@@ -14,7 +14,8 @@ of them and what the worker's prefix cache likely serves (each stream's CachedPr
 prompt_prefix.py: a request's first update tells it the prompt is cached now, and how much of the guess
 sent with it was right; how late first tokens still come feeds the margin as for any other error).
 Prompts not yet prefilled on the worker count ahead of the ticket only when their worker priority is at
-least the ticket's (the worker prefills a favoured tenant's prompt first, route.py). A request counts as
+least the ticket's (the worker prefills a favoured tenant's prompt first, route.py), and a running
+request of a lower priority gives its slot up at once (the worker preempts it). A request counts as
 running to its max_new_tokens, so the forecast is an upper bound when requests stop early (the safe side
 of the promise). `under_share` tells whether a tenant holds less than its weighted share of the work
 open on a stream. This module does no I/O and must not decide: route.py compares the forecast with the
@@ -242,17 +243,22 @@ class LinkLoad:
     def busy_until(
         self, slots: int, unsent: Sequence[_Open] = (), priority: int = 0
     ) -> tuple[list[float], list[_Open], int]:
-        """(seconds until each occupied slot frees, the requests queued behind the slots in order, the
-        prompt tokens still to prefill in the slots that the worker computes before a prompt of
-        `priority`), with `unsent` requests granted a credit here and about to be sent after the open
-        ones. Only for a link with a step time."""
+        """(seconds until each occupied slot frees for a prompt of `priority`, the requests queued
+        behind the slots that the worker admits before it, in order, the prompt tokens still to prefill
+        in the slots that the worker computes before it), with `unsent` requests granted a credit here
+        and about to be sent after the open ones. The worker admits its queue by priority, and a prompt
+        of a higher priority than a request holding a slot takes that slot at once (the worker preempts
+        it: services/worker/engine/yielding.py). Only for a link with a step time."""
         step_s = self.step_s or 0.0
         ordered = [*self._open.values(), *unsent]
         ordered.sort(key=lambda r: not r.started)  # running ones hold slots first, the rest in order
-        held, queued = ordered[:slots], ordered[slots:]
+        held, queued = ordered[:slots], [r for r in ordered[slots:] if r.priority >= priority]
         frees = []
         pending_prefill = 0
         for request in held:
+            if request.priority < priority:
+                frees.append(0.0)
+                continue
             left = max(1, request.max_new_tokens - request.output_tokens)
             if not request.started:
                 if request.priority >= priority:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
+    from collections.abc import Callable, Iterable, Sequence
 
 VIRTUAL_NODES = 64
 """Ring points per replica: enough that two or three replicas split the key space near evenly."""
@@ -111,19 +111,30 @@ def load_bound(replicas: Sequence[Replica], factor: float) -> int:
     return max(math.floor(factor * average), math.ceil(average))
 
 
-def choose(replicas: Sequence[R], ring: Ring, key: int | None, factor: float) -> Choice[R] | None:
+def choose(
+    replicas: Sequence[R],
+    ring: Ring,
+    key: int | None,
+    factor: float,
+    credits: Callable[[R], int] | None = None,
+) -> Choice[R] | None:
     """The replica for a request with routing key `key` among the ready `replicas`; None when none
-    has a free credit."""
-    free = [replica for replica in replicas if replica.free_credits > 0]
-    if not free:
+    has a credit for it. `credits(replica)` is what the request may take there (route.py keeps some for
+    tenants below their share); without it, a replica's free credits."""
+    count = credits or (lambda replica: replica.free_credits)
+    free = {replica.address: count(replica) for replica in replicas}
+    if not any(value > 0 for value in free.values()):
         return None
     # Least loaded as the dispatcher has always judged it: the most credits this gateway may use.
-    least = max(free, key=lambda replica: (replica.free_credits, -replica.open_load))
+    least = max(
+        (replica for replica in replicas if free[replica.address] > 0),
+        key=lambda replica: (free[replica.address], -replica.open_load),
+    )
     if key is None:
         return Choice(least, LEAST_LOADED)
     by_address = {replica.address: replica for replica in replicas}
     preferred = next(address for address in ring.walk(key) if address in by_address)
     replica = by_address[preferred]
-    if replica.free_credits > 0 and replica.open_load + 1 <= load_bound(replicas, factor):
+    if free[preferred] > 0 and replica.open_load + 1 <= load_bound(replicas, factor):
         return Choice(replica, PREFIX, preferred)
     return Choice(least, LOAD_BOUND, preferred)

@@ -14,8 +14,12 @@ while it is within the load bound, else the ready link with the most credit. A s
 before its prompt is tokenized (a credit was free at once); once tokenized, `set_prompt` moves its
 unsent credit to the prefix's replica when that is another with a credit free. With fair queuing on, a
 request whose tenant holds less than its weighted share of a link's open work is sent favoured
-(`worker_priority`), and the worker prefills it before the rest of its priority. Slots granted in one
-pass are submitted in one event-loop tick and so share one ConnectRequest. A slot whose deadline passes
+(`worker_priority`): the worker prefills it before the rest of its priority and, when every running
+slot is taken, preempts a less favoured sequence for it. For that request to reach the worker while
+another tenant holds every credit, `fair_reserve_share` of each link's credits go only to a tenant
+below its share there (`usable_credits`); the dispatcher serves the queue in order, so a head that may
+not take them waits. Slots granted in one pass are submitted in one event-loop tick and so share one
+ConnectRequest. A slot whose deadline passes
 while it waits leaves the queue with DEADLINE_EXCEEDED (nothing was sent to a worker); a released one
 leaves it too. This module must not talk to workers (worker_link.py) nor find them (discovery.py) nor
 validate requests.
@@ -24,6 +28,7 @@ validate requests.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -99,7 +104,7 @@ class Route:
         weights = {tenant.name: tenant.weight for tenant in gateway.tenants}
         self._weight = (lambda tenant: weights.get(tenant, 1.0)) if gateway.fair_queuing else None
         self._queue = AdmissionQueue(settings.max_queued_requests, settings.max_queued_tokens, self._weight)
-        self._judge = AdmissionJudge(settings, self._queue, self.worker_priority)
+        self._judge = AdmissionJudge(settings, self._queue, self.worker_priority, self.usable_credits)
         self._ring = Ring(())
         self._discovery = Discovery(
             settings,
@@ -169,16 +174,32 @@ class Route:
             weights_format=tuple(dict.fromkeys(info.weights_format for info in ready if info.weights_format)),
         )
 
-    def free_credits(self) -> int:
-        return sum(link.free_credits for link in self.links)
+    def free_credits(self, tenant: str) -> int:
+        """The credits a request of `tenant` may take on the route's links now."""
+        return sum(self.usable_credits(tenant, link) for link in self.links)
+
+    def _favoured(self, tenant: str, link: WorkerLink) -> bool:
+        """Fair queuing is on and `tenant` holds less than its weighted share of the work open on `link`."""
+        return self._weight is not None and link.load.under_share(tenant, self._weight)
 
     def worker_priority(self, priority: Priority, tenant: str, link: WorkerLink) -> int:
-        """Submission.priority for a request of `tenant` on `link`: its class's, favoured when fair
-        queuing is on and the tenant holds less than its weighted share of the work open there. The
-        worker prefills favoured prompts first, so fairness reaches past the queue into the worker's
-        own (a flood sent while the worker had credits cannot hold a quiet tenant's prompt behind it)."""
-        favoured = self._weight is not None and link.load.under_share(tenant, self._weight)
-        return priority.worker_priority(favoured)
+        """Submission.priority for a request of `tenant` on `link`: its class's, favoured when the
+        tenant is below its share there. The worker prefills favoured prompts first and preempts a less
+        favoured sequence for one when its running slots are full, so fairness reaches past the queue
+        into who runs (a flood sent while the worker had credits cannot hold a quiet tenant behind it)."""
+        return priority.worker_priority(self._favoured(tenant, link))
+
+    def usable_credits(self, tenant: str, link: WorkerLink) -> int:
+        """The credits of `link` a request of `tenant` may take: all that are free when the tenant is
+        below its share there, else all but the reserve (`fair_reserve_share` of the credits, at most
+        those beyond the worker's running limit, which a lone tenant so still fills)."""
+        free = link.free_credits
+        if free <= 0 or self._weight is None or self._favoured(tenant, link):
+            return free
+        limit = link.credits.limit
+        beyond_running = max(0, limit - link.load.max_running)
+        reserve = min(math.ceil(self.settings.fair_reserve_share * limit), beyond_running)
+        return max(0, free - reserve)
 
     def forecast(self, ticket: Ticket) -> Forecast | None:
         """When `ticket` would start and get its first token, queued now; None before any step report."""
@@ -187,7 +208,7 @@ class Route:
     def _forecast_for(self, ticket: Ticket, key: int | None) -> Forecast | None:
         """The forecast on the replica `key` would be sent to now; the route's without a key."""
         if key is not None:
-            choice = self._choose_key(key)
+            choice = self._choose_key(key, ticket.tenant)
             if choice is not None:
                 return self._judge.forecast(ticket, [choice.replica])
         return self.forecast(ticket)
@@ -195,7 +216,8 @@ class Route:
     def saturation(self, ticket: Ticket) -> str | None:
         """Why the route cannot take `ticket` now within its SLO or deadline; None when it can."""
         ticket = self._priced(ticket)
-        found = self._judge.refusal(ticket, self.forecast(ticket), self.free_credits(), self.links)
+        credits = self.free_credits(ticket.tenant)
+        found = self._judge.refusal(ticket, self.forecast(ticket), credits, self.links)
         return found[1] if found is not None else None
 
     def enqueue(self, ticket: Ticket, prompt_ids: list[int] | None = None) -> Slot[WorkerLink]:
@@ -211,7 +233,7 @@ class Route:
             raise Unavailable(self.unavailable_reason())
         key = prefix_key(ticket.tenant, prompt_ids or [], self.settings.prefix_routing_tokens)
         predicted = self._forecast_for(ticket, key)
-        saturated = self._judge.refusal(ticket, predicted, self.free_credits(), self.links)
+        saturated = self._judge.refusal(ticket, predicted, self.free_credits(ticket.tenant), self.links)
         if saturated is not None:
             reason, text, wait = saturated
             REJECTIONS.labels(self.name, reason).inc()
@@ -309,31 +331,30 @@ class Route:
         self._dispatch()
 
     def _choose(self, slot: Slot[WorkerLink]) -> Choice[WorkerLink] | None:
-        """The ready link for `slot` (by its prefix when known); None when no link has a credit."""
-        return self._choose_key(slot.prefix_key)
+        """The ready link for `slot` (by its prefix when known); None when no link has a credit its
+        tenant may take."""
+        return self._choose_key(slot.prefix_key, slot.ticket.tenant)
 
     def _ready_links(self) -> list[WorkerLink]:
         return [link for link in self.links if link.ready and not link.leaving]
 
-    def _choose_key(self, key: int | None) -> Choice[WorkerLink] | None:
+    def _choose_key(self, key: int | None, tenant: str) -> Choice[WorkerLink] | None:
         links = self._ready_links()
         addresses = tuple(sorted(link.address for link in links))
         if addresses != self._ring.addresses:
             self._ring = Ring(addresses)
-        return choose(links, self._ring, key, self.settings.prefix_routing_load_factor)
+        factor = self.settings.prefix_routing_load_factor
+        return choose(links, self._ring, key, factor, lambda link: self.usable_credits(tenant, link))
 
     def _dispatch(self) -> None:
-        while self._queue.requests:
-            if not any(link.free_credits > 0 for link in self.links):
-                return
-            slot = self._queue.pop_next()
-            if slot is None:
-                return
+        while (slot := self._queue.peek_next()) is not None:
+            choice = None if slot.decided else self._choose(slot)
+            if choice is None and not slot.decided:
+                return  # no credit it may take: the queue's order holds, so everyone behind it waits
+            self._queue.pop_next()
             if slot.timer is not None:
                 slot.timer.cancel()
-            if slot.decided:  # its request was released a moment ago
+            if choice is None:  # its request was released a moment ago
                 continue
-            choice = self._choose(slot)
-            assert choice is not None  # some link has a free credit
             slot.route_reason, slot.preferred = choice.reason, choice.preferred
             slot.grant(choice.replica)

@@ -51,6 +51,13 @@ class RouteSettings(BaseModel):
     decoding stays within it (services/worker/engine/step_limits.py); the TTFT forecast sees the
     smaller chunks and fewer slots they report, so both promises hold together and more requests are
     refused under load."""
+    fair_reserve_share: float = 0.125
+    """With fair queuing on, the share of each worker's credits (its max_requests) that only a tenant
+    holding less than its weighted share of the work open there may take; never more than the credits
+    beyond the worker's running limit, so a lone tenant still fills every running slot. A tenant that
+    floods the route leaves this room for another tenant's next request, which the worker runs at once
+    by preempting the flooding tenant's youngest sequence (services/worker/engine/yielding.py). 0
+    turns it off."""
     forecast_cached_prompts: bool = True
     """The TTFT forecast prices only the part of a prompt its worker's prefix cache likely lacks
     (gateway/prompt_prefix.py); false prices every prompt token as computed, as with the cache off."""
@@ -77,6 +84,11 @@ class RouteSettings(BaseModel):
         if not 0 < self.ttft_slo_share <= 1:
             raise ValueError(
                 f"route {self.model!r}: ttft_slo_share={self.ttft_slo_share} must be in (0, 1], e.g. 0.75"
+            )
+        if not 0 <= self.fair_reserve_share < 1:
+            raise ValueError(
+                f"route {self.model!r}: fair_reserve_share={self.fair_reserve_share} must be in [0, 1), "
+                "e.g. 0.125"
             )
         if self.prefix_routing_load_factor < 1:
             raise ValueError(

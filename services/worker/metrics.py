@@ -87,6 +87,12 @@ SPECULATIVE_DECODES = Counter(
 PREFIX_EVICTIONS = Counter(
     "strata_prefix_cache_evictions_total", "Cached KV blocks evicted to make room for new ones.", ["model"]
 )
+PREEMPTIONS = Counter(
+    "strata_preemptions_total",
+    "Sequences preempted (KV freed, recomputed when readmitted): for KV blocks, after a step ran out of "
+    "memory, or to give a running slot to a more urgent request.",
+    ["model"],
+)
 WORKER_REJECTIONS = Counter(
     "strata_worker_rejections_total", "Submissions the worker refused, by gRPC code name.", ["model", "code"]
 )
@@ -111,8 +117,9 @@ class EngineMetrics:
         PREFIX_CACHED_BLOCKS.labels(model, "evictable").set_function(
             lambda: self._read(lambda stats: stats.num_evictable_blocks)
         )
-        self._counted = (0, 0, 0)
-        """The prefix cache's (query blocks, hit blocks, evictions) already added to the counters."""
+        self._counted = (0, 0, 0, 0)
+        """The prefix cache's (query blocks, hit blocks, evictions) and the preemptions already added
+        to the counters."""
 
     def set_memory(self, budget: MemoryBudget) -> None:
         for part, size in budget.parts().items():
@@ -136,12 +143,13 @@ class EngineMetrics:
             stats.last_num_draft_tokens - stats.last_num_accepted_tokens
         )
         SPECULATIVE_DECODES.labels(model).inc(sum(1 for out in report.outputs if out.num_drafted))
-        now = (stats.prefix_query_blocks, stats.prefix_hit_blocks, stats.num_evictions)
-        queried, hit, evicted = (new - old for new, old in zip(now, self._counted, strict=True))
+        now = (stats.prefix_query_blocks, stats.prefix_hit_blocks, stats.num_evictions, stats.num_preemptions)
+        queried, hit, evicted, preempted = (new - old for new, old in zip(now, self._counted, strict=True))
         self._counted = now
         PREFIX_QUERY_BLOCKS.labels(model).inc(queried)
         PREFIX_HIT_BLOCKS.labels(model).inc(hit)
         PREFIX_EVICTIONS.labels(model).inc(evicted)
+        PREEMPTIONS.labels(model).inc(preempted)
 
 
 def _batch_size(stats: EngineStats) -> float:

@@ -81,6 +81,7 @@ def worker_stats(open_requests: int, engine: AsyncEngine) -> worker_pb2.GetWorke
         response.draft_tokens = stats.num_draft_tokens
         response.accepted_draft_tokens = stats.num_accepted_tokens
         response.speculative_decodes = stats.num_speculative_decodes
+        response.preemptions = stats.num_preemptions
     return response
 
 

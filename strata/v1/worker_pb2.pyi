@@ -586,6 +586,7 @@ class GetWorkerStatsResponse(_message.Message):
     DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     SPECULATIVE_DECODES_FIELD_NUMBER: _builtins.int
+    PREEMPTIONS_FIELD_NUMBER: _builtins.int
     running: _builtins.int
     """Requests being generated."""
     waiting: _builtins.int
@@ -616,6 +617,10 @@ class GetWorkerStatsResponse(_message.Message):
     """Of those, the tokens kept (the acceptance rate is this over draft_tokens)."""
     speculative_decodes: _builtins.int
     """Decodes that scored drafts since start (accepted_draft_tokens over this: tokens gained per such step)."""
+    preemptions: _builtins.int
+    """Sequences preempted since start (their KV freed, recomputed when readmitted): for KV blocks, after
+    a step ran out of memory, or to give a running slot to a more urgent request.
+    """
     def __init__(
         self,
         *,
@@ -634,10 +639,11 @@ class GetWorkerStatsResponse(_message.Message):
         draft_tokens: _builtins.int = ...,
         accepted_draft_tokens: _builtins.int = ...,
         speculative_decodes: _builtins.int = ...,
+        preemptions: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_draft_tokens", b"accepted_draft_tokens", "cached_kv_blocks", b"cached_kv_blocks", "draft_tokens", b"draft_tokens", "evictable_kv_blocks", b"evictable_kv_blocks", "free_kv_tokens", b"free_kv_tokens", "open_requests", b"open_requests", "prefix_cache_evictions", b"prefix_cache_evictions", "prefix_cache_hit_blocks", b"prefix_cache_hit_blocks", "prefix_cache_query_blocks", b"prefix_cache_query_blocks", "running", b"running", "speculative_decodes", b"speculative_decodes", "steps", b"steps", "total_kv_blocks", b"total_kv_blocks", "used_kv_blocks", b"used_kv_blocks", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_draft_tokens", b"accepted_draft_tokens", "cached_kv_blocks", b"cached_kv_blocks", "draft_tokens", b"draft_tokens", "evictable_kv_blocks", b"evictable_kv_blocks", "free_kv_tokens", b"free_kv_tokens", "open_requests", b"open_requests", "preemptions", b"preemptions", "prefix_cache_evictions", b"prefix_cache_evictions", "prefix_cache_hit_blocks", b"prefix_cache_hit_blocks", "prefix_cache_query_blocks", b"prefix_cache_query_blocks", "running", b"running", "speculative_decodes", b"speculative_decodes", "steps", b"steps", "total_kv_blocks", b"total_kv_blocks", "used_kv_blocks", b"used_kv_blocks", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

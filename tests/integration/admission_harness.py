@@ -50,6 +50,8 @@ MODELS = (
     "stop",
     "cancel",
     "cached",
+    "reserve",
+    "no-reserve",
 )
 WAIT_S = 60.0
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import pytest
 
+from gateway.tenant_settings import DEFAULT_TENANT
 from strata.status import ELAPSED_KEY, RETRY_PUSHBACK_KEY, STATUS_DETAILS_KEY, elapsed_s, retry_delay_s
 from strata.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.integration.admission_harness import Stack, metric, request, set_step_delay
@@ -74,7 +75,7 @@ def test_a_burst_is_refused_at_once_and_exactly(stack: Stack) -> None:
         assert refused_all.wait(60), "the refusals did not all arrive within 60 s"
         # Every refusal is in and nothing has finished: the route holds 16 running and 32 waiting.
         route = gateway.router.route(model)
-        assert stack.loop.call(lambda: (route.queued_requests, route.free_credits())) == (32, 0)
+        assert stack.loop.call(lambda: (route.queued_requests, route.free_credits(DEFAULT_TENANT))) == (32, 0)
         set_step_delay(worker, 0.0)
         results = running.result(120)
 

@@ -25,6 +25,7 @@ from gateway.request_trace import RequestTrace
 from gateway.request_values import Incoming
 from gateway.router import Router
 from gateway.settings import GatewaySettings
+from gateway.tenant_settings import DEFAULT_TENANT
 from gateway.tokenizer_client import TokenizerClient
 from gateway.validation import ValidRequest
 from services.tokenizer.server import start as start_tokenizer
@@ -214,7 +215,8 @@ def test_a_cancelled_caller_leaves_the_queue_and_a_lost_worker_fails_the_waiting
             await wait_for_async(route.available, 30, "the worker is ready")
             set_step_delay(worker, 0.05)
             running = asyncio.ensure_future(generate(route, "running", 60))
-            await wait_for_async(lambda: route.free_credits() == 0, 10, "the only credit is taken")
+            taken = "the only credit is taken"
+            await wait_for_async(lambda: route.free_credits(DEFAULT_TENANT) == 0, 10, taken)
             waiting = asyncio.ensure_future(generate(route, "waiting"))
             cancelled = asyncio.ensure_future(generate(route, "cancelled"))
             await wait_for_async(lambda: route.queued_requests == 2, 10, "two requests wait")

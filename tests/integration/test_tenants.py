@@ -113,6 +113,54 @@ def test_the_worker_prefills_a_tenant_below_its_share_before_a_flood_already_wai
     assert fifo.index("quiet 0") == 8, fifo
 
 
+def flood_then_one(stack: Stack, model: str, reserve_share: float) -> tuple[list[str], int]:
+    """A noisy flood of long requests that holds every running slot of the worker and every credit
+    the gateway lets it take, then one short quiet request: the finish order, and how many sequences
+    the worker preempted by then."""
+    worker = stack.start_worker(model, max_requests=16, max_running=4, step_delay_s=0.02)
+    gateway = stack.start_gateway(
+        {"model": model, "workers": [worker.address], "ttft_slo_ms": 0, "fair_reserve_share": reserve_share},
+        tenants=TENANTS,
+    )
+    route = gateway.router.route(model)
+    order: list[str] = []
+    preempted: list[int] = []
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(gateway.address) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+
+            async def one(tenant: str, name: str, tokens: int) -> None:
+                await stub.Generate(request(model, name, tokens), metadata=key(tenant), timeout=300)
+                order.append(name)
+                if name == "quiet":
+                    preempted.append(worker.host.stats().preemptions)
+
+            noisy = [asyncio.create_task(one("noisy", f"noisy {i}", 150)) for i in range(20)]
+            await wait_for_async(
+                lambda: route.queued_requests >= 4 and worker.host.stats().running == 4,
+                WAIT_S,
+                "the flood running in every slot and filling the credits",
+            )
+            await one("quiet", "quiet", 4)
+            await asyncio.gather(*noisy)
+
+    asyncio.run(main())
+    return order, preempted[0]
+
+
+@pytest.mark.slow
+def test_a_flood_holding_every_running_slot_leaves_room_for_another_tenants_request(stack: Stack) -> None:
+    """With a quarter of the worker's credits reserved for tenants below their share, the quiet
+    request reaches the worker while the flood waits in the gateway's queue, and the worker preempts a
+    flooding sequence for it: it ends first. With no reserve it waits for a flooding request to end."""
+    order, preempted = flood_then_one(stack, "reserve", 0.25)
+    assert order[0] == "quiet", order
+    assert preempted >= 1
+    order, _ = flood_then_one(stack, "no-reserve", 0.0)
+    assert order.index("quiet") >= 1, order
+
+
 def test_quota_refusals_name_the_limit_and_unused_tokens_come_back(stack: Stack) -> None:
     worker = stack.start_worker("quota", max_requests=4)
     gateway = stack.start_gateway({"model": "quota", "workers": [worker.address]}, tenants=TENANTS)

@@ -270,6 +270,23 @@ def test_a_favoured_ticket_does_not_wait_for_prompts_of_a_lower_worker_priority(
     assert behind.ttft_s > ahead.ttft_s + 0.5
 
 
+def test_a_favoured_ticket_takes_a_running_slot_of_a_lower_priority_at_once() -> None:
+    """Every slot is held by a running request of worker priority 0, and one more waits inside the
+    worker: a ticket of priority 0 waits for the first to end and behind the queued one, one of
+    priority 1 starts at once (the worker preempts one of them for it) and passes the queued one."""
+    load = LinkLoad()
+    load.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=2, prefill_budget=64)), 0.0)
+    for name in ("a", "b", "queued"):
+        load.sent(submission(name, new=10))
+    progress(load, "a", 6)
+    progress(load, "b", 1)
+    plain = forecast([LinkView(load, slots=2, free_credits=1, priority=0)], [], ticket("t"))
+    assert plain is not None and plain.start_s == pytest.approx(0.9)  # a's slot goes to "queued"
+    favoured = forecast([LinkView(load, slots=2, free_credits=1, priority=1)], [], ticket("t"))
+    assert favoured is not None and favoured.start_s == 0.0
+    assert favoured.ttft_s == pytest.approx(0.1 * 2)
+
+
 def test_a_tenant_is_under_share_while_it_holds_less_than_its_weighted_part_of_the_open_cost() -> None:
     load = LinkLoad()
     weights = {"noisy": 1.0, "quiet": 1.0, "heavy": 3.0}.__getitem__

@@ -191,6 +191,47 @@ def test_priority_then_fcfs() -> None:
     assert order == ["b", "d", "e", "a", "c"]
 
 
+def test_a_more_urgent_arrival_takes_the_slot_of_the_youngest_least_urgent_sequence() -> None:
+    """With every running slot held by priority-1 streams, a priority-0 arrival runs in the next step:
+    the youngest priority-1 stream is preempted, resumes once the urgent one ends (from its prefix-cached
+    blocks), and every stream's tokens equal those of a run where nobody was preempted. An arrival of
+    the running streams' own priority waits instead."""
+
+    def seqs() -> list[Sequence]:
+        return [make_seq(f"low{i}", 40, max_new=30, priority=1, arrival=i) for i in range(3)]
+
+    urgent = make_seq("urgent", 20, max_new=5, arrival=9)
+    expected = run_all(make_scheduler(max_num_seqs=4), [*seqs(), urgent])
+    sched = make_scheduler(max_num_seqs=3)
+    model = FakeModel(256, 16)
+    low = seqs()
+    for seq in low:
+        sched.add(seq)
+    streamed: dict[str, list[int]] = {}
+    for _ in range(3):
+        for out in step(sched, model)[1]:
+            streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert sched.num_running == 3
+    sched.add(make_seq("same", 20, max_new=5, priority=1, arrival=8))
+    batch, outputs = step(sched, model)
+    assert "same" not in {e.seq.request_id for e in batch.entries}
+    for out in outputs:
+        streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
+    sched.abort("same")
+    sched.add(make_seq("urgent", 20, max_new=5, arrival=9))
+    batch, outputs = step(sched, model)
+    assert "urgent" in {e.seq.request_id for e in batch.entries}
+    assert [s.request_id for s in sched.waiting] == ["low2"]
+    assert sched.stats.num_preemptions == 1
+    for out in outputs:
+        streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
+    while sched.has_work:
+        for out in step(sched, model)[1]:
+            streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert streamed == expected
+    assert sched.stats.prefix_hit_blocks == 0, "a resumed victim is not a client's prompt served from cache"
+
+
 def test_finish_reasons() -> None:
     sched = make_scheduler(max_model_len=64)
     seqs = {
