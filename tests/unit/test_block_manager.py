@@ -220,21 +220,38 @@ def test_victims_are_the_least_urgent_then_the_latest() -> None:
 
 
 def test_a_preempting_step_admits_no_one() -> None:
+    """y is preempted for x's next block; w, of y's priority, would fit in y's blocks, yet waits."""
+    sched = make_scheduler(num_blocks=4, block_size=4)
+    model = FakeModel(4, 4)
+    sched.add(make_request("x", 1, max_new=6, priority=0, arrival=0))
+    sched.add(make_request("y", 4, max_new=6, priority=2, arrival=1))
+    step(sched, model)
+    sched.add(make_request("w", 5, max_new=6, priority=2, arrival=2))
+    while True:
+        batch, _ = step(sched, model)
+        if batch.preempted:
+            break
+    assert [v.request_id for v in batch.preempted] == ["y"]
+    assert [e.seq.request_id for e in batch.entries] == ["x"]
+    assert [s.request_id for s in sched.waiting] == ["y", "w"]  # the victim resumes first
+
+
+def test_a_more_urgent_arrival_takes_the_blocks_of_a_less_urgent_sequence_at_once() -> None:
+    """With every block held, w (priority 1) preempts y (priority 2) at the start of the next step
+    and starts in it; y waits behind it and resumes when x ends."""
     sched = make_scheduler(num_blocks=4, block_size=4)
     model = FakeModel(4, 4)
     sched.add(make_request("x", 1, max_new=6, priority=0, arrival=0))
     sched.add(make_request("y", 4, max_new=6, priority=2, arrival=1))
     step(sched, model)
     sched.add(make_request("w", 5, max_new=6, priority=1, arrival=2))
-    while True:
-        batch, _ = step(sched, model)
-        if batch.preempted:
-            break
-    assert [v.request_id for v in batch.preempted] == ["y"]
-    assert [e.seq.request_id for e in batch.entries] == ["x"]  # w would fit in y's blocks, yet waits
-    assert [s.request_id for s in sched.waiting] == ["w", "y"]  # priority 1 stays ahead of 2
     batch, _ = step(sched, model)
-    assert [(e.seq.request_id, e.start) for e in batch.entries] == [("w", 0)]
+    assert not batch.preempted  # a yield is not a step's preemption for room: it may admit
+    assert [(e.seq.request_id, e.start) for e in batch.entries] == [("x", 1), ("w", 0)]
+    assert [s.request_id for s in sched.waiting] == ["y"]
+    while sched.has_work:
+        step(sched, model)
+    assert sched.stats.num_preemptions >= 1
 
 
 def test_a_third_of_the_kv_needed_still_gives_the_same_outputs() -> None:

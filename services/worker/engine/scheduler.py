@@ -188,14 +188,15 @@ class Scheduler:
         self._num_steps += 1
         plan = BatchBuilder(self._num_steps, self.config.max_num_batched_tokens)
         slo = self.itl_slo_s
-        for victim in yielding(self._waiting, self._running, self.limits.max_running(slo)):
+        max_running = self.limits.max_running(slo)
+        for victim in yielding(self._waiting, self._running, max_running, self.block_manager):
             self._preempt(victim)
         order = sorted(self._running, key=_urgency)
         if self.config.mixed_batches:
             self._schedule_decodes(plan, order)
             drafted = self._add_drafts(plan, proposals or {})
             plan.budget = min(plan.budget, self.limits.prefill_budget(plan.batch.num_decodes + drafted, slo))
-            self._schedule_prefills(plan, order, self.limits.max_running(slo))
+            self._schedule_prefills(plan, order, max_running)
             return plan.batch
         # Alternate when both kinds of work exist, so neither prefills nor decodes starve.
         prefill_first = not self._last_kind_was_prefill
@@ -203,7 +204,7 @@ class Scheduler:
             if is_prefill:
                 # A prefill-only step delays every running stream's next token as much as a decode step.
                 plan.budget = min(plan.budget, self.limits.prefill_budget(len(order), slo))
-                self._schedule_prefills(plan, order, self.limits.max_running(slo))
+                self._schedule_prefills(plan, order, max_running)
             else:
                 self._schedule_decodes(plan, order)
                 self._add_drafts(plan, proposals or {})
