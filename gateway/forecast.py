@@ -241,30 +241,34 @@ class LinkLoad:
         return chunks * (fixed + per_decode * self.running + self.cost.per_chunk) + per_token * prompt_tokens
 
     def busy_until(
-        self, slots: int, unsent: Sequence[_Open] = (), priority: int = 0
+        self, slots: int, unsent: Sequence[_Open] = (), priority: int = 0, credit: bool = True
     ) -> tuple[list[float], list[_Open], int]:
         """(seconds until each occupied slot frees for a prompt of `priority`, the requests queued
         behind the slots that the worker admits before it, in order, the prompt tokens still to prefill
         in the slots that the worker computes before it), with `unsent` requests granted a credit here
         and about to be sent after the open ones. The worker admits its queue by priority, and a prompt
-        of a higher priority than a request holding a slot takes that slot at once (the worker preempts
-        it: services/worker/engine/yielding.py). Only for a link with a step time."""
+        of a higher priority than a request holding a slot takes that slot (the worker preempts it:
+        services/worker/engine/yielding.py) as soon as it reaches the worker: at once when it has a
+        `credit` here, else when the first request here ends and frees one. Only for a link with a
+        step time."""
         step_s = self.step_s or 0.0
         ordered = [*self._open.values(), *unsent]
         ordered.sort(key=lambda r: not r.started)  # running ones hold slots first, the rest in order
         held, queued = ordered[:slots], [r for r in ordered[slots:] if r.priority >= priority]
-        frees = []
+        ends = []
         pending_prefill = 0
         for request in held:
-            if request.priority < priority:
-                frees.append(0.0)
-                continue
             left = max(1, request.max_new_tokens - request.output_tokens)
             if not request.started:
                 if request.priority >= priority:
                     pending_prefill += request.prompt_tokens - request.prefilled
                 left += self.chunks(request.prompt_tokens - request.prefilled)
-            frees.append(left * step_s)
+            ends.append(left * step_s)
+        reached = 0.0 if credit or not ends else min(ends)
+        frees = [
+            min(end, reached) if request.priority < priority else end
+            for request, end in zip(held, ends, strict=True)
+        ]
         return frees, queued, pending_prefill
 
 
@@ -310,7 +314,9 @@ def forecast(links: Sequence[LinkView], ahead: Sequence[Ticket], ticket: Ticket)
         if load.step_s is None:
             continue
         unsent = [_Open(t.prompt_tokens, t.max_new_tokens, 0, priority=view.priority) for t in view.unsent]
-        frees, queued, pending[index] = load.busy_until(view.slots, unsent, view.priority)
+        frees, queued, pending[index] = load.busy_until(
+            view.slots, unsent, view.priority, view.free_credits > 0
+        )
         empty = max(0, min(view.slots - len(frees), view.free_credits))
         # The requests a worker queues behind its slots wait for that worker's slots only.
         own = [(at, index) for at in frees + [0.0] * empty]

@@ -273,7 +273,8 @@ def test_a_favoured_ticket_does_not_wait_for_prompts_of_a_lower_worker_priority(
 def test_a_favoured_ticket_takes_a_running_slot_of_a_lower_priority_at_once() -> None:
     """Every slot is held by a running request of worker priority 0, and one more waits inside the
     worker: a ticket of priority 0 waits for the first to end and behind the queued one, one of
-    priority 1 starts at once (the worker preempts one of them for it) and passes the queued one."""
+    priority 1 with a credit starts at once (the worker preempts one of them for it) and passes the
+    queued one; without a credit it starts once the first request ends."""
     load = LinkLoad()
     load.observe(worker_pb2.ConnectResponse(step=step(100.0, max_running=2, prefill_budget=64)), 0.0)
     for name in ("a", "b", "queued"):
@@ -285,6 +286,9 @@ def test_a_favoured_ticket_takes_a_running_slot_of_a_lower_priority_at_once() ->
     favoured = forecast([LinkView(load, slots=2, free_credits=1, priority=1)], [], ticket("t"))
     assert favoured is not None and favoured.start_s == 0.0
     assert favoured.ttft_s == pytest.approx(0.1 * 2)
+    # Without a credit it may take, it reaches the worker when the first request ends (a, at 0.4).
+    no_credit = forecast([LinkView(load, slots=2, free_credits=0, priority=1)], [], ticket("t"))
+    assert no_credit is not None and no_credit.start_s == pytest.approx(0.4)
 
 
 def test_a_tenant_is_under_share_while_it_holds_less_than_its_weighted_part_of_the_open_cost() -> None:
