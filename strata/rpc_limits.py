@@ -2,7 +2,10 @@
 
 A server holds at most `max_concurrent_rpcs` calls at once (health checks and reflection are not
 counted, so probes answer through a flood); one more is refused at once with RESOURCE_EXHAUSTED,
-a message naming the limit, and a retry hint (strata.status's RetryInfo and pushback). One HTTP/2
+a message naming the limit, and a retry hint (strata.status's RetryInfo and pushback). Calls that
+carry the same `authorization` metadata (one API key) hold at most `max_concurrent_rpcs_per_key` of
+them, so one caller's flood leaves the rest of the server's calls to the others; calls without the
+header share the server's limit only. One HTTP/2
 connection holds at most `max_streams_per_connection` streams (its SETTINGS_MAX_CONCURRENT_STREAMS:
 a well-behaved client queues the rest, one that ignores the setting has them reset). A client that
 pings more often than the server allows (strata.rpc's MIN_RECV_PING_INTERVAL_MS) more than
@@ -39,6 +42,9 @@ class RpcLimits(BaseModel):
     max_concurrent_rpcs: int = 1024
     """Calls in progress at once (health checks and reflection not counted); one more is refused with
     RESOURCE_EXHAUSTED and a retry hint."""
+    max_concurrent_rpcs_per_key: int = 512
+    """Of those, the calls that carry one `authorization` value (an API key) at once; one more of that
+    key is refused the same way, while other keys' calls still come in."""
     max_streams_per_connection: int = 256
     """Streams one HTTP/2 connection may hold open (SETTINGS_MAX_CONCURRENT_STREAMS)."""
     max_ping_strikes: int = 2
@@ -49,7 +55,8 @@ class RpcLimits(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> RpcLimits:
-        for name in ("max_concurrent_rpcs", "max_streams_per_connection", "max_ping_strikes"):
+        names = ("max_concurrent_rpcs", "max_concurrent_rpcs_per_key", "max_streams_per_connection")
+        for name in (*names, "max_ping_strikes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rpc_limits.{name}={getattr(self, name)} must be >= 1, e.g. 256")
         if not self.busy_retry_after_s > 0:
@@ -65,13 +72,16 @@ class RpcLimits(BaseModel):
 
 
 class RpcCap(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Counts the calls a server is running and refuses those past max_concurrent_rpcs."""
+    """Counts the calls a server is running, in all and by key, and refuses those past the limits."""
 
     def __init__(self, limits: RpcLimits) -> None:
         self._limit = limits.max_concurrent_rpcs
+        self._key_limit = limits.max_concurrent_rpcs_per_key
         self._retry_after_s = limits.busy_retry_after_s
         self._running = 0
         """Calls counted and not yet finished."""
+        self._by_key: dict[str, int] = {}
+        """Of those, the calls of each `authorization` value; a key leaves when its last call ends."""
 
     async def intercept_service(
         self,
@@ -81,50 +91,70 @@ class RpcCap(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(_UNCOUNTED):
             return handler
-        return self._counted(handler)
+        metadata = handler_call_details.invocation_metadata or ()
+        key = next((str(value) for name, value in metadata if name == "authorization"), "")
+        return self._counted(handler, key)
 
-    async def _enter(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        """Count the call in, or end it RESOURCE_EXHAUSTED when the server is full. No await comes
-        between the check and the count, so two arrivals cannot both take the last place."""
+    async def _enter(self, context: grpc.aio.ServicerContext[Any, Any], key: str) -> None:
+        """Count the call in, or end it RESOURCE_EXHAUSTED when the server or its key is full. No
+        await comes between the check and the count, so two arrivals cannot both take the last place."""
+        held = self._by_key.get(key, 0)
         if self._running >= self._limit:
-            message = (
-                f"this server is running {self._running} calls, its limit (rpc_limits.max_concurrent_rpcs="
-                f"{self._limit}); retry after {self._retry_after_s:g} s"
-            )
-            await abort(context, ResourceExhausted(message, self._retry_after_s))
+            text = f"this server is running {self._running} calls, its limit (rpc_limits.max_concurrent_rpcs"
+            await self._refuse(context, f"{text}={self._limit})")
+        if key and held >= self._key_limit:
+            text = f"this key has {held} calls running here, its limit"
+            await self._refuse(context, f"{text} (rpc_limits.max_concurrent_rpcs_per_key={self._key_limit})")
         self._running += 1
+        if key:
+            self._by_key[key] = held + 1
 
-    def _counted(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        """A handler of the same kind as `handler` that runs it counted."""
+    async def _refuse(self, context: grpc.aio.ServicerContext[Any, Any], text: str) -> None:
+        message = f"{text}; retry after {self._retry_after_s:g} s"
+        await abort(context, ResourceExhausted(message, self._retry_after_s))
+
+    def _leave(self, key: str) -> None:
+        self._running -= 1
+        if key:
+            held = self._by_key.pop(key) - 1
+            if held:
+                self._by_key[key] = held
+
+    def _counted(self, handler: grpc.RpcMethodHandler, key: str) -> grpc.RpcMethodHandler:
+        """A handler of the same kind as `handler` that runs it counted, under `key`."""
         parse, serialize = handler.request_deserializer, handler.response_serializer
         if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary), parse, serialize)
+            unary = self._unary(handler.unary_unary, key)
+            return grpc.unary_unary_rpc_method_handler(unary, parse, serialize)
         if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(self._unary(handler.stream_unary), parse, serialize)
+            unary = self._unary(handler.stream_unary, key)
+            return grpc.stream_unary_rpc_method_handler(unary, parse, serialize)
         if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(self._stream(handler.unary_stream), parse, serialize)
-        return grpc.stream_stream_rpc_method_handler(self._stream(handler.stream_stream), parse, serialize)
+            stream = self._stream(handler.unary_stream, key)
+            return grpc.unary_stream_rpc_method_handler(stream, parse, serialize)
+        stream = self._stream(handler.stream_stream, key)
+        return grpc.stream_stream_rpc_method_handler(stream, parse, serialize)
 
-    def _unary(self, behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    def _unary(self, behavior: Callable[..., Awaitable[Any]], key: str) -> Callable[..., Awaitable[Any]]:
         async def counted(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            await self._enter(context)
+            await self._enter(context, key)
             try:
                 return await behavior(request, context)
             finally:
-                self._running -= 1
+                self._leave(key)
 
         return counted
 
-    def _stream(self, behavior: Callable[..., Any]) -> Callable[..., Any]:
+    def _stream(self, behavior: Callable[..., Any], key: str) -> Callable[..., Any]:
         if not inspect.isasyncgenfunction(behavior):
-            return self._unary(behavior)  # a handler that writes with context.write and returns
+            return self._unary(behavior, key)  # a handler that writes with context.write and returns
 
         async def counted(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-            await self._enter(context)
+            await self._enter(context, key)
             try:
                 async for response in behavior(request, context):
                     yield response
             finally:
-                self._running -= 1
+                self._leave(key)
 
         return counted

@@ -120,8 +120,10 @@ def slow_steps(server: WorkerServer, seconds: float) -> None:
 class GatewaySide:
     """One Connect stream as a gateway drives it: everything received is kept per request."""
 
-    def __init__(self, stub: worker_pb2_grpc.WorkerServiceAsyncStub) -> None:
-        self.call = stub.Connect()
+    def __init__(
+        self, stub: worker_pb2_grpc.WorkerServiceAsyncStub, metadata: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        self.call = stub.Connect(metadata=metadata)
         self.tokens: dict[str, list[int]] = {}
         self.finals: dict[str, worker_pb2.TokenUpdate] = {}
         self.firsts: dict[str, worker_pb2.TokenUpdate] = {}
@@ -180,8 +182,10 @@ async def wait_serving(channel: grpc.aio.Channel) -> list[int]:
     return statuses
 
 
-async def connect(stub: worker_pb2_grpc.WorkerServiceAsyncStub, model_dir: Path) -> GatewaySide:
-    side = GatewaySide(stub)
+async def connect(
+    stub: worker_pb2_grpc.WorkerServiceAsyncStub, model_dir: Path, metadata: tuple[tuple[str, str], ...] = ()
+) -> GatewaySide:
+    side = GatewaySide(stub, metadata)
     await side.hello("tiny", tokenizer_fingerprint(model_dir))
     return side
 

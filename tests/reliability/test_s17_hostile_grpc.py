@@ -1,6 +1,7 @@
 """Scenario 17: gRPC clients that flood a server or misbehave meet its bounds (strata/rpc_limits.py),
 on a real worker server: calls past max_concurrent_rpcs are refused at once with RESOURCE_EXHAUSTED
-and a retry hint while health checks still answer; one connection holds at most
+and a retry hint while health checks still answer; one API key's calls past their share are refused
+while another key's are served; one connection holds at most
 max_streams_per_connection streams, the rest wait while another connection is served; a client that
 pings too often is sent GOAWAY; a frame over the announced size ends its connection. Raw HTTP/2 (the
 `h2` library over a socket) plays the client that misbehaves, which grpcio would not. Each test ends
@@ -43,9 +44,11 @@ REFUSAL_BOUND_S = 0.25
 """A refusal is decided before any work (about a millisecond on loopback): 5x a 50 ms budget."""
 
 
-async def _info(stub: worker_pb2_grpc.WorkerServiceAsyncStub) -> worker_pb2.GetWorkerInfoResponse:
+async def _info(
+    stub: worker_pb2_grpc.WorkerServiceAsyncStub, metadata: tuple[tuple[str, str], ...] = ()
+) -> worker_pb2.GetWorkerInfoResponse:
     info: worker_pb2.GetWorkerInfoResponse = await stub.GetWorkerInfo(
-        worker_pb2.GetWorkerInfoRequest(), timeout=WAIT_S
+        worker_pb2.GetWorkerInfoRequest(), metadata=metadata, timeout=WAIT_S
     )
     return info
 
@@ -92,11 +95,39 @@ def test_calls_past_the_cap_are_refused_with_a_retry_hint_and_health_still_answe
     assert p99 < REFUSAL_BOUND_S
 
 
+def test_one_keys_calls_hold_at_most_their_share_and_other_keys_still_come_in(tiny_serving_dir: Path) -> None:
+    """Calls carrying one `authorization` value hold at most max_concurrent_rpcs_per_key of the
+    server's calls: past it, that key's next call is refused at once naming the limit, while another
+    key's call and a call without the header are served; once one of its calls ends, the key is served
+    again."""
+    flood = (("authorization", "Bearer flood"),)
+    other = (("authorization", "Bearer other"),)
+
+    async def main() -> None:
+        limits = {"max_concurrent_rpcs": 8, "max_concurrent_rpcs_per_key": 2}
+        async with running_worker(tiny_serving_dir, rpc_limits=limits) as (_, stub):
+            held = [await connect(stub, tiny_serving_dir, flood) for _ in range(2)]
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await _info(stub, flood)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "rpc_limits.max_concurrent_rpcs_per_key=2" in (refused.value.details() or "")
+            for metadata in (other, ()):
+                assert (await _info(stub, metadata)).model == "tiny"
+            held[0].call.cancel()
+            info = await wait_for_async(
+                lambda: _info_or_none(stub, flood), WAIT_S, "the key served once one of its calls ended"
+            )
+            assert info is not None
+            held[1].call.cancel()
+
+    asyncio.run(main())
+
+
 async def _info_or_none(
-    stub: worker_pb2_grpc.WorkerServiceAsyncStub,
+    stub: worker_pb2_grpc.WorkerServiceAsyncStub, metadata: tuple[tuple[str, str], ...] = ()
 ) -> worker_pb2.GetWorkerInfoResponse | None:
     try:
-        return await _info(stub)
+        return await _info(stub, metadata)
     except grpc.aio.AioRpcError as error:
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
         return None
