@@ -7,7 +7,8 @@ before the call so the remote service can hang its own spans under it: `Tokenize
 join it). The gateway-side parts of the StageClock become spans as the clock gives them out: `queue`
 (admission), `network` (half before and half after each remote span), `decode`. So the leaf spans of
 a trace tile the request span, and each stage's spans add up to that part of the response timing.
-With tracing off no span is built, but the log line is still written. No text of the request (prompt
+With tracing off no span is built, but the log line is still written (a tenant's refusals only as many
+a second as refusal_log.py lets through). No text of the request (prompt
 or completion) goes into a span or a log line unless `telemetry.record_content` is on. This module
 must not decide where a request goes nor measure time (the pipeline and the StageClock do).
 """
@@ -18,8 +19,10 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import grpc
 from opentelemetry.trace import Status, StatusCode
 
+from gateway.refusal_log import REFUSALS
 from gateway.stage_clock import STAGES
 from strata.tracing import SpanKind, trace_id_hex
 from strata.v1 import common_pb2
@@ -206,6 +209,12 @@ class RequestTrace:
             self.span.set_attribute("error.type", code)
             self.span.set_status(Status(StatusCode.ERROR, message))
             self._end(time.perf_counter())
+        suppressed = 0
+        if error is not None and error.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+            dropped = REFUSALS.take(self._tenant)
+            if dropped is None:
+                return
+            suppressed = dropped
         fields = {
             "event": "request_failed",
             "request_id": request_id,
@@ -217,6 +226,8 @@ class RequestTrace:
             "error": message,
             "elapsed_ms": round((time.perf_counter() - self._arrival) * 1000.0, 3),
         }
+        if suppressed:
+            fields["suppressed"] = suppressed
         log.info("request %s failed: %s", request_id or "-", code, extra={"fields": fields})
 
     def _end(self, at: float) -> None:
