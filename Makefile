@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-cached bench-itl bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-kv-schemes bench-spec bench-spec-qwen bench-spec-draft bench-spec-stack bench-spec-peer bench-spec-peer-draft bench-prefix-routing bench-peer bench-peer-avx2 bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar bench-outputs bench-tp records reliability chaos images compose-test run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-cached bench-itl bench-flood bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-kv-schemes bench-spec bench-spec-qwen bench-spec-draft bench-spec-stack bench-spec-peer bench-spec-peer-draft bench-prefix-routing bench-peer bench-peer-avx2 bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar bench-outputs bench-tp records reliability chaos images compose-test run clean
 
 setup: $(STAMP)
 
@@ -82,6 +82,12 @@ bench-cached: setup model
 # phase on freshly started services (docs/benchmarks.md).
 bench-itl: setup model
 	$(BIN)/python -m bench.itl_admission --json bench/results/itl-admission-cpu.json
+
+# One tenant's flood beside another: 2,000 connections and 10,000 streams of 256 tokens at once under
+# API keys, a quiet tenant's 16 requests meanwhile, fair queuing on and off (FIFO), 3 rounds
+# alternated, each phase on a fresh stack (docs/benchmarks.md).
+bench-flood: setup model
+	$(BIN)/python -m bench.flood --json bench/results/flood-cpu.json
 
 # Fairness between tenants: a noisy tenant at 5x its shape's capacity (512-token prompts) next to a quiet
 # one at 0.3x (32-token prompts) on the primary, fair queuing on against FIFO, 3 rounds alternated, each

@@ -45,7 +45,8 @@ def parse_decisions(text: str) -> dict[str, Buckets]:
     return histograms
 
 
-def _fetch(address: str) -> str:
+def fetch_metrics(address: str) -> str:
+    """The /metrics page of the service at host:port, as text (blocking)."""
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=SCRAPE_TIMEOUT_S) as response:
         body: bytes = response.read()
     return body.decode()
@@ -53,7 +54,7 @@ def _fetch(address: str) -> str:
 
 async def scrape_decisions(address: str) -> dict[str, Buckets]:
     """One scrape of the gateway's /metrics at host:port (off the event loop: urllib blocks)."""
-    return parse_decisions(await asyncio.to_thread(_fetch, address))
+    return parse_decisions(await asyncio.to_thread(fetch_metrics, address))
 
 
 def bucket_delta(before: dict[str, Buckets], after: dict[str, Buckets]) -> dict[str, Buckets]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -29,7 +29,7 @@ from strata.v1 import gateway_pb2, gateway_pb2_grpc
 
 if TYPE_CHECKING:
     import argparse
-    from collections.abc import AsyncIterator, Callable, Iterator
+    from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 
     from bench.driver import Metadata, Stub
 
@@ -49,6 +49,10 @@ class Endpoints:
     gateway_metrics: str | None
     http: str | None = None
     """host:port of the gateway's HTTP API; None when unknown or off."""
+    pids: Mapping[str, int] = field(default_factory=dict)
+    """A spawned stack's process ids by service name ("gateway", "worker 0", ...); empty otherwise."""
+    metrics: Mapping[str, str] = field(default_factory=dict)
+    """A spawned stack's /metrics host:port by service name; empty otherwise."""
 
 
 @contextlib.contextmanager
@@ -91,6 +95,8 @@ def spawned(config: Path, log_dir: Path) -> Iterator[Endpoints]:
             stack.addresses.gateway,
             stack.metrics_addresses.get("gateway"),
             stack.http_addresses.get("gateway"),
+            stack.pids,
+            stack.metrics_addresses,
         )
     finally:
         stack.stop()

@@ -1,6 +1,7 @@
 """The generated tables of admission's own benchmarks beyond the fallback and tenants runs: admission on
-prompts the prefix cache holds (bench/cached_admission.py) and the inter-token SLO kept beside the
-first token's (bench/itl_admission.py). This module only renders records.
+prompts the prefix cache holds (bench/cached_admission.py), the inter-token SLO kept beside the
+first token's (bench/itl_admission.py) and one tenant's flood of connections and streams beside
+another tenant (bench/flood.py). This module only renders records.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 
 CACHED = "cached-admission-cpu.json"
 ITL = "itl-admission-cpu.json"
+FLOOD = "flood-cpu.json"
 _MODE_NAMES = {
     "guess": "guess what is cached (the product)",
     "oracle": "told the true cached length (oracle)",
@@ -126,7 +128,62 @@ def itl_admission(records: Mapping[str, Record]) -> list[str]:
     ]
 
 
+def _pooled_p99(values: list[float]) -> str:
+    if not values:
+        return "none"
+    ordered = sorted(values)
+    return f"{1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]:.0f} ms"
+
+
+def flood(records: Mapping[str, Record]) -> list[str]:
+    """Per contestant over its rounds: the quiet tenant's TTFT p99 and refusals, the flood's calls by
+    outcome (medians of the rounds), its refusals' time in the gateway, the gateway's memory; then the
+    targets."""
+    data: dict[str, Any] = records[FLOOD].data
+    rows = []
+    for contestant in ("fair", "fifo"):
+        rounds = [r for r in data["rounds"] if r["contestant"] == contestant]
+        ttfts = [t for r in rounds for t in r["quiet"]["ttft_s"]]
+        refused = sum(len(r["quiet"]["refused"]) for r in rounds)
+        sent = sum(len(r["quiet"]["statuses"]) for r in rounds)
+        inside = [t for r in rounds for t in r["flood"]["refusal_gateway_s"]]
+        statuses: dict[str, list[int]] = {}
+        for r in rounds:
+            for status, count in r["flood"]["statuses"].items():
+                statuses.setdefault(status, []).append(count)
+        outcomes = "; ".join(
+            f"{status} {sorted(counts)[len(counts) // 2]:,}" for status, counts in sorted(statuses.items())
+        )
+        rss = [r["gateway_rss_mib"] for r in rounds]
+        memory = " / ".join(
+            f"{sorted(m[key] for m in rss)[len(rss) // 2]:.0f}" for key in ("before", "peak", "after")
+        )
+        rows.append(
+            [contestant, _pooled_p99(ttfts), f"{refused} of {sent}", outcomes, _pooled_p99(inside), memory]
+        )
+    workload = data["workload"]
+    header = [
+        "gateway",
+        f"quiet TTFT p99 (SLO {data['ttft_slo_ms'] / 1000:g} s)",
+        "quiet refused",
+        f"flood's {workload['streams']:,} calls, by outcome (median round)",
+        "flood refusals in the gateway, p99",
+        "gateway RSS MiB before / peak / after",
+    ]
+    verdicts = [[line["target"], line["figure"], met(line["met"])] for line in data["targets"]]
+    return [
+        f"{workload['connections']:,} connections, {workload['streams']:,} streams of "
+        f"{workload['flood_tokens']} tokens; {workload['quiet_requests']} quiet requests each round; "
+        f"{workload['runs']} rounds of each route, alternated.",
+        "",
+        *table(header, rows),
+        "",
+        *table(["target (fair, every round's requests together)", "measured", ""], verdicts),
+    ]
+
+
 TABLES = (
     Table("cached-admission", (CACHED,), cached_admission),
     Table("itl-admission", (ITL,), itl_admission),
+    Table("flood", (FLOOD,), flood),
 )

@@ -171,6 +171,13 @@ STACK_AND_FEATURES: dict[str, Entry] = {
         py("bench.itl_admission", *out("itl-admission-cpu.json")),
         target="make bench-itl",
     ),
+    "flood-cpu.json": Entry(
+        STACK,
+        "bench/flood.py",
+        900,
+        py("bench.flood", *out("flood-cpu.json")),
+        target="make bench-flood",
+    ),
     "stack-before-after-cpu.json": Entry(
         STACK,
         "bench/before_after.py",
