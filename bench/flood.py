@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 import tempfile
 import threading
@@ -205,13 +206,40 @@ def _p99_ms(values: list[float]) -> float | None:
     return 1000.0 * percentile(values, 99) if values else None
 
 
+def contestant_summary(rounds: list[dict[str, Any]], contestant: str) -> dict[str, Any]:
+    """One contestant over its rounds, every round's requests together: the quiet tenant's TTFT p99,
+    requests sent and refused, the flood's refusals' p99 inside the gateway and at the client, its
+    calls by outcome and the gateway's RSS (medians of the rounds)."""
+    mine = [r for r in rounds if r["contestant"] == contestant]
+    outcomes: dict[str, list[int]] = {}
+    for r in mine:
+        for status, count in r["flood"]["statuses"].items():
+            outcomes.setdefault(status, []).append(count)
+    rss = {
+        key: statistics.median(r["gateway_rss_mib"][key] for r in mine) for key in ("before", "peak", "after")
+    }
+    return {
+        "rounds": len(mine),
+        "quiet_ttft_p99_ms": _p99_ms([t for r in mine for t in r["quiet"]["ttft_s"]]),
+        "quiet_sent": sum(len(r["quiet"]["statuses"]) for r in mine),
+        "quiet_refused": sum(len(r["quiet"]["refused"]) for r in mine),
+        "flood_refusal_gateway_p99_ms": _p99_ms([t for r in mine for t in r["flood"]["refusal_gateway_s"]]),
+        "flood_refusal_client_p99_ms": statistics.median(
+            r["flood"]["refusal_client_ms_p99"] or 0.0 for r in mine
+        ),
+        "flood_calls_median": statistics.median(r["flood"]["calls"] for r in mine),
+        "flood_outcomes_median": {
+            status: statistics.median(counts) for status, counts in sorted(outcomes.items())
+        },
+        "gateway_rss_mib_median": rss,
+    }
+
+
 def _targets(rounds: list[dict[str, Any]], slo_ms: float) -> list[dict[str, Any]]:
-    product = [r for r in rounds if r["contestant"] == "fair"]
-    ttfts = [t for r in product for t in r["quiet"]["ttft_s"]]
-    refused = sum(len(r["quiet"]["refused"]) for r in product)
-    inside = [t for r in product for t in r["flood"]["refusal_gateway_s"]]
-    ttft_p99 = _p99_ms(ttfts)
-    refusal_p99 = _p99_ms(inside)
+    product = contestant_summary(rounds, "fair")
+    ttft_p99 = product["quiet_ttft_p99_ms"]
+    refused = product["quiet_refused"]
+    refusal_p99 = product["flood_refusal_gateway_p99_ms"]
     return [
         {
             "target": f"quiet TTFT p99 <= the SLO {slo_ms:g} ms",
@@ -277,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         "ttft_slo_ms": slo_ms,
         "ttft_slo_source": slo_source,
         "rounds": rounds,
+        "contestants": {name: contestant_summary(rounds, name) for name in CONTESTANTS},
         "targets": _targets(rounds, slo_ms),
     }
     save_record(record, args.json)

@@ -128,53 +128,47 @@ def itl_admission(records: Mapping[str, Record]) -> list[str]:
     ]
 
 
-def _pooled_p99(values: list[float]) -> str:
-    if not values:
-        return "none"
-    ordered = sorted(values)
-    return f"{1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]:.0f} ms"
+def _ms(value: float | None) -> str:
+    return "none" if value is None else f"{value:,.0f} ms"
 
 
 def flood(records: Mapping[str, Record]) -> list[str]:
-    """Per contestant over its rounds: the quiet tenant's TTFT p99 and refusals, the flood's calls by
-    outcome (medians of the rounds), its refusals' time in the gateway, the gateway's memory; then the
-    targets."""
+    """Per contestant over its rounds (bench/flood.py's summaries): the quiet tenant's TTFT p99 and
+    refusals, the flood's calls by outcome and its refusals' time in the gateway, the gateway's memory;
+    then the targets."""
     data: dict[str, Any] = records[FLOOD].data
     rows = []
-    for contestant in ("fair", "fifo"):
-        rounds = [r for r in data["rounds"] if r["contestant"] == contestant]
-        ttfts = [t for r in rounds for t in r["quiet"]["ttft_s"]]
-        refused = sum(len(r["quiet"]["refused"]) for r in rounds)
-        sent = sum(len(r["quiet"]["statuses"]) for r in rounds)
-        inside = [t for r in rounds for t in r["flood"]["refusal_gateway_s"]]
-        statuses: dict[str, list[int]] = {}
-        for r in rounds:
-            for status, count in r["flood"]["statuses"].items():
-                statuses.setdefault(status, []).append(count)
+    for contestant, summary in data["contestants"].items():
         outcomes = "; ".join(
-            f"{status} {sorted(counts)[len(counts) // 2]:,}" for status, counts in sorted(statuses.items())
+            f"{status} {count:,.0f}" for status, count in summary["flood_outcomes_median"].items()
         )
-        rss = [r["gateway_rss_mib"] for r in rounds]
-        memory = " / ".join(
-            f"{sorted(m[key] for m in rss)[len(rss) // 2]:.0f}" for key in ("before", "peak", "after")
-        )
+        rss = summary["gateway_rss_mib_median"]
         rows.append(
-            [contestant, _pooled_p99(ttfts), f"{refused} of {sent}", outcomes, _pooled_p99(inside), memory]
+            [
+                contestant,
+                _ms(summary["quiet_ttft_p99_ms"]),
+                f"{summary['quiet_refused']} of {summary['quiet_sent']}",
+                f"{summary['flood_calls_median']:,.0f}: {outcomes}",
+                f"{summary['flood_refusal_gateway_p99_ms']:.1f} ms",
+                _ms(summary["flood_refusal_client_p99_ms"]),
+                f"{rss['before']:.0f} / {rss['peak']:.0f} / {rss['after']:.0f}",
+            ]
         )
     workload = data["workload"]
     header = [
         "gateway",
         f"quiet TTFT p99 (SLO {data['ttft_slo_ms'] / 1000:g} s)",
         "quiet refused",
-        f"flood's {workload['streams']:,} calls, by outcome (median round)",
-        "flood refusals in the gateway, p99",
+        "flood calls sent, by outcome (median round)",
+        "flood refusals p99, in the gateway",
+        "at the flood's client (median round)",
         "gateway RSS MiB before / peak / after",
     ]
     verdicts = [[line["target"], line["figure"], met(line["met"])] for line in data["targets"]]
     return [
-        f"{workload['connections']:,} connections, {workload['streams']:,} streams of "
-        f"{workload['flood_tokens']} tokens; {workload['quiet_requests']} quiet requests each round; "
-        f"{workload['runs']} rounds of each route, alternated.",
+        f"{workload['connections']:,} connections and {workload['streams']:,} streams of "
+        f"{workload['flood_tokens']} tokens, kept open; {workload['quiet_requests']} quiet requests a "
+        f"round; {workload['runs']} rounds of each gateway, alternated.",
         "",
         *table(header, rows),
         "",
