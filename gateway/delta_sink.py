@@ -62,8 +62,9 @@ class DeltaSink:
     ) -> None:
         """Keep the result's state for the next entry and queue the client's delta.
 
-        A stop string ends the request with FINISH_REASON_STOP even if the worker has not finished it;
-        the text stops where the stop string begins, while token_ids keep every id of this update.
+        A stop string ends the request with FINISH_REASON_STOP even if the worker has not finished it,
+        and the delta names it; the text stops where the stop string begins, while token_ids keep
+        every id of this update.
         """
         self.window = list(result.window)
         self.read_offset = result.read_offset
@@ -78,6 +79,7 @@ class DeltaSink:
                 text=result.text,
                 token_ids=list(update.token_ids),
                 finish_reason=finish,
+                stop_sequence=result.stop_sequence,
                 queue_ms=update.queue_ms,
                 forward_ms=update.forward_ms,
                 received=received,

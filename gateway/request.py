@@ -112,6 +112,7 @@ class Request:
         ids: list[int] = []
         logprobs: list[common_pb2.PositionLogprobs] = []
         finish = common_pb2.FINISH_REASON_UNSPECIFIED
+        stop_sequence = ""
         failure: Failure | None = None
         for delta in deltas:
             if delta.error is not None:
@@ -142,6 +143,8 @@ class Request:
                 received = len(self.token_ids) + len(ids)
                 raise DeadlineExceeded(f"the request's deadline passed after {received} generated tokens")
             finish = delta.finish_reason
+            # From the delta that ended the text, whichever attempt sent it.
+            stop_sequence = delta.stop_sequence
         if ids:
             self._chunk_sent(len(ids))
         chunk_text = "".join(text)
@@ -149,7 +152,7 @@ class Request:
         self.token_ids.extend(ids)
         self.logprobs.extend(logprobs)
         if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
-            final = self._final(finish)
+            final = self._final(finish, stop_sequence)
             self.trace.finish(final, self.device_memory_bytes)
             return Chunk(chunk_text, ids, final, self.model, logprobs), None
         if not ids and not chunk_text:
@@ -167,7 +170,9 @@ class Request:
                 child.observe(gap)
         self._last_chunk = now
 
-    def _final(self, finish: common_pb2.FinishReason.ValueType) -> gateway_pb2.GenerateResponse:
+    def _final(
+        self, finish: common_pb2.FinishReason.ValueType, stop_sequence: str
+    ) -> gateway_pb2.GenerateResponse:
         parts = self.clock.milliseconds()
         self.timing.total_ms = (self.clock.cursor - self.arrival) * 1000.0
         self.timing.network_ms = parts["network"]
@@ -197,4 +202,5 @@ class Request:
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
             tool_calls=tool_calls.parse(self.valid.request, text) if stopped else [],
+            stop_sequence=stop_sequence,
         )

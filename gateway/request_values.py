@@ -44,6 +44,9 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: common_pb2.FinishReason.ValueType = common_pb2.FINISH_REASON_UNSPECIFIED
     """Set on the attempt's last delta."""
+    stop_sequence: str = ""
+    """The stop string that ended the text (finish_reason is then FINISH_REASON_STOP); empty when
+    the model ended it, or the text has not ended."""
     error: GatewayError | None = None
     """Set instead when the attempt failed; nothing follows it."""
     queue_ms: float = 0.0

@@ -127,6 +127,7 @@ def _whole(finals: dict[int, gateway_pb2.GenerateResponse], n: int) -> Chunk:
                 finish_reason=final.finish_reason,
                 usage=final.usage,
                 logprobs=final.logprobs,
+                stop_sequence=final.stop_sequence,
             )
         )
     return Chunk("", [], final=whole, model=first.model)

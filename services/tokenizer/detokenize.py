@@ -7,8 +7,9 @@ whole character is emitted, so a multi-id step that ends inside a character stil
 characters before it. Decoding in context keeps words that span tokens and multi-byte characters
 whole. After an emission the window keeps only the ids from the old read offset on, so it stays a few
 ids long; a long run of undecodable ids is flushed with replacement characters rather than held
-forever. Stop strings are cut by stops.py. The caller carries the state (window, read_offset,
-pending_text) between calls. This module must not know about gRPC status codes.
+forever. Stop strings are cut by stops.py, which names the one that ended the text. The caller
+carries the state (window, read_offset, pending_text) between calls. This module must not know about
+gRPC status codes.
 """
 
 from __future__ import annotations
@@ -55,9 +56,14 @@ class Detokenized:
     window: list[int]
     read_offset: int
     pending_text: str
-    stopped: bool
+    stop_sequence: str = ""
+    """The stop string that ended the text (stops.py); empty when none did."""
     pieces: Sequence[bytes] = ()
     """The bytes of each of the entry's piece_ids alone (for log probabilities)."""
+
+    @property
+    def stopped(self) -> bool:
+        return bool(self.stop_sequence)
 
 
 def detokenize_many(decode_many: DecodeMany, steps: Sequence[DetokenizeStep]) -> list[Detokenized]:
@@ -97,7 +103,7 @@ def advance(
     else:
         delta, window, next_offset = "", ids, read_offset
     cut = cut_at_stops(step.pending_text, delta, step.stop, final=step.final)
-    return Detokenized(cut.text, window, next_offset, cut.pending_text, cut.stopped)
+    return Detokenized(cut.text, window, next_offset, cut.pending_text, cut.stop_sequence)
 
 
 def last_boundary(

@@ -222,6 +222,7 @@ def _detokenize_result(outcome: Detokenized | TokenizerError) -> tokenizer_pb2.D
         read_offset=outcome.read_offset,
         pending_text=outcome.pending_text,
         stopped=outcome.stopped,
+        stop_sequence=outcome.stop_sequence,
         pieces=outcome.pieces,
     )
 

@@ -3,7 +3,9 @@
 Text arrives in deltas. Any tail of the text so far that could still grow into a stop string is held
 back (the caller keeps it as pending text and sends it again with the next delta), so emitted text
 never holds any part of a stop string, and a stop string split across steps is found where it begins.
-Pure functions over strings: this module must not decode tokens nor know about requests.
+The cut names the stop string that ended the text (the one whose occurrence begins earliest; on a tie,
+the first in the list), so that an API can report which one matched. Pure functions over strings:
+this module must not decode tokens nor know about requests.
 """
 
 from __future__ import annotations
@@ -17,31 +19,35 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class StopCut:
-    """What to emit now, what to hold back, and whether a stop string ended the text."""
+    """What to emit now, what to hold back, and which stop string ended the text, if one did."""
 
     text: str
     pending_text: str
-    stopped: bool
+    stop_sequence: str = ""
+    """The stop string that ended the text; empty when none did."""
 
 
 def cut_at_stops(pending_text: str, delta: str, stop: Sequence[str], *, final: bool) -> StopCut:
     """Split pending_text + delta into text to emit now and text to hold back.
 
-    A stop string found anywhere cuts the text where the earliest one begins (stopped=True). Otherwise
-    the longest tail that is a proper prefix of some stop string is held back, unless `final`: then
-    it is released, since it can no longer become a stop string.
+    A stop string found anywhere cuts the text where the earliest one begins and is named in
+    stop_sequence (on a tie, the first of `stop`). Otherwise the longest tail that is a proper prefix
+    of some stop string is held back, unless `final`: then it is released, since it can no longer
+    become a stop string.
     """
     text = pending_text + delta
     stops = [s for s in stop if s]
     if not stops:
-        return StopCut(text, "", stopped=False)
-    found = [index for s in stops if (index := text.find(s)) >= 0]
+        return StopCut(text, "")
+    found = [(index, s) for s in stops if (index := text.find(s)) >= 0]
     if found:
-        return StopCut(text[: min(found)], "", stopped=True)
+        # min() keeps the first of equal indexes, so a tie goes to the stop string listed first.
+        index, matched = min(found, key=lambda pair: pair[0])
+        return StopCut(text[:index], "", matched)
     if final:
-        return StopCut(text, "", stopped=False)
+        return StopCut(text, "")
     held = held_length(text, stops)
-    return StopCut(text[: len(text) - held], text[len(text) - held :], stopped=False)
+    return StopCut(text[: len(text) - held], text[len(text) - held :])
 
 
 def held_length(text: str, stops: Sequence[str]) -> int:

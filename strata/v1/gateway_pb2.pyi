@@ -289,12 +289,15 @@ class Choice(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    STOP_SEQUENCE_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """The sample's index in [0, n)."""
     text: _builtins.str
     """Its generated text, cut before any stop string."""
     finish_reason: _common_pb2.FinishReason.ValueType
     """Why its generation ended."""
+    stop_sequence: _builtins.str
+    """The stop string that ended its text; empty when the model ended it or for any other finish."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Its generated token ids."""
@@ -316,10 +319,11 @@ class Choice(_message.Message):
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         usage: _common_pb2.Usage | None = ...,
         logprobs: _abc.Iterable[_common_pb2.PositionLogprobs] | None = ...,
+        stop_sequence: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "stop_sequence", b"stop_sequence", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -345,6 +349,7 @@ class GenerateResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     CHOICES_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    STOP_SEQUENCE_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """The generated text, cut before any stop string."""
     finish_reason: _common_pb2.FinishReason.ValueType
@@ -361,6 +366,10 @@ class GenerateResponse(_message.Message):
     """
     trace_id: _builtins.str
     """The W3C trace id (32 hex digits) of the request's trace when it was sampled; empty otherwise."""
+    stop_sequence: _builtins.str
+    """The stop string that ended the text (finish_reason is FINISH_REASON_STOP because of it); empty when
+    the model ended it (EOS, a stop token id) or for any other finish.
+    """
     @_builtins.property
     def usage(self) -> _common_pb2.Usage:
         """Token counts."""
@@ -410,10 +419,11 @@ class GenerateResponse(_message.Message):
         prompt_logprobs: _abc.Iterable[_common_pb2.PositionLogprobs] | None = ...,
         choices: _abc.Iterable[Global___Choice] | None = ...,
         tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        stop_sequence: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timing", b"timing", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "failover_at_token", b"failover_at_token", "fallback_reason", b"fallback_reason", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "model", b"model", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "trace_id", b"trace_id", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "failover_at_token", b"failover_at_token", "fallback_reason", b"fallback_reason", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "model", b"model", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "stop_sequence", b"stop_sequence", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "trace_id", b"trace_id", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

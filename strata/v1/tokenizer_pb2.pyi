@@ -336,6 +336,7 @@ class DetokenizeResult(_message.Message):
     STOPPED_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     PIECES_FIELD_NUMBER: _builtins.int
+    STOP_SEQUENCE_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text to emit now; never contains any part of a stop string."""
     read_offset: _builtins.int
@@ -344,6 +345,10 @@ class DetokenizeResult(_message.Message):
     """The held-back text to send next time."""
     stopped: _builtins.bool
     """True when a stop string was found: text ends where it began, and the request must stop."""
+    stop_sequence: _builtins.str
+    """The stop string that ended the text, where stopped: the one whose occurrence begins earliest (on a
+    tie, the first in the entry's stop). Empty otherwise.
+    """
     @_builtins.property
     def window(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The window to send next time."""
@@ -368,10 +373,11 @@ class DetokenizeResult(_message.Message):
         stopped: _builtins.bool = ...,
         error: Global___EntryError | None = ...,
         pieces: _abc.Iterable[_builtins.bytes] | None = ...,
+        stop_sequence: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "pending_text", b"pending_text", "pieces", b"pieces", "read_offset", b"read_offset", "stopped", b"stopped", "text", b"text", "window", b"window"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "pending_text", b"pending_text", "pieces", b"pieces", "read_offset", b"read_offset", "stop_sequence", b"stop_sequence", "stopped", b"stopped", "text", b"text", "window", b"window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -91,19 +91,29 @@ def test_stop_string_cuts_the_text_where_it_begins(gateway_env: Env) -> None:
     stop = text[start : start + 3]
     assert len(stop.strip()) > 0, f"pick another stop string from {text!r}"
     expected = text[: text.index(stop)]
+    # The final names the stop string that matched, not merely one of the request's.
+    stops = ["\x07never", stop]
     stopped = gateway_env.gateway.Generate(
-        make_request("Tell me a story", max_new_tokens=40, ignore_eos=True, stop=[stop]), timeout=60
+        make_request("Tell me a story", max_new_tokens=40, ignore_eos=True, stop=stops), timeout=60
     )
     assert stopped.finish_reason == common_pb2.FINISH_REASON_STOP
     assert stopped.text == expected
+    assert stopped.stop_sequence == stop
     assert len(stopped.token_ids) < 40
     assert list(stopped.token_ids) == list(first.token_ids[: len(stopped.token_ids)])
     streamed = list(
         gateway_env.gateway.GenerateStream(
-            make_request("Tell me a story", max_new_tokens=40, ignore_eos=True, stop=[stop]), timeout=60
+            make_request("Tell me a story", max_new_tokens=40, ignore_eos=True, stop=stops), timeout=60
         )
     )
     assert "".join(m.text for m in streamed) == expected == streamed[-1].final.text
+    assert streamed[-1].final.stop_sequence == stop
+    # Ended by length, with stop strings that never matched: no stop string to name.
+    assert first.finish_reason == common_pb2.FINISH_REASON_LENGTH and first.stop_sequence == ""
+    unmatched = gateway_env.gateway.Generate(
+        make_request("Tell me a story", max_new_tokens=40, ignore_eos=True, stop=["\x07never"]), timeout=60
+    )
+    assert unmatched.finish_reason == common_pb2.FINISH_REASON_LENGTH and unmatched.stop_sequence == ""
 
 
 def test_list_models_reports_the_route(gateway_env: Env, tiny_serving_dir: Path) -> None:

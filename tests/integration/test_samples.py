@@ -1,7 +1,7 @@
 """n samples of one prompt through the whole stack: reproducible seeds (sample 0 is the n = 1 request,
 sample i the n = 1 request with seed mix(seed, i)), the prompt prefilled once and shared through the
-prefix cache, per-sample streams and finals, cancellation of every sample, validation, and the openai
-SDK reading `choices[i]`.
+prefix cache, per-sample streams and finals (each naming the stop string that ended it), cancellation
+of every sample, validation, and the openai SDK reading `choices[i]`.
 
 One real stack per module (conftest.py's http_stack: tokenizer service, worker, gateway with its HTTP
 API, the tiny model).
@@ -17,7 +17,7 @@ import pytest
 
 from gateway.samples import sample_seed
 from strata.client import StrataClient, build_request
-from strata.v1 import gateway_pb2_grpc
+from strata.v1 import common_pb2, gateway_pb2_grpc
 from tests.integration.http_harness import KEY, MODEL, HttpStack
 from tests.polling import wait_for
 
@@ -65,6 +65,17 @@ def test_each_sample_is_the_single_request_with_its_own_seed(client: StrataClien
 def test_greedy_samples_are_identical(client: StrataClient) -> None:
     reply = client.generate("hello world", n=4, max_new_tokens=6)
     assert len(reply.choices) == 4 and len({tuple(c.token_ids) for c in reply.choices}) == 1
+
+
+def test_each_choice_names_the_stop_string_that_ended_it(client: StrataClient) -> None:
+    alone = client.generate("hello world", max_new_tokens=10, ignore_eos=True)
+    stop = alone.text[len(alone.text) // 2 :][:3]
+    assert stop.strip(), f"pick another stop string from {alone.text!r}"
+    reply = client.generate("hello world", n=2, max_new_tokens=10, ignore_eos=True, stop=["\x07never", stop])
+    stopped = (common_pb2.FINISH_REASON_STOP, stop)
+    assert [(c.finish_reason, c.stop_sequence) for c in reply.choices] == [stopped, stopped]
+    assert (reply.finish_reason, reply.stop_sequence) == stopped
+    assert alone.stop_sequence == ""
 
 
 def test_the_prompt_is_prefilled_once_and_shared(client: StrataClient, http_stack: HttpStack) -> None:

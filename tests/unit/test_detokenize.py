@@ -76,6 +76,14 @@ def stream(
 
     Without stop strings, each step must have emitted every whole character its ids completed.
     """
+    texts, matched, largest = stream_stop(model, chunks, stop)
+    return texts, bool(matched), largest
+
+
+def stream_stop(
+    model: ModelTokenizer, chunks: list[list[int]], stop: Sequence[str] = ()
+) -> tuple[list[str], str, int]:
+    """stream's steps, returning the stop string that ended the text ("" when none did) for stopped."""
     window: list[int] = []
     read_offset = 0
     pending = ""
@@ -89,14 +97,14 @@ def stream(
         )
         texts.append(result.text)
         if result.stopped:
-            return texts, True, largest
+            return texts, result.stop_sequence, largest
         window, read_offset, pending = result.window, result.read_offset, result.pending_text
         seen += chunk
         largest = max(largest, len(window))
         assert 0 <= read_offset <= len(window)
         if not stop and not final:
             assert "".join(texts) == whole_characters(model, seen), (chunks, index)
-    return texts, False, largest
+    return texts, "", largest
 
 
 def whole_characters(model: ModelTokenizer, ids: list[int]) -> str:
@@ -218,17 +226,20 @@ def test_stop_string_spanning_two_steps_is_cut_where_it_begins(tiny: ModelTokeni
     text = "Hello world, café"
     ids = encode(tiny, text)
     for cut in range(1, len(ids)):
-        texts, stopped, _ = stream(tiny, [ids[:cut], ids[cut:]], stop=["world"])
-        assert stopped
+        texts, matched, _ = stream_stop(tiny, [ids[:cut], ids[cut:]], stop=["café", "world"])
+        assert matched == "world"
         assert "".join(texts) == "Hello "
         assert all("w" not in t for t in texts)
 
 
 def test_earliest_of_several_stop_strings_wins(tiny: ModelTokenizer) -> None:
     ids = encode(tiny, "The quick brown fox jumps")
-    texts, stopped, _ = stream(tiny, [[i] for i in ids], stop=["fox", "quick", "brown"])
-    assert stopped
+    texts, matched, _ = stream_stop(tiny, [[i] for i in ids], stop=["fox", "quick", "brown"])
+    assert matched == "quick"
     assert "".join(texts) == "The "
+    # All ids in one step: every stop string is in the text, and the earliest still wins.
+    texts, matched, _ = stream_stop(tiny, [ids], stop=["jumps", "brown", "fox"])
+    assert (matched, "".join(texts)) == ("brown", "The quick ")
 
 
 def test_random_stop_strings_cut_the_text_exactly(tiny: ModelTokenizer) -> None:
@@ -239,10 +250,12 @@ def test_random_stop_strings_cut_the_text_exactly(tiny: ModelTokenizer) -> None:
         full = decode_all(tiny, ids)
         start = rng.randrange(len(full))
         stop = [full[start : start + rng.randint(1, 4)], "never-there", "🙂🚀x"]
-        expected = full[: min(i for s in stop if (i := full.find(s)) >= 0)]
-        texts, stopped, _ = stream(tiny, split(ids, rng), stop=stop)
-        assert stopped
-        assert "".join(texts) == expected
+        index = min(i for s in stop if (i := full.find(s)) >= 0)
+        # On a tie, the one listed first.
+        matched_expected = next(s for s in stop if full.find(s) == index)
+        texts, matched, _ = stream_stop(tiny, split(ids, rng), stop=stop)
+        assert matched == matched_expected
+        assert "".join(texts) == full[:index]
         assert all("\ufffd" not in t for t in texts)
 
 
@@ -258,12 +271,22 @@ def test_held_text_is_released_when_no_stop_string_completes(tiny: ModelTokenize
 def test_cut_at_stops_pure() -> None:
     assert cut_at_stops("", "abc", [], final=False).text == "abc"
     cut = cut_at_stops("ab", "cXde", ["Xd"], final=False)
-    assert (cut.text, cut.pending_text, cut.stopped) == ("abc", "", True)
+    assert (cut.text, cut.pending_text, cut.stop_sequence) == ("abc", "", "Xd")
     cut = cut_at_stops("", "hello wo", ["world", "or"], final=False)
-    assert (cut.text, cut.pending_text, cut.stopped) == ("hello ", "wo", False)
+    assert (cut.text, cut.pending_text, cut.stop_sequence) == ("hello ", "wo", "")
     cut = cut_at_stops("wo", "", ["world"], final=True)
-    assert (cut.text, cut.pending_text, cut.stopped) == ("wo", "", False)
-    assert cut_at_stops("", "xxabcx", ["bc", "abc"], final=False).text == "xx"
+    assert (cut.text, cut.pending_text, cut.stop_sequence) == ("wo", "", "")
+    # The earliest occurrence wins over the order of the list.
+    cut = cut_at_stops("", "xxabcx", ["bc", "abc"], final=False)
+    assert (cut.text, cut.stop_sequence) == ("xx", "abc")
+    # Two stop strings beginning at the same index: the first in the list wins, either way round.
+    assert cut_at_stops("", "say abcd", ["abc", "ab"], final=False).stop_sequence == "abc"
+    assert cut_at_stops("", "say abcd", ["ab", "abc"], final=False).stop_sequence == "ab"
+    # A stop string split across deltas: held back as pending text, then named when it completes.
+    first = cut_at_stops("", "one END", ["ENDING", "x"], final=False)
+    assert (first.text, first.pending_text, first.stop_sequence) == ("one ", "END", "")
+    second = cut_at_stops(first.pending_text, "ING two", ["ENDING", "x"], final=False)
+    assert (second.text, second.pending_text, second.stop_sequence) == ("", "", "ENDING")
     assert cut_at_stops("", "text", ["", "zz"], final=False).text == "text"
     assert held_length("abcab", ["abcabd"]) == 5
     assert held_length("aab", ["ab"]) == 0

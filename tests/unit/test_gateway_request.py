@@ -190,6 +190,28 @@ def test_a_failover_submission_carries_the_tokens_sent_and_the_final_names_the_f
     run(main)
 
 
+def test_the_final_names_the_stop_string_of_the_delta_that_ended_the_text() -> None:
+    async def main() -> None:
+        request = _request()
+        first, _ = _sent(request, request.primary)
+        _add(request, first, [Delta("ab", [1, 2]), Delta(error=Unavailable("gone"))])
+        first.__exit__(None, None, None)
+        detour = Detour("small", Trigger.FAILOVER, "primary big failed mid-stream after 2 tokens: gone")
+        second, _ = _sent(request, _route("small"), detour)
+        ended = Delta("", [4], common_pb2.FINISH_REASON_STOP, stop_sequence="END")
+        chunk, failure = _add(request, second, [Delta("c", [3]), ended])
+        assert failure is None and chunk is not None and chunk.final is not None
+        assert (chunk.final.text, chunk.final.stop_sequence) == ("abc", "END")
+        # The model's own end (EOS, a stop token id) is FINISH_REASON_STOP with no stop string.
+        other = _request()
+        attempt, _ = _sent(other, other.primary)
+        chunk, _ = _add(other, attempt, [Delta("x", [1], common_pb2.FINISH_REASON_STOP)])
+        assert chunk is not None and chunk.final is not None
+        assert (chunk.final.finish_reason, chunk.final.stop_sequence) == (common_pb2.FINISH_REASON_STOP, "")
+
+    run(main)
+
+
 def test_leaving_an_attempt_gives_its_place_back_however_it_ends() -> None:
     async def main() -> None:
         request = _request()
