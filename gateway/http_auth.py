@@ -1,12 +1,13 @@
-"""API keys on the HTTP API: one ASGI middleware in front of every route but the readiness check;
-and how a request refused at the door is answered (`answer_refusal`, which the endpoints use too).
+"""API keys on the HTTP API: one ASGI middleware in front of every route but the readiness check; and how a
+request refused at the door is answered (`answer_refusal`, which the endpoints use too).
 
-With keys configured (GatewaySettings.tenant_keys: the default tenant's and every tenant's, one set),
-a request whose `authorization: Bearer <key>` carries none of them gets 401 with the OpenAI error
-body before any route runs, counted in `strata_gateway_http_responses_total` under its endpoint and
-logged as refused; keys are compared in constant time (gateway/auth.py). An accepted request carries
-its tenant to the routes in the ASGI scope (`tenant(scope)`); without keys every request is the
-default tenant's. This module must not read bodies, know a route's work, nor log a key.
+With keys configured (GatewaySettings.tenant_keys: the default tenant's and every tenant's, one set), a
+request whose `authorization: Bearer <key>` (or, as Anthropic's clients send it, `x-api-key: <key>`)
+carries none of them gets 401 before any route runs, in the error shape of the route's API (OpenAI's, or
+what `shapes` makes of it for a path), counted in `strata_gateway_http_responses_total` under its
+endpoint and logged as refused; keys are compared in constant time (gateway/auth.py). An accepted
+request carries its tenant to the routes in the ASGI scope (`tenant(scope)`); without keys every request
+is the default tenant's. This module must not read bodies, know a route's work, nor log a key.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from gateway.openai_errors import HttpError, unauthenticated
 from gateway.tenant_settings import DEFAULT_TENANT
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -34,7 +35,8 @@ _TENANT = "strata.tenant"
 
 
 class ApiKeys:
-    """The middleware: `endpoints` names each path for the metrics; `open_paths` need no key."""
+    """The middleware: `endpoints` names each path for the metrics; `open_paths` need no key;
+    `shapes` gives a path's errors its API's shape (OpenAI's where none is given)."""
 
     def __init__(
         self,
@@ -42,18 +44,23 @@ class ApiKeys:
         keys: tuple[tuple[bytes, str], ...],
         endpoints: Mapping[str, str],
         open_paths: frozenset[str],
+        shapes: Mapping[str, Callable[[HttpError], HttpError]] | None = None,
     ) -> None:
         self.app = app
         self._keys = keys
         self._accepted = tuple(key for key, _ in keys)
         self._endpoints = endpoints
         self._open = open_paths
+        self._shapes = shapes or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self._open:
             await self.app(scope, receive, send)
             return
-        header = Headers(scope=scope).get("authorization")
+        headers = Headers(scope=scope)
+        header = headers.get("authorization")
+        if header is None and (key := headers.get("x-api-key")) is not None:
+            header = f"Bearer {key}"
         if self._keys and not key_matches(header, self._accepted):
             await self._refuse(scope, receive, send)
             return
@@ -61,8 +68,10 @@ class ApiKeys:
         await self.app(scope, receive, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        endpoint = self._endpoints.get(scope["path"], scope["path"])
-        await answer_refusal(unauthenticated(), endpoint, scope, receive, send)
+        path = scope["path"]
+        shape = self._shapes.get(path)
+        error = unauthenticated() if shape is None else shape(unauthenticated())
+        await answer_refusal(error, self._endpoints.get(path, path), scope, receive, send)
 
 
 async def answer_refusal(error: HttpError, endpoint: str, scope: Scope, receive: Receive, send: Send) -> None:

@@ -88,7 +88,7 @@ class Completions:
             answer = self._stream(incoming, body, token_field, send)
         else:
             answer = self._whole(incoming, token_field)
-        response = await _unless_disconnected(answer, receive)
+        response = await unless_disconnected(answer, receive)
         if response is not None:
             await response(scope, receive, send)
             HTTP_RESPONSES.labels(self.endpoint, str(response.status_code)).inc()
@@ -96,8 +96,8 @@ class Completions:
     async def _incoming(
         self, request: Request, arrival: float
     ) -> tuple[Incoming, ChatCompletionRequest | CompletionRequest]:
-        deadline = _deadline(request.headers.get(TIMEOUT_HEADER), arrival)
-        raw = await _read_body(request, self._settings.max_message_bytes, self._settings.http_body_timeout_s)
+        deadline = deadline_ms(request.headers.get(TIMEOUT_HEADER), arrival)
+        raw = await read_body(request, self._settings.max_message_bytes, self._settings.http_body_timeout_s)
         try:
             body = self._schema.model_validate_json(raw)
         except ValidationError as error:
@@ -149,7 +149,7 @@ class Completions:
                 first = await anext(chunks)
             except GatewayError as error:
                 return from_gateway(error, token_field).response()
-            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
             HTTP_RESPONSES.labels(self.endpoint, "200").inc()
             held = ToolStream(incoming.request)
             events = self._events(reply, first, chunks, body.include_usage, token_field, held)
@@ -217,7 +217,7 @@ class Completions:
         await answer_refusal(error, self.endpoint, scope, receive, send)
 
 
-_SSE_HEADERS = [
+SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-store"),
     (b"x-accel-buffering", b"no"),
@@ -228,7 +228,7 @@ def _finish(final: gateway_pb2.GenerateResponse) -> str:
     return FINISH_REASONS.get(final.finish_reason, "stop")
 
 
-def _deadline(header: str | None, arrival: float) -> int:
+def deadline_ms(header: str | None, arrival: float) -> int:
     """The absolute deadline (unix ms) of the timeout header; 0 when absent."""
     if header is None:
         return 0
@@ -246,7 +246,7 @@ def _deadline(header: str | None, arrival: float) -> int:
     return int(arrival * 1000 + timeout_ms)
 
 
-async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     """The body, refused with 413 as soon as it is known to be over `limit` bytes, and with 408 when
     it has not all arrived within `timeout_s` (a client trickling bytes holds a request slot)."""
     declared = request.headers.get("content-length")
@@ -266,7 +266,7 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     return b"".join(parts)
 
 
-async def _unless_disconnected(answer: Coroutine[Any, Any, JSONResponse | None], receive: Receive) -> Any:
+async def unless_disconnected(answer: Coroutine[Any, Any, JSONResponse | None], receive: Receive) -> Any:
     """`answer`'s result, or None once the client disconnected (`answer` is then cancelled, which
     closes its pipeline and so cancels the request on the worker)."""
     work = asyncio.ensure_future(answer)

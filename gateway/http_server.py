@@ -1,15 +1,15 @@
-"""The gateway's second front door: the OpenAI-compatible HTTP API, served in the gateway's own process
-and event loop by uvicorn (HTTP/1.1 over h11) and Starlette.
+"""The gateway's second front door: the OpenAI-compatible HTTP API, served in the gateway's own process and
+event loop by uvicorn (HTTP/1.1 over h11) and Starlette.
 
 `HttpFrontDoor` binds `http_listen` itself (so a port in use is an OSError naming it, and port 0's
-choice is known at once), serves the routes (the completions endpoints of http_endpoints.py,
-GET /v1/models, GET /health for readiness) behind the API-key middleware (http_auth.py; readiness
-needs no key), and stops on the gateway's command: uvicorn's own
-SIGINT/SIGTERM handlers are turned off, so the gateway's drain decides (health 503, no new
-connections, running requests finish within the grace period, then are cancelled). uvicorn runs on
-the running asyncio loop (never a loop of its own choosing, such as uvloop under grpc.aio), with TLS
-from the gateway's `tls` settings and the connection bounds of http_guard.py. This module must not
-hold request logic (the pipeline) nor map errors.
+choice is known at once), serves the routes (the completions endpoints of http_endpoints.py, Anthropic's
+Messages endpoints of anthropic_messages.py, GET /v1/models, GET /health for readiness) behind the
+API-key middleware (http_auth.py; readiness needs no key), and stops on the gateway's command: uvicorn's
+own SIGINT/SIGTERM handlers are turned off, so the gateway's drain decides (health 503, no new
+connections, running requests finish within the grace period, then are cancelled). uvicorn runs on the
+running asyncio loop (never a loop of its own choosing, such as uvloop under grpc.aio), with TLS from
+the gateway's `tls` settings and the connection bounds of http_guard.py. This module must not hold
+request logic (the pipeline) nor map errors.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from gateway.anthropic_errors import anthropic_error
+from gateway.anthropic_messages import CountTokens, Messages
 from gateway.http_auth import ApiKeys
 from gateway.http_endpoints import Completions
 from gateway.http_guard import guarded_protocol
@@ -66,10 +68,14 @@ class HttpFrontDoor:
         self._serving = serving
         chat = Completions(True, settings, pipeline, router)
         text = Completions(False, settings, pipeline, router)
+        messages = Messages(settings, pipeline, router)
+        count = CountTokens(settings, pipeline, router)
         routes = Starlette(
             routes=[
                 Route("/v1/chat/completions", chat, methods=["POST"]),
                 Route("/v1/completions", text, methods=["POST"]),
+                Route("/v1/messages", messages, methods=["POST"]),
+                Route("/v1/messages/count_tokens", count, methods=["POST"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
             ]
@@ -77,10 +83,15 @@ class HttpFrontDoor:
         endpoints = {
             "/v1/chat/completions": chat.endpoint,
             "/v1/completions": text.endpoint,
+            "/v1/messages": messages.endpoint,
+            "/v1/messages/count_tokens": count.endpoint,
             "/v1/models": "models",
         }
+        anthropic = dict.fromkeys(("/v1/messages", "/v1/messages/count_tokens"), anthropic_error)
         # Readiness answers probes, which carry no key.
-        self.app = ApiKeys(routes, settings.tenant_keys(), endpoints, open_paths=frozenset({"/health"}))
+        self.app = ApiKeys(
+            routes, settings.tenant_keys(), endpoints, open_paths=frozenset({"/health"}), shapes=anthropic
+        )
         self.address = ""
         """host:port the HTTP API is bound to."""
         self._server: _Server | None = None

@@ -87,6 +87,19 @@ class Pipeline:
             async for chunk in closing:
                 yield chunk
 
+    async def count_tokens(self, incoming: Incoming) -> int:
+        """The prompt tokens `incoming` would take on its route (its conversation through the model's
+        chat template, its tools as the model is asked for them), validated as a request is; nothing
+        is admitted, generated nor taken from a quota."""
+        valid = validate(incoming.request, self._settings, self._router.max_model_len)
+        route = self._router.route(valid.model)
+        tokenized = await self._batcher.tokenize(
+            tokenizer_pb2.TokenizeEntry(
+                model=route.name, prompt=valid.request.prompt, messages=valid.request.messages
+            )
+        )
+        return len(tokenized.token_ids)
+
     async def _run_one(self, incoming: Incoming) -> AsyncGenerator[Chunk, None]:
         """One sample's chunks; its spans, log line and metrics are recorded however it ends."""
         arrival = time.perf_counter()

@@ -76,6 +76,27 @@ def test_curl_sees_sse_framing_then_done(stack: HttpStack) -> None:
     assert objects[-1]["choices"][0]["finish_reason"] == "length" and "strata" in objects[-1]
 
 
+def test_curl_sees_anthropics_named_events(stack: HttpStack) -> None:
+    """The Messages API's wire format: every event an `event:` line naming its type and one `data:`
+    line holding it, in Anthropic's order, no `[DONE]`."""
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 6, "stream": True}
+    status, headers, payload = post(stack, "/messages", json.dumps(body), "anthropic-version: 2023-06-01")
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = [event.split("\n") for event in payload.strip("\n").split("\n\n")]
+    assert all(len(lines) == 2 and lines[0].startswith("event: ") for lines in events), events
+    named = [
+        (lines[0].removeprefix("event: "), json.loads(lines[1].removeprefix("data: "))) for lines in events
+    ]
+    assert all(kind == data["type"] for kind, data in named)
+    kinds = [kind for kind, _ in named]
+    assert kinds[0] == "message_start" and kinds[1] == "content_block_start"
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(kinds[2:-3]) <= {"content_block_delta"}
+    assert (
+        named[-2][1]["delta"]["stop_reason"] == "max_tokens" and named[-2][1]["usage"]["output_tokens"] == 6
+    )
+
+
 def test_traceparent_joins_the_callers_trace(stack: HttpStack) -> None:
     """A caller's traceparent header makes the request part of its trace: the trace id comes back."""
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}

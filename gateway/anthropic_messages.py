@@ -1,0 +1,294 @@
+"""POST /v1/messages and POST /v1/messages/count_tokens: Anthropic's Messages API, through the pipeline.
+
+Each endpoint is an ASGI app behind the API-key middleware (http_auth.py, which takes Anthropic's
+`x-api-key` header as well as a bearer token). It requires the `anthropic-version` header (any value:
+the answers have the shape of version 2023-06-01 and later), reads the body as the Chat Completions
+front door does (http_endpoints.py: size and time limits, the `x-strata-timeout-ms` deadline, the
+disconnect watch and the idle-stream timeout), parses it (anthropic_schema.py) and maps it through the
+Chat Completions request it is (openai_mapping.py), so both front doors run the same pipeline.
+
+A whole answer is a `message`: its content a `text` block, or the `tool_use` blocks of the calls it
+made; `stop_reason` end_turn, max_tokens, stop_sequence (with the string that matched) or tool_use;
+`usage` with the prompt tokens the prefix cache served as `cache_read_input_tokens`. A stream is
+Anthropic's events: message_start, a text block's content_block_start, text_delta deltas and
+content_block_stop, each call's block with its arguments as one input_json_delta, message_delta with
+the stop reason and the usage, message_stop; a failure after the first event is an `error` event.
+count_tokens answers `{"input_tokens": n}` as the model would be prompted, tools included. Errors
+have Anthropic's shape and codes (anthropic_errors.py). This module must not hold request logic (the
+pipeline does) nor decide statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+from sse_starlette.event import ServerSentEvent
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse
+
+from gateway.anthropic_errors import anthropic_error
+from gateway.anthropic_schema import CountTokensRequest, MessagesRequest
+from gateway.errors import GatewayError
+from gateway.http_auth import answer_refusal, tenant
+from gateway.http_endpoints import SSE_HEADERS, TIMEOUT_HEADER, deadline_ms, read_body, unless_disconnected
+from gateway.metrics import HTTP_RESPONSES, STUCK_STREAMS
+from gateway.openai_errors import HttpError, from_gateway, from_validation
+from gateway.openai_mapping import headers, to_generate_request
+from gateway.openai_tools import ToolStream
+from gateway.request_ids import new_request_id
+from gateway.request_trace import TRACE_KEYS
+from gateway.request_values import Incoming
+from strata.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncGenerator
+
+    from starlette.types import Receive, Scope, Send
+
+    from gateway.pipeline import Pipeline
+    from gateway.request_values import Chunk
+    from gateway.router import Router
+    from gateway.settings import GatewaySettings
+    from strata.v1 import gateway_pb2
+
+VERSION_HEADER = "anthropic-version"
+
+
+def sse(kind: str, payload: dict[str, Any]) -> bytes:
+    """One named SSE event holding `payload` as compact JSON."""
+    return ServerSentEvent(data=json.dumps(payload, separators=(",", ":")), event=kind, sep="\n").encode()
+
+
+def stop_reason(final: gateway_pb2.GenerateResponse) -> tuple[str, str | None]:
+    """Anthropic's stop_reason and stop_sequence of a finished request."""
+    if final.tool_calls:
+        return "tool_use", None
+    if final.finish_reason == common_pb2.FINISH_REASON_LENGTH:
+        return "max_tokens", None
+    if final.stop_sequence:
+        return "stop_sequence", final.stop_sequence
+    return "end_turn", None
+
+
+def usage(final: gateway_pb2.GenerateResponse) -> dict[str, int]:
+    """Anthropic's usage: the prompt tokens computed, those the prefix cache served, the output."""
+    counts = final.usage
+    return {
+        "input_tokens": counts.input_tokens - counts.cached_input_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": counts.cached_input_tokens,
+        "output_tokens": counts.output_tokens,
+    }
+
+
+def tool_use(call: gateway_pb2.ToolCall) -> dict[str, Any]:
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": json.loads(call.arguments_json)}
+
+
+def message(final: gateway_pb2.GenerateResponse) -> dict[str, Any]:
+    """The whole answer as Anthropic's `message` object."""
+    reason, sequence = stop_reason(final)
+    content = [tool_use(call) for call in final.tool_calls] or [{"type": "text", "text": final.text}]
+    return {
+        "id": f"msg_{final.request_id}",
+        "type": "message",
+        "role": "assistant",
+        "model": final.model,
+        "content": content,
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": usage(final),
+    }
+
+
+class _Endpoint:
+    """What both endpoints share: the body read and parsed into the pipeline's Incoming."""
+
+    endpoint = ""
+
+    def __init__(self, settings: GatewaySettings, pipeline: Pipeline, router: Router) -> None:
+        self._settings = settings
+        self._pipeline = pipeline
+        self._router = router
+
+    async def _incoming(
+        self, request: Request, schema: type[MessagesRequest] | type[CountTokensRequest]
+    ) -> tuple[Incoming, MessagesRequest | CountTokensRequest]:
+        arrival = time.time()
+        if not request.headers.get(VERSION_HEADER):
+            raise HttpError(
+                400, f"{VERSION_HEADER}: the header is required, e.g. 2023-06-01", param=VERSION_HEADER
+            )
+        deadline = deadline_ms(request.headers.get(TIMEOUT_HEADER), arrival)
+        raw = await read_body(request, self._settings.max_message_bytes, self._settings.http_body_timeout_s)
+        try:
+            body = schema.model_validate_json(raw)
+            chat = body.as_chat()
+        except ValidationError as error:
+            raise from_validation(error) from error
+        generate = to_generate_request(chat, self._settings, self._context)
+        generate.request_id = new_request_id()
+        trace = {key: value for key in TRACE_KEYS if (value := request.headers.get(key)) is not None}
+        incoming = Incoming(
+            generate,
+            protocol="http",
+            tenant=tenant(request.scope),
+            deadline_unix_ms=deadline,
+            trace_context=trace,
+        )
+        return incoming, body
+
+    def _context(self, model: str) -> int | None:
+        return self._router.max_model_len(model) if model in self._router.models else None
+
+    async def _answer(
+        self, scope: Scope, receive: Receive, send: Send, response: JSONResponse | None
+    ) -> None:
+        if response is not None:
+            await response(scope, receive, send)
+            HTTP_RESPONSES.labels(self.endpoint, str(response.status_code)).inc()
+
+
+class Messages(_Endpoint):
+    """POST /v1/messages."""
+
+    endpoint = "messages"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            incoming, body = await self._incoming(Request(scope, receive), MessagesRequest)
+        except HttpError as error:
+            await answer_refusal(anthropic_error(error), self.endpoint, scope, receive, send)
+            return
+        except ClientDisconnect:
+            return
+        answer = self._stream(incoming, send) if getattr(body, "stream", False) else self._whole(incoming)
+        await self._answer(scope, receive, send, await unless_disconnected(answer, receive))
+
+    async def _whole(self, incoming: Incoming) -> JSONResponse:
+        try:
+            async with contextlib.aclosing(self._pipeline.run(incoming)) as chunks:
+                async for chunk in chunks:
+                    if chunk.final is not None:
+                        return JSONResponse(message(chunk.final), headers=headers(chunk.final))
+        except GatewayError as error:
+            return anthropic_error(from_gateway(error)).response()
+        raise AssertionError("the pipeline ended without a final chunk")
+
+    async def _stream(self, incoming: Incoming, send: Send) -> JSONResponse | None:
+        """Send the stream once its first chunk is there; a JSON error when none came."""
+        async with contextlib.aclosing(self._pipeline.run(incoming)) as chunks:
+            try:
+                first = await anext(chunks)
+            except GatewayError as error:
+                return anthropic_error(from_gateway(error)).response()
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            HTTP_RESPONSES.labels(self.endpoint, "200").inc()
+            events = self._events(incoming.request, first, chunks)
+            async with contextlib.aclosing(events):
+                async for data in events:
+                    try:
+                        async with asyncio.timeout(self._settings.stream_idle_timeout_s):
+                            await send({"type": "http.response.body", "body": data, "more_body": True})
+                    except TimeoutError:
+                        STUCK_STREAMS.labels(first.model or incoming.request.model).inc()
+                        return None  # leaving the block closes the pipeline: cancelled on the worker
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return None
+
+    async def _events(
+        self, request: gateway_pb2.GenerateRequest, first: Chunk, chunks: AsyncGenerator[Chunk, None]
+    ) -> AsyncGenerator[bytes, None]:
+        head: dict[str, Any] = {
+            "id": f"msg_{request.request_id}",
+            "type": "message",
+            "role": "assistant",
+            "model": first.model or request.model or self._settings.default_route,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 0, "output_tokens": 0},
+        }
+        yield sse("message_start", {"type": "message_start", "message": head})
+        held = ToolStream(request)
+        text_open = False
+        chunk: Chunk | None = first
+        try:
+            while chunk is not None:
+                final = chunk.final
+                if final is None:
+                    text = held.take(chunk.text)
+                else:
+                    text = "" if final.tool_calls else held.rest(chunk.text)
+                if text or (final is not None and not final.tool_calls and not text_open):
+                    if not text_open:
+                        block = {"type": "text", "text": ""}
+                        yield sse(
+                            "content_block_start",
+                            {"type": "content_block_start", "index": 0, "content_block": block},
+                        )
+                        text_open = True
+                    if text:
+                        delta = {"type": "text_delta", "text": text}
+                        yield sse(
+                            "content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}
+                        )
+                if final is None:
+                    chunk = await anext(chunks, None)
+                    continue
+                for kind, payload in _closing(final, text_open):
+                    yield sse(kind, payload)
+                return
+        except GatewayError as error:
+            yield sse("error", anthropic_error(from_gateway(error)).body())
+
+
+def _closing(final: gateway_pb2.GenerateResponse, text_open: bool) -> list[tuple[str, dict[str, Any]]]:
+    """The events that end a stream: the text block's stop, each call's block, message_delta, message_stop."""
+    events: list[tuple[str, dict[str, Any]]] = []
+    index = 0
+    if text_open:
+        events.append(("content_block_stop", {"type": "content_block_stop", "index": 0}))
+        index = 1
+    for call in final.tool_calls:
+        block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
+        delta = {"type": "input_json_delta", "partial_json": call.arguments_json}
+        events += [
+            ("content_block_start", {"type": "content_block_start", "index": index, "content_block": block}),
+            ("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}),
+            ("content_block_stop", {"type": "content_block_stop", "index": index}),
+        ]
+        index += 1
+    reason, sequence = stop_reason(final)
+    ending: dict[str, Any] = {"stop_reason": reason, "stop_sequence": sequence}
+    events.append(("message_delta", {"type": "message_delta", "delta": ending, "usage": usage(final)}))
+    events.append(("message_stop", {"type": "message_stop"}))
+    return events
+
+
+class CountTokens(_Endpoint):
+    """POST /v1/messages/count_tokens."""
+
+    endpoint = "messages.count_tokens"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            incoming, _ = await self._incoming(Request(scope, receive), CountTokensRequest)
+        except HttpError as error:
+            await answer_refusal(anthropic_error(error), self.endpoint, scope, receive, send)
+            return
+        except ClientDisconnect:
+            return
+        await self._answer(scope, receive, send, await unless_disconnected(self._count(incoming), receive))
+
+    async def _count(self, incoming: Incoming) -> JSONResponse:
+        try:
+            count = await self._pipeline.count_tokens(incoming)
+        except GatewayError as error:
+            return anthropic_error(from_gateway(error)).response()
+        return JSONResponse({"input_tokens": count})
