@@ -146,6 +146,20 @@ def test_tool_use_round_trip_whole_and_streamed(stack: HttpStack) -> None:
     assert after.stop_reason == "max_tokens" and after.content[0].type == "text"
 
 
+def test_output_config_format_makes_the_answer_follow_the_schema(stack: HttpStack) -> None:
+    """output_config.format's JSON schema is structured output: the tiny model's noise becomes a JSON
+    object that the schema accepts."""
+    reply = client(stack).messages.create(
+        model=MODEL,
+        max_tokens=96,
+        messages=QUESTION,
+        output_config={"format": {"type": "json_schema", "schema": WEATHER}},
+        extra_body=GREEDY,
+    )
+    assert reply.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(reply.content[0].text), WEATHER)  # type: ignore[union-attr]
+
+
 def test_count_tokens_is_what_the_prompt_takes(stack: HttpStack) -> None:
     """count_tokens answers the prompt tokens the same conversation takes when it runs, with a system
     prompt and tools, which add to the count."""
