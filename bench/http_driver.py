@@ -1,8 +1,9 @@
-"""One benchmark request over the gateway's OpenAI-compatible HTTP API, and what the client saw of it.
+"""One benchmark request over the gateway's HTTP APIs, and what the client saw of it.
 
 It POSTs a streaming /v1/completions (the prompt text, greedy, EOS ignored, `include_usage`; `body`)
-or /v1/chat/completions (one user message, greedy, EOS ends it; `chat_body`) through httpx2's async
-client, the cheapest well-kept HTTP client Python has, reads the Server-Sent Events as they arrive
+or /v1/chat/completions (one user message, greedy; `chat_body`, EOS ending it unless `ignore_eos`), or
+Anthropic's /v1/messages (`messages_body`, the same message; read by `send_messages`) through httpx2's
+async client, the cheapest well-kept HTTP client Python has, reads the Server-Sent Events as they arrive
 and stamps each one: the first event with text is the first token (the gateway sends no chunk
 without text), the usage chunk gives the token counts and speculative decoding's kept and rejected
 drafts (an HTTP chunk carries text, not token ids, so the text is kept whole). The record is
@@ -40,15 +41,31 @@ def body(prompt: Prompt, new_tokens: int, model: str) -> dict[str, object]:
     }
 
 
-def chat_body(message: str, new_tokens: int, model: str) -> dict[str, object]:
-    """One user message, greedy, up to `new_tokens` tokens (EOS may end it sooner), streamed."""
-    return {
+def chat_body(message: str, new_tokens: int, model: str, *, ignore_eos: bool = False) -> dict[str, object]:
+    """One user message, greedy, up to `new_tokens` tokens (EOS may end it sooner unless
+    `ignore_eos`), streamed."""
+    payload: dict[str, object] = {
         "model": model,
         "messages": [{"role": "user", "content": message}],
         "max_tokens": new_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+    }
+    if ignore_eos:  # Strata's own field: sent only when asked for
+        payload["ignore_eos"] = True
+    return payload
+
+
+def messages_body(message: str, new_tokens: int, model: str) -> dict[str, object]:
+    """chat_body's request with EOS ignored, in the Messages API's names."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": message}],
+        "max_tokens": new_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
     }
 
 
@@ -95,5 +112,44 @@ async def send_http(
                     result.draft_tokens = result.accepted_draft_tokens + drafts.get(
                         "rejected_prediction_tokens", 0
                     )
+    result.e2e_s = time.perf_counter() - sent
+    return result
+
+
+async def send_messages(
+    client: httpx2.AsyncClient, url: str, index: int, payload: dict[str, object], timeout_s: float
+) -> RequestResult:
+    """POST `payload` to a Messages API `url` and read its named events to the end: the text deltas,
+    and the token counts of message_delta (the prompt's: computed plus read from the prefix cache)."""
+    sent = time.perf_counter()
+    result = RequestResult(index=index, status="OK", ttft_s=None, e2e_s=0.0)
+    previous = sent
+    headers = {"anthropic-version": "2023-06-01"}
+    async with client.stream("POST", url, json=payload, headers=headers, timeout=timeout_s) as response:
+        if response.status_code != 200:
+            await response.aread()
+            result.status, result.message = str(response.status_code), response.text
+        else:
+            async for line in response.aiter_lines():
+                if not line.startswith(DATA):
+                    continue
+                arrived = time.perf_counter()
+                event = json.loads(line.removeprefix(DATA))
+                kind = event["type"]
+                if kind == "error":
+                    result.status, result.message = "STREAM_ERROR", event["error"]["message"]
+                    break
+                text = event["delta"].get("text", "") if kind == "content_block_delta" else ""
+                if text:
+                    result.text += text
+                    if result.ttft_s is None:
+                        result.ttft_s = result.first_text_s = arrived - sent
+                    else:
+                        result.itl_s.append(arrived - previous)
+                    previous = arrived
+                if kind == "message_delta":
+                    usage = event["usage"]
+                    result.usage_input_tokens = usage["input_tokens"] + usage["cache_read_input_tokens"]
+                    result.usage_output_tokens = usage["output_tokens"]
     result.e2e_s = time.perf_counter() - sent
     return result

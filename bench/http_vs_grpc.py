@@ -1,5 +1,6 @@
-"""`python -m bench.http_vs_grpc` (`make bench-http`): the gateway's two front doors on the same
-workloads, in one run, alternated: the OpenAI-compatible HTTP API against gRPC.
+"""`python -m bench.http_vs_grpc` (`make bench-http`): the gateway's front doors on the same
+workloads, in one run, alternated: the OpenAI-compatible HTTP API against gRPC, and Anthropic's
+Messages API against Chat Completions.
 
 One stack is started from a copy of `--config` (both front doors on free ports) whose routes have
 admission's TTFT SLO off, so that no request of either is refused. Two workloads, both greedy
@@ -8,11 +9,14 @@ run (so no contestant gains from the prefix cache): throughput, `--streams` (64)
 of one request each of `--new-tokens` (64), output tokens/s over the level's wall time; and time to
 first token, one stream sending `--ttft-requests` (8) requests of `--ttft-new-tokens` (8) back to back,
 TTFT p50 (to the first text, as a client of either protocol sees it). gRPC goes through the raw
-grpc.aio stub (bench/driver.py), HTTP through httpx2's async client (bench/http_driver.py), each with
-its own connections, from this one process, whose CPU time (the client's) is recorded per level.
-After a warm-up of both, `--runs` (3) rounds: each runs both workloads, the protocols' order swapped
-every round (G H H G, H G G H, ...). Targets: HTTP at least 0.9x gRPC's tokens/s at `--streams`, and
-at most 5 ms more TTFT p50 at one stream, judged on the medians. This module must not start
+grpc.aio stub (bench/driver.py), the HTTP APIs through httpx2's async client (bench/http_driver.py):
+`http` is /v1/completions with the prompt as it is, `chat` /v1/chat/completions and `messages`
+/v1/messages with the prompt as one user message (so both through the chat template; EOS ignored),
+each with its own connections, from this one process, whose CPU time (the client's) is recorded per
+level. After a warm-up of each, `--runs` (3) rounds: each runs both workloads, the contestants' order
+reversed every other round (G H C M, M C H G, ...). Targets: HTTP at least 0.9x gRPC's tokens/s at
+`--streams`, and at most 5 ms more TTFT p50 at one stream; Messages at least 0.97x Chat Completions'
+tokens/s and at most 3 ms more TTFT p50; judged on the medians. This module must not start
 services other than through bench/session.py.
 """
 
@@ -30,7 +34,7 @@ import httpx2
 
 from bench.config_copy import write_config
 from bench.driver import make_request, send
-from bench.http_driver import body, send_http
+from bench.http_driver import body, chat_body, messages_body, send_http, send_messages
 from bench.provenance import finish_provenance, start_provenance
 from bench.session import BenchError, gateway, spawned
 from bench.stack_prompts import build_prompts, load_tokenizer
@@ -43,9 +47,13 @@ if TYPE_CHECKING:
     from bench.driver import RequestResult, Stub
     from bench.stack_prompts import Prompt
 
-PROTOCOLS = ("grpc", "http")
+PROTOCOLS = ("grpc", "http", "chat", "messages")
+RAW_PROMPT = ("grpc", "http")
+"""The contestants whose prompt is the text as it is: their prompt tokens are checked exactly."""
 THROUGHPUT_RATIO_TARGET = 0.9
 TTFT_DELTA_TARGET_MS = 5.0
+MESSAGES_RATIO_TARGET = 0.97
+MESSAGES_TTFT_DELTA_TARGET_MS = 3.0
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -84,13 +92,21 @@ async def closed_loop(
 
 
 def summarize_level(
-    results: list[RequestResult], wall_s: float, cpu_s: float, prompts: list[Prompt], new_tokens: int
+    results: list[RequestResult],
+    wall_s: float,
+    cpu_s: float,
+    prompts: list[Prompt],
+    new_tokens: int,
+    raw_prompt: bool = True,
 ) -> dict[str, Any]:
+    """A level's figures; a request counts as mismatched when its output tokens (and, for a raw
+    prompt, its prompt tokens: a chat template adds its own) differ from what was sent."""
     ok = [r for r in results if r.status == "OK"]
     mismatched = [
         r.index
         for r in ok
-        if r.usage_output_tokens != new_tokens or r.usage_input_tokens != len(prompts[r.index].token_ids)
+        if r.usage_output_tokens != new_tokens
+        or (raw_prompt and r.usage_input_tokens != len(prompts[r.index].token_ids))
     ]
     tokens = sum(r.usage_output_tokens or 0 for r in ok)
     # To the first text on both sides: a gRPC message may carry a token without text (part of a
@@ -124,17 +140,22 @@ class Contestants:
         timeout = self._args.timeout
 
         async def one(index: int) -> RequestResult:
+            prompt, client, url = prompts[index], self._client, self._url
             if protocol == "grpc":
-                request = make_request(
-                    prompts[index], new_tokens, f"bench-{id(prompts)}-{index}", self._model
-                )
+                request = make_request(prompt, new_tokens, f"bench-{id(prompts)}-{index}", self._model)
                 return await send(self._stub, index, request, timeout)
+            if protocol == "chat":
+                payload = chat_body(prompt.text, new_tokens, self._model, ignore_eos=True)
+                return await send_http(client, f"{url}/chat/completions", index, payload, timeout)
+            if protocol == "messages":
+                payload = messages_body(prompt.text, new_tokens, self._model)
+                return await send_messages(client, f"{url}/messages", index, payload, timeout)
             return await send_http(
-                self._client, self._url, index, body(prompts[index], new_tokens, self._model), timeout
+                client, f"{url}/completions", index, body(prompt, new_tokens, self._model), timeout
             )
 
         results, wall, cpu = await closed_loop(one, len(prompts), concurrency)
-        return summarize_level(results, wall, cpu, prompts, new_tokens)
+        return summarize_level(results, wall, cpu, prompts, new_tokens, protocol in RAW_PROMPT)
 
 
 async def run_rounds(endpoints: Any, args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
@@ -146,9 +167,7 @@ async def run_rounds(endpoints: Any, args: argparse.Namespace, tokenizer: Any) -
     }
     limits = httpx2.Limits(max_connections=args.streams + 8, max_keepalive_connections=args.streams + 8)
     async with gateway(endpoints.gateway) as (stub, models), httpx2.AsyncClient(limits=limits) as client:
-        contestants = Contestants(
-            stub, client, f"http://{endpoints.http}/v1/completions", models.default_model, args
-        )
+        contestants = Contestants(stub, client, f"http://{endpoints.http}/v1", models.default_model, args)
         for protocol in PROTOCOLS:  # warm-up: connections, the engine's shapes, both code paths
             warm = await contestants.level(protocol, prompts(f"warm-{protocol}", 8), args.new_tokens, 8)
             if warm["errors"]:
@@ -200,6 +219,14 @@ def verdict(levels: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any
     out["http_minus_grpc_ttft_ms"] = http_ttft - grpc_ttft
     out["throughput_target_met"] = http_tp / grpc_tp >= THROUGHPUT_RATIO_TARGET
     out["ttft_target_met"] = http_ttft - grpc_ttft <= TTFT_DELTA_TARGET_MS
+    chat_tp, messages_tp = out["throughput_chat"]["output_tok_s"], out["throughput_messages"]["output_tok_s"]
+    chat_ttft, messages_ttft = out["ttft_chat"]["ttft_ms_p50"], out["ttft_messages"]["ttft_ms_p50"]
+    pairs = zip(levels["throughput"]["messages"], levels["throughput"]["chat"], strict=True)
+    out["messages_vs_chat_tok_s"] = messages_tp / chat_tp
+    out["messages_vs_chat_tok_s_per_round"] = [m["output_tok_s"] / c["output_tok_s"] for m, c in pairs]
+    out["messages_minus_chat_ttft_ms"] = messages_ttft - chat_ttft
+    out["messages_throughput_target_met"] = messages_tp / chat_tp >= MESSAGES_RATIO_TARGET
+    out["messages_ttft_target_met"] = messages_ttft - chat_ttft <= MESSAGES_TTFT_DELTA_TARGET_MS
     return out
 
 
@@ -233,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         "targets": {
             "http_vs_grpc_tok_s_min": THROUGHPUT_RATIO_TARGET,
             "ttft_delta_ms_max": TTFT_DELTA_TARGET_MS,
+            "messages_vs_chat_tok_s_min": MESSAGES_RATIO_TARGET,
+            "messages_ttft_delta_ms_max": MESSAGES_TTFT_DELTA_TARGET_MS,
         },
         "result": verdict(levels),
         "errors": errors,
@@ -248,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
         f"TTFT p50 at 1 stream: http {result['ttft_http']['ttft_ms_p50']:.1f} ms, "
         f"grpc {result['ttft_grpc']['ttft_ms_p50']:.1f} ms: {result['http_minus_grpc_ttft_ms']:+.1f} ms "
         f"(target <= +{TTFT_DELTA_TARGET_MS:g}: {'met' if result['ttft_target_met'] else 'MISSED'})\n"
+        f"Messages against Chat Completions: {result['messages_vs_chat_tok_s']:.3f}x tokens/s "
+        f"({'met' if result['messages_throughput_target_met'] else 'MISSED'}), TTFT p50 "
+        f"{result['messages_minus_chat_ttft_ms']:+.1f} ms "
+        f"({'met' if result['messages_ttft_target_met'] else 'MISSED'})\n"
         f"wrote {args.json}"
     )
     return 0 if record["valid"] or args.smoke else 1

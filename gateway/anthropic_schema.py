@@ -8,7 +8,9 @@ description, input_schema), `tool_choice` (auto, any, tool, none), `output_confi
 the answer follows), `stream` and `metadata`. A block type this gateway cannot read (an image, a
 document) and extended `thinking` are refused naming the field, and so is a field the API does not have:
 nothing is ignored in silence. `cache_control` is accepted and has no effect (the workers cache every
-prompt's prefix by themselves), and so is `output_config.effort`.
+prompt's prefix by themselves), and so is `output_config.effort`. Strata's own `ignore_eos`, `priority`,
+`allow_fallback` and `no_fallback` are taken as extra body fields, as the Chat Completions front door
+takes them.
 
 `as_chat` reads a request as the OpenAI Chat Completions request it is (openai_schema.py), so both front
 doors share one mapping onto the pipeline (openai_mapping.py): a `tool_use` block becomes an assistant
@@ -216,6 +218,11 @@ class MessagesRequest(_Conversation):
     service_tier: Literal["auto", "standard_only"] | None = None
     cache_control: dict[str, Any] | None = None
     output_config: OutputConfig | None = None
+    # Strata's own options, as extra body fields (as the Chat Completions front door takes them).
+    ignore_eos: bool = False
+    priority: Literal["interactive", "batch"] | None = None
+    allow_fallback: bool = False
+    no_fallback: bool = False
 
     def as_chat(self) -> ChatCompletionRequest:
         """The Chat Completions request this one is: the same turns, tools, limits and sampling."""
@@ -231,6 +238,10 @@ class MessagesRequest(_Conversation):
             top_k=self.top_k or 0,
             stop=self.stop_sequences,
             stream=self.stream,
+            ignore_eos=self.ignore_eos,
+            priority=self.priority,
+            allow_fallback=self.allow_fallback,
+            no_fallback=self.no_fallback,
             tools=tools,
             tool_choice=choice,
             response_format=ResponseFormat(type="json_schema", json_schema=schema)

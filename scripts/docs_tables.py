@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # its page modules, al
 import docs_tables_admission
 import docs_tables_engine
 import docs_tables_features
+import docs_tables_http
 import docs_tables_levers
 import docs_tables_models
 import docs_tables_stack
@@ -45,6 +46,7 @@ RECORD_TABLES: tuple[Table, ...] = (
     *docs_tables_models.TABLES,
     *docs_tables_levers.TABLES,
     *docs_tables_stack.TABLES,
+    *docs_tables_http.TABLES,
     *docs_tables_admission.TABLES,
     *docs_tables_features.TABLES,
 )

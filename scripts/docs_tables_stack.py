@@ -1,4 +1,4 @@
-"""The whole stack's tables: `strata bench` levels, the fallback under overload, tenants, HTTP, tracing.
+"""The whole stack's tables: `strata bench` levels, the fallback under overload, tenants, tracing.
 
 Each function turns quotable records (by file name) into markdown lines for docs/benchmarks.md,
 docs/cpu-speed.md and docs/observability.md; `TABLES` declares which record each reads. This module
@@ -204,40 +204,6 @@ def tenants(records: Mapping[str, Record]) -> list[str]:
     ]
 
 
-def http_vs_grpc(records: Mapping[str, Record]) -> list[str]:
-    data = records["http-vs-grpc-cpu.json"].data
-    result, targets = data["result"], data["targets"]
-    grpc, http = result["throughput_grpc"], result["throughput_http"]
-    tgrpc, thttp = result["ttft_grpc"], result["ttft_http"]
-    rows = [
-        [
-            "64 streams: output tok/s",
-            spread(grpc["output_tok_s"], grpc["spread"]),
-            spread(http["output_tok_s"], http["spread"]),
-            f"**{ratio(result['http_vs_grpc_tok_s'])}** "
-            f"(rounds {runs(result['http_vs_grpc_tok_s_per_round'])})",
-            f">= {targets['http_vs_grpc_tok_s_min']}x: {met(result['throughput_target_met'])}",
-        ],
-        [
-            "1 stream: TTFT p50",
-            spread(tgrpc["ttft_ms_p50"], tgrpc["spread"]) + " ms",
-            spread(thttp["ttft_ms_p50"], thttp["spread"]) + " ms",
-            f"**{result['http_minus_grpc_ttft_ms']:+.1f} ms**",
-            f"<= +{targets['ttft_delta_ms_max']:g} ms: {met(result['ttft_target_met'])}",
-        ],
-        [
-            "client CPU per 1000 tokens, 64 streams",
-            f"{grpc['client_cpu_ms_per_1k_tokens']:.0f} ms",
-            f"{http['client_cpu_ms_per_1k_tokens']:.0f} ms",
-            ratio(http["client_cpu_ms_per_1k_tokens"] / grpc["client_cpu_ms_per_1k_tokens"], 1),
-            "(recorded)",
-        ],
-    ]
-    return table(
-        ["workload", "gRPC, median (min-max)", "HTTP, median (min-max)", "HTTP against gRPC", "target"], rows
-    )
-
-
 def trace_overhead(records: Mapping[str, Record]) -> list[str]:
     data = records["trace-overhead-cpu.json"].data
     rows = []
@@ -367,7 +333,6 @@ TABLES = (
         ("serve-peer-qwen05-cpu.json",),
         lambda records: serve_peer(records, "serve-peer-qwen05-cpu.json"),
     ),
-    Table("http-vs-grpc", ("http-vs-grpc-cpu.json",), http_vs_grpc),
     Table("trace-overhead", ("trace-overhead-cpu.json",), trace_overhead),
     Table("containers", ("images-cpu.json", "compose-cpu.json"), containers),
 )
