@@ -237,14 +237,16 @@ def test_a_preempting_step_admits_no_one() -> None:
 
 
 def test_a_more_urgent_arrival_takes_the_blocks_of_a_less_urgent_sequence_at_once() -> None:
-    """With every block held, w (priority 1) preempts y (priority 2) at the start of the next step
-    and starts in it; y waits behind it and resumes when x ends."""
+    """With every block held by tenant "", w (priority 1, another tenant) preempts y (priority 2) at
+    the start of the next step and starts in it; y waits behind it and resumes when x ends."""
     sched = make_scheduler(num_blocks=4, block_size=4)
     model = FakeModel(4, 4)
     sched.add(make_request("x", 1, max_new=6, priority=0, arrival=0))
     sched.add(make_request("y", 4, max_new=6, priority=2, arrival=1))
     step(sched, model)
-    sched.add(make_request("w", 5, max_new=6, priority=1, arrival=2))
+    w = make_request("w", 5, max_new=6, priority=1, arrival=2)
+    w.cache_salt = "another tenant"
+    sched.add(w)
     batch, _ = step(sched, model)
     assert not batch.preempted  # a yield is not a step's preemption for room: it may admit
     assert [(e.seq.request_id, e.start) for e in batch.entries] == [("x", 1), ("w", 0)]

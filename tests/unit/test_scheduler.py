@@ -191,45 +191,76 @@ def test_priority_then_fcfs() -> None:
     assert order == ["b", "d", "e", "a", "c"]
 
 
-def test_a_more_urgent_arrival_takes_the_slot_of_the_youngest_least_urgent_sequence() -> None:
-    """With every running slot held by priority-1 streams, a priority-0 arrival runs in the next step:
-    the youngest priority-1 stream is preempted, resumes once the urgent one ends (from its prefix-cached
+def tenant_seq(tenant: str, rid: str, prompt_len: int, max_new: int, priority: int, arrival: int) -> Sequence:
+    seq = make_seq(rid, prompt_len, max_new=max_new, priority=priority, arrival=arrival)
+    seq.cache_salt = tenant
+    return seq
+
+
+def test_a_more_urgent_arrival_of_another_tenant_takes_the_slot_of_the_youngest_flooding_sequence() -> None:
+    """With every running slot held by tenant a's priority-1 streams, tenant b's priority-0 arrival runs
+    in the next step: a's youngest stream is preempted, resumes once b's ends (from its prefix-cached
     blocks), and every stream's tokens equal those of a run where nobody was preempted. An arrival of
-    the running streams' own priority waits instead."""
+    the running streams' own priority waits, and so does a more urgent one of tenant a itself."""
 
     def seqs() -> list[Sequence]:
-        return [make_seq(f"low{i}", 40, max_new=30, priority=1, arrival=i) for i in range(3)]
+        return [tenant_seq("a", f"low{i}", 40, 30, priority=1, arrival=i) for i in range(3)]
 
-    urgent = make_seq("urgent", 20, max_new=5, arrival=9)
+    urgent = tenant_seq("b", "urgent", 20, 5, priority=0, arrival=9)
     expected = run_all(make_scheduler(max_num_seqs=4), [*seqs(), urgent])
     sched = make_scheduler(max_num_seqs=3)
     model = FakeModel(256, 16)
-    low = seqs()
-    for seq in low:
+    for seq in seqs():
         sched.add(seq)
     streamed: dict[str, list[int]] = {}
-    for _ in range(3):
-        for out in step(sched, model)[1]:
+
+    def run_step() -> set[str]:
+        batch, outputs = step(sched, model)
+        for out in outputs:
             streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return {e.seq.request_id for e in batch.entries}
+
+    for _ in range(3):
+        run_step()
     assert sched.num_running == 3
-    sched.add(make_seq("same", 20, max_new=5, priority=1, arrival=8))
-    batch, outputs = step(sched, model)
-    assert "same" not in {e.seq.request_id for e in batch.entries}
-    for out in outputs:
-        streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
-    sched.abort("same")
-    sched.add(make_seq("urgent", 20, max_new=5, arrival=9))
-    batch, outputs = step(sched, model)
-    assert "urgent" in {e.seq.request_id for e in batch.entries}
+    for rid, tenant, priority in (("same", "b", 1), ("own", "a", 0)):
+        sched.add(tenant_seq(tenant, rid, 20, 5, priority=priority, arrival=8))
+        assert rid not in run_step()
+        sched.abort(rid)
+    sched.add(tenant_seq("b", "urgent", 20, 5, priority=0, arrival=9))
+    assert "urgent" in run_step()
     assert [s.request_id for s in sched.waiting] == ["low2"]
     assert sched.stats.num_preemptions == 1
-    for out in outputs:
-        streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
     while sched.has_work:
-        for out in step(sched, model)[1]:
-            streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
+        run_step()
     assert streamed == expected
     assert sched.stats.prefix_hit_blocks == 0, "a resumed victim is not a client's prompt served from cache"
+
+
+def test_preemption_stops_at_an_even_split_and_takes_nobody_when_it_would_not_be_enough() -> None:
+    """Tenant b's urgent arrivals take a's slots only while a holds at least two more than b, so the
+    running slots end even; and an arrival whose prompt needs more blocks than every victim would free
+    preempts nobody."""
+    sched = make_scheduler(max_num_seqs=4)
+    model = FakeModel(256, 16)
+    for i in range(4):
+        sched.add(tenant_seq("a", f"a{i}", 16, 60, priority=1, arrival=i))
+    step(sched, model)
+    for i in range(3):
+        sched.add(tenant_seq("b", f"b{i}", 16, 60, priority=0, arrival=10 + i))
+    for _ in range(4):
+        step(sched, model)
+    running = [s.cache_salt for s in sched.running]
+    assert sorted(running) == ["a", "a", "b", "b"], running
+    assert sched.stats.num_preemptions == 2
+
+    tight = make_scheduler(num_blocks=8, block_size=16, max_num_seqs=4)
+    small = FakeModel(8, 16)
+    tight.add(tenant_seq("a", "x", 40, 60, priority=1, arrival=0))
+    step(tight, small)
+    tight.add(tenant_seq("b", "huge", 200, 4, priority=0, arrival=1))
+    step(tight, small)
+    assert tight.stats.num_preemptions == 0 and [s.request_id for s in tight.running] == ["x"]
 
 
 def test_finish_reasons() -> None:

@@ -2,15 +2,15 @@
 
 Owns the waiting and running queues, chunked prefill within the step's prefill budget and running limit
 (step_limits.py sets both: what a step's decodes leave, an inter-token SLO's caps, load shedding's
-limit), priorities (FCFS within one; a waiting sequence more urgent than running ones takes the slot and
-the KV blocks it needs from them, yielding.py chooses whose), preemption by recompute when KV blocks run
-out, load shedding after a step that ran out of memory, and which decodes score drafted tokens
-(speculation.py proposes them; only budget and free blocks left after every plain decode go to them). A
-waiting sequence whose prefix the block manager has cached starts from those blocks: its KV need and its
-share of the prefill budget count only the tokens it computes. postprocess applies each step's sampled
-tokens through step_results.py (outputs and finish decisions) and takes back the sequences that end. It
-must not import torch nor do I/O: the runner executes batches, the engine loop owns the thread that
-calls schedule, postprocess, abort and shed_load, one at a time.
+limit), priorities (FCFS within one; yielding.py names the running sequences that give way to a more
+urgent one of another tenant), preemption by recompute when KV blocks run out, load shedding after a
+step that ran out of memory, and which decodes score drafted tokens (speculation.py proposes them; only
+budget and free blocks left after every plain decode go to them). A waiting sequence whose prefix the
+block manager has cached starts from those blocks: its KV need and its share of the prefill budget count
+only the tokens it computes. postprocess applies each step's sampled tokens through step_results.py
+(outputs and finish decisions) and takes back the sequences that end. It must not import torch nor do
+I/O: the runner executes batches, the engine loop owns the thread that calls schedule, postprocess,
+abort and shed_load, one at a time.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ class Scheduler:
         plan = BatchBuilder(self._num_steps, self.config.max_num_batched_tokens)
         slo = self.itl_slo_s
         max_running = self.limits.max_running(slo)
-        for victim in yielding(self._waiting, self._running, max_running, self.block_manager):
+        for victim in yielding(self._waiting, self._running, max_running, self.block_manager, plan.budget):
             self._preempt(victim)
         order = sorted(self._running, key=_urgency)
         if self.config.mixed_batches:
