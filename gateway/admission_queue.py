@@ -124,6 +124,10 @@ class AdmissionQueue:
         lane = next((lane for lane in self._lanes.values() if lane), None)
         return lane[0][2] if lane is not None else None
 
+    def first(self, wanted: Callable[[Slot[Any]], bool]) -> Slot[Any] | None:
+        """The first waiting slot, in the order served, that `wanted` accepts; left in the queue."""
+        return next((slot for lane in self._lanes.values() for _, _, slot in lane if wanted(slot)), None)
+
     def pop_next(self) -> Slot[Any] | None:
         """The next slot to serve: the lowest tag of the interactive lane, else of the batch lane."""
         for priority in Priority:

@@ -14,15 +14,15 @@ while it is within the load bound, else the ready link with the most credit. A s
 before its prompt is tokenized (a credit was free at once); once tokenized, `set_prompt` moves its
 unsent credit to the prefix's replica when that is another with a credit free. With fair queuing on, a
 request whose tenant holds less than its weighted share of a link's open work is sent favoured
-(`worker_priority`): the worker prefills it before the rest of its priority and, when every running
-slot is taken, preempts a less favoured sequence for it. For that request to reach the worker while
-another tenant holds every credit, `fair_reserve_share` of each link's credits go only to a tenant
-below its share there (`usable_credits`); the dispatcher serves the queue in order, so a head that may
-not take them waits. Slots granted in one pass are submitted in one event-loop tick and so share one
-ConnectRequest. A slot whose deadline passes
-while it waits leaves the queue with DEADLINE_EXCEEDED (nothing was sent to a worker); a released one
-leaves it too. This module must not talk to workers (worker_link.py) nor find them (discovery.py) nor
-validate requests.
+(`worker_priority`): the worker prefills it before the rest of its priority and, when every running slot
+is taken, preempts a less favoured sequence for it. For that request to reach the worker while another
+tenant holds every credit, `fair_reserve_share` of each link's credits go only to a tenant below its
+share there (`usable_credits`); the dispatcher serves the queue in order, except that a head which may
+not take them lets the first waiting slot of such a tenant take one. Slots granted in one pass are
+submitted in one event-loop tick and so share one ConnectRequest. A slot whose deadline passes while it
+waits leaves the queue with DEADLINE_EXCEEDED (nothing was sent to a worker); a released one leaves it
+too. This module must not talk to workers (worker_link.py) nor find them (discovery.py) nor validate
+requests.
 """
 
 from __future__ import annotations
@@ -350,8 +350,15 @@ class Route:
         while (slot := self._queue.peek_next()) is not None:
             choice = None if slot.decided else self._choose(slot)
             if choice is None and not slot.decided:
-                return  # no credit it may take: the queue's order holds, so everyone behind it waits
-            self._queue.pop_next()
+                # The head may not take the credits kept for tenants below their share: the first
+                # waiting slot of such a tenant may; everyone else keeps the queue's order.
+                reserved = self._queue.first(lambda s: not s.decided and self._choose(s) is not None)
+                if reserved is None:
+                    return
+                slot, choice = reserved, self._choose(reserved)
+                self._queue.remove(slot)
+            else:
+                self._queue.pop_next()
             if slot.timer is not None:
                 slot.timer.cancel()
             if choice is None:  # its request was released a moment ago

@@ -51,6 +51,7 @@ MODELS = (
     "cancel",
     "cached",
     "reserve",
+    "reserve-long",
     "no-reserve",
 )
 WAIT_S = 60.0

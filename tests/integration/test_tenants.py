@@ -113,10 +113,12 @@ def test_the_worker_prefills_a_tenant_below_its_share_before_a_flood_already_wai
     assert fifo.index("quiet 0") == 8, fifo
 
 
-def flood_then_one(stack: Stack, model: str, reserve_share: float) -> tuple[list[str], int]:
+def flood_then_one(
+    stack: Stack, model: str, reserve_share: float, quiet_prompt: str = "quiet"
+) -> tuple[list[str], int]:
     """A noisy flood of long requests that holds every running slot of the worker and every credit
-    the gateway lets it take, then one short quiet request: the finish order, and how many sequences
-    the worker preempted by then."""
+    the gateway lets it take, then one quiet request of 4 tokens: the finish order, and how many
+    sequences the worker preempted by then."""
     worker = stack.start_worker(model, max_requests=16, max_running=4, step_delay_s=0.02)
     gateway = stack.start_gateway(
         {"model": model, "workers": [worker.address], "ttft_slo_ms": 0, "fair_reserve_share": reserve_share},
@@ -132,6 +134,7 @@ def flood_then_one(stack: Stack, model: str, reserve_share: float) -> tuple[list
 
             async def one(tenant: str, name: str, tokens: int) -> None:
                 await stub.Generate(request(model, name, tokens), metadata=key(tenant), timeout=300)
+                name = "quiet" if tenant == "quiet" else name
                 order.append(name)
                 if name == "quiet":
                     preempted.append(worker.host.stats().preemptions)
@@ -142,7 +145,7 @@ def flood_then_one(stack: Stack, model: str, reserve_share: float) -> tuple[list
                 WAIT_S,
                 "the flood running in every slot and filling the credits",
             )
-            await one("quiet", "quiet", 4)
+            await one("quiet", quiet_prompt, 4)
             await asyncio.gather(*noisy)
 
     asyncio.run(main())
@@ -157,6 +160,10 @@ def test_a_flood_holding_every_running_slot_leaves_room_for_another_tenants_requ
     order, preempted = flood_then_one(stack, "reserve", 0.25)
     assert order[0] == "quiet", order
     assert preempted >= 1
+    # A prompt costing more than a flood request sorts behind the flood's head in the fair queue: the
+    # head may not take the reserve, so the quiet request takes it past the head.
+    order, _ = flood_then_one(stack, "reserve-long", 0.25, quiet_prompt="q" * 200)
+    assert order[0] == "quiet", order
     order, _ = flood_then_one(stack, "no-reserve", 0.0)
     assert order.index("quiet") >= 1, order
 
