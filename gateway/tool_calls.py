@@ -85,7 +85,10 @@ def parse(request: gateway_pb2.GenerateRequest, text: str) -> list[gateway_pb2.T
         call = json.loads(body)
     except ValueError:
         return []
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or "arguments" not in call:
+    # A call's arguments are a JSON object (both APIs give them as one); anything else is text.
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return []
+    if not isinstance(call.get("arguments"), dict):
         return []
     arguments = json.dumps(call["arguments"], ensure_ascii=False)
     return [

@@ -67,6 +67,8 @@ def test_parse_reads_calls_and_ignores_text_and_cut_calls() -> None:
     (wrapped,) = tool_calls.parse(auto, '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
     assert wrapped.name == "get_time"
     assert tool_calls.parse(_request(Mode.TOOL_CHOICE_MODE_NONE), '{"name": "x", "arguments": {}}') == []
+    # Arguments that are not a JSON object make no call: both APIs hand a call's arguments on as one.
+    assert tool_calls.parse(auto, '<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>') == []
 
 
 @pytest.mark.parametrize(
