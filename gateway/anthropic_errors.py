@@ -5,8 +5,8 @@ The HTTP front door decides the failure once, as an HttpError (openai_errors.py:
 field as the client sent it); `anthropic_error` gives it Anthropic's type and status: 400
 invalid_request_error, 401 authentication_error, 403 permission_error, 404 not_found_error, 408 and
 504 timeout_error, 413 request_too_large, 429 rate_limit_error for a tenant's quota (with
-retry-after), 529 overloaded_error when admission refuses for load or no worker can take the request
-(with retry-after, which Anthropic's SDKs honour), and 500 api_error for anything else. This module
+retry-after), 529 overloaded_error when admission refuses for load (with retry-after, which Anthropic's
+SDKs honour) or no worker can take the request, and 500 api_error for anything else. This module
 must not decide when something fails.
 """
 

@@ -1,7 +1,7 @@
 """Anthropic's Messages API request bodies, parsed and checked, and read as the chat request they are.
 
 `MessagesRequest` (POST /v1/messages) and `CountTokensRequest` (POST /v1/messages/count_tokens) take
-Anthropic's field names: `system` (a string or text blocks), `messages` of user and assistant turns
+Anthropic's field names: `system` (a string or text blocks), `messages` of user, assistant (and system) turns
 whose content is a string or `text`, `tool_use` and `tool_result` blocks, `max_tokens` (required, as
 Anthropic requires it), `stop_sequences`, `temperature` (0 to 1), `top_p`, `top_k`, `tools` (name,
 description, input_schema), `tool_choice` (auto, any, tool, none), `output_config.format` (a JSON schema

@@ -116,13 +116,12 @@ def choose(
     ring: Ring,
     key: int | None,
     factor: float,
-    credits: Callable[[R], int] | None = None,
+    credits: Callable[[R], int],
 ) -> Choice[R] | None:
     """The replica for a request with routing key `key` among the ready `replicas`; None when none
-    has a credit for it. `credits(replica)` is what the request may take there (route.py keeps some for
-    tenants below their share); without it, a replica's free credits."""
-    count = credits or (lambda replica: replica.free_credits)
-    free = {replica.address: count(replica) for replica in replicas}
+    has a credit for it. `credits(replica)` is what the request may take there (route.py keeps some of
+    a replica's free credits for tenants below their share)."""
+    free = {replica.address: credits(replica) for replica in replicas}
     if not any(value > 0 for value in free.values()):
         return None
     # Least loaded as the dispatcher has always judged it: the most credits this gateway may use.

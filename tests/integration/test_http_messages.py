@@ -4,7 +4,7 @@ streams, stop sequences, tool use round trips, count_tokens, and every refusal i
 One real stack per module (tokenizer service, worker, gateway with its HTTP API; the tiny random model
 with a long context, whose unconstrained text is noise: a tool call that parses is the grammar's doing).
 Greedy requests (temperature 0) make a stream's text comparable with the whole answer's. The 529 of an
-overloaded route is mapped in tests/unit/test_anthropic_errors.py: provoking admission's refusal here
+overloaded route is mapped in tests/unit/test_anthropic_api.py: provoking admission's refusal here
 would hang on this machine's speed.
 """
 
