@@ -74,6 +74,19 @@ def chunk_text(choice: dict[str, Any]) -> str:
     return str(choice.get("text") or choice.get("delta", {}).get("content") or "")
 
 
+def _text_arrived(result: RequestResult, text: str, sent: float, previous: float, arrived: float) -> float:
+    """Stamp an event's `text` on `result` (the first text is the first token, later ones a gap);
+    returns when the last text came."""
+    if not text:
+        return previous
+    result.text += text
+    if result.ttft_s is None:
+        result.ttft_s = result.first_text_s = arrived - sent
+    else:
+        result.itl_s.append(arrived - previous)
+    return arrived
+
+
 async def send_http(
     client: httpx2.AsyncClient, url: str, index: int, payload: dict[str, object], timeout_s: float
 ) -> RequestResult:
@@ -95,13 +108,7 @@ async def send_http(
                     result.status, result.message = "STREAM_ERROR", chunk["error"]["message"]
                     break
                 text = chunk_text(chunk["choices"][0]) if chunk["choices"] else ""
-                if text:
-                    result.text += text
-                    if result.ttft_s is None:
-                        result.ttft_s = result.first_text_s = arrived - sent
-                    else:
-                        result.itl_s.append(arrived - previous)
-                    previous = arrived
+                previous = _text_arrived(result, text, sent, previous, arrived)
                 if usage := chunk.get("usage"):
                     result.usage_input_tokens = usage["prompt_tokens"]
                     result.usage_output_tokens = usage["completion_tokens"]
@@ -140,13 +147,7 @@ async def send_messages(
                     result.status, result.message = "STREAM_ERROR", event["error"]["message"]
                     break
                 text = event["delta"].get("text", "") if kind == "content_block_delta" else ""
-                if text:
-                    result.text += text
-                    if result.ttft_s is None:
-                        result.ttft_s = result.first_text_s = arrived - sent
-                    else:
-                        result.itl_s.append(arrived - previous)
-                    previous = arrived
+                previous = _text_arrived(result, text, sent, previous, arrived)
                 if kind == "message_delta":
                     usage = event["usage"]
                     result.usage_input_tokens = usage["input_tokens"] + usage["cache_read_input_tokens"]

@@ -34,15 +34,19 @@ from starlette.responses import JSONResponse
 from gateway.anthropic_errors import anthropic_error
 from gateway.anthropic_schema import CountTokensRequest, MessagesRequest
 from gateway.errors import GatewayError
-from gateway.http_auth import answer_refusal, tenant
-from gateway.http_endpoints import SSE_HEADERS, TIMEOUT_HEADER, deadline_ms, read_body, unless_disconnected
+from gateway.http_auth import answer_refusal
+from gateway.http_endpoints import (
+    SSE_HEADERS,
+    TIMEOUT_HEADER,
+    deadline_ms,
+    http_incoming,
+    read_body,
+    unless_disconnected,
+)
 from gateway.metrics import HTTP_RESPONSES, STUCK_STREAMS
 from gateway.openai_errors import HttpError, from_gateway, from_validation
 from gateway.openai_mapping import headers, to_generate_request
 from gateway.openai_tools import ToolStream
-from gateway.request_ids import new_request_id
-from gateway.request_trace import TRACE_KEYS
-from gateway.request_values import Incoming
 from strata.v1 import common_pb2
 
 if TYPE_CHECKING:
@@ -51,7 +55,7 @@ if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
     from gateway.pipeline import Pipeline
-    from gateway.request_values import Chunk
+    from gateway.request_values import Chunk, Incoming
     from gateway.router import Router
     from gateway.settings import GatewaySettings
     from strata.v1 import gateway_pb2
@@ -132,16 +136,7 @@ class _Endpoint:
         except ValidationError as error:
             raise from_validation(error) from error
         generate = to_generate_request(chat, self._settings, self._context)
-        generate.request_id = new_request_id()
-        trace = {key: value for key in TRACE_KEYS if (value := request.headers.get(key)) is not None}
-        incoming = Incoming(
-            generate,
-            protocol="http",
-            tenant=tenant(request.scope),
-            deadline_unix_ms=deadline,
-            trace_context=trace,
-        )
-        return incoming, body
+        return http_incoming(generate, request, deadline), body
 
     def _context(self, model: str) -> int | None:
         return self._router.max_model_len(model) if model in self._router.models else None

@@ -103,16 +103,7 @@ class Completions:
         except ValidationError as error:
             raise from_validation(error) from error
         generate = to_generate_request(body, self._settings, self._context)
-        generate.request_id = new_request_id()  # known before the first chunk: every chunk's id
-        trace = {key: value for key in TRACE_KEYS if (value := request.headers.get(key)) is not None}
-        incoming = Incoming(
-            generate,
-            protocol="http",
-            tenant=tenant(request.scope),
-            deadline_unix_ms=deadline,
-            trace_context=trace,
-        )
-        return incoming, body
+        return http_incoming(generate, request, deadline), body
 
     def _context(self, model: str) -> int | None:
         """A served model's context length when known; None for a name no route serves (the
@@ -226,6 +217,20 @@ SSE_HEADERS = [
 
 def _finish(final: gateway_pb2.GenerateResponse) -> str:
     return FINISH_REASONS.get(final.finish_reason, "stop")
+
+
+def http_incoming(generate: gateway_pb2.GenerateRequest, request: Request, deadline: int) -> Incoming:
+    """The pipeline's Incoming for an HTTP request: a new request id (known before the first chunk:
+    every chunk's), the caller's tenant and W3C trace context, the deadline (unix ms, 0: none)."""
+    generate.request_id = new_request_id()
+    trace = {key: value for key in TRACE_KEYS if (value := request.headers.get(key)) is not None}
+    return Incoming(
+        generate,
+        protocol="http",
+        tenant=tenant(request.scope),
+        deadline_unix_ms=deadline,
+        trace_context=trace,
+    )
 
 
 def deadline_ms(header: str | None, arrival: float) -> int:

@@ -18,6 +18,7 @@ import httpx
 import jsonschema
 import pytest
 
+from tests.grammar_cases import WEATHER
 from tests.integration.http_harness import KEY, MAX_BODY, MODEL, TIGHT_KEY, HttpStack
 from tests.polling import wait_for
 
@@ -28,15 +29,6 @@ if TYPE_CHECKING:
     from anthropic.types import MessageParam, ToolParam
 
 QUESTION: list[MessageParam] = [{"role": "user", "content": "What is the weather in Paris?"}]
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 TOOLS: list[ToolParam] = [{"name": "get_weather", "description": "Weather", "input_schema": WEATHER}]
 HEADERS = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
 GREEDY = {"temperature": 0}

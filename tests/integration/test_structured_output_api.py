@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.grammar_cases import SCHEMA
+from tests.grammar_cases import SCHEMA, WEATHER
 from tests.integration.http_harness import KEY, MODEL, HttpStack
 
 if TYPE_CHECKING:
@@ -28,15 +28,6 @@ if TYPE_CHECKING:
     from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the weather in Paris?"}]
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 TIME = {
     "type": "object",
     "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
