@@ -143,11 +143,15 @@ def flood(records: Mapping[str, Record]) -> list[str]:
             f"{status} {count:,.0f}" for status, count in summary["flood_outcomes_median"].items()
         )
         rss = summary["gateway_rss_mib_median"]
+        statuses = [
+            s for r in data["rounds"] if r["contestant"] == contestant for s in r["quiet"]["statuses"]
+        ]
+        refused = sum(status == "RESOURCE_EXHAUSTED" for status in statuses)
         rows.append(
             [
                 contestant,
                 _ms(summary["quiet_ttft_p99_ms"]),
-                f"{summary['quiet_refused']} of {summary['quiet_sent']}",
+                f"{refused} / {summary['quiet_refused'] - refused} of {summary['quiet_sent']}",
                 f"{summary['flood_calls_median']:,.0f}: {outcomes}",
                 f"{summary['flood_refusal_gateway_p99_ms']:.1f} ms",
                 _ms(summary["flood_refusal_client_p99_ms"]),
@@ -158,7 +162,7 @@ def flood(records: Mapping[str, Record]) -> list[str]:
     header = [
         "gateway",
         f"quiet TTFT p99 (SLO {data['ttft_slo_ms'] / 1000:g} s)",
-        "quiet refused",
+        "quiet refused / cancelled",
         "flood calls sent, by outcome (median round)",
         "flood refusals p99, in the gateway",
         "at the flood's client (median round)",
