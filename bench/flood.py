@@ -255,6 +255,17 @@ def _targets(rounds: list[dict[str, Any]], slo_ms: float) -> list[dict[str, Any]
     ]
 
 
+def _compact(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rounds as the record keeps them: each refusal's time in the gateway (tens of thousands a
+    round) pooled into the contestants' p99 already, so a round keeps their count and p99 only."""
+    kept = []
+    for r in rounds:
+        flood = {key: value for key, value in r["flood"].items() if key != "refusal_gateway_s"}
+        flood["refusals_timed_in_gateway"] = len(r["flood"]["refusal_gateway_s"])
+        kept.append({**r, "flood": flood})
+    return kept
+
+
 def _copy(args: argparse.Namespace, directory: Path, contestant: str) -> tuple[Path, str]:
     """The contestant's config copy (the two tenants, its fair_queuing) and the primary's model."""
     section = read_config(args.config.resolve()).get("gateway") or {}
@@ -304,9 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         "model": model,
         "ttft_slo_ms": slo_ms,
         "ttft_slo_source": slo_source,
-        "rounds": rounds,
         "contestants": {name: contestant_summary(rounds, name) for name in CONTESTANTS},
         "targets": _targets(rounds, slo_ms),
+        "rounds": _compact(rounds),
     }
     save_record(record, args.json)
     print_targets("bench.flood", record)
