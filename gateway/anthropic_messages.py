@@ -207,7 +207,12 @@ class Messages(_Endpoint):
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": 0, "output_tokens": 0},
+            "usage": {
+                "input_tokens": first.input_tokens - first.cached_input_tokens,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": first.cached_input_tokens,
+                "output_tokens": 0,
+            },
         }
         yield sse("message_start", {"type": "message_start", "message": head})
         held = ToolStream(request)

@@ -154,10 +154,28 @@ class Request:
         if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
             final = self._final(finish, stop_sequence)
             self.trace.finish(final, self.device_memory_bytes)
-            return Chunk(chunk_text, ids, final, self.model, logprobs), None
+            return self._chunk(chunk_text, ids, logprobs, final), None
         if not ids and not chunk_text:
             return None, failure
-        return Chunk(chunk_text, ids, model=self.model, logprobs=logprobs), failure
+        return self._chunk(chunk_text, ids, logprobs), failure
+
+    def _chunk(
+        self,
+        text: str,
+        ids: list[int],
+        logprobs: list[common_pb2.PositionLogprobs],
+        final: gateway_pb2.GenerateResponse | None = None,
+    ) -> Chunk:
+        """A chunk for the client: its text and ids, the serving model, and the prompt's counts."""
+        return Chunk(
+            text,
+            ids,
+            final,
+            self.model,
+            logprobs,
+            input_tokens=self.input_tokens,
+            cached_input_tokens=self.cached_input_tokens,
+        )
 
     def _chunk_sent(self, tokens: int) -> None:
         now = time.perf_counter()

@@ -94,6 +94,10 @@ class Chunk:
     """The sample this chunk belongs to (GenerateRequest.n; samples.py)."""
     sample_final: gateway_pb2.GenerateResponse | None = None
     """With n > 1: on each sample's last chunk, that sample's own final (`final` ends the request)."""
+    input_tokens: int = 0
+    """The prompt's tokens as the model reads them: known from a request's first chunk on."""
+    cached_input_tokens: int = 0
+    """Of those, the ones the worker's prefix cache served (as its latest update said)."""
 
 
 @dataclass(frozen=True, slots=True)

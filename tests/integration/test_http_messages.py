@@ -60,8 +60,15 @@ def test_a_whole_message_and_its_stream_say_the_same(stack: HttpStack) -> None:
     assert block.type == "text" and block.text
     assert whole.usage.output_tokens == 12 and whole.usage.input_tokens > 0
     with sdk.messages.stream(model=MODEL, max_tokens=12, messages=QUESTION, extra_body=GREEDY) as stream:
-        kinds = [event.type for event in stream]
+        events = list(stream)
         streamed = stream.get_final_message()
+    kinds = [event.type for event in events]
+    start = events[0]
+    assert start.type == "message_start"
+    started = start.message.usage
+    assert started.input_tokens + (started.cache_read_input_tokens or 0) == whole.usage.input_tokens + (
+        whole.usage.cache_read_input_tokens or 0
+    ), "message_start tells the prompt's tokens, as Anthropic's does"
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
     assert "content_block_start" in kinds and "content_block_stop" in kinds
     assert [b.text for b in streamed.content if b.type == "text"] == [block.text]
