@@ -111,18 +111,37 @@ def message(final: gateway_pb2.GenerateResponse) -> dict[str, Any]:
 
 
 class _Endpoint:
-    """What both endpoints share: the body read and parsed into the pipeline's Incoming."""
+    """What both endpoints share: the body read and parsed into the pipeline's Incoming, a refusal
+    at the door, the answer unless the client left, and its count; `_respond` is each one's own."""
 
     endpoint = ""
+    schema: type[MessagesRequest] | type[CountTokensRequest]
 
     def __init__(self, settings: GatewaySettings, pipeline: Pipeline, router: Router) -> None:
         self._settings = settings
         self._pipeline = pipeline
         self._router = router
 
-    async def _incoming(
-        self, request: Request, schema: type[MessagesRequest] | type[CountTokensRequest]
-    ) -> tuple[Incoming, MessagesRequest | CountTokensRequest]:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            incoming, body = await self._incoming(Request(scope, receive))
+        except HttpError as error:
+            await answer_refusal(anthropic_error(error), self.endpoint, scope, receive, send)
+            return
+        except ClientDisconnect:
+            return  # gone before its body arrived: nothing was started for it
+        response = await unless_disconnected(self._respond(incoming, body, send), receive)
+        if response is not None:
+            await response(scope, receive, send)
+            HTTP_RESPONSES.labels(self.endpoint, str(response.status_code)).inc()
+
+    async def _respond(
+        self, incoming: Incoming, body: MessagesRequest | CountTokensRequest, send: Send
+    ) -> JSONResponse | None:
+        """The answer to send (None once a stream has sent its own)."""
+        raise NotImplementedError
+
+    async def _incoming(self, request: Request) -> tuple[Incoming, MessagesRequest | CountTokensRequest]:
         arrival = time.time()
         if not request.headers.get(VERSION_HEADER):
             raise HttpError(
@@ -131,7 +150,7 @@ class _Endpoint:
         deadline = deadline_ms(request.headers.get(TIMEOUT_HEADER), arrival)
         raw = await read_body(request, self._settings.max_message_bytes, self._settings.http_body_timeout_s)
         try:
-            body = schema.model_validate_json(raw)
+            body = self.schema.model_validate_json(raw)
             chat = body.as_chat()
         except ValidationError as error:
             raise from_validation(error) from error
@@ -141,29 +160,19 @@ class _Endpoint:
     def _context(self, model: str) -> int | None:
         return self._router.max_model_len(model) if model in self._router.models else None
 
-    async def _answer(
-        self, scope: Scope, receive: Receive, send: Send, response: JSONResponse | None
-    ) -> None:
-        if response is not None:
-            await response(scope, receive, send)
-            HTTP_RESPONSES.labels(self.endpoint, str(response.status_code)).inc()
-
 
 class Messages(_Endpoint):
     """POST /v1/messages."""
 
     endpoint = "messages"
+    schema = MessagesRequest
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            incoming, body = await self._incoming(Request(scope, receive), MessagesRequest)
-        except HttpError as error:
-            await answer_refusal(anthropic_error(error), self.endpoint, scope, receive, send)
-            return
-        except ClientDisconnect:
-            return
-        answer = self._stream(incoming, send) if getattr(body, "stream", False) else self._whole(incoming)
-        await self._answer(scope, receive, send, await unless_disconnected(answer, receive))
+    async def _respond(
+        self, incoming: Incoming, body: MessagesRequest | CountTokensRequest, send: Send
+    ) -> JSONResponse | None:
+        if isinstance(body, MessagesRequest) and body.stream:
+            return await self._stream(incoming, send)
+        return await self._whole(incoming)
 
     async def _whole(self, incoming: Incoming) -> JSONResponse:
         try:
@@ -275,18 +284,11 @@ class CountTokens(_Endpoint):
     """POST /v1/messages/count_tokens."""
 
     endpoint = "messages.count_tokens"
+    schema = CountTokensRequest
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            incoming, _ = await self._incoming(Request(scope, receive), CountTokensRequest)
-        except HttpError as error:
-            await answer_refusal(anthropic_error(error), self.endpoint, scope, receive, send)
-            return
-        except ClientDisconnect:
-            return
-        await self._answer(scope, receive, send, await unless_disconnected(self._count(incoming), receive))
-
-    async def _count(self, incoming: Incoming) -> JSONResponse:
+    async def _respond(
+        self, incoming: Incoming, body: MessagesRequest | CountTokensRequest, send: Send
+    ) -> JSONResponse | None:
         try:
             count = await self._pipeline.count_tokens(incoming)
         except GatewayError as error:
