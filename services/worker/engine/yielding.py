@@ -48,6 +48,9 @@ def yielding(
     """The running sequences to preempt so that the waiting ones, in admission order, find a slot and
     the blocks of a first chunk of at most `chunk_tokens`; the order they were chosen in."""
     held = Counter(seq.cache_salt for seq in running)
+    waiting = list(waiting)
+    if len(held) == 0 or (len(held) == 1 and all(seq.cache_salt in held for seq in waiting)):
+        return []  # no other tenant to take from: the step pays no prefix lookups for nothing
     room = max_running - len(running)
     free = blocks.num_free_blocks
     free -= sum(blocks.blocks_to_grow(seq, seq.num_computed_tokens + 1) for seq in running)
