@@ -5,7 +5,7 @@ its record.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from docs_tables_common import Record, Table, met, ratio, runs, spread, table
 
@@ -13,27 +13,39 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
 
-def http_vs_grpc(records: Mapping[str, Record]) -> list[str]:
-    data = records["http-vs-grpc-cpu.json"].data
+def _pair_rows(
+    data: Mapping[str, Any], base: str, other: str, prefix: str, ttft_target: str
+) -> list[list[str]]:
+    """`other` against `base`: tokens/s at 64 streams and TTFT p50 at one, each with its target (the
+    record's names: `prefix` on the verdicts, `ttft_target` the TTFT bound's)."""
     result, targets = data["result"], data["targets"]
-    grpc, http = result["throughput_grpc"], result["throughput_http"]
-    tgrpc, thttp = result["ttft_grpc"], result["ttft_http"]
-    rows = [
+    tbase, tother = result[f"throughput_{base}"], result[f"throughput_{other}"]
+    fbase, fother = result[f"ttft_{base}"], result[f"ttft_{other}"]
+    return [
         [
             "64 streams: output tok/s",
-            spread(grpc["output_tok_s"], grpc["spread"]),
-            spread(http["output_tok_s"], http["spread"]),
-            f"**{ratio(result['http_vs_grpc_tok_s'])}** "
-            f"(rounds {runs(result['http_vs_grpc_tok_s_per_round'])})",
-            f">= {targets['http_vs_grpc_tok_s_min']}x: {met(result['throughput_target_met'])}",
+            spread(tbase["output_tok_s"], tbase["spread"]),
+            spread(tother["output_tok_s"], tother["spread"]),
+            f"**{ratio(result[f'{other}_vs_{base}_tok_s'])}** "
+            f"(rounds {runs(result[f'{other}_vs_{base}_tok_s_per_round'])})",
+            f">= {targets[f'{other}_vs_{base}_tok_s_min']}x: {met(result[f'{prefix}throughput_target_met'])}",
         ],
         [
             "1 stream: TTFT p50",
-            spread(tgrpc["ttft_ms_p50"], tgrpc["spread"]) + " ms",
-            spread(thttp["ttft_ms_p50"], thttp["spread"]) + " ms",
-            f"**{result['http_minus_grpc_ttft_ms']:+.1f} ms**",
-            f"<= +{targets['ttft_delta_ms_max']:g} ms: {met(result['ttft_target_met'])}",
+            spread(fbase["ttft_ms_p50"], fbase["spread"]) + " ms",
+            spread(fother["ttft_ms_p50"], fother["spread"]) + " ms",
+            f"**{result[f'{other}_minus_{base}_ttft_ms']:+.1f} ms**",
+            f"<= +{targets[ttft_target]:g} ms: {met(result[f'{prefix}ttft_target_met'])}",
         ],
+    ]
+
+
+def http_vs_grpc(records: Mapping[str, Record]) -> list[str]:
+    data = records["http-vs-grpc-cpu.json"].data
+    result = data["result"]
+    grpc, http = result["throughput_grpc"], result["throughput_http"]
+    rows = [
+        *_pair_rows(data, "grpc", "http", "", "ttft_delta_ms_max"),
         [
             "client CPU per 1000 tokens, 64 streams",
             f"{grpc['client_cpu_ms_per_1k_tokens']:.0f} ms",
@@ -47,25 +59,6 @@ def http_vs_grpc(records: Mapping[str, Record]) -> list[str]:
     )
     if "messages_vs_chat_tok_s" not in result:  # a record from before the Messages API was measured
         return lines
-    chat, messages = result["throughput_chat"], result["throughput_messages"]
-    tchat, tmessages = result["ttft_chat"], result["ttft_messages"]
-    rows = [
-        [
-            "64 streams: output tok/s",
-            spread(chat["output_tok_s"], chat["spread"]),
-            spread(messages["output_tok_s"], messages["spread"]),
-            f"**{ratio(result['messages_vs_chat_tok_s'])}** "
-            f"(rounds {runs(result['messages_vs_chat_tok_s_per_round'])})",
-            f">= {targets['messages_vs_chat_tok_s_min']}x: {met(result['messages_throughput_target_met'])}",
-        ],
-        [
-            "1 stream: TTFT p50",
-            spread(tchat["ttft_ms_p50"], tchat["spread"]) + " ms",
-            spread(tmessages["ttft_ms_p50"], tmessages["spread"]) + " ms",
-            f"**{result['messages_minus_chat_ttft_ms']:+.1f} ms**",
-            f"<= +{targets['messages_ttft_delta_ms_max']:g} ms: {met(result['messages_ttft_target_met'])}",
-        ],
-    ]
     header = [
         "workload",
         "Chat Completions, median (min-max)",
@@ -73,6 +66,7 @@ def http_vs_grpc(records: Mapping[str, Record]) -> list[str]:
         "Messages against Chat Completions",
         "target",
     ]
+    rows = _pair_rows(data, "chat", "messages", "messages_", "messages_ttft_delta_ms_max")
     return [*lines, "", *table(header, rows)]
 
 
