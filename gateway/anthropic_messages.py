@@ -3,7 +3,7 @@
 Each endpoint is an ASGI app behind the API-key middleware (http_auth.py, which takes Anthropic's
 `x-api-key` header as well as a bearer token). It requires the `anthropic-version` header (any value:
 the answers have the shape of version 2023-06-01 and later), reads the body as the Chat Completions
-front door does (http_endpoints.py: size and time limits, the `x-strata-timeout-ms` deadline, the
+front door does (http_exchange.py: size and time limits, the `x-strata-timeout-ms` deadline, the
 disconnect watch and the idle-stream timeout), parses it (anthropic_schema.py) and maps it through the
 Chat Completions request it is (openai_mapping.py), so both front doors run the same pipeline.
 
@@ -20,30 +20,26 @@ pipeline does) nor decide statuses.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import time
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
-from sse_starlette.event import ServerSentEvent
-from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from gateway.anthropic_errors import anthropic_error
 from gateway.anthropic_schema import CountTokensRequest, MessagesRequest
 from gateway.errors import GatewayError
-from gateway.http_auth import answer_refusal
-from gateway.http_endpoints import (
-    SSE_HEADERS,
+from gateway.http_exchange import (
     TIMEOUT_HEADER,
+    Endpoint,
     deadline_ms,
     http_incoming,
+    named_event,
     read_body,
-    unless_disconnected,
+    send_stream,
 )
-from gateway.metrics import HTTP_RESPONSES, STUCK_STREAMS
 from gateway.openai_errors import HttpError, from_gateway, from_validation
 from gateway.openai_mapping import headers, to_generate_request
 from gateway.openai_tools import ToolStream
@@ -52,7 +48,8 @@ from strata.v1 import common_pb2
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator
 
-    from starlette.types import Receive, Scope, Send
+    from starlette.requests import Request
+    from starlette.types import Send
 
     from gateway.pipeline import Pipeline
     from gateway.request_values import Chunk, Incoming
@@ -61,11 +58,6 @@ if TYPE_CHECKING:
     from strata.v1 import gateway_pb2
 
 VERSION_HEADER = "anthropic-version"
-
-
-def sse(kind: str, payload: dict[str, Any]) -> bytes:
-    """One named SSE event holding `payload` as compact JSON."""
-    return ServerSentEvent(data=json.dumps(payload, separators=(",", ":")), event=kind, sep="\n").encode()
 
 
 def stop_reason(final: gateway_pb2.GenerateResponse) -> tuple[str, str | None]:
@@ -110,11 +102,10 @@ def message(final: gateway_pb2.GenerateResponse) -> dict[str, Any]:
     }
 
 
-class _Endpoint:
-    """What both endpoints share: the body read and parsed into the pipeline's Incoming, a refusal
-    at the door, the answer unless the client left, and its count; `_respond` is each one's own."""
+class _Endpoint(Endpoint):
+    """What both endpoints share: the version header, the body parsed into the pipeline's Incoming,
+    and refusals in Anthropic's shape; `respond` is each one's own."""
 
-    endpoint = ""
     schema: type[MessagesRequest] | type[CountTokensRequest]
 
     def __init__(self, settings: GatewaySettings, pipeline: Pipeline, router: Router) -> None:
@@ -122,26 +113,10 @@ class _Endpoint:
         self._pipeline = pipeline
         self._router = router
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            incoming, body = await self._incoming(Request(scope, receive))
-        except HttpError as error:
-            await answer_refusal(anthropic_error(error), self.endpoint, scope, receive, send)
-            return
-        except ClientDisconnect:
-            return  # gone before its body arrived: nothing was started for it
-        response = await unless_disconnected(self._respond(incoming, body, send), receive)
-        if response is not None:
-            await response(scope, receive, send)
-            HTTP_RESPONSES.labels(self.endpoint, str(response.status_code)).inc()
+    def shape(self, error: HttpError) -> HttpError:
+        return anthropic_error(error)
 
-    async def _respond(
-        self, incoming: Incoming, body: MessagesRequest | CountTokensRequest, send: Send
-    ) -> JSONResponse | None:
-        """The answer to send (None once a stream has sent its own)."""
-        raise NotImplementedError
-
-    async def _incoming(self, request: Request) -> tuple[Incoming, MessagesRequest | CountTokensRequest]:
+    async def prepare(self, request: Request) -> tuple[Incoming, MessagesRequest | CountTokensRequest]:
         arrival = time.time()
         if not request.headers.get(VERSION_HEADER):
             raise HttpError(
@@ -167,7 +142,7 @@ class Messages(_Endpoint):
     endpoint = "messages"
     schema = MessagesRequest
 
-    async def _respond(
+    async def respond(
         self, incoming: Incoming, body: MessagesRequest | CountTokensRequest, send: Send
     ) -> JSONResponse | None:
         if isinstance(body, MessagesRequest) and body.stream:
@@ -191,18 +166,10 @@ class Messages(_Endpoint):
                 first = await anext(chunks)
             except GatewayError as error:
                 return anthropic_error(from_gateway(error)).response()
-            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-            HTTP_RESPONSES.labels(self.endpoint, "200").inc()
             events = self._events(incoming.request, first, chunks)
-            async with contextlib.aclosing(events):
-                async for data in events:
-                    try:
-                        async with asyncio.timeout(self._settings.stream_idle_timeout_s):
-                            await send({"type": "http.response.body", "body": data, "more_body": True})
-                    except TimeoutError:
-                        STUCK_STREAMS.labels(first.model or incoming.request.model).inc()
-                        return None  # leaving the block closes the pipeline: cancelled on the worker
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            idle = self._settings.stream_idle_timeout_s
+            model = first.model or incoming.request.model
+            await send_stream(events, send, self.endpoint, idle, lambda: model)
         return None
 
     async def _events(
@@ -223,7 +190,7 @@ class Messages(_Endpoint):
                 "output_tokens": 0,
             },
         }
-        yield sse("message_start", {"type": "message_start", "message": head})
+        yield named_event("message_start", {"type": "message_start", "message": head})
         held = ToolStream(request)
         text_open = False
         chunk: Chunk | None = first
@@ -237,24 +204,24 @@ class Messages(_Endpoint):
                 if text or (final is not None and not final.tool_calls and not text_open):
                     if not text_open:
                         block = {"type": "text", "text": ""}
-                        yield sse(
+                        yield named_event(
                             "content_block_start",
                             {"type": "content_block_start", "index": 0, "content_block": block},
                         )
                         text_open = True
                     if text:
                         delta = {"type": "text_delta", "text": text}
-                        yield sse(
+                        yield named_event(
                             "content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}
                         )
                 if final is None:
                     chunk = await anext(chunks, None)
                     continue
                 for kind, payload in _closing(final, text_open):
-                    yield sse(kind, payload)
+                    yield named_event(kind, payload)
                 return
         except GatewayError as error:
-            yield sse("error", anthropic_error(from_gateway(error)).body())
+            yield named_event("error", anthropic_error(from_gateway(error)).body())
 
 
 def _closing(final: gateway_pb2.GenerateResponse, text_open: bool) -> list[tuple[str, dict[str, Any]]]:
@@ -286,7 +253,7 @@ class CountTokens(_Endpoint):
     endpoint = "messages.count_tokens"
     schema = CountTokensRequest
 
-    async def _respond(
+    async def respond(
         self, incoming: Incoming, body: MessagesRequest | CountTokensRequest, send: Send
     ) -> JSONResponse | None:
         try:

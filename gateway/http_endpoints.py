@@ -1,68 +1,59 @@
 """POST /v1/chat/completions and POST /v1/completions: one HTTP request through the pipeline.
 
-Each endpoint is an ASGI app behind the API-key middleware (http_auth.py, which names the tenant).
-It reads the body up to max_message_bytes (413 beyond) within http_body_timeout_s (408 past it),
-parses it (openai_schema.py), builds the pipeline's Incoming with protocol "http", the caller's W3C
-trace context and the deadline of the `x-strata-timeout-ms` header, and answers: a whole JSON
-response, or Server-Sent Events (`data:` chunks, then `data: [DONE]`). A stream's headers go out
-with its first chunk, so a request refused before any token gets its real status (429, 503, ...); a
-failure after that is an error event.
-
-From the moment the body is read, a watcher waits for the client to disconnect; when it does, the
-request's task is cancelled wherever it is (queued, prefilling, streaming; stream or not), which
-closes the pipeline and so cancels the request on the worker. A stream whose client takes no event
-for stream_idle_timeout_s is cancelled the same way. This module must not hold request logic (the
-pipeline does) nor map errors (openai_errors.py).
+Each endpoint is an ASGI app (http_exchange.py's Endpoint) behind the API-key middleware (http_auth.py,
+which names the tenant). It reads the body up to max_message_bytes (413 beyond) within
+http_body_timeout_s (408 past it), parses it (openai_schema.py), builds the pipeline's Incoming with
+the deadline of the `x-strata-timeout-ms` header, and answers: a whole JSON response, or Server-Sent
+Events (`data:` chunks, then `data: [DONE]`). A stream's headers go out with its first chunk, so a
+request refused before any token gets its real status (429, 503, ...); a failure after that is an
+error event. A client that disconnects, or stops reading a stream, loses its request as
+http_exchange.py says. This module must not hold request logic (the pipeline does) nor map errors
+(openai_errors.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 from sse_starlette.event import ServerSentEvent
-from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from gateway.errors import GatewayError
-from gateway.http_auth import answer_refusal, tenant
-from gateway.metrics import HTTP_RESPONSES, STUCK_STREAMS
-from gateway.openai_errors import HttpError, from_gateway, from_validation, too_large, too_slow
+from gateway.http_exchange import (
+    TIMEOUT_HEADER,
+    Endpoint,
+    deadline_ms,
+    event,
+    http_incoming,
+    read_body,
+    send_stream,
+)
+from gateway.openai_errors import from_gateway, from_validation
 from gateway.openai_logprobs import prompt_logprobs
 from gateway.openai_mapping import FINISH_REASONS, Reply, extension, headers, to_generate_request
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from gateway.openai_tools import ToolStream
-from gateway.request_ids import new_request_id
-from gateway.request_trace import TRACE_KEYS
-from gateway.request_values import Incoming
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncGenerator, Coroutine
+    from collections.abc import AsyncGenerator
 
-    from starlette.types import Receive, Scope, Send
+    from starlette.requests import Request
+    from starlette.types import Send
 
     from gateway.pipeline import Pipeline
-    from gateway.request_values import Chunk
+    from gateway.request_values import Chunk, Incoming
     from gateway.router import Router
     from gateway.settings import GatewaySettings
     from strata.v1 import gateway_pb2
 
 
-TIMEOUT_HEADER = "x-strata-timeout-ms"
-"""The request's deadline, in milliseconds from its arrival (gRPC's call deadline, over HTTP)."""
 DONE = ServerSentEvent(data="[DONE]", sep="\n").encode()
 
 
-def event(payload: dict[str, Any]) -> bytes:
-    """One SSE `data:` event holding `payload` as compact JSON."""
-    return ServerSentEvent(data=json.dumps(payload, separators=(",", ":")), sep="\n").encode()
-
-
-class Completions:
+class Completions(Endpoint):
     """The ASGI app of one completions endpoint (chat or text)."""
 
     def __init__(self, chat: bool, settings: GatewaySettings, pipeline: Pipeline, router: Router) -> None:
@@ -73,29 +64,8 @@ class Completions:
         self._pipeline = pipeline
         self._router = router
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def prepare(self, request: Request) -> tuple[Incoming, ChatCompletionRequest | CompletionRequest]:
         arrival = time.time()
-        request = Request(scope, receive)
-        try:
-            incoming, body = await self._incoming(request, arrival)
-        except HttpError as error:
-            await self._error(error, scope, receive, send)
-            return
-        except ClientDisconnect:
-            return  # gone before its body arrived: nothing was started for it
-        token_field = body.token_limit()[0]
-        if body.stream:
-            answer = self._stream(incoming, body, token_field, send)
-        else:
-            answer = self._whole(incoming, token_field)
-        response = await unless_disconnected(answer, receive)
-        if response is not None:
-            await response(scope, receive, send)
-            HTTP_RESPONSES.labels(self.endpoint, str(response.status_code)).inc()
-
-    async def _incoming(
-        self, request: Request, arrival: float
-    ) -> tuple[Incoming, ChatCompletionRequest | CompletionRequest]:
         deadline = deadline_ms(request.headers.get(TIMEOUT_HEADER), arrival)
         raw = await read_body(request, self._settings.max_message_bytes, self._settings.http_body_timeout_s)
         try:
@@ -104,6 +74,14 @@ class Completions:
             raise from_validation(error) from error
         generate = to_generate_request(body, self._settings, self._context)
         return http_incoming(generate, request, deadline), body
+
+    async def respond(
+        self, incoming: Incoming, body: ChatCompletionRequest | CompletionRequest, send: Send
+    ) -> JSONResponse | None:
+        token_field = body.token_limit()[0]
+        if body.stream:
+            return await self._stream(incoming, body, token_field, send)
+        return await self._whole(incoming, token_field)
 
     def _context(self, model: str) -> int | None:
         """A served model's context length when known; None for a name no route serves (the
@@ -140,22 +118,10 @@ class Completions:
                 first = await anext(chunks)
             except GatewayError as error:
                 return from_gateway(error, token_field).response()
-            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-            HTTP_RESPONSES.labels(self.endpoint, "200").inc()
             held = ToolStream(incoming.request)
             events = self._events(reply, first, chunks, body.include_usage, token_field, held)
             idle = self._settings.stream_idle_timeout_s
-            async with contextlib.aclosing(events):
-                async for data in events:
-                    try:
-                        async with asyncio.timeout(idle):
-                            await send({"type": "http.response.body", "body": data, "more_body": True})
-                    except TimeoutError:
-                        # Closing the pipeline (leaving this block) cancels the request on the worker;
-                        # the connection closes unfinished, which is all a reader that reads nothing gets.
-                        STUCK_STREAMS.labels(reply.model).inc()
-                        return None
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send_stream(events, send, self.endpoint, idle, lambda: reply.model)
         return None
 
     async def _events(
@@ -204,91 +170,6 @@ class Completions:
         except GatewayError as error:
             yield event(from_gateway(error, token_field).body())
 
-    async def _error(self, error: HttpError, scope: Scope, receive: Receive, send: Send) -> None:
-        await answer_refusal(error, self.endpoint, scope, receive, send)
-
-
-SSE_HEADERS = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-store"),
-    (b"x-accel-buffering", b"no"),
-]
-
 
 def _finish(final: gateway_pb2.GenerateResponse) -> str:
     return FINISH_REASONS.get(final.finish_reason, "stop")
-
-
-def http_incoming(generate: gateway_pb2.GenerateRequest, request: Request, deadline: int) -> Incoming:
-    """The pipeline's Incoming for an HTTP request: a new request id (known before the first chunk:
-    every chunk's), the caller's tenant and W3C trace context, the deadline (unix ms, 0: none)."""
-    generate.request_id = new_request_id()
-    trace = {key: value for key in TRACE_KEYS if (value := request.headers.get(key)) is not None}
-    return Incoming(
-        generate,
-        protocol="http",
-        tenant=tenant(request.scope),
-        deadline_unix_ms=deadline,
-        trace_context=trace,
-    )
-
-
-def deadline_ms(header: str | None, arrival: float) -> int:
-    """The absolute deadline (unix ms) of the timeout header; 0 when absent."""
-    if header is None:
-        return 0
-    try:
-        timeout_ms = float(header)
-    except ValueError:
-        timeout_ms = -1.0
-    if not timeout_ms > 0:
-        raise HttpError(
-            400,
-            f"{TIMEOUT_HEADER}: {header!r} must be a positive number of milliseconds, e.g. 30000",
-            param=TIMEOUT_HEADER,
-            code="invalid_value",
-        )
-    return int(arrival * 1000 + timeout_ms)
-
-
-async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The body, refused with 413 as soon as it is known to be over `limit` bytes, and with 408 when
-    it has not all arrived within `timeout_s` (a client trickling bytes holds a request slot)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large(limit)
-    parts: list[bytes] = []
-    size = 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for part in request.stream():
-                size += len(part)
-                if size > limit:
-                    raise too_large(limit)
-                parts.append(part)
-    except TimeoutError:
-        raise too_slow("request body", "http_body_timeout_s", timeout_s) from None
-    return b"".join(parts)
-
-
-async def unless_disconnected(answer: Coroutine[Any, Any, JSONResponse | None], receive: Receive) -> Any:
-    """`answer`'s result, or None once the client disconnected (`answer` is then cancelled, which
-    closes its pipeline and so cancels the request on the worker)."""
-    work = asyncio.ensure_future(answer)
-    watch = asyncio.ensure_future(_disconnect(receive))
-    try:
-        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not work.done():
-            work.cancel()
-        watch.cancel()
-        await asyncio.gather(work, watch, return_exceptions=True)
-    if work.cancelled():
-        return None
-    return work.result()
-
-
-async def _disconnect(receive: Receive) -> None:
-    """Returns when the server reports the client gone (or the response complete)."""
-    while (await receive())["type"] != "http.disconnect":
-        continue

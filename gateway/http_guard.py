@@ -13,7 +13,7 @@ MiB on Linux): a client that stops reading then pins little memory, and its stre
 completing soon enough for the endpoint's idle timeout to see it. A completions stream needs kilobytes
 a second, far below what that buffer carries even over a slow link.
 
-A slow body and a stream its client stops reading are the endpoints' to bound (http_endpoints.py:
+A slow body and a stream its client stops reading are the endpoints' to bound (http_exchange.py:
 http_body_timeout_s, stream_idle_timeout_s). This module must not read requests' contents nor know
 the pipeline.
 """
