@@ -1,8 +1,9 @@
 """One benchmark request over the gateway's HTTP APIs, and what the client saw of it.
 
 It POSTs a streaming /v1/completions (the prompt text, greedy, EOS ignored, `include_usage`; `body`)
-or /v1/chat/completions (one user message, greedy; `chat_body`, EOS ending it unless `ignore_eos`), or
-Anthropic's /v1/messages (`messages_body`, the same message; read by `send_messages`) through httpx2's
+or /v1/chat/completions (one user message, greedy; `chat_body`, EOS ending it unless `ignore_eos`),
+Anthropic's /v1/messages (`messages_body`, the same message; read by `send_messages`) or OpenAI's
+/v1/responses (`responses_body`, the same message; read by `send_responses`) through httpx2's
 async client, the cheapest well-kept HTTP client Python has, reads the Server-Sent Events as they arrive
 and stamps each one: the first event with text is the first token (the gateway sends no chunk
 without text), the usage chunk gives the token counts and speculative decoding's kept and rejected
@@ -63,6 +64,18 @@ def messages_body(message: str, new_tokens: int, model: str) -> dict[str, object
         "model": model,
         "messages": [{"role": "user", "content": message}],
         "max_tokens": new_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+
+def responses_body(message: str, new_tokens: int, model: str) -> dict[str, object]:
+    """chat_body's request with EOS ignored, in the Responses API's names (stored, as by default)."""
+    return {
+        "model": model,
+        "input": message,
+        "max_output_tokens": new_tokens,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
@@ -151,6 +164,38 @@ async def send_messages(
                 if kind == "message_delta":
                     usage = event["usage"]
                     result.usage_input_tokens = usage["input_tokens"] + usage["cache_read_input_tokens"]
+                    result.usage_output_tokens = usage["output_tokens"]
+    result.e2e_s = time.perf_counter() - sent
+    return result
+
+
+async def send_responses(
+    client: httpx2.AsyncClient, url: str, index: int, payload: dict[str, object], timeout_s: float
+) -> RequestResult:
+    """POST `payload` to a Responses API `url` and read its named events to the end: the text deltas,
+    and the token counts of the response that ends the stream."""
+    sent = time.perf_counter()
+    result = RequestResult(index=index, status="OK", ttft_s=None, e2e_s=0.0)
+    previous = sent
+    async with client.stream("POST", url, json=payload, timeout=timeout_s) as response:
+        if response.status_code != 200:
+            await response.aread()
+            result.status, result.message = str(response.status_code), response.text
+        else:
+            async for line in response.aiter_lines():
+                if not line.startswith(DATA):
+                    continue
+                arrived = time.perf_counter()
+                event = json.loads(line.removeprefix(DATA))
+                kind = event["type"]
+                if kind == "error":
+                    result.status, result.message = "STREAM_ERROR", event["message"]
+                    break
+                text = event["delta"] if kind == "response.output_text.delta" else ""
+                previous = _text_arrived(result, text, sent, previous, arrived)
+                if kind in ("response.completed", "response.incomplete"):
+                    usage = event["response"]["usage"]
+                    result.usage_input_tokens = usage["input_tokens"]
                     result.usage_output_tokens = usage["output_tokens"]
     result.e2e_s = time.perf_counter() - sent
     return result

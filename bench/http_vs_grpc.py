@@ -1,6 +1,6 @@
 """`python -m bench.http_vs_grpc` (`make bench-http`): the gateway's front doors on the same
 workloads, in one run, alternated: the OpenAI-compatible HTTP API against gRPC, and Anthropic's
-Messages API against Chat Completions.
+Messages API and OpenAI's Responses API against Chat Completions.
 
 One stack is started from a copy of `--config` (both front doors on free ports) whose routes have
 admission's TTFT SLO off, so that no request of either is refused. Two workloads, both greedy
@@ -10,14 +10,15 @@ of one request each of `--new-tokens` (64), output tokens/s over the level's wal
 first token, one stream sending `--ttft-requests` (8) requests of `--ttft-new-tokens` (8) back to back,
 TTFT p50 (to the first text, as a client of either protocol sees it). gRPC goes through the raw
 grpc.aio stub (bench/driver.py), the HTTP APIs through httpx2's async client (bench/http_driver.py):
-`http` is /v1/completions with the prompt as it is, `chat` /v1/chat/completions and `messages`
-/v1/messages with the prompt as one user message (so both through the chat template; EOS ignored),
+`http` is /v1/completions with the prompt as it is, `chat` /v1/chat/completions, `messages`
+/v1/messages and `responses` /v1/responses (stored, the API's default) with the prompt as one user
+message (so all three through the chat template; EOS ignored),
 each with its own connections, from this one process, whose CPU time (the client's) is recorded per
 level. After a warm-up of each, `--runs` (3) rounds: each runs both workloads, the contestants' order
-reversed every other round (G H C M, M C H G, ...). Targets: HTTP at least 0.9x gRPC's tokens/s at
-`--streams`, and at most 5 ms more TTFT p50 at one stream; Messages at least 0.97x Chat Completions'
-tokens/s and at most 3 ms more TTFT p50; judged on the medians. This module must not start
-services other than through bench/session.py.
+reversed every other round (G H C M R, R M C H G, ...). Targets: HTTP at least 0.9x gRPC's tokens/s
+at `--streams`, and at most 5 ms more TTFT p50 at one stream; Messages and Responses each at least
+0.97x Chat Completions' tokens/s and at most 3 ms more TTFT p50; judged on the medians. This module
+must not start services other than through bench/session.py.
 """
 
 from __future__ import annotations
@@ -34,7 +35,15 @@ import httpx2
 
 from bench.config_copy import write_config
 from bench.driver import make_request, send
-from bench.http_driver import body, chat_body, messages_body, send_http, send_messages
+from bench.http_driver import (
+    body,
+    chat_body,
+    messages_body,
+    responses_body,
+    send_http,
+    send_messages,
+    send_responses,
+)
 from bench.provenance import finish_provenance, start_provenance
 from bench.session import BenchError, gateway, spawned
 from bench.stack_prompts import build_prompts, load_tokenizer
@@ -47,13 +56,14 @@ if TYPE_CHECKING:
     from bench.driver import RequestResult, Stub
     from bench.stack_prompts import Prompt
 
-PROTOCOLS = ("grpc", "http", "chat", "messages")
+PROTOCOLS = ("grpc", "http", "chat", "messages", "responses")
 RAW_PROMPT = ("grpc", "http")
 """The contestants whose prompt is the text as it is: their prompt tokens are checked exactly."""
 THROUGHPUT_RATIO_TARGET = 0.9
 TTFT_DELTA_TARGET_MS = 5.0
 MESSAGES_RATIO_TARGET = 0.97
 MESSAGES_TTFT_DELTA_TARGET_MS = 3.0
+"""Both for the Messages and the Responses API against Chat Completions."""
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -150,6 +160,9 @@ class Contestants:
             if protocol == "messages":
                 payload = messages_body(prompt.text, new_tokens, self._model)
                 return await send_messages(client, f"{url}/messages", index, payload, timeout)
+            if protocol == "responses":
+                payload = responses_body(prompt.text, new_tokens, self._model)
+                return await send_responses(client, f"{url}/responses", index, payload, timeout)
             return await send_http(
                 client, f"{url}/completions", index, body(prompt, new_tokens, self._model), timeout
             )
@@ -213,9 +226,10 @@ def verdict(levels: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any
             }
     # The record's names predate the Messages comparison: HTTP against gRPC keeps its bare ones.
     _compare(out, levels, "grpc", "http", "", THROUGHPUT_RATIO_TARGET, TTFT_DELTA_TARGET_MS)
-    _compare(
-        out, levels, "chat", "messages", "messages_", MESSAGES_RATIO_TARGET, MESSAGES_TTFT_DELTA_TARGET_MS
-    )
+    for other in ("messages", "responses"):
+        _compare(
+            out, levels, "chat", other, f"{other}_", MESSAGES_RATIO_TARGET, MESSAGES_TTFT_DELTA_TARGET_MS
+        )
     return out
 
 
@@ -272,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
             "ttft_delta_ms_max": TTFT_DELTA_TARGET_MS,
             "messages_vs_chat_tok_s_min": MESSAGES_RATIO_TARGET,
             "messages_ttft_delta_ms_max": MESSAGES_TTFT_DELTA_TARGET_MS,
+            "responses_vs_chat_tok_s_min": MESSAGES_RATIO_TARGET,
+            "responses_ttft_delta_ms_max": MESSAGES_TTFT_DELTA_TARGET_MS,
         },
         "result": verdict(levels),
         "errors": errors,
@@ -287,11 +303,14 @@ def main(argv: list[str] | None = None) -> int:
         f"TTFT p50 at 1 stream: http {result['ttft_http']['ttft_ms_p50']:.1f} ms, "
         f"grpc {result['ttft_grpc']['ttft_ms_p50']:.1f} ms: {result['http_minus_grpc_ttft_ms']:+.1f} ms "
         f"(target <= +{TTFT_DELTA_TARGET_MS:g}: {'met' if result['ttft_target_met'] else 'MISSED'})\n"
-        f"Messages against Chat Completions: {result['messages_vs_chat_tok_s']:.3f}x tokens/s "
-        f"({'met' if result['messages_throughput_target_met'] else 'MISSED'}), TTFT p50 "
-        f"{result['messages_minus_chat_ttft_ms']:+.1f} ms "
-        f"({'met' if result['messages_ttft_target_met'] else 'MISSED'})\n"
-        f"wrote {args.json}"
+        + "".join(
+            f"{name} against Chat Completions: {result[f'{key}_vs_chat_tok_s']:.3f}x tokens/s "
+            f"({'met' if result[f'{key}_throughput_target_met'] else 'MISSED'}), TTFT p50 "
+            f"{result[f'{key}_minus_chat_ttft_ms']:+.1f} ms "
+            f"({'met' if result[f'{key}_ttft_target_met'] else 'MISSED'})\n"
+            for name, key in (("Messages", "messages"), ("Responses", "responses"))
+        )
+        + f"wrote {args.json}"
     )
     return 0 if record["valid"] or args.smoke else 1
 

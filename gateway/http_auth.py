@@ -35,7 +35,8 @@ _TENANT = "strata.tenant"
 
 
 class ApiKeys:
-    """The middleware: `endpoints` names each path for the metrics; `open_paths` need no key;
+    """The middleware: `endpoints` names each path for the metrics (a key ending in '/' names the paths
+    under it); `open_paths` need no key;
     `shapes` gives a path's errors its API's shape (OpenAI's where none is given)."""
 
     def __init__(
@@ -71,7 +72,15 @@ class ApiKeys:
         path = scope["path"]
         shape = self._shapes.get(path)
         error = unauthenticated() if shape is None else shape(unauthenticated())
-        await answer_refusal(error, self._endpoints.get(path, path), scope, receive, send)
+        await answer_refusal(error, self._endpoint(path), scope, receive, send)
+
+    def _endpoint(self, path: str) -> str:
+        """The metrics' name of `path`: its own, that of a prefix ending in '/' (a path with an id in
+        it), or `other`: a label per unknown path would grow without bound."""
+        if path in self._endpoints:
+            return self._endpoints[path]
+        under = [prefix for prefix in self._endpoints if prefix.endswith("/") and path.startswith(prefix)]
+        return self._endpoints[max(under, key=len)] if under else "other"
 
 
 async def answer_refusal(error: HttpError, endpoint: str, scope: Scope, receive: Receive, send: Send) -> None:

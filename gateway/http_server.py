@@ -3,13 +3,14 @@ event loop by uvicorn (HTTP/1.1 over h11) and Starlette.
 
 `HttpFrontDoor` binds `http_listen` itself (so a port in use is an OSError naming it, and port 0's
 choice is known at once), serves the routes (the completions endpoints of http_endpoints.py, Anthropic's
-Messages endpoints of anthropic_messages.py, GET /v1/models, GET /health for readiness) behind the
-API-key middleware (http_auth.py; readiness needs no key), and stops on the gateway's command: uvicorn's
-own SIGINT/SIGTERM handlers are turned off, so the gateway's drain decides (health 503, no new
-connections, running requests finish within the grace period, then are cancelled). uvicorn runs on the
-running asyncio loop (never a loop of its own choosing, such as uvloop under grpc.aio), with TLS from
-the gateway's `tls` settings and the connection bounds of http_guard.py. This module must not hold
-request logic (the pipeline) nor map errors.
+Messages endpoints of anthropic_messages.py, OpenAI's Responses endpoints of responses_api.py with their
+store, GET /v1/models, GET /health for readiness) behind the API-key middleware (http_auth.py;
+readiness needs no key), and stops on the gateway's command: uvicorn's own SIGINT/SIGTERM handlers are
+turned off, so the gateway's drain decides (health 503, no new connections, running requests finish
+within the grace period, then are cancelled). uvicorn runs on the running asyncio loop (never a loop of
+its own choosing, such as uvloop under grpc.aio), with TLS from the gateway's `tls` settings and the
+connection bounds of http_guard.py. This module must not hold request logic (the pipeline) nor map
+errors.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from gateway.anthropic_messages import CountTokens, Messages
 from gateway.http_auth import ApiKeys
 from gateway.http_endpoints import Completions
 from gateway.http_guard import guarded_protocol
+from gateway.response_store import ResponseStore
+from gateway.responses_api import Responses, StoredResponses
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Generator
@@ -70,12 +73,17 @@ class HttpFrontDoor:
         text = Completions(False, settings, pipeline, router)
         messages = Messages(settings, pipeline, router)
         count = CountTokens(settings, pipeline, router)
+        store = ResponseStore(settings.responses_store_ttl_s, settings.responses_store_bytes)
+        responses = Responses(settings, pipeline, router, store)
+        stored = StoredResponses(store)
         routes = Starlette(
             routes=[
                 Route("/v1/chat/completions", chat, methods=["POST"]),
                 Route("/v1/completions", text, methods=["POST"]),
                 Route("/v1/messages", messages, methods=["POST"]),
                 Route("/v1/messages/count_tokens", count, methods=["POST"]),
+                Route("/v1/responses", responses, methods=["POST"]),
+                Route("/v1/responses/{response_id}", stored.answer, methods=["GET", "DELETE"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
             ]
@@ -85,6 +93,8 @@ class HttpFrontDoor:
             "/v1/completions": text.endpoint,
             "/v1/messages": messages.endpoint,
             "/v1/messages/count_tokens": count.endpoint,
+            "/v1/responses": responses.endpoint,
+            "/v1/responses/": stored.endpoint,
             "/v1/models": "models",
         }
         anthropic = dict.fromkeys(("/v1/messages", "/v1/messages/count_tokens"), anthropic_error)

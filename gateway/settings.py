@@ -189,6 +189,11 @@ class GatewaySettings(ServiceSettings):
     connection opening or of its first byte; a slower one is answered 408 and closed (slowloris)."""
     http_body_timeout_s: float = 30.0
     """A request's whole body must arrive within this many seconds of its head; a slower one is 408."""
+    responses_store_ttl_s: float = 3600.0
+    """How long a stored Responses API answer (`store: true`) can be continued or fetched."""
+    responses_store_bytes: int = 16 * MIB
+    """Each tenant's stored Responses API answers together take at most this many bytes (their JSON
+    text and their conversations'); past it, the tenant's oldest are forgotten first."""
 
     @field_validator("http_listen")
     @classmethod
@@ -251,6 +256,13 @@ class GatewaySettings(ServiceSettings):
         for name in ("http_default_max_tokens", "http_max_connections", "http_keep_alive_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1, e.g. 256")
+        if not self.responses_store_ttl_s > 0:
+            raise ValueError(f"responses_store_ttl_s={self.responses_store_ttl_s} must be > 0, e.g. 3600")
+        if self.responses_store_bytes < 0:
+            raise ValueError(
+                f"responses_store_bytes={self.responses_store_bytes} must be >= 0 (0 keeps nothing), "
+                "e.g. 16777216"
+            )
         for name in ("http_header_timeout_s", "http_body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0, e.g. 10")

@@ -1,6 +1,6 @@
 """The HTTP front doors' table: the OpenAI-compatible API against gRPC, and Anthropic's Messages API
-against Chat Completions, on the same workloads (bench/http_vs_grpc.py). This module only renders
-its record.
+and OpenAI's Responses API against Chat Completions, on the same workloads (bench/http_vs_grpc.py).
+This module only renders its record.
 """
 
 from __future__ import annotations
@@ -57,17 +57,19 @@ def http_vs_grpc(records: Mapping[str, Record]) -> list[str]:
     lines = table(
         ["workload", "gRPC, median (min-max)", "HTTP, median (min-max)", "HTTP against gRPC", "target"], rows
     )
-    if "messages_vs_chat_tok_s" not in result:  # a record from before the Messages API was measured
-        return lines
-    header = [
-        "workload",
-        "Chat Completions, median (min-max)",
-        "Messages, median (min-max)",
-        "Messages against Chat Completions",
-        "target",
-    ]
-    rows = _pair_rows(data, "chat", "messages", "messages_", "messages_ttft_delta_ms_max")
-    return [*lines, "", *table(header, rows)]
+    for other, name in (("messages", "Messages"), ("responses", "Responses")):
+        if f"{other}_vs_chat_tok_s" not in result:  # a record from before this API was measured
+            continue
+        header = [
+            "workload",
+            "Chat Completions, median (min-max)",
+            f"{name}, median (min-max)",
+            f"{name} against Chat Completions",
+            "target",
+        ]
+        rows = _pair_rows(data, "chat", other, f"{other}_", f"{other}_ttft_delta_ms_max")
+        lines = [*lines, "", *table(header, rows)]
+    return lines
 
 
 TABLES = (Table("http-vs-grpc", ("http-vs-grpc-cpu.json",), http_vs_grpc),)

@@ -1,0 +1,224 @@
+"""What a Responses API answer looks like: the `response` object, its output items, and the stream of
+events that builds it.
+
+`ResponseShape` holds what the answer echoes of the request (instructions, tools, tool_choice,
+sampling, text format, metadata, previous_response_id, store) and renders the `response` object at
+any status: in_progress for `response.created`, then completed, incomplete (stopped by
+max_output_tokens: `incomplete_details.reason`) or failed. A finished answer is one `message` item
+holding an `output_text` part, or one `function_call` item per call the model made. Usage counts the
+prompt's tokens with those the prefix cache served as `input_tokens_details.cached_tokens`.
+`ResponseEvents` turns the pipeline's chunks into the API's events in order, each with its
+`sequence_number`: response.created, response.in_progress, the message's output_item.added and
+content_part.added when its first text comes, output_text.delta as text comes, then output_text.done,
+content_part.done and output_item.done; each call's output_item.added,
+function_call_arguments.delta, function_call_arguments.done and output_item.done; and
+response.completed (or response.incomplete). This module must not do I/O nor decide statuses.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from gateway.openai_schema import AssistantToolCall, CalledFunction, ChatMessage
+from strata.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from gateway.responses_schema import ResponsesRequest
+    from strata.v1 import gateway_pb2
+
+
+def usage(final: gateway_pb2.GenerateResponse) -> dict[str, Any]:
+    counts = final.usage
+    return {
+        "input_tokens": counts.input_tokens,
+        "input_tokens_details": {"cached_tokens": counts.cached_input_tokens},
+        "output_tokens": counts.output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": counts.input_tokens + counts.output_tokens,
+    }
+
+
+def answer_turn(final: gateway_pb2.GenerateResponse) -> ChatMessage:
+    """The answer as the assistant turn a continuation (previous_response_id) reads."""
+    calls = [
+        AssistantToolCall(
+            id=call.id,
+            type="function",
+            function=CalledFunction(name=call.name, arguments=call.arguments_json),
+        )
+        for call in final.tool_calls
+    ]
+    if calls:
+        return ChatMessage(role="assistant", content=None, tool_calls=calls)
+    return ChatMessage(role="assistant", content=final.text)
+
+
+def _incomplete(final: gateway_pb2.GenerateResponse) -> bool:
+    return not final.tool_calls and final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part]}
+
+
+def call_item(call: gateway_pb2.ToolCall, arguments: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": f"fc_{call.id.removeprefix('call_')}",
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+class ResponseShape:
+    """The `response` object of one request, at whatever point it has reached."""
+
+    def __init__(self, body: ResponsesRequest, request_id: str, model: str) -> None:
+        self.id = f"resp_{request_id}"
+        self.message_id = f"msg_{request_id}"
+        self.model = model
+        self._created_at = int(time.time())
+        self._echo: dict[str, Any] = {
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "metadata": body.metadata or {},
+            "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
+            "previous_response_id": body.previous_response_id,
+            "reasoning": {"effort": None, "summary": None},
+            "store": body.store,
+            "temperature": body.temperature,
+            "text": {"format": {"type": "text"}}
+            if body.text is None or body.text.format is None
+            else {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)},
+            "tool_choice": "auto"
+            if body.tool_choice is None
+            else body.tool_choice
+            if isinstance(body.tool_choice, str)
+            else body.tool_choice.model_dump(),
+            "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or ()],
+            "top_p": body.top_p,
+            "truncation": body.truncation or "disabled",
+            "user": body.user,
+        }
+
+    def render(
+        self,
+        status: str,
+        output: list[dict[str, Any]] | None = None,
+        final: gateway_pb2.GenerateResponse | None = None,
+        error: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self._created_at,
+            "status": status,
+            "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "model": self.model,
+            "output": output or [],
+            "usage": usage(final) if final is not None else None,
+            **self._echo,
+        }
+
+    def finished(self, final: gateway_pb2.GenerateResponse) -> dict[str, Any]:
+        """The whole answer: completed, or incomplete when max_output_tokens stopped it."""
+        self.model = final.model or self.model
+        status = "incomplete" if _incomplete(final) else "completed"
+        if final.tool_calls:
+            output = [call_item(call, call.arguments_json, "completed") for call in final.tool_calls]
+        else:
+            output = [message_item(self.message_id, final.text, status)]
+        return self.render(status, output, final)
+
+
+class ResponseEvents:
+    """The stream's events, in order, numbered; text is sent as it comes and calls at the end."""
+
+    def __init__(self, shape: ResponseShape) -> None:
+        self._shape = shape
+        self._sequence = 0
+        self._text: str | None = None
+        """The message's text so far; None until its item is open."""
+
+    def _event(self, kind: str, **fields: Any) -> tuple[str, dict[str, Any]]:
+        payload = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return kind, payload
+
+    def opening(self) -> list[tuple[str, dict[str, Any]]]:
+        started = self._shape.render("in_progress")
+        return [
+            self._event("response.created", response=started),
+            self._event("response.in_progress", response=started),
+        ]
+
+    def text(self, delta: str) -> list[tuple[str, dict[str, Any]]]:
+        """The events of new text (opening the message item at the first)."""
+        events = self._open_message() if self._text is None else []
+        if delta:
+            self._text = (self._text or "") + delta
+            events.append(
+                self._event("response.output_text.delta", delta=delta, logprobs=[], **self._where())
+            )
+        return events
+
+    def closing(self, final: gateway_pb2.GenerateResponse) -> list[tuple[str, dict[str, Any]]]:
+        """The events that end a finished answer: its items' done events, then the response's."""
+        events: list[tuple[str, dict[str, Any]]] = []
+        whole = self._shape.finished(final)
+        if final.tool_calls:
+            for index, call in enumerate(final.tool_calls):
+                item = call_item(call, "", "in_progress")
+                where = {"item_id": item["id"], "output_index": index}
+                events += [
+                    self._event("response.output_item.added", output_index=index, item=item),
+                    self._event("response.function_call_arguments.delta", delta=call.arguments_json, **where),
+                    self._event(
+                        "response.function_call_arguments.done", arguments=call.arguments_json, **where
+                    ),
+                    self._event("response.output_item.done", output_index=index, item=whole["output"][index]),
+                ]
+        else:
+            if self._text is None:
+                events += self._open_message()
+            item = whole["output"][0]
+            part = item["content"][0]
+            events += [
+                self._event("response.output_text.done", text=part["text"], logprobs=[], **self._where()),
+                self._event("response.content_part.done", part=part, **self._where()),
+                self._event("response.output_item.done", output_index=0, item=item),
+            ]
+        kind = "response.completed" if whole["status"] == "completed" else "response.incomplete"
+        events.append(self._event(kind, response=whole))
+        return events
+
+    def failed(self, error: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        """The events of a failure after the stream began: the error, then the failed response."""
+        failure = {"code": error.get("code") or "server_error", "message": error["message"]}
+        return [
+            self._event("error", param=error.get("param"), **failure),
+            self._event("response.failed", response=self._shape.render("failed", error=failure)),
+        ]
+
+    def _open_message(self) -> list[tuple[str, dict[str, Any]]]:
+        self._text = ""
+        item = {
+            "type": "message",
+            "id": self._shape.message_id,
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [],
+        }
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [
+            self._event("response.output_item.added", output_index=0, item=item),
+            self._event("response.content_part.added", part=part, **self._where()),
+        ]
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self._shape.message_id, "output_index": 0, "content_index": 0}
