@@ -14,7 +14,7 @@ grpc.aio stub (bench/driver.py), the HTTP APIs through httpx2's async client (be
 /v1/messages and `responses` /v1/responses (stored, the API's default) with the prompt as one user
 message (so all three through the chat template; EOS ignored),
 each with its own connections, from this one process, whose CPU time (the client's) is recorded per
-level. After a warm-up of each, `--runs` (3) rounds: each runs both workloads, the contestants' order
+level. After a warm-up of each, `--runs` (5) rounds: each runs both workloads, the contestants' order
 reversed every other round (G H C M R, R M C H G, ...). Targets: HTTP at least 0.9x gRPC's tokens/s
 at `--streams`, and at most 5 ms more TTFT p50 at one stream; Messages and Responses each at least
 0.97x Chat Completions' tokens/s and at most 3 ms more TTFT p50; judged on the medians. This module
@@ -70,7 +70,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.http_vs_grpc", description=__doc__)
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     parser.add_argument("--json", type=Path, default=Path("bench/results/http-vs-grpc-cpu.json"))
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
