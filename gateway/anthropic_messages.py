@@ -11,8 +11,9 @@ A whole answer is a `message`: its content a `text` block, or the `tool_use` blo
 made; `stop_reason` end_turn, max_tokens, stop_sequence (with the string that matched) or tool_use;
 `usage` with the prompt tokens the prefix cache served as `cache_read_input_tokens`. A stream is
 Anthropic's events: message_start, a text block's content_block_start, text_delta deltas and
-content_block_stop, each call's block with its arguments as one input_json_delta, message_delta with
-the stop reason and the usage, message_stop; a failure after the first event is an `error` event.
+content_block_stop, each call's tool_use block as soon as its name is written with its arguments in
+input_json_delta fragments as they are written (tool_stream.py), message_delta with the stop reason
+and the usage, message_stop; a failure after the first event is an `error` event.
 count_tokens answers `{"input_tokens": n}` as the model would be prompted, tools included. Errors
 have Anthropic's shape and codes (anthropic_errors.py). This module must not hold request logic (the
 pipeline does) nor decide statuses.
@@ -42,7 +43,8 @@ from gateway.http_exchange import (
 )
 from gateway.openai_errors import HttpError, from_gateway, from_validation
 from gateway.openai_mapping import headers, to_generate_request
-from gateway.openai_tools import ToolStream
+from gateway.tool_calls import answered_with_calls
+from gateway.tool_stream import CallArguments, CallStart, ToolStream
 from strata.v1 import common_pb2
 
 if TYPE_CHECKING:
@@ -55,6 +57,7 @@ if TYPE_CHECKING:
     from gateway.request_values import Chunk, Incoming
     from gateway.router import Router
     from gateway.settings import GatewaySettings
+    from gateway.tool_stream import Piece
     from strata.v1 import gateway_pb2
 
 VERSION_HEADER = "anthropic-version"
@@ -62,7 +65,7 @@ VERSION_HEADER = "anthropic-version"
 
 def stop_reason(final: gateway_pb2.GenerateResponse) -> tuple[str, str | None]:
     """Anthropic's stop_reason and stop_sequence of a finished request."""
-    if final.tool_calls:
+    if answered_with_calls(final):
         return "tool_use", None
     if final.finish_reason == common_pb2.FINISH_REASON_LENGTH:
         return "max_tokens", None
@@ -192,59 +195,92 @@ class Messages(_Endpoint):
         }
         yield named_event("message_start", {"type": "message_start", "message": head})
         held = ToolStream(request)
-        text_open = False
+        blocks = _Blocks()
         chunk: Chunk | None = first
         try:
             while chunk is not None:
                 final = chunk.final
                 if final is None:
-                    text = held.take(chunk.text)
+                    events = blocks.events(held.take(chunk.text))
                 else:
-                    text = "" if final.tool_calls else held.rest(chunk.text)
-                if text or (final is not None and not final.tool_calls and not text_open):
-                    if not text_open:
-                        block = {"type": "text", "text": ""}
-                        yield named_event(
-                            "content_block_start",
-                            {"type": "content_block_start", "index": 0, "content_block": block},
-                        )
-                        text_open = True
-                    if text:
-                        delta = {"type": "text_delta", "text": text}
-                        yield named_event(
-                            "content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}
-                        )
-                if final is None:
-                    chunk = await anext(chunks, None)
-                    continue
-                for kind, payload in _closing(final, text_open):
+                    events = blocks.events(held.finish(chunk.text, final)) + blocks.closing(final)
+                for kind, payload in events:
                     yield named_event(kind, payload)
-                return
+                if final is not None:
+                    return
+                chunk = await anext(chunks, None)
         except GatewayError as error:
             yield named_event("error", anthropic_error(from_gateway(error)).body())
 
 
-def _closing(final: gateway_pb2.GenerateResponse, text_open: bool) -> list[tuple[str, dict[str, Any]]]:
-    """The events that end a stream: the text block's stop, each call's block, message_delta, message_stop."""
-    events: list[tuple[str, dict[str, Any]]] = []
-    index = 0
-    if text_open:
-        events.append(("content_block_stop", {"type": "content_block_stop", "index": 0}))
-        index = 1
-    for call in final.tool_calls:
-        block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
-        delta = {"type": "input_json_delta", "partial_json": call.arguments_json}
-        events += [
-            ("content_block_start", {"type": "content_block_start", "index": index, "content_block": block}),
-            ("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}),
-            ("content_block_stop", {"type": "content_block_stop", "index": index}),
-        ]
-        index += 1
-    reason, sequence = stop_reason(final)
-    ending: dict[str, Any] = {"stop_reason": reason, "stop_sequence": sequence}
-    events.append(("message_delta", {"type": "message_delta", "delta": ending, "usage": usage(final)}))
-    events.append(("message_stop", {"type": "message_stop"}))
-    return events
+class _Blocks:
+    """A stream's content blocks: the text's, and each call's, opened and closed in order."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._text: int | None = None
+        """The open text block's index."""
+        self._calls: dict[int, int] = {}
+        """A call's place -> its block's index."""
+
+    def events(self, pieces: list[Piece]) -> list[tuple[str, dict[str, Any]]]:
+        out: list[tuple[str, dict[str, Any]]] = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                out += self._text_delta(piece)
+            elif isinstance(piece, CallStart):
+                out += self._stop_text()
+                self._calls[piece.index] = self._count
+                block = {"type": "tool_use", "id": piece.id, "name": piece.name, "input": {}}
+                out.append(self._start(block))
+            elif isinstance(piece, CallArguments):
+                delta = {"type": "input_json_delta", "partial_json": piece.text}
+                index = self._calls[piece.index]
+                out.append(
+                    ("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+                )
+            else:
+                out.append(
+                    ("content_block_stop", {"type": "content_block_stop", "index": self._calls[piece.index]})
+                )
+        return out
+
+    def closing(self, final: gateway_pb2.GenerateResponse) -> list[tuple[str, dict[str, Any]]]:
+        """The events that end a stream: the text block's stop (an answer with no block gets an empty
+        text block), message_delta with the stop reason and usage, message_stop."""
+        out = self._text_delta("") if self._count == 0 else []
+        out += self._stop_text()
+        reason, sequence = stop_reason(final)
+        ending: dict[str, Any] = {"stop_reason": reason, "stop_sequence": sequence}
+        out.append(("message_delta", {"type": "message_delta", "delta": ending, "usage": usage(final)}))
+        out.append(("message_stop", {"type": "message_stop"}))
+        return out
+
+    def _start(self, block: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        self._count += 1
+        return "content_block_start", {
+            "type": "content_block_start",
+            "index": self._count - 1,
+            "content_block": block,
+        }
+
+    def _text_delta(self, text: str) -> list[tuple[str, dict[str, Any]]]:
+        out = []
+        if self._text is None:
+            self._text = self._count
+            out.append(self._start({"type": "text", "text": ""}))
+        if text:
+            delta = {"type": "text_delta", "text": text}
+            out.append(
+                ("content_block_delta", {"type": "content_block_delta", "index": self._text, "delta": delta})
+            )
+        return out
+
+    def _stop_text(self) -> list[tuple[str, dict[str, Any]]]:
+        if self._text is None:
+            return []
+        index, self._text = self._text, None
+        return [("content_block_stop", {"type": "content_block_stop", "index": index})]
 
 
 class CountTokens(_Endpoint):

@@ -130,7 +130,7 @@ class ToolChoice(_Body):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
-    """Accepted; an answer holds at most one call."""
+    """True: at most one call in the answer."""
 
     @model_validator(mode="after")
     def _named(self) -> ToolChoice:
@@ -244,6 +244,9 @@ class MessagesRequest(_Conversation):
             no_fallback=self.no_fallback,
             tools=tools,
             tool_choice=choice,
+            parallel_tool_calls=False
+            if self.tool_choice is not None and self.tool_choice.disable_parallel_tool_use
+            else None,
             response_format=ResponseFormat(type="json_schema", json_schema=schema)
             if schema is not None
             else None,

@@ -35,7 +35,8 @@ from gateway.openai_errors import from_gateway, from_validation
 from gateway.openai_logprobs import prompt_logprobs
 from gateway.openai_mapping import FINISH_REASONS, Reply, extension, headers, to_generate_request
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
-from gateway.openai_tools import ToolStream
+from gateway.tool_calls import answered_with_calls
+from gateway.tool_stream import CallEnd, ToolStream
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from gateway.request_values import Chunk, Incoming
     from gateway.router import Router
     from gateway.settings import GatewaySettings
+    from gateway.tool_stream import Piece
     from strata.v1 import gateway_pb2
 
 
@@ -143,21 +145,30 @@ class Completions(Endpoint):
                 if final is None:
                     done = chunk.sample_final
                     # Tools take one sample (check_samples refuses n > 1 with them): `held` is sample 0's.
-                    text = held.take(chunk.text)
+                    pieces = held.take(chunk.text)
+                    text = "".join(piece for piece in pieces if isinstance(piece, str))
                     if text or chunk.logprobs or done is not None or opening:
                         finish = None if done is None else _finish(done)
                         yield event(reply.chunk(text, finish, opening, chunk.logprobs, chunk.index))
                         opened.add(chunk.index)
+                    for data in _calls(reply, pieces):
+                        yield data
                     chunk = await anext(chunks, None)
                     continue
                 reply.model = final.model
                 if final.choices:  # n > 1: every sample's last chunk has gone with its finish reason
                     last = reply.empty_chunk()
-                elif final.tool_calls:
-                    yield event(reply.tool_calls_chunk(final))
-                    last = reply.chunk("", "tool_calls", opening)
                 else:
-                    last = reply.chunk(held.rest(chunk.text), _finish(final), opening, chunk.logprobs)
+                    pieces = held.finish(chunk.text, final)
+                    calls = _calls(reply, pieces)
+                    if calls and opening:
+                        yield event(reply.chunk("", None, True))
+                        opening = False
+                    for data in calls:
+                        yield data
+                    text = "".join(piece for piece in pieces if isinstance(piece, str))
+                    finish = "tool_calls" if answered_with_calls(final) else _finish(final)
+                    last = reply.chunk(text, finish, opening, chunk.logprobs)
                 if reply.prompt_logprobs and last["choices"]:
                     last["choices"][0]["prompt_logprobs"] = prompt_logprobs(final.prompt_logprobs)
                 closing = reply.usage_chunk(final) if include_usage else last
@@ -169,6 +180,11 @@ class Completions(Endpoint):
                 return
         except GatewayError as error:
             yield event(from_gateway(error, token_field).body())
+
+
+def _calls(reply: Reply, pieces: list[Piece]) -> list[bytes]:
+    """The chunks of the calls' pieces: a call's start, then its arguments' fragments."""
+    return [event(reply.call_chunk(piece)) for piece in pieces if not isinstance(piece, (str, CallEnd))]
 
 
 def _finish(final: gateway_pb2.GenerateResponse) -> str:

@@ -22,6 +22,8 @@ from gateway import openai_tools
 from gateway.openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from gateway.request_ids import response_id
 from gateway.stage_clock import STAGES
+from gateway.tool_calls import answered_with_calls
+from gateway.tool_stream import CallStart
 from strata.sampling import SAMPLING_PARAMS
 from strata.v1 import common_pb2, gateway_pb2
 
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
 
     from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
     from gateway.settings import GatewaySettings
+    from gateway.tool_stream import CallArguments
 
 FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
 PRIORITIES = {"interactive": gateway_pb2.PRIORITY_INTERACTIVE, "batch": gateway_pb2.PRIORITY_BATCH}
@@ -86,7 +89,12 @@ def to_generate_request(
         for message in body.messages:
             role, content = openai_tools.render_turn(message)
             request.messages.add(role=ROLE_ALIASES.get(role, role), content=content)
-        openai_tools.set_tools(request, getattr(body, "tools", None), getattr(body, "tool_choice", None))
+        openai_tools.set_tools(
+            request,
+            getattr(body, "tools", None),
+            getattr(body, "tool_choice", None),
+            getattr(body, "parallel_tool_calls", None),
+        )
     else:
         request.prompt = body.prompt_text()
     return request
@@ -153,7 +161,7 @@ class Reply:
             if self.prompt_logprobs:
                 choice["prompt_logprobs"] = prompt_logprobs(final.prompt_logprobs)
             if self.chat and final.tool_calls:  # tools take one sample
-                choice["finish_reason"] = "tool_calls"
+                choice["finish_reason"] = "tool_calls" if answered_with_calls(final) else "length"
                 choice["message"] = {
                     "role": "assistant",
                     "content": None,
@@ -190,10 +198,18 @@ class Reply:
             choice["text"] = text
         return {**self._head(chunk=True), "choices": [choice]}
 
-    def tool_calls_chunk(self, final: gateway_pb2.GenerateResponse) -> dict[str, Any]:
-        """The stream chunk carrying the answer's tool calls, whole (OpenAI's deltas may split them)."""
-        delta = {"tool_calls": openai_tools.tool_calls(final, with_index=True)}
-        choice = {"index": 0, "finish_reason": None, "logprobs": None, "delta": delta}
+    def call_chunk(self, piece: CallStart | CallArguments) -> dict[str, Any]:
+        """The stream chunk of a call's start (its id and name) or of a fragment of its arguments."""
+        if isinstance(piece, CallStart):
+            entry: dict[str, Any] = {
+                "index": piece.index,
+                "id": piece.id,
+                "type": "function",
+                "function": {"name": piece.name, "arguments": ""},
+            }
+        else:
+            entry = {"index": piece.index, "function": {"arguments": piece.text}}
+        choice = {"index": 0, "finish_reason": None, "logprobs": None, "delta": {"tool_calls": [entry]}}
         return {**self._head(chunk=True), "choices": [choice]}
 
     def empty_chunk(self) -> dict[str, Any]:

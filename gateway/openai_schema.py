@@ -202,7 +202,7 @@ class ChatCompletionRequest(_Common):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    """Accepted; an answer holds at most one call."""
+    """False: at most one call in the answer (ToolChoice.single_call)."""
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: ResponseFormat | None = None

@@ -4,8 +4,8 @@
 json_schema, and Strata's regex and grammar); `set_tools` maps `tools` and `tool_choice` onto the
 request (gateway/tool_calls.py then does the work); `render_turn` writes a conversation's earlier
 calls and tool answers as text the chat template can hold, in the same `<tool_call>` format the
-model is asked for; `tool_calls` renders a response's calls as the API's objects. `ToolStream` decides,
-chunk by chunk, whether a stream's text is content to send now or a call to send whole at the end.
+model is asked for; `tool_calls` renders a response's calls as the API's objects (a stream's calls
+are read as they come by tool_stream.py).
 This module must not do I/O nor decide anything about a request: the pipeline validates.
 """
 
@@ -45,11 +45,14 @@ def set_tools(
     request: gateway_pb2.GenerateRequest,
     tools: list[Tool] | None,
     choice: str | NamedToolChoice | None,
+    parallel: bool | None = None,
 ) -> None:
+    """`parallel` False allows one call only (OpenAI's parallel_tool_calls)."""
     for tool in tools or ():
         function = tool.function
         parameters = json.dumps(function.parameters) if function.parameters is not None else ""
         request.tools.add(name=function.name, description=function.description, parameters_json=parameters)
+    request.tool_choice.single_call = parallel is False
     if choice is None:
         return
     if isinstance(choice, str):
@@ -91,34 +94,3 @@ def tool_calls(final: gateway_pb2.GenerateResponse, *, with_index: bool) -> list
         }
         out.append({"index": index, **item} if with_index else item)
     return out
-
-
-class ToolStream:
-    """Whether a chat stream's text goes out as it comes, or waits for the final chunk.
-
-    A request that must call a tool holds all of its text; with tool_choice auto the first character
-    decides (an answer in text may not start with '<', a call must).
-    """
-
-    def __init__(self, request: gateway_pb2.GenerateRequest) -> None:
-        self._mode = calls.mode_of(request) if calls.calls_tools(request) else None
-        self._sending = self._mode is None
-        self.held = ""
-        """Text held back so far: the call's own text, or (auto) the first whitespace."""
-
-    def take(self, text: str) -> str:
-        """The part of the text so far to send now; the rest is held."""
-        if self._sending:
-            return text
-        self.held += text
-        start = self.held.lstrip()
-        if self._mode == gateway_pb2.TOOL_CHOICE_MODE_AUTO and start and not start.startswith("<"):
-            self._sending = True
-            out, self.held = self.held, ""
-            return out
-        return ""
-
-    def rest(self, text: str) -> str:
-        """The last chunk's text of an answer that made no call: what was held, then `text`."""
-        out, self.held = self.held + text, ""
-        return out

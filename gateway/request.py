@@ -199,7 +199,9 @@ class Request:
         self.timing.forward_ms = parts["forward"]
         self.timing.decode_ms = parts["decode"]
         text = "".join(self.text)
-        stopped = finish == common_pb2.FINISH_REASON_STOP
+        # A cut answer keeps its whole calls (tool_calls.parse drops the cut one); a cancelled or
+        # failed one has none.
+        answered = finish in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
         return gateway_pb2.GenerateResponse(
             text=text,
             finish_reason=finish,
@@ -219,6 +221,6 @@ class Request:
             trace_id=self.trace.trace_id,
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
-            tool_calls=tool_calls.parse(self.valid.request, text) if stopped else [],
+            tool_calls=tool_calls.parse(self.valid.request, text, self.valid.request_id) if answered else [],
             stop_sequence=stop_sequence,
         )

@@ -39,9 +39,9 @@ from gateway.http_exchange import (
 from gateway.metrics import HTTP_RESPONSES
 from gateway.openai_errors import HttpError, from_gateway, from_validation
 from gateway.openai_mapping import headers, to_generate_request
-from gateway.openai_tools import ToolStream
 from gateway.responses_output import ResponseEvents, ResponseShape, answer_turn
 from gateway.responses_schema import ResponsesRequest
+from gateway.tool_stream import ToolStream
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator
@@ -181,19 +181,15 @@ class Responses(Endpoint):
             while chunk is not None:
                 final = chunk.final
                 if final is None:
-                    text = held.take(chunk.text)
-                    for kind, payload in built.text(text) if text else ():
-                        yield named_event(kind, payload)
-                    chunk = await anext(chunks, None)
-                    continue
-                if not final.tool_calls:
-                    for kind, payload in built.text(held.rest(chunk.text)):
-                        yield named_event(kind, payload)
-                ending = built.closing(final)
-                self._keep(incoming, ending[-1][1]["response"], conversation, final)
-                for kind, payload in ending:
+                    events = built.pieces(held.take(chunk.text))
+                else:
+                    events = built.pieces(held.finish(chunk.text, final)) + built.closing(final)
+                    self._keep(incoming, events[-1][1]["response"], conversation, final)
+                for kind, payload in events:
                     yield named_event(kind, payload)
-                return
+                if final is not None:
+                    return
+                chunk = await anext(chunks, None)
         except GatewayError as error:
             for kind, payload in built.failed(_error(error).body()["error"]):
                 yield named_event(kind, payload)

@@ -10,9 +10,10 @@ prompt's tokens with those the prefix cache served as `input_tokens_details.cach
 `ResponseEvents` turns the pipeline's chunks into the API's events in order, each with its
 `sequence_number`: response.created, response.in_progress, the message's output_item.added and
 content_part.added when its first text comes, output_text.delta as text comes, then output_text.done,
-content_part.done and output_item.done; each call's output_item.added,
-function_call_arguments.delta, function_call_arguments.done and output_item.done; and
-response.completed (or response.incomplete). This module must not do I/O nor decide statuses.
+content_part.done and output_item.done; each call's output_item.added as soon as its name is written,
+function_call_arguments.delta fragments as its arguments are written (tool_stream.py),
+function_call_arguments.done and output_item.done; and response.completed (or response.incomplete).
+This module must not do I/O nor decide statuses.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from gateway.openai_schema import AssistantToolCall, CalledFunction, ChatMessage
+from gateway.tool_stream import CallArguments, CallStart
 from strata.v1 import common_pb2
 
 if TYPE_CHECKING:
     from gateway.responses_schema import ResponsesRequest
+    from gateway.tool_stream import Piece
     from strata.v1 import gateway_pb2
 
 
@@ -55,7 +58,7 @@ def answer_turn(final: gateway_pb2.GenerateResponse) -> ChatMessage:
 
 
 def _incomplete(final: gateway_pb2.GenerateResponse) -> bool:
-    return not final.tool_calls and final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    return final.finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
 def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
@@ -63,12 +66,12 @@ def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part]}
 
 
-def call_item(call: gateway_pb2.ToolCall, arguments: str, status: str) -> dict[str, Any]:
+def call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
     return {
         "type": "function_call",
-        "id": f"fc_{call.id.removeprefix('call_')}",
-        "call_id": call.id,
-        "name": call.name,
+        "id": f"fc_{call_id.removeprefix('call_')}",
+        "call_id": call_id,
+        "name": name,
         "arguments": arguments,
         "status": status,
     }
@@ -130,7 +133,7 @@ class ResponseShape:
         self.model = final.model or self.model
         status = "incomplete" if _incomplete(final) else "completed"
         if final.tool_calls:
-            output = [call_item(call, call.arguments_json, "completed") for call in final.tool_calls]
+            output = [call_item(c.id, c.name, c.arguments_json, "completed") for c in final.tool_calls]
         else:
             output = [message_item(self.message_id, final.text, status)]
         return self.render(status, output, final)
@@ -144,6 +147,8 @@ class ResponseEvents:
         self._sequence = 0
         self._text: str | None = None
         """The message's text so far; None until its item is open."""
+        self._calls: dict[int, dict[str, Any]] = {}
+        """Each call's item as streamed so far, by its place."""
 
     def _event(self, kind: str, **fields: Any) -> tuple[str, dict[str, Any]]:
         payload = {"type": kind, "sequence_number": self._sequence, **fields}
@@ -157,33 +162,40 @@ class ResponseEvents:
             self._event("response.in_progress", response=started),
         ]
 
-    def text(self, delta: str) -> list[tuple[str, dict[str, Any]]]:
-        """The events of new text (opening the message item at the first)."""
-        events = self._open_message() if self._text is None else []
-        if delta:
-            self._text = (self._text or "") + delta
-            events.append(
-                self._event("response.output_text.delta", delta=delta, logprobs=[], **self._where())
-            )
+    def pieces(self, pieces: list[Piece]) -> list[tuple[str, dict[str, Any]]]:
+        """The events of a chunk's pieces: text deltas (opening the message item at the first), each
+        call's item as soon as its name is known, its arguments' fragments, its end."""
+        events: list[tuple[str, dict[str, Any]]] = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                events += self._text_delta(piece)
+                continue
+            call = self._calls.setdefault(piece.index, {})
+            if isinstance(piece, CallStart):
+                call.update(call_item(piece.id, piece.name, "", "in_progress"))
+                events.append(
+                    self._event("response.output_item.added", output_index=piece.index, item=dict(call))
+                )
+                continue
+            where = {"item_id": call["id"], "output_index": piece.index}
+            if isinstance(piece, CallArguments):
+                events.append(
+                    self._event("response.function_call_arguments.delta", delta=piece.text, **where)
+                )
+                continue
+            call.update(arguments=piece.arguments, status="completed")
+            events += [
+                self._event("response.function_call_arguments.done", arguments=piece.arguments, **where),
+                self._event("response.output_item.done", output_index=piece.index, item=dict(call)),
+            ]
         return events
 
     def closing(self, final: gateway_pb2.GenerateResponse) -> list[tuple[str, dict[str, Any]]]:
-        """The events that end a finished answer: its items' done events, then the response's."""
+        """The events that end a finished answer: its message's done events (a call answer's items
+        have ended with their calls), then the response's."""
         events: list[tuple[str, dict[str, Any]]] = []
         whole = self._shape.finished(final)
-        if final.tool_calls:
-            for index, call in enumerate(final.tool_calls):
-                item = call_item(call, "", "in_progress")
-                where = {"item_id": item["id"], "output_index": index}
-                events += [
-                    self._event("response.output_item.added", output_index=index, item=item),
-                    self._event("response.function_call_arguments.delta", delta=call.arguments_json, **where),
-                    self._event(
-                        "response.function_call_arguments.done", arguments=call.arguments_json, **where
-                    ),
-                    self._event("response.output_item.done", output_index=index, item=whole["output"][index]),
-                ]
-        else:
+        if not final.tool_calls:
             if self._text is None:
                 events += self._open_message()
             item = whole["output"][0]
@@ -195,6 +207,15 @@ class ResponseEvents:
             ]
         kind = "response.completed" if whole["status"] == "completed" else "response.incomplete"
         events.append(self._event(kind, response=whole))
+        return events
+
+    def _text_delta(self, delta: str) -> list[tuple[str, dict[str, Any]]]:
+        events = self._open_message() if self._text is None else []
+        if delta:
+            self._text = (self._text or "") + delta
+            events.append(
+                self._event("response.output_text.delta", delta=delta, logprobs=[], **self._where())
+            )
         return events
 
     def failed(self, error: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:

@@ -9,10 +9,10 @@ and `function_call_output` items answering them), `instructions`, `max_output_to
 `store`, `previous_response_id` and `metadata`. A part this gateway cannot read (an image, a file), a
 tool that is not a function, `background`, `conversation` and a field the API does not have are
 refused naming the field: nothing is ignored in silence. `reasoning`, `prompt_cache_key`,
-`safety_identifier`, `user` and `parallel_tool_calls` are accepted and have no effect (a model here
-has one effort; the workers cache every prompt's prefix by themselves). Strata's own `top_k`, `seed`,
-`ignore_eos`, `priority`, `allow_fallback` and `no_fallback` are extra body fields, as the Chat
-Completions front door takes them.
+`safety_identifier` and `user` are accepted and have no effect (a model here has one effort; the
+workers cache every prompt's prefix by themselves); `parallel_tool_calls: false` allows one call.
+Strata's own `top_k`, `seed`, `ignore_eos`, `priority`, `allow_fallback` and `no_fallback` are
+extra body fields, as the Chat Completions front door takes them.
 
 `input_turns` reads the input as chat turns (a message a turn; calls join the assistant turn before
 them; an output a `tool` turn); `as_chat` makes the Chat Completions request (openai_schema.py) of the
@@ -270,6 +270,7 @@ class ResponsesRequest(_Body):
             ]
             if self.tools
             else None,
+            parallel_tool_calls=self.parallel_tool_calls,
             tool_choice=NamedToolChoice(type="function", function=FunctionName(name=self.tool_choice.name))
             if isinstance(self.tool_choice, FunctionChoice)
             else self.tool_choice,

@@ -1,19 +1,23 @@
 """Tool calls for models whose chat template knows no tools: the prompt, the grammar, the parse.
 
 `prepare` checks a chat request's tools and tool_choice and returns the request the pipeline runs:
-the tools described to the model in a system message, and an output constraint that makes the
-answer a call (REQUIRED, NAMED) or either text or one call written as
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (AUTO). The arguments object is held to
-the function's parameters schema by the same grammar. NONE (and a request without tools) runs
-unchanged, its tools unseen. `parse` turns the final text back into ToolCalls. Errors are
-InvalidArgument naming the field. This module must not do I/O nor know a protocol's shapes.
+the tools described to the model in a system message, and a grammar that makes the answer one or
+more calls, one a line, each written as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+(REQUIRED; NAMED: one call of that function; `single_call`: one call), or either text or such calls
+(AUTO). Each arguments object is
+held to its function's parameters schema by the same grammar. NONE (and a request without tools)
+runs unchanged, its tools unseen. `parse` turns the final text back into ToolCalls, each keeping its
+arguments as the model wrote them (a call the token limit cut is dropped); a call's id follows from
+the request id and the call's place (`call_id`), so a stream that announces a call before the answer
+ends names it as the final answer does. Errors are InvalidArgument naming the field. This module must
+not do I/O nor know a protocol's shapes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-import uuid
 from typing import Any
 
 from gateway.errors import InvalidArgument
@@ -22,7 +26,42 @@ from strata.v1 import common_pb2, gateway_pb2
 MAX_TOOLS = 32
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+CALL_HEAD = re.compile(
+    r'\s*<tool_call>\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*(?=\S)'
+)
+"""A call up to its arguments' first character (which must have come: a stream reads it whole)."""
+CALL_TAIL = re.compile(r"\s*\}\s*</tool_call>")
 Mode = gateway_pb2.ToolChoiceMode
+COMPACT_JSON = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+"""llguidance's JSON options for a call, as the worker's json_schema constraint has them: compact JSON
+leaves no room for a run of newlines that would spend the token limit inside a valid call."""
+
+
+def call_id(request_id: str, index: int) -> str:
+    """The id of a request's `index`th call: the same wherever it is computed."""
+    return "call_" + hashlib.sha256(f"{request_id}:{index}".encode()).hexdigest()[:24]
+
+
+def value_end(text: str, start: int) -> int | None:
+    """Where the JSON object or array at `text[start]` ends (one past its closing bracket); None
+    while it is unfinished. The grammar has made it valid JSON: only strings and brackets count."""
+    depth, in_string, escaped = 0, False, False
+    for index in range(start, len(text)):
+        char = text[index]
+        if escaped:
+            escaped = False
+        elif in_string:
+            escaped = char == "\\"
+            in_string = char != '"'
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+            if depth == 0:
+                return index + 1
+    return None
 
 
 def mode_of(request: gateway_pb2.GenerateRequest) -> gateway_pb2.ToolChoiceMode.ValueType:
@@ -64,36 +103,50 @@ def prepare(request: gateway_pb2.GenerateRequest) -> gateway_pb2.GenerateRequest
     call = _call_schema({name: schemas[name] for name in names})
     prepared = gateway_pb2.GenerateRequest()
     prepared.CopyFrom(request)
-    if mode == Mode.TOOL_CHOICE_MODE_AUTO:
-        prepared.sampling.constraint.lark_grammar = _auto_grammar(call)
-    else:
-        prepared.sampling.constraint.json_schema = json.dumps(call)
-    _describe(prepared, mode)
+    single = mode == Mode.TOOL_CHOICE_MODE_NAMED or request.tool_choice.single_call
+    prepared.sampling.constraint.lark_grammar = _grammar(call, mode, single)
+    _describe(prepared, mode, single)
     return prepared
 
 
-def parse(request: gateway_pb2.GenerateRequest, text: str) -> list[gateway_pb2.ToolCall]:
-    """The calls in a finished answer to `request`; [] for text (or a call cut by max_new_tokens)."""
+def parse(request: gateway_pb2.GenerateRequest, text: str, request_id: str) -> list[gateway_pb2.ToolCall]:
+    """The calls in a finished answer to `request`, up to one the token limit cut (which is dropped:
+    the answer's finish reason says it was cut); [] for text, which cannot start with a call."""
     if not calls_tools(request):
         return []
-    body = text.strip()
-    if mode_of(request) == Mode.TOOL_CHOICE_MODE_AUTO:
-        if not (body.startswith(CALL_OPEN) and body.endswith(CALL_CLOSE)):
-            return []
-        body = body[len(CALL_OPEN) : -len(CALL_CLOSE)]
+    calls: list[gateway_pb2.ToolCall] = []
+    position = 0
+    while (call := _one_call(text, position)) is not None:
+        name, arguments, position = call
+        calls.append(
+            gateway_pb2.ToolCall(id=call_id(request_id, len(calls)), name=name, arguments_json=arguments)
+        )
+    return calls
+
+
+def answered_with_calls(final: gateway_pb2.GenerateResponse) -> bool:
+    """Whether the answer ended with its calls (not cut by the token limit, with or without calls)."""
+    return bool(final.tool_calls) and final.finish_reason != common_pb2.FINISH_REASON_LENGTH
+
+
+def _one_call(text: str, start: int) -> tuple[str, str, int] | None:
+    """The call written at `text[start:]`: its name, its arguments as written, where it ends."""
+    head = CALL_HEAD.match(text, start)
+    if head is None:
+        return None
+    end = value_end(text, head.end())
+    tail = CALL_TAIL.match(text, end) if end is not None else None
+    if end is None or tail is None:
+        return None
+    arguments = text[head.end() : end]
     try:
-        call = json.loads(body)
+        value = json.loads(arguments)
     except ValueError:
-        return []
-    # A call's arguments are a JSON object (both APIs give them as one); anything else is text.
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return []
-    if not isinstance(call.get("arguments"), dict):
-        return []
-    arguments = json.dumps(call["arguments"], ensure_ascii=False)
-    return [
-        gateway_pb2.ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", name=call["name"], arguments_json=arguments)
-    ]
+        return None
+    # A call's arguments are a JSON object (every API hands them on as one); anything else is text.
+    if not isinstance(value, dict):
+        return None
+    return head.group(1), arguments, tail.end()
 
 
 def _check_tools(request: gateway_pb2.GenerateRequest) -> dict[str, Any]:
@@ -134,16 +187,20 @@ def _call_schema(schemas: dict[str, Any]) -> dict[str, Any]:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def _auto_grammar(call: dict[str, Any]) -> str:
-    # Text may not start with '<', so an answer that starts a call must finish it as the schema says.
+def _grammar(call: dict[str, Any], mode: int, single: bool) -> str:
+    """The answer's grammar: calls one a line (`single`: one call), or for AUTO text instead. Text may
+    not start with '<', so an answer that starts a call must finish it as the schema says."""
+    calls = "block" if single else 'block ("\\n" block)*'
+    start = f"TEXT | {calls}" if mode == Mode.TOOL_CHOICE_MODE_AUTO else calls
     return (
-        f'start: TEXT | "{CALL_OPEN}" call "{CALL_CLOSE}"\n'
+        f"start: {start}\n"
+        f'block: "{CALL_OPEN}" call "{CALL_CLOSE}"\n'
         "TEXT: /[^<][\\s\\S]*/\n"
-        f"call: %json {json.dumps(call)}\n"
+        f"call: %json {json.dumps({**call, 'x-guidance': COMPACT_JSON})}\n"
     )
 
 
-def _describe(request: gateway_pb2.GenerateRequest, mode: int) -> None:
+def _describe(request: gateway_pb2.GenerateRequest, mode: int, single: bool) -> None:
     """Put the tools in a system message (the first one, or a new one before the conversation)."""
     tools = [
         {
@@ -154,13 +211,12 @@ def _describe(request: gateway_pb2.GenerateRequest, mode: int) -> None:
         for tool in request.tools
     ]
     listing = "\n".join(json.dumps(tool) for tool in tools)
+    call = f'{CALL_OPEN}{{"name": <tool name>, "arguments": <arguments object>}}{CALL_CLOSE}'
+    calls = f"{call}." if single else f"{call}, one line per call."
     if mode == Mode.TOOL_CHOICE_MODE_AUTO:
-        how = (
-            f'To call one, answer with only {CALL_OPEN}{{"name": <tool name>, "arguments": '
-            f"<arguments object>}}{CALL_CLOSE}; otherwise answer in plain text."
-        )
+        how = f"To call tools, answer with only {calls} Otherwise answer in plain text."
     else:
-        how = 'Answer with only a JSON object {"name": <tool name>, "arguments": <arguments object>}.'
+        how = f"Answer with only {calls}"
     text = f"You can call these tools:\n{listing}\n{how}"
     messages = request.messages
     if messages and messages[0].role == "system":

@@ -229,19 +229,25 @@ class ToolChoice(_message.Message):
 
     MODE_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
+    SINGLE_CALL_FIELD_NUMBER: _builtins.int
     mode: Global___ToolChoiceMode.ValueType
     """The choice."""
     name: _builtins.str
     """With TOOL_CHOICE_MODE_NAMED: the tool it must call, one of the request's tools."""
+    single_call: _builtins.bool
+    """At most one call in the answer (OpenAI's parallel_tool_calls: false); otherwise the model may
+    make several, one after another. A NAMED choice always makes one.
+    """
     def __init__(
         self,
         *,
         mode: Global___ToolChoiceMode.ValueType = ...,
         name: _builtins.str = ...,
+        single_call: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "name", b"name", "single_call", b"single_call"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -101,8 +101,9 @@ def test_a_stop_sequence_ends_the_text_and_is_named(stack: HttpStack) -> None:
 
 def test_tool_use_round_trip_whole_and_streamed(stack: HttpStack) -> None:
     """A named tool choice makes a tool_use block whose input follows the schema (stop_reason
-    tool_use); streamed, its input arrives as input_json_delta; the call and its tool_result go back
-    in the conversation and are accepted."""
+    tool_use); streamed with `any` and disable_parallel_tool_use, one call whose input arrives in
+    input_json_delta fragments; the call and its tool_result go back in the conversation and are
+    accepted."""
     sdk = client(stack)
     choice: Any = {"type": "tool", "name": "get_weather"}
     reply = sdk.messages.create(
@@ -117,13 +118,14 @@ def test_tool_use_round_trip_whole_and_streamed(stack: HttpStack) -> None:
         max_tokens=96,
         messages=QUESTION,
         tools=TOOLS,
-        tool_choice={"type": "any"},
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
         extra_body=GREEDY,
     ) as stream:
         deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
         streamed = stream.get_final_message()
-    assert "input_json_delta" in deltas and streamed.stop_reason == "tool_use"
-    (streamed_call,) = streamed.content
+    assert deltas.count("input_json_delta") > 1, "the input comes in fragments as it is written"
+    assert streamed.stop_reason == "tool_use"
+    (streamed_call,) = streamed.content  # one call: disable_parallel_tool_use
     assert streamed_call.type == "tool_use"
     jsonschema.validate(streamed_call.input, WEATHER)
     follow_up: list[Any] = [

@@ -134,16 +134,20 @@ def test_previous_response_id_continues_the_stored_conversation(stack: HttpStack
 
 
 def test_function_call_round_trip_whole_and_streamed(stack: HttpStack) -> None:
-    """A required tool choice makes a function_call item whose arguments follow the schema; streamed,
-    they arrive as function_call_arguments events; the call and its function_call_output go back as
-    input (as the SDK's output items) and are answered in text."""
+    """A required tool choice makes function_call items whose arguments follow the schema; streamed,
+    a call's item is added before its arguments, which arrive in fragments as they are written; the
+    call and its function_call_output go back as input (as the SDK's output items) and are answered
+    in text."""
     sdk = client(stack)
     reply = sdk.responses.create(
         model=MODEL, input=QUESTION, tools=TOOLS, tool_choice="required", max_output_tokens=96, temperature=0
     )
-    (call,) = reply.output
-    assert call.type == "function_call" and call.name == "get_weather" and call.status == "completed"
-    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    assert reply.output and len({item.id for item in reply.output}) == len(reply.output)
+    for item in reply.output:  # `required` allows one call or several
+        assert item.type == "function_call" and item.name == "get_weather" and item.status == "completed"
+        jsonschema.validate(json.loads(item.arguments), WEATHER)
+    call = reply.output[0]
+    assert call.type == "function_call"
     named: ToolChoiceFunctionParam = {"type": "function", "name": "get_weather"}
     events = list(
         sdk.responses.create(
@@ -156,9 +160,14 @@ def test_function_call_round_trip_whole_and_streamed(stack: HttpStack) -> None:
         )
     )
     kinds = [event.type for event in events]
-    assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
+    assert kinds.count("response.function_call_arguments.delta") > 1, "fragments as they are written"
+    assert kinds[-1] == "response.completed" and kinds.index("response.output_item.added") < kinds.index(
+        "response.function_call_arguments.delta"
+    )
+    fragments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")  # type: ignore[union-attr]
     done = next(event for event in events if event.type == "response.function_call_arguments.done")
-    jsonschema.validate(json.loads(done.arguments), WEATHER)  # type: ignore[union-attr]
+    assert done.arguments == fragments  # type: ignore[union-attr]
+    jsonschema.validate(json.loads(fragments), WEATHER)
     follow_up: Any = [
         {"role": "user", "content": QUESTION},
         call.model_dump(exclude_none=True),

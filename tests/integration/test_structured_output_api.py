@@ -129,8 +129,9 @@ def test_grpc_tool_choices(stack: HttpStack) -> None:
         stack,
         _chat(tools=tools, tool_choice=_choice(gateway_pb2.TOOL_CHOICE_MODE_REQUIRED)),
     )
-    (call,) = required.tool_calls
-    jsonschema.validate(json.loads(call.arguments_json), SCHEMAS[call.name])
+    assert required.tool_calls, required.text
+    for call in required.tool_calls:  # the grammar allows one call or several
+        jsonschema.validate(json.loads(call.arguments_json), SCHEMAS[call.name])
     named = grpc_generate(
         stack,
         _chat(
@@ -198,15 +199,32 @@ def test_sdk_response_format_json_schema_json_object_and_regex(stack: HttpStack)
 
 def test_sdk_tool_calls_whole_and_streamed(stack: HttpStack) -> None:
     sdk = client(stack)
-    reply = sdk.chat.completions.create(
-        model=MODEL, messages=CHAT, tools=TOOLS, tool_choice="required", max_tokens=96, temperature=0
+    one = sdk.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=96,
+        temperature=0,
     )
-    choice = reply.choices[0]
+    choice = one.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls or []
     assert call.type == "function" and call.id.startswith("call_")
-    function = call.function  # type: ignore[union-attr]
-    jsonschema.validate(json.loads(function.arguments), SCHEMAS[function.name])
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])  # type: ignore[union-attr]
+    # Several calls are allowed by default: the random model writes calls until it stops or its
+    # token limit cuts one (dropped; finish reason length); every whole one follows its schema.
+    reply = sdk.chat.completions.create(
+        model=MODEL, messages=CHAT, tools=TOOLS, tool_choice="required", max_tokens=96, temperature=0
+    )
+    several = reply.choices[0]
+    assert several.finish_reason in ("tool_calls", "length") and several.message.content is None
+    made = several.message.tool_calls or []
+    assert made and len({c.id for c in made}) == len(made)
+    for each in made:
+        assert each.type == "function" and each.id.startswith("call_")
+        jsonschema.validate(json.loads(each.function.arguments), SCHEMAS[each.function.name])  # type: ignore[union-attr]
 
     stream = sdk.chat.completions.create(
         model=MODEL,
@@ -217,17 +235,20 @@ def test_sdk_tool_calls_whole_and_streamed(stack: HttpStack) -> None:
         temperature=0,
         stream=True,
     )
-    names, arguments, content, finish = [], "", "", None
+    names, fragments, content, finish = [], [], "", None
     for chunk in stream:
         delta = chunk.choices[0].delta
         content += delta.content or ""
         for part in delta.tool_calls or []:
-            if part.function is not None:
+            assert part.index == 0 and part.function is not None
+            if part.function.name is not None:  # the call's first chunk: its id and name
                 names.append(part.function.name)
-                arguments += part.function.arguments or ""
+                assert part.id is not None and part.id.startswith("call_")
+            fragments.append(part.function.arguments or "")
         finish = chunk.choices[0].finish_reason or finish
     assert names == ["get_weather"] and finish == "tool_calls" and content == ""
-    jsonschema.validate(json.loads(arguments), WEATHER)
+    assert len([f for f in fragments if f]) > 1, "the arguments come in fragments as they are written"
+    jsonschema.validate(json.loads("".join(fragments)), WEATHER)
 
     # The conversation goes on: the call and the tool's answer are sent back, and accepted.
     follow_up: list[ChatCompletionMessageParam] = [

@@ -13,6 +13,7 @@ from gateway.response_store import ResponseStore
 from gateway.responses_api import _error
 from gateway.responses_output import ResponseEvents, ResponseShape, answer_turn
 from gateway.responses_schema import ResponsesRequest
+from gateway.tool_stream import ToolStream
 from strata.v1 import common_pb2, gateway_pb2
 
 
@@ -139,7 +140,7 @@ def _final(text: str = "", calls: int = 0, length: bool = False) -> gateway_pb2.
 
 def test_text_events_open_the_message_once_and_end_with_the_whole_response() -> None:
     events = ResponseEvents(ResponseShape(ResponsesRequest.model_validate({"input": "x"}), "r1", "m"))
-    kinds = [kind for kind, _ in events.opening() + events.text("Hel") + events.text("lo")]
+    kinds = [kind for kind, _ in events.opening() + events.pieces(["Hel", "lo"])]
     ending = events.closing(_final("Hello", length=True))
     kinds += [kind for kind, _ in ending]
     assert kinds == [
@@ -164,7 +165,8 @@ def test_each_call_is_an_item_with_its_arguments_and_the_answer_turn_holds_them(
     events = ResponseEvents(ResponseShape(ResponsesRequest.model_validate({"input": "x"}), "r1", "m"))
     events.opening()
     final = _final(calls=2)
-    ending = events.closing(final)
+    held = ToolStream(gateway_pb2.GenerateRequest(tools=[gateway_pb2.Tool(name="w")]))
+    ending = events.pieces(held.finish("", final)) + events.closing(final)
     assert [kind for kind, _ in ending].count("response.function_call_arguments.delta") == 2
     assert ending[-1][0] == "response.completed"
     items = ending[-1][1]["response"]["output"]

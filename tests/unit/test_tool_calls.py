@@ -11,8 +11,8 @@ import pytest
 
 from gateway import tool_calls
 from gateway.errors import InvalidArgument
-from gateway.openai_tools import ToolStream
 from gateway.settings import GatewaySettings
+from gateway.tool_stream import CallArguments, CallEnd, CallStart, Piece, ToolStream
 from gateway.validation import validate
 from strata.generate_request import build_request
 from strata.v1 import common_pb2, gateway_pb2
@@ -37,38 +37,71 @@ def _request(
     )
 
 
-def test_required_and_named_constrain_to_a_call_and_describe_the_tools() -> None:
+def _call_json(grammar: str) -> dict[str, object]:
+    """The JSON schema of a call, as the grammar holds it."""
+    line = next(line for line in grammar.splitlines() if line.startswith("call: %json "))
+    return dict(json.loads(line.removeprefix("call: %json ")))
+
+
+def test_required_and_named_constrain_to_calls_and_describe_the_tools() -> None:
     required = tool_calls.prepare(_request(Mode.TOOL_CHOICE_MODE_REQUIRED))
-    schema = json.loads(required.sampling.constraint.json_schema)
-    assert [o["properties"]["name"]["const"] for o in schema["anyOf"]] == ["get_weather", "get_time"]
-    assert schema["anyOf"][0]["properties"]["arguments"] == ARGS
+    grammar = required.sampling.constraint.lark_grammar
+    assert grammar.startswith('start: block ("\\n" block)*\nblock: "<tool_call>" call "</tool_call>"')
+    schema = _call_json(grammar)
+    assert [o["properties"]["name"]["const"] for o in schema["anyOf"]] == ["get_weather", "get_time"]  # type: ignore[attr-defined]
+    assert schema["anyOf"][0]["properties"]["arguments"] == ARGS  # type: ignore[index]
     assert required.messages[0].role == "system" and "get_weather" in required.messages[0].content
+    assert "one line per call" in required.messages[0].content
     assert required.messages[1].content == "Weather in Paris?"
     named = tool_calls.prepare(_request(Mode.TOOL_CHOICE_MODE_NAMED, "get_time"))
-    assert json.loads(named.sampling.constraint.json_schema)["properties"]["name"] == {"const": "get_time"}
+    assert named.sampling.constraint.lark_grammar.startswith("start: block\n"), "one call of that function"
+    assert _call_json(named.sampling.constraint.lark_grammar)["properties"]["name"] == {"const": "get_time"}  # type: ignore[index]
 
 
-def test_auto_allows_text_or_a_call_and_none_changes_nothing() -> None:
+def test_auto_allows_text_or_calls_and_none_changes_nothing() -> None:
     auto = tool_calls.prepare(_request())
     grammar = auto.sampling.constraint.lark_grammar
-    assert grammar.startswith('start: TEXT | "<tool_call>" call "</tool_call>"') and "%json" in grammar
+    assert grammar.startswith('start: TEXT | block ("\\n" block)*') and "%json" in grammar
     none = _request(Mode.TOOL_CHOICE_MODE_NONE)
     assert tool_calls.prepare(none) is none
 
 
-def test_parse_reads_calls_and_ignores_text_and_cut_calls() -> None:
-    request = _request(Mode.TOOL_CHOICE_MODE_REQUIRED)
-    (call,) = tool_calls.parse(request, '{"name": "get_weather", "arguments": {"city": "Paris"}}')
-    assert call.name == "get_weather" and json.loads(call.arguments_json) == {"city": "Paris"}
-    assert call.id.startswith("call_") and len(call.id) == 29
-    assert tool_calls.parse(request, '{"name": "get_weather", "argu') == []
+def test_single_call_allows_one_call_only() -> None:
+    """parallel_tool_calls false (OpenAI), disable_parallel_tool_use (Anthropic): one block, for
+    required and for auto, and the model is told so."""
+    required = _request(Mode.TOOL_CHOICE_MODE_REQUIRED)
+    required.tool_choice.single_call = True
+    one = tool_calls.prepare(required)
+    assert one.sampling.constraint.lark_grammar.startswith("start: block\n")
+    assert "one line per call" not in one.messages[0].content
     auto = _request()
-    assert tool_calls.parse(auto, "It is sunny.") == []
-    (wrapped,) = tool_calls.parse(auto, '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    auto.tool_choice.single_call = True
+    assert tool_calls.prepare(auto).sampling.constraint.lark_grammar.startswith("start: TEXT | block\n")
+
+
+WEATHER_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Pa\\"ris}"}}</tool_call>'
+TIME_CALL = '<tool_call>\n{"name":"get_time","arguments":{}}\n</tool_call>'
+
+
+def test_parse_reads_every_call_as_written_and_drops_text_and_cut_calls() -> None:
+    request = _request(Mode.TOOL_CHOICE_MODE_REQUIRED)
+    first, second = tool_calls.parse(request, f"{WEATHER_CALL}\n{TIME_CALL}\n", "r1")
+    assert (first.name, second.name) == ("get_weather", "get_time")
+    assert first.arguments_json == '{"city": "Pa\\"ris}"}', "the arguments as the model wrote them"
+    assert json.loads(first.arguments_json) == {"city": 'Pa"ris}'} and second.arguments_json == "{}"
+    assert (first.id, second.id) == (tool_calls.call_id("r1", 0), tool_calls.call_id("r1", 1))
+    assert first.id.startswith("call_") and len(first.id) == 29 and first.id != second.id
+    assert tool_calls.call_id("r2", 0) != first.id, "another request's calls have other ids"
+    (kept,) = tool_calls.parse(request, f'{WEATHER_CALL}\n<tool_call>{{"name": "get_time", "argu', "r1")
+    assert kept == first, "a call the token limit cut is dropped, the whole ones before it kept"
+    assert tool_calls.parse(request, '<tool_call>{"name": "get_time", "argu', "r1") == []
+    auto = _request()
+    assert tool_calls.parse(auto, "It is sunny.", "r1") == []
+    (wrapped,) = tool_calls.parse(auto, TIME_CALL, "r1")
     assert wrapped.name == "get_time"
-    assert tool_calls.parse(_request(Mode.TOOL_CHOICE_MODE_NONE), '{"name": "x", "arguments": {}}') == []
-    # Arguments that are not a JSON object make no call: both APIs hand a call's arguments on as one.
-    assert tool_calls.parse(auto, '<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>') == []
+    assert tool_calls.parse(_request(Mode.TOOL_CHOICE_MODE_NONE), TIME_CALL, "r1") == []
+    # Arguments that are not a JSON object make no call: every API hands a call's arguments on as one.
+    assert tool_calls.parse(auto, '<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>', "r1") == []
 
 
 @pytest.mark.parametrize(
@@ -127,14 +160,50 @@ def test_the_gateway_checks_a_constraints_shape(
     assert str(caught.value).startswith(message)
 
 
-def test_a_stream_holds_a_call_back_and_lets_text_through() -> None:
-    required = ToolStream(_request(Mode.TOOL_CHOICE_MODE_REQUIRED))
-    assert required.take('{"name"') == "" and required.take(": 1}") == ""
+def _streamed(stream: ToolStream, parts: list[str], final: gateway_pb2.GenerateResponse) -> list[Piece]:
+    pieces: list[Piece] = []
+    for part in parts:
+        pieces += stream.take(part)
+    return pieces + stream.finish("", final)
+
+
+def test_a_stream_announces_each_call_and_sends_its_arguments_as_written() -> None:
+    """Calls written a few characters at a time: each announced once its name is complete, its
+    arguments in fragments that join to what the final answer parses, ended when the call closes."""
+    text = f"{WEATHER_CALL}\n{TIME_CALL}"
+    request = _request(Mode.TOOL_CHOICE_MODE_REQUIRED, more=())
+    request.request_id = "r1"
+    final = gateway_pb2.GenerateResponse(tool_calls=tool_calls.parse(request, text, "r1"))
+    parts = [text[i : i + 5] for i in range(0, len(text), 5)]
+    pieces = _streamed(ToolStream(request), parts, final)
+    starts = [p for p in pieces if isinstance(p, CallStart)]
+    assert [(p.index, p.id, p.name) for p in starts] == [
+        (0, final.tool_calls[0].id, "get_weather"),
+        (1, final.tool_calls[1].id, "get_time"),
+    ]
+    for index, call in enumerate(final.tool_calls):
+        fragments = [p.text for p in pieces if isinstance(p, CallArguments) and p.index == index]
+        assert len(fragments) > (1 if index == 0 else 0) and "".join(fragments) == call.arguments_json
+        (end,) = [p for p in pieces if isinstance(p, CallEnd) and p.index == index]
+        assert end.arguments == call.arguments_json
+    assert not any(isinstance(p, str) for p in pieces), "no call text leaks out as content"
+    assert pieces.index(starts[1]) > next(i for i, p in enumerate(pieces) if isinstance(p, CallEnd))
+
+
+def test_a_stream_lets_text_through_and_a_cut_call_becomes_text() -> None:
     auto = ToolStream(_request())
-    assert auto.take(" ") == "" and auto.take("It") == " It" and auto.take(" is") == " is"
-    call = ToolStream(_request())
-    assert call.take("<tool") == "" and call.rest("_call") == "<tool_call"
-    assert ToolStream(gateway_pb2.GenerateRequest(prompt="x")).take("a") == "a"
+    assert auto.take(" ") == [] and auto.take("It") == [" It"] and auto.take(" is") == [" is"]
+    cut = ToolStream(_request())
+    assert cut.take("<tool") == [] and cut.finish("_call", gateway_pb2.GenerateResponse()) == ["<tool_call"]
+    assert ToolStream(gateway_pb2.GenerateRequest(prompt="x")).take("a") == ["a"]
+    announced = ToolStream(_request())
+    assert [type(p) for p in announced.take('<tool_call>{"name": "get_time", "arguments": {"a')] == [
+        CallStart,
+        CallArguments,
+    ]
+    assert announced.finish("", gateway_pb2.GenerateResponse()) == [CallEnd(0, '{"a')], (
+        "an announced call is ended"
+    )
 
 
 def test_the_client_sets_one_constraint() -> None:
