@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 from bench.driver import RequestResult
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import httpx2
 
     from bench.stack_prompts import Prompt
@@ -141,10 +143,56 @@ async def send_messages(
 ) -> RequestResult:
     """POST `payload` to a Messages API `url` and read its named events to the end: the text deltas,
     and the token counts of message_delta (the prompt's: computed plus read from the prefix cache)."""
+
+    def read(event: dict[str, Any], result: RequestResult) -> str | None:
+        kind = event["type"]
+        if kind == "error":
+            result.status, result.message = "STREAM_ERROR", event["error"]["message"]
+            return None
+        if kind == "message_delta":
+            usage = event["usage"]
+            result.usage_input_tokens = usage["input_tokens"] + usage["cache_read_input_tokens"]
+            result.usage_output_tokens = usage["output_tokens"]
+        return event["delta"].get("text", "") if kind == "content_block_delta" else ""
+
+    headers = {"anthropic-version": "2023-06-01"}
+    return await _send_events(client, url, index, payload, timeout_s, read, headers)
+
+
+async def send_responses(
+    client: httpx2.AsyncClient, url: str, index: int, payload: dict[str, object], timeout_s: float
+) -> RequestResult:
+    """POST `payload` to a Responses API `url` and read its named events to the end: the text deltas,
+    and the token counts of the response that ends the stream."""
+
+    def read(event: dict[str, Any], result: RequestResult) -> str | None:
+        kind = event["type"]
+        if kind == "error":
+            result.status, result.message = "STREAM_ERROR", event["message"]
+            return None
+        if kind in ("response.completed", "response.incomplete"):
+            usage = event["response"]["usage"]
+            result.usage_input_tokens = usage["input_tokens"]
+            result.usage_output_tokens = usage["output_tokens"]
+        return str(event["delta"]) if kind == "response.output_text.delta" else ""
+
+    return await _send_events(client, url, index, payload, timeout_s, read, {})
+
+
+async def _send_events(
+    client: httpx2.AsyncClient,
+    url: str,
+    index: int,
+    payload: dict[str, object],
+    timeout_s: float,
+    read: Callable[[dict[str, Any], RequestResult], str | None],
+    headers: dict[str, str],
+) -> RequestResult:
+    """POST `payload` and read its stream of named events: `read` takes each event's counts into the
+    result and answers its text, or None for an error that ends the stream."""
     sent = time.perf_counter()
     result = RequestResult(index=index, status="OK", ttft_s=None, e2e_s=0.0)
     previous = sent
-    headers = {"anthropic-version": "2023-06-01"}
     async with client.stream("POST", url, json=payload, headers=headers, timeout=timeout_s) as response:
         if response.status_code != 200:
             await response.aread()
@@ -154,48 +202,9 @@ async def send_messages(
                 if not line.startswith(DATA):
                     continue
                 arrived = time.perf_counter()
-                event = json.loads(line.removeprefix(DATA))
-                kind = event["type"]
-                if kind == "error":
-                    result.status, result.message = "STREAM_ERROR", event["error"]["message"]
+                text = read(json.loads(line.removeprefix(DATA)), result)
+                if text is None:
                     break
-                text = event["delta"].get("text", "") if kind == "content_block_delta" else ""
                 previous = _text_arrived(result, text, sent, previous, arrived)
-                if kind == "message_delta":
-                    usage = event["usage"]
-                    result.usage_input_tokens = usage["input_tokens"] + usage["cache_read_input_tokens"]
-                    result.usage_output_tokens = usage["output_tokens"]
-    result.e2e_s = time.perf_counter() - sent
-    return result
-
-
-async def send_responses(
-    client: httpx2.AsyncClient, url: str, index: int, payload: dict[str, object], timeout_s: float
-) -> RequestResult:
-    """POST `payload` to a Responses API `url` and read its named events to the end: the text deltas,
-    and the token counts of the response that ends the stream."""
-    sent = time.perf_counter()
-    result = RequestResult(index=index, status="OK", ttft_s=None, e2e_s=0.0)
-    previous = sent
-    async with client.stream("POST", url, json=payload, timeout=timeout_s) as response:
-        if response.status_code != 200:
-            await response.aread()
-            result.status, result.message = str(response.status_code), response.text
-        else:
-            async for line in response.aiter_lines():
-                if not line.startswith(DATA):
-                    continue
-                arrived = time.perf_counter()
-                event = json.loads(line.removeprefix(DATA))
-                kind = event["type"]
-                if kind == "error":
-                    result.status, result.message = "STREAM_ERROR", event["message"]
-                    break
-                text = event["delta"] if kind == "response.output_text.delta" else ""
-                previous = _text_arrived(result, text, sent, previous, arrived)
-                if kind in ("response.completed", "response.incomplete"):
-                    usage = event["response"]["usage"]
-                    result.usage_input_tokens = usage["input_tokens"]
-                    result.usage_output_tokens = usage["output_tokens"]
     result.e2e_s = time.perf_counter() - sent
     return result

@@ -10,14 +10,17 @@ would hang on this machine's speed.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import TYPE_CHECKING, Any
 
 import anthropic
 import httpx
+import httpx2
 import jsonschema
 import pytest
 
+from bench.http_driver import messages_body, send_messages
 from tests.grammar_cases import WEATHER
 from tests.integration.http_harness import KEY, MAX_BODY, MODEL, TIGHT_KEY, HttpStack
 from tests.polling import wait_for
@@ -27,6 +30,8 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from anthropic.types import MessageParam, ToolParam
+
+    from bench.driver import RequestResult
 
 QUESTION: list[MessageParam] = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS: list[ToolParam] = [{"name": "get_weather", "description": "Weather", "input_schema": WEATHER}]
@@ -240,3 +245,20 @@ def test_a_client_that_walks_away_from_a_stream_frees_its_blocks(stack: HttpStac
     after = client(stack).messages.create(model=MODEL, max_tokens=2, messages=QUESTION)
     assert after.usage.output_tokens <= 2
     assert json.dumps(after.model_dump())  # a plain, serializable message
+
+
+def test_the_bench_driver_reads_the_stream_as_the_sdk_does(stack: HttpStack) -> None:
+    """bench/http_driver.py's Messages reader (make bench-http) gets the SDK's text and token counts
+    from the same greedy request, streamed."""
+    whole = client(stack).messages.create(model=MODEL, max_tokens=10, messages=QUESTION, extra_body=GREEDY)
+
+    async def read() -> RequestResult:
+        async with httpx2.AsyncClient(headers={"x-api-key": KEY}) as http:
+            payload = messages_body("What is the weather in Paris?", 10, MODEL)
+            return await send_messages(http, f"{stack.origin}/v1/messages", 0, payload, 60)
+
+    result = asyncio.run(read())
+    assert result.status == "OK" and result.text == whole.content[0].text  # type: ignore[union-attr]
+    assert result.usage_output_tokens == 10
+    usage = whole.usage
+    assert result.usage_input_tokens == usage.input_tokens + (usage.cache_read_input_tokens or 0)

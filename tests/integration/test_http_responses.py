@@ -10,14 +10,17 @@ time limit and size cap are tested with a clock of the test's own in tests/unit/
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import httpx2
 import jsonschema
 import openai
 import pytest
 
+from bench.http_driver import responses_body, send_responses
 from tests.grammar_cases import WEATHER
 from tests.integration.http_harness import KEY, MAX_BODY, MODEL, TIGHT_KEY, HttpStack
 from tests.polling import wait_for
@@ -27,6 +30,8 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from openai.types.responses import FunctionToolParam, ToolChoiceFunctionParam
+
+    from bench.driver import RequestResult
 
 QUESTION = "What is the weather in Paris?"
 TOOLS: list[FunctionToolParam] = [
@@ -264,3 +269,19 @@ def test_the_raw_stream_is_named_events_and_a_walkaway_frees_its_blocks(stack: H
     wait_for(stack.idle, 60, "the abandoned stream let go of its KV blocks")
     after = client(stack).responses.create(model=MODEL, input=QUESTION, max_output_tokens=2)
     assert after.usage is not None and after.usage.output_tokens <= 2
+
+
+def test_the_bench_driver_reads_the_stream_as_the_sdk_does(stack: HttpStack) -> None:
+    """bench/http_driver.py's Responses reader (make bench-http) gets the SDK's text and token counts
+    from the same greedy request, streamed."""
+    whole = client(stack).responses.create(model=MODEL, input=QUESTION, max_output_tokens=10, temperature=0)
+
+    async def read() -> RequestResult:
+        async with httpx2.AsyncClient(headers={"authorization": f"Bearer {KEY}"}) as http:
+            payload = responses_body(QUESTION, 10, MODEL)
+            return await send_responses(http, f"{stack.base_url}/responses", 0, payload, 60)
+
+    result = asyncio.run(read())
+    assert result.status == "OK" and result.text == whole.output_text
+    assert whole.usage is not None and result.usage_output_tokens == 10
+    assert result.usage_input_tokens == whole.usage.input_tokens and result.ttft_s is not None
