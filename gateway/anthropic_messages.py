@@ -85,7 +85,7 @@ def usage(final: gateway_pb2.GenerateResponse) -> dict[str, int]:
     }
 
 
-def tool_use(call: gateway_pb2.ToolCall) -> dict[str, Any]:
+def tool_use(call: common_pb2.ToolCall) -> dict[str, Any]:
     return {"type": "tool_use", "id": call.id, "name": call.name, "input": json.loads(call.arguments_json)}
 
 

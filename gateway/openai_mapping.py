@@ -87,8 +87,16 @@ def to_generate_request(
     )
     if hasattr(body, "messages"):
         for message in body.messages:
-            role, content = openai_tools.render_turn(message)
-            request.messages.add(role=ROLE_ALIASES.get(role, role), content=content)
+            calls = [
+                common_pb2.ToolCall(id=c.id, name=c.function.name, arguments_json=c.function.arguments)
+                for c in message.tool_calls or ()
+            ]
+            request.messages.add(
+                role=ROLE_ALIASES.get(message.role, message.role),
+                content=message.text(),
+                tool_calls=calls,
+                tool_call_id=message.tool_call_id or "",
+            )
         openai_tools.set_tools(
             request,
             getattr(body, "tools", None),

@@ -2,10 +2,9 @@
 
 `set_constraint` maps `response_format` onto the sampling's output constraint (json_object,
 json_schema, and Strata's regex and grammar); `set_tools` maps `tools` and `tool_choice` onto the
-request (gateway/tool_calls.py then does the work); `render_turn` writes a conversation's earlier
-calls and tool answers as text the chat template can hold, in the same `<tool_call>` format the
-model is asked for; `tool_calls` renders a response's calls as the API's objects (a stream's calls
-are read as they come by tool_stream.py).
+request (gateway/tool_calls.py then does the work; the tokenizer service renders the tools and a
+conversation's earlier calls for the model); `tool_calls` renders a response's calls as the API's
+objects (a stream's calls are read as they come by tool_stream.py).
 This module must not do I/O nor decide anything about a request: the pipeline validates.
 """
 
@@ -14,11 +13,10 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from gateway import tool_calls as calls
 from strata.v1 import gateway_pb2
 
 if TYPE_CHECKING:
-    from gateway.openai_schema import ChatMessage, NamedToolChoice, ResponseFormat, Tool
+    from gateway.openai_schema import NamedToolChoice, ResponseFormat, Tool
     from strata.v1 import common_pb2
 
 CHOICES = {
@@ -60,28 +58,6 @@ def set_tools(
     else:
         request.tool_choice.mode = gateway_pb2.TOOL_CHOICE_MODE_NAMED
         request.tool_choice.name = choice.function.name
-
-
-def render_turn(message: ChatMessage) -> tuple[str, str]:
-    """(role, content) of one turn; a tool's answer is a user turn, an earlier call the assistant's."""
-    if message.role == "tool":
-        return "user", f"<tool_response>{message.text()}</tool_response>"
-    if message.role == "assistant" and message.tool_calls:
-        written = [
-            calls.CALL_OPEN
-            + json.dumps({"name": c.function.name, "arguments": _arguments(c.function.arguments)})
-            + calls.CALL_CLOSE
-            for c in message.tool_calls
-        ]
-        return "assistant", "\n".join([message.text(), *written]).strip()
-    return message.role, message.text()
-
-
-def _arguments(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text  # written back as the string the client holds
 
 
 def tool_calls(final: gateway_pb2.GenerateResponse, *, with_index: bool) -> list[dict[str, Any]]:

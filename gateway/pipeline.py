@@ -95,7 +95,11 @@ class Pipeline:
         route = self._router.route(valid.model)
         tokenized = await self._batcher.tokenize(
             tokenizer_pb2.TokenizeEntry(
-                model=route.name, prompt=valid.request.prompt, messages=valid.request.messages
+                model=route.name,
+                prompt=valid.request.prompt,
+                messages=valid.request.messages,
+                tools=valid.request.tools,
+                tool_choice=valid.request.tool_choice,
             )
         )
         return len(tokenized.token_ids)
@@ -312,6 +316,8 @@ class Pipeline:
                     model=route.name,
                     prompt=valid.request.prompt,
                     messages=valid.request.messages,
+                    tools=valid.request.tools,
+                    tool_choice=valid.request.tool_choice,
                     max_input_tokens=limit - valid.sampling.max_new_tokens,
                     truncation=valid.request.truncation,
                     trace_context=trace.carrier(hop),

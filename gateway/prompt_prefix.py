@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from strata.v1 import gateway_pb2
+    from strata.v1 import common_pb2, gateway_pb2
 
 PIECE_BYTES = 256
 """Prompt bytes per hash: finer finds more of a shared prefix, coarser costs fewer hashes."""
@@ -51,14 +51,20 @@ def _seed(request: gateway_pb2.GenerateRequest, tenant: str) -> bytes:
     tools = b"".join(
         f"{tool.name}\0{tool.description}\0{tool.parameters_json}\x1e".encode() for tool in request.tools
     )
-    choice = f"{request.tool_choice.mode}\0{request.tool_choice.name}\0{request.truncation}".encode()
+    how = request.tool_choice
+    choice = f"{how.mode}\0{how.name}\0{how.single_call}\0{request.truncation}".encode()
     return b"\x1f".join((tenant.encode(), tools, choice))
+
+
+def _turn(message: common_pb2.ChatMessage) -> bytes:
+    calls = "".join(f"{call.id}\0{call.name}\0{call.arguments_json}\x1d" for call in message.tool_calls)
+    return f"{message.role}\0{message.content}\0{message.tool_call_id}\0{calls}\x1e".encode()
 
 
 def prompt_prefix(request: gateway_pb2.GenerateRequest, tenant: str) -> PromptPrefix:
     """The request's PromptPrefix: its raw prompt, else its messages, in pieces of PIECE_BYTES."""
     if request.messages:
-        text = b"".join(f"{message.role}\0{message.content}\x1e".encode() for message in request.messages)
+        text = b"".join(_turn(message) for message in request.messages)
     else:
         text = request.prompt.encode()
     digest = hashlib.blake2b(_seed(request, tenant), digest_size=8)

@@ -1,16 +1,17 @@
-"""Tool calls for models whose chat template knows no tools: the prompt, the grammar, the parse.
+"""Tool calls: the grammar that holds an answer to its calls, and the parse of the calls it made.
 
-`prepare` checks a chat request's tools and tool_choice and returns the request the pipeline runs:
-the tools described to the model in a system message, and a grammar that makes the answer one or
-more calls, one a line, each written as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-(REQUIRED; NAMED: one call of that function; `single_call`: one call), or either text or such calls
-(AUTO). Each arguments object is
-held to its function's parameters schema by the same grammar. NONE (and a request without tools)
-runs unchanged, its tools unseen. `parse` turns the final text back into ToolCalls, each keeping its
-arguments as the model wrote them (a call the token limit cut is dropped); a call's id follows from
-the request id and the call's place (`call_id`), so a stream that announces a call before the answer
-ends names it as the final answer does. Errors are InvalidArgument naming the field. This module must
-not do I/O nor know a protocol's shapes.
+`prepare` checks a chat request's tools and tool_choice and returns the request the pipeline runs,
+with a grammar that makes the answer one or more calls, one a line, each written as
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (REQUIRED; NAMED: one call of that
+function; `single_call`: one call), or either text or such calls (AUTO); a block may hold its JSON on
+a line of its own, as templates with a tool format of their own (Qwen2.5's) write it. Each arguments
+object is held to its function's parameters schema by the same grammar. The tokenizer service shows
+the model the tools (services/tokenizer/tool_prompt.py). NONE (and a request without tools) runs
+unchanged. `parse` turns the final text back into ToolCalls, each keeping its arguments as the model
+wrote them (a call the token limit cut is dropped); a call's id follows from the request id and the
+call's place (`call_id`), so a stream that announces a call before the answer ends names it as the
+final answer does. Errors are InvalidArgument naming the field. This module must not do I/O nor know
+a protocol's shapes.
 """
 
 from __future__ import annotations
@@ -105,21 +106,20 @@ def prepare(request: gateway_pb2.GenerateRequest) -> gateway_pb2.GenerateRequest
     prepared.CopyFrom(request)
     single = mode == Mode.TOOL_CHOICE_MODE_NAMED or request.tool_choice.single_call
     prepared.sampling.constraint.lark_grammar = _grammar(call, mode, single)
-    _describe(prepared, mode, single)
     return prepared
 
 
-def parse(request: gateway_pb2.GenerateRequest, text: str, request_id: str) -> list[gateway_pb2.ToolCall]:
+def parse(request: gateway_pb2.GenerateRequest, text: str, request_id: str) -> list[common_pb2.ToolCall]:
     """The calls in a finished answer to `request`, up to one the token limit cut (which is dropped:
     the answer's finish reason says it was cut); [] for text, which cannot start with a call."""
     if not calls_tools(request):
         return []
-    calls: list[gateway_pb2.ToolCall] = []
+    calls: list[common_pb2.ToolCall] = []
     position = 0
     while (call := _one_call(text, position)) is not None:
         name, arguments, position = call
         calls.append(
-            gateway_pb2.ToolCall(id=call_id(request_id, len(calls)), name=name, arguments_json=arguments)
+            common_pb2.ToolCall(id=call_id(request_id, len(calls)), name=name, arguments_json=arguments)
         )
     return calls
 
@@ -194,35 +194,7 @@ def _grammar(call: dict[str, Any], mode: int, single: bool) -> str:
     start = f"TEXT | {calls}" if mode == Mode.TOOL_CHOICE_MODE_AUTO else calls
     return (
         f"start: {start}\n"
-        f'block: "{CALL_OPEN}" call "{CALL_CLOSE}"\n'
+        f'block: "{CALL_OPEN}" "\\n"? call "\\n"? "{CALL_CLOSE}"\n'
         "TEXT: /[^<][\\s\\S]*/\n"
         f"call: %json {json.dumps({**call, 'x-guidance': COMPACT_JSON})}\n"
     )
-
-
-def _describe(request: gateway_pb2.GenerateRequest, mode: int, single: bool) -> None:
-    """Put the tools in a system message (the first one, or a new one before the conversation)."""
-    tools = [
-        {
-            "name": tool.name,
-            "description": tool.description,
-            "parameters": json.loads(tool.parameters_json or '{"type": "object"}'),
-        }
-        for tool in request.tools
-    ]
-    listing = "\n".join(json.dumps(tool) for tool in tools)
-    call = f'{CALL_OPEN}{{"name": <tool name>, "arguments": <arguments object>}}{CALL_CLOSE}'
-    calls = f"{call}." if single else f"{call}, one line per call."
-    if mode == Mode.TOOL_CHOICE_MODE_AUTO:
-        how = f"To call tools, answer with only {calls} Otherwise answer in plain text."
-    else:
-        how = f"Answer with only {calls}"
-    text = f"You can call these tools:\n{listing}\n{how}"
-    messages = request.messages
-    if messages and messages[0].role == "system":
-        messages[0].content = f"{messages[0].content}\n\n{text}"
-        return
-    rest = list(messages)
-    del messages[:]
-    messages.append(common_pb2.ChatMessage(role="system", content=text))
-    messages.extend(rest)

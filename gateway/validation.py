@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from gateway.settings import GatewaySettings
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 # The worker refuses larger constraints too (services/worker/engine/grammar_spec.py).
 MAX_CONSTRAINT_BYTES = 64 * 1024
 
@@ -103,7 +103,11 @@ def _check_input(request: gateway_pb2.GenerateRequest) -> None:
             raise InvalidArgument(
                 f"messages[{index}].role: {message.role!r} is not one of {', '.join(CHAT_ROLES)}"
             )
-        if not message.content:
+        if message.tool_calls and message.role != "assistant":
+            raise InvalidArgument(f"messages[{index}].tool_calls: only an assistant turn makes calls")
+        if message.role == "tool" and not message.tool_call_id:
+            raise InvalidArgument(f"messages[{index}].tool_call_id: a tool turn names the call it answers")
+        if not message.content and not message.tool_calls:
             raise InvalidArgument(f"messages[{index}].content: must not be empty")
     if request.truncation not in gateway_pb2.Truncation.values():
         raise InvalidArgument(f"truncation: {request.truncation} is not a Truncation value")

@@ -21,6 +21,28 @@ CHAT_TEMPLATE = (
     "'<|im_end|>' + '\n'}}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+TOOLS_CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n<tools>{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}\n</tools>\n"
+    'Call a function as <tool_call>\n{"name": <name>, "arguments": <object>}\n</tool_call><|im_end|>\n'
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'system' and loop.first %}"
+    "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{% elif message.tool_calls %}<|im_start|>assistant"
+    "{% if message.content %}\n{{ message.content }}{% endif %}"
+    "{% for call in message.tool_calls %}{{ '\\n' }}<tool_call>\n"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}\n</tool_call>'
+    "{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""A ChatML template that renders tools as Qwen2.5's does (its own words): the tools listed in the
+system turn, earlier calls in `<tool_call>` blocks, tool answers in `<tool_response>` blocks."""
 CORPUS = [
     "The capital of France is Paris. The quick brown fox jumps over the lazy dog.",
     "What is the capital of France? Tell me a story about a robot who learns to paint.",
@@ -30,7 +52,7 @@ CORPUS = [
 ]
 
 
-def write_tiny_tokenizer(directory: Path, vocab_size: int = 384) -> Path:
+def write_tiny_tokenizer(directory: Path, vocab_size: int = 384, chat_template: str = CHAT_TEMPLATE) -> Path:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `directory`."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -49,7 +71,7 @@ def write_tiny_tokenizer(directory: Path, vocab_size: int = 384) -> Path:
         "pad_token": "<|im_end|>",
         "unk_token": "<|endoftext|>",
         "model_max_length": 256,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     special = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>"}

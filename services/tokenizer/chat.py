@@ -2,8 +2,9 @@
 
 Rendering follows Hugging Face's `apply_chat_template`: an immutable sandboxed Jinja environment with
 trim_blocks and lstrip_blocks, the `raise_exception`, `strftime_now` and `tojson` helpers, the special
-tokens as variables and `add_generation_prompt=True`. Templates come from model folders, so they are
-untrusted code: the sandbox is not optional. This module must not tokenize nor know about gRPC.
+tokens as variables and `add_generation_prompt=True`, and the `tools` given (`renders_tools` says
+whether the template reads them). Templates come from model folders, so they are untrusted code: the
+sandbox is not optional. This module must not tokenize nor know about gRPC.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import jinja2
 import jinja2.ext
-from jinja2 import nodes
+from jinja2 import meta, nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from services.tokenizer.errors import InvalidArgument
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from jinja2.parser import Parser
 
 ROLES = ("system", "user", "assistant")
+TOOL_ROLE = "tool"
+"""A tool's answer: a role of its own for templates that render tools."""
 
 
 class GenerationBlock(jinja2.ext.Extension):
@@ -77,26 +80,31 @@ class ChatTemplate:
         self.model = model
         self._template = env.from_string(source)
         self._variables = dict(special_tokens)
+        self.renders_tools = "tools" in meta.find_undeclared_variables(env.parse(source))
+        """Whether the template reads the `tools` variable: the model has a tool format of its own."""
 
-    def render(self, messages: Sequence[tuple[str, str]]) -> str:
+    def render(self, turns: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         """The conversation as the model's prompt text, ending with the assistant's generation prompt.
 
-        `messages` are (role, content) pairs; a bad role, or a conversation the template itself refuses
-        (say, roles that do not alternate), is an InvalidArgument naming the message.
+        `turns` are Hugging Face's message dicts (`role`, `content`, and for templates that render
+        tools an assistant's `tool_calls` and a tool turn's `tool_call_id`); `tools` the functions in
+        OpenAI's shape. A bad role, or a conversation the template itself refuses (say, roles that do
+        not alternate), is an InvalidArgument naming the message.
         """
-        for index, (role, _) in enumerate(messages):
+        roles = (*ROLES, TOOL_ROLE) if self.renders_tools else ROLES
+        for index, turn in enumerate(turns):
+            role = turn["role"]
             if not role:
-                raise InvalidArgument(f"messages[{index}].role is empty; use one of {', '.join(ROLES)}")
-            if role not in ROLES:
+                raise InvalidArgument(f"messages[{index}].role is empty; use one of {', '.join(roles)}")
+            if role not in roles:
                 raise InvalidArgument(
                     f"messages[{index}].role is {role!r}, which is not a known role; "
-                    f"use one of {', '.join(ROLES)}"
+                    f"use one of {', '.join(roles)}"
                 )
-        conversation = [{"role": role, "content": content} for role, content in messages]
         try:
             return self._template.render(
-                messages=conversation,
-                tools=None,
+                messages=[dict(turn) for turn in turns],
+                tools=tools,
                 documents=None,
                 add_generation_prompt=True,
                 **self._variables,

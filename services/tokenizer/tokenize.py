@@ -1,5 +1,8 @@
 """Tokenizing a batch of prompts: chat template or raw text, one batched encode per model, truncation.
 
+A conversation with tools is rendered as tool_prompt.py says: through the template's own tool format
+when it has one, in Strata's wording otherwise.
+
 Raw prompts are encoded the way Hugging Face encodes them for that tokenizer (its post-processor adds
 any BOS); chat-templated text is encoded without special tokens, since the template already wrote
 them. A bad entry fails alone: its outcome is the TokenizerError, the others are encoded. This module
@@ -11,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from services.tokenizer import tool_prompt
 from services.tokenizer.errors import InvalidArgument, NoChatTemplate, TokenizerError
 from strata.v1 import gateway_pb2
 
@@ -70,7 +74,11 @@ def prompt_text(model: ModelTokenizer, entry: tokenizer_pb2.TokenizeEntry) -> tu
                 f"messages: model '{model.name}' has no chat template, so it cannot take a conversation; "
                 "send a raw prompt instead"
             )
-        return model.chat_template.render([(m.role, m.content) for m in entry.messages]), True
+        template = model.chat_template
+        turns, tools = tool_prompt.conversation(
+            list(entry.messages), list(entry.tools), entry.tool_choice, template.renders_tools
+        )
+        return template.render(turns, tools), True
     if not entry.prompt:
         raise InvalidArgument("prompt: empty, and messages is empty too; set one of them")
     return entry.prompt, False

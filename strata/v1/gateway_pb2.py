@@ -25,41 +25,39 @@ _sym_db = _symbol_database.Default()
 from strata.v1 import common_pb2 as strata_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17strata/v1/gateway.proto\x12\tstrata.v1\x1a\x16strata/v1/common.proto\"\xf1\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.strata.v1.ChatMessage\x12\r\n\x05model\x18\x03 \x01(\t\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x16\n\x0e\x61llow_fallback\x18\x06 \x01(\x08\x12)\n\ntruncation\x18\x07 \x01(\x0e\x32\x15.strata.v1.Truncation\x12%\n\x08priority\x18\x08 \x01(\x0e\x32\x13.strata.v1.Priority\x12\x13\n\x0bno_fallback\x18\t \x01(\x08\x12\t\n\x01n\x18\n \x01(\r\x12\x1e\n\x05tools\x18( \x03(\x0b\x32\x0f.strata.v1.Tool\x12*\n\x0btool_choice\x18) \x01(\x0b\x32\x15.strata.v1.ToolChoice\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"X\n\nToolChoice\x12\'\n\x04mode\x18\x01 \x01(\x0e\x32\x19.strata.v1.ToolChoiceMode\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x13\n\x0bsingle_call\x18\x03 \x01(\x08\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\xcf\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.strata.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.strata.v1.Usage\x12-\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1b.strata.v1.PositionLogprobs\x12\x15\n\rstop_sequence\x18\x07 \x01(\t\"\xd9\x03\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.strata.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.strata.v1.Usage\x12\r\n\x05model\x18\x04 \x01(\t\x12\x17\n\x0f\x66\x61llback_reason\x18\x05 \x01(\t\x12!\n\x06timing\x18\x06 \x01(\x0b\x32\x11.strata.v1.Timing\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x11\n\ttoken_ids\x18\x08 \x03(\r\x12\x19\n\x11\x66\x61ilover_at_token\x18\t \x01(\r\x12\x10\n\x08trace_id\x18\n \x01(\t\x12-\n\x08logprobs\x18\x0b \x03(\x0b\x32\x1b.strata.v1.PositionLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1b.strata.v1.PositionLogprobs\x12\"\n\x07\x63hoices\x18\r \x03(\x0b\x32\x11.strata.v1.Choice\x12\'\n\ntool_calls\x18( \x03(\x0b\x32\x13.strata.v1.ToolCall\x12\x15\n\rstop_sequence\x18) \x01(\t\"\xa3\x01\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x1b.strata.v1.GenerateResponse\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.strata.v1.PositionLogprobs\x12\r\n\x05index\x18\x05 \x01(\r\"\x13\n\x11ListModelsRequest\"{\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.strata.v1.ModelInfo\x12\x15\n\rdefault_model\x18\x02 \x01(\t\x12(\n\x07tenants\x18\x03 \x03(\x0b\x32\x17.strata.v1.TenantStatus\"\x9e\x01\n\x0cTenantStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12\x0e\n\x06queued\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x1f\n\x17max_concurrent_requests\x18\x05 \x01(\r\x12\x19\n\x11tokens_per_minute\x18\x06 \x01(\r\x12\x13\n\x0btokens_left\x18\x07 \x01(\r\"\xeb\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x15\n\rready_workers\x18\x03 \x01(\r\x12\x1a\n\x12\x63onfigured_workers\x18\x04 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x05 \x01(\t\x12\x16\n\x0e\x66\x61llback_model\x18\x06 \x01(\t\x12\x17\n\x0fqueued_requests\x18\x07 \x01(\r\x12\x18\n\x10\x66\x61llback_enabled\x18\x08 \x01(\x08\x12\x17\n\x0fkv_cache_tokens\x18\t \x01(\x04\x12\'\n\x06memory\x18\n \x01(\x0b\x32\x17.strata.v1.MemoryBudget\x12\x16\n\x0enative_kernels\x18\x0b \x03(\t\x12\x14\n\x0cmodel_family\x18\x0c \x01(\t\x12\x14\n\x0cnative_paths\x18\r \x03(\t\x12\x16\n\x0eweights_format\x18\x0e \x03(\t*T\n\nTruncation\x12\x1a\n\x16TRUNCATION_UNSPECIFIED\x10\x00\x12\x15\n\x11TRUNCATION_REFUSE\x10\x01\x12\x13\n\x0fTRUNCATION_LEFT\x10\x02*\xa3\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03\x12\x1a\n\x16TOOL_CHOICE_MODE_NAMED\x10\x04*R\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x01\x12\x12\n\x0ePRIORITY_BATCH\x10\x02\x32\xec\x01\n\x07Gateway\x12\x43\n\x08Generate\x12\x1a.strata.v1.GenerateRequest\x1a\x1b.strata.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1a.strata.v1.GenerateRequest\x1a!.strata.v1.GenerateStreamResponse0\x01\x12I\n\nListModels\x12\x1c.strata.v1.ListModelsRequest\x1a\x1d.strata.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17strata/v1/gateway.proto\x12\tstrata.v1\x1a\x16strata/v1/common.proto\"\xf1\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.strata.v1.ChatMessage\x12\r\n\x05model\x18\x03 \x01(\t\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x16\n\x0e\x61llow_fallback\x18\x06 \x01(\x08\x12)\n\ntruncation\x18\x07 \x01(\x0e\x32\x15.strata.v1.Truncation\x12%\n\x08priority\x18\x08 \x01(\x0e\x32\x13.strata.v1.Priority\x12\x13\n\x0bno_fallback\x18\t \x01(\x08\x12\t\n\x01n\x18\n \x01(\r\x12\x1e\n\x05tools\x18( \x03(\x0b\x32\x0f.strata.v1.Tool\x12*\n\x0btool_choice\x18) \x01(\x0b\x32\x15.strata.v1.ToolChoice\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"X\n\nToolChoice\x12\'\n\x04mode\x18\x01 \x01(\x0e\x32\x19.strata.v1.ToolChoiceMode\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x13\n\x0bsingle_call\x18\x03 \x01(\x08\"\xcf\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.strata.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.strata.v1.Usage\x12-\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1b.strata.v1.PositionLogprobs\x12\x15\n\rstop_sequence\x18\x07 \x01(\t\"\xd9\x03\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.strata.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.strata.v1.Usage\x12\r\n\x05model\x18\x04 \x01(\t\x12\x17\n\x0f\x66\x61llback_reason\x18\x05 \x01(\t\x12!\n\x06timing\x18\x06 \x01(\x0b\x32\x11.strata.v1.Timing\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x11\n\ttoken_ids\x18\x08 \x03(\r\x12\x19\n\x11\x66\x61ilover_at_token\x18\t \x01(\r\x12\x10\n\x08trace_id\x18\n \x01(\t\x12-\n\x08logprobs\x18\x0b \x03(\x0b\x32\x1b.strata.v1.PositionLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1b.strata.v1.PositionLogprobs\x12\"\n\x07\x63hoices\x18\r \x03(\x0b\x32\x11.strata.v1.Choice\x12\'\n\ntool_calls\x18( \x03(\x0b\x32\x13.strata.v1.ToolCall\x12\x15\n\rstop_sequence\x18) \x01(\t\"\xa3\x01\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x1b.strata.v1.GenerateResponse\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.strata.v1.PositionLogprobs\x12\r\n\x05index\x18\x05 \x01(\r\"\x13\n\x11ListModelsRequest\"{\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.strata.v1.ModelInfo\x12\x15\n\rdefault_model\x18\x02 \x01(\t\x12(\n\x07tenants\x18\x03 \x03(\x0b\x32\x17.strata.v1.TenantStatus\"\x9e\x01\n\x0cTenantStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12\x0e\n\x06queued\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x1f\n\x17max_concurrent_requests\x18\x05 \x01(\r\x12\x19\n\x11tokens_per_minute\x18\x06 \x01(\r\x12\x13\n\x0btokens_left\x18\x07 \x01(\r\"\xeb\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x15\n\rready_workers\x18\x03 \x01(\r\x12\x1a\n\x12\x63onfigured_workers\x18\x04 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x05 \x01(\t\x12\x16\n\x0e\x66\x61llback_model\x18\x06 \x01(\t\x12\x17\n\x0fqueued_requests\x18\x07 \x01(\r\x12\x18\n\x10\x66\x61llback_enabled\x18\x08 \x01(\x08\x12\x17\n\x0fkv_cache_tokens\x18\t \x01(\x04\x12\'\n\x06memory\x18\n \x01(\x0b\x32\x17.strata.v1.MemoryBudget\x12\x16\n\x0enative_kernels\x18\x0b \x03(\t\x12\x14\n\x0cmodel_family\x18\x0c \x01(\t\x12\x14\n\x0cnative_paths\x18\r \x03(\t\x12\x16\n\x0eweights_format\x18\x0e \x03(\t*T\n\nTruncation\x12\x1a\n\x16TRUNCATION_UNSPECIFIED\x10\x00\x12\x15\n\x11TRUNCATION_REFUSE\x10\x01\x12\x13\n\x0fTRUNCATION_LEFT\x10\x02*\xa3\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03\x12\x1a\n\x16TOOL_CHOICE_MODE_NAMED\x10\x04*R\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x01\x12\x12\n\x0ePRIORITY_BATCH\x10\x02\x32\xec\x01\n\x07Gateway\x12\x43\n\x08Generate\x12\x1a.strata.v1.GenerateRequest\x1a\x1b.strata.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1a.strata.v1.GenerateRequest\x1a!.strata.v1.GenerateStreamResponse0\x01\x12I\n\nListModels\x12\x1c.strata.v1.ListModelsRequest\x1a\x1d.strata.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'strata.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRUNCATION']._serialized_start=2179
-  _globals['_TRUNCATION']._serialized_end=2263
-  _globals['_TOOLCHOICEMODE']._serialized_start=2266
-  _globals['_TOOLCHOICEMODE']._serialized_end=2429
-  _globals['_PRIORITY']._serialized_start=2431
-  _globals['_PRIORITY']._serialized_end=2513
+  _globals['_TRUNCATION']._serialized_start=2117
+  _globals['_TRUNCATION']._serialized_end=2201
+  _globals['_TOOLCHOICEMODE']._serialized_start=2204
+  _globals['_TOOLCHOICEMODE']._serialized_end=2367
+  _globals['_PRIORITY']._serialized_start=2369
+  _globals['_PRIORITY']._serialized_end=2451
   _globals['_GENERATEREQUEST']._serialized_start=63
   _globals['_GENERATEREQUEST']._serialized_end=432
   _globals['_TOOL']._serialized_start=434
   _globals['_TOOL']._serialized_end=500
   _globals['_TOOLCHOICE']._serialized_start=502
   _globals['_TOOLCHOICE']._serialized_end=590
-  _globals['_TOOLCALL']._serialized_start=592
-  _globals['_TOOLCALL']._serialized_end=652
-  _globals['_CHOICE']._serialized_start=655
-  _globals['_CHOICE']._serialized_end=862
-  _globals['_GENERATERESPONSE']._serialized_start=865
-  _globals['_GENERATERESPONSE']._serialized_end=1338
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1341
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1504
-  _globals['_LISTMODELSREQUEST']._serialized_start=1506
-  _globals['_LISTMODELSREQUEST']._serialized_end=1525
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1527
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1650
-  _globals['_TENANTSTATUS']._serialized_start=1653
-  _globals['_TENANTSTATUS']._serialized_end=1811
-  _globals['_MODELINFO']._serialized_start=1814
-  _globals['_MODELINFO']._serialized_end=2177
-  _globals['_GATEWAY']._serialized_start=2516
-  _globals['_GATEWAY']._serialized_end=2752
+  _globals['_CHOICE']._serialized_start=593
+  _globals['_CHOICE']._serialized_end=800
+  _globals['_GENERATERESPONSE']._serialized_start=803
+  _globals['_GENERATERESPONSE']._serialized_end=1276
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1279
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1442
+  _globals['_LISTMODELSREQUEST']._serialized_start=1444
+  _globals['_LISTMODELSREQUEST']._serialized_end=1463
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1465
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1588
+  _globals['_TENANTSTATUS']._serialized_start=1591
+  _globals['_TENANTSTATUS']._serialized_end=1749
+  _globals['_MODELINFO']._serialized_start=1752
+  _globals['_MODELINFO']._serialized_end=2115
+  _globals['_GATEWAY']._serialized_start=2454
+  _globals['_GATEWAY']._serialized_end=2690
 # @@protoc_insertion_point(module_scope)

@@ -254,36 +254,6 @@ class ToolChoice(_message.Message):
 Global___ToolChoice: _TypeAlias = ToolChoice  # noqa: Y015
 
 @_typing.final
-class ToolCall(_message.Message):
-    """A call the model made: the function's name and its arguments, which validate against its schema."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    ID_FIELD_NUMBER: _builtins.int
-    NAME_FIELD_NUMBER: _builtins.int
-    ARGUMENTS_JSON_FIELD_NUMBER: _builtins.int
-    id: _builtins.str
-    """The call's id, unique within the response ("call_" and 24 hex digits)."""
-    name: _builtins.str
-    """The function called."""
-    arguments_json: _builtins.str
-    """Its arguments, a JSON object as text."""
-    def __init__(
-        self,
-        *,
-        id: _builtins.str = ...,
-        name: _builtins.str = ...,
-        arguments_json: _builtins.str = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments_json", b"arguments_json", "id", b"id", "name", b"name"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___ToolCall: _TypeAlias = ToolCall  # noqa: Y015
-
-@_typing.final
 class Choice(_message.Message):
     """One sample of a request with n > 1."""
 
@@ -403,7 +373,7 @@ class GenerateResponse(_message.Message):
         """
 
     @_builtins.property
-    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolCall]:
         """The tool calls the model made, parsed from text (which still holds them as generated); empty when
         it answered in text or the request had no tools.
         """
@@ -424,7 +394,7 @@ class GenerateResponse(_message.Message):
         logprobs: _abc.Iterable[_common_pb2.PositionLogprobs] | None = ...,
         prompt_logprobs: _abc.Iterable[_common_pb2.PositionLogprobs] | None = ...,
         choices: _abc.Iterable[Global___Choice] | None = ...,
-        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        tool_calls: _abc.Iterable[_common_pb2.ToolCall] | None = ...,
         stop_sequence: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timing", b"timing", "usage", b"usage"]  # noqa: Y015

@@ -26,7 +26,7 @@ from strata.v1 import common_pb2 as strata_dot_v1_dot_common__pb2
 from strata.v1 import gateway_pb2 as strata_dot_v1_dot_gateway__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19strata/v1/tokenizer.proto\x12\tstrata.v1\x1a\x16strata/v1/common.proto\x1a\x17strata/v1/gateway.proto\"<\n\x0fTokenizeRequest\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.strata.v1.TokenizeEntry\"\x95\x02\n\rTokenizeEntry\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.strata.v1.ChatMessage\x12\x18\n\x10max_input_tokens\x18\x04 \x01(\r\x12)\n\ntruncation\x18\x05 \x01(\x0e\x32\x15.strata.v1.Truncation\x12\x41\n\rtrace_context\x18\x06 \x03(\x0b\x32*.strata.v1.TokenizeEntry.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"Q\n\x10TokenizeResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.strata.v1.TokenizeResult\x12\x11\n\tserver_ms\x18\x02 \x01(\x01\"c\n\x0eTokenizeResult\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x18\n\x10truncated_tokens\x18\x02 \x01(\r\x12$\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x15.strata.v1.EntryError\"+\n\nEntryError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"@\n\x11\x44\x65tokenizeRequest\x12+\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1a.strata.v1.DetokenizeEntry\"\x9c\x01\n\x0f\x44\x65tokenizeEntry\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06window\x18\x02 \x03(\r\x12\x13\n\x0bread_offset\x18\x03 \x01(\r\x12\x0f\n\x07new_ids\x18\x04 \x03(\r\x12\x14\n\x0cpending_text\x18\x05 \x01(\t\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\r\n\x05\x66inal\x18\x07 \x01(\x08\x12\x11\n\tpiece_ids\x18\x08 \x03(\r\"U\n\x12\x44\x65tokenizeResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.strata.v1.DetokenizeResult\x12\x11\n\tserver_ms\x18\x02 \x01(\x01\"\xb9\x01\n\x10\x44\x65tokenizeResult\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0e\n\x06window\x18\x02 \x03(\r\x12\x13\n\x0bread_offset\x18\x03 \x01(\r\x12\x14\n\x0cpending_text\x18\x04 \x01(\t\x12\x0f\n\x07stopped\x18\x05 \x01(\x08\x12$\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x15.strata.v1.EntryError\x12\x0e\n\x06pieces\x18\x07 \x03(\x0c\x12\x15\n\rstop_sequence\x18\x08 \x01(\t\"\x19\n\x17GetTokenizerInfoRequest\"E\n\x18GetTokenizerInfoResponse\x12)\n\x06models\x18\x01 \x03(\x0b\x32\x19.strata.v1.TokenizerModel\"e\n\x0eTokenizerModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x19\n\x11has_chat_template\x18\x03 \x01(\x08\x12\x15\n\reos_token_ids\x18\x04 \x03(\r2\xff\x01\n\x10TokenizerService\x12\x43\n\x08Tokenize\x12\x1a.strata.v1.TokenizeRequest\x1a\x1b.strata.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.strata.v1.DetokenizeRequest\x1a\x1d.strata.v1.DetokenizeResponse\x12[\n\x10GetTokenizerInfo\x12\".strata.v1.GetTokenizerInfoRequest\x1a#.strata.v1.GetTokenizerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19strata/v1/tokenizer.proto\x12\tstrata.v1\x1a\x16strata/v1/common.proto\x1a\x17strata/v1/gateway.proto\"<\n\x0fTokenizeRequest\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.strata.v1.TokenizeEntry\"\xe1\x02\n\rTokenizeEntry\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.strata.v1.ChatMessage\x12\x18\n\x10max_input_tokens\x18\x04 \x01(\r\x12)\n\ntruncation\x18\x05 \x01(\x0e\x32\x15.strata.v1.Truncation\x12\x41\n\rtrace_context\x18\x06 \x03(\x0b\x32*.strata.v1.TokenizeEntry.TraceContextEntry\x12\x1e\n\x05tools\x18\x07 \x03(\x0b\x32\x0f.strata.v1.Tool\x12*\n\x0btool_choice\x18\x08 \x01(\x0b\x32\x15.strata.v1.ToolChoice\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"Q\n\x10TokenizeResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.strata.v1.TokenizeResult\x12\x11\n\tserver_ms\x18\x02 \x01(\x01\"c\n\x0eTokenizeResult\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x18\n\x10truncated_tokens\x18\x02 \x01(\r\x12$\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x15.strata.v1.EntryError\"+\n\nEntryError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"@\n\x11\x44\x65tokenizeRequest\x12+\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1a.strata.v1.DetokenizeEntry\"\x9c\x01\n\x0f\x44\x65tokenizeEntry\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06window\x18\x02 \x03(\r\x12\x13\n\x0bread_offset\x18\x03 \x01(\r\x12\x0f\n\x07new_ids\x18\x04 \x03(\r\x12\x14\n\x0cpending_text\x18\x05 \x01(\t\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\r\n\x05\x66inal\x18\x07 \x01(\x08\x12\x11\n\tpiece_ids\x18\x08 \x03(\r\"U\n\x12\x44\x65tokenizeResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.strata.v1.DetokenizeResult\x12\x11\n\tserver_ms\x18\x02 \x01(\x01\"\xb9\x01\n\x10\x44\x65tokenizeResult\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0e\n\x06window\x18\x02 \x03(\r\x12\x13\n\x0bread_offset\x18\x03 \x01(\r\x12\x14\n\x0cpending_text\x18\x04 \x01(\t\x12\x0f\n\x07stopped\x18\x05 \x01(\x08\x12$\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x15.strata.v1.EntryError\x12\x0e\n\x06pieces\x18\x07 \x03(\x0c\x12\x15\n\rstop_sequence\x18\x08 \x01(\t\"\x19\n\x17GetTokenizerInfoRequest\"E\n\x18GetTokenizerInfoResponse\x12)\n\x06models\x18\x01 \x03(\x0b\x32\x19.strata.v1.TokenizerModel\"e\n\x0eTokenizerModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x19\n\x11has_chat_template\x18\x03 \x01(\x08\x12\x15\n\reos_token_ids\x18\x04 \x03(\r2\xff\x01\n\x10TokenizerService\x12\x43\n\x08Tokenize\x12\x1a.strata.v1.TokenizeRequest\x1a\x1b.strata.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.strata.v1.DetokenizeRequest\x1a\x1d.strata.v1.DetokenizeResponse\x12[\n\x10GetTokenizerInfo\x12\".strata.v1.GetTokenizerInfoRequest\x1a#.strata.v1.GetTokenizerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,29 +38,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIZEREQUEST']._serialized_start=89
   _globals['_TOKENIZEREQUEST']._serialized_end=149
   _globals['_TOKENIZEENTRY']._serialized_start=152
-  _globals['_TOKENIZEENTRY']._serialized_end=429
-  _globals['_TOKENIZEENTRY_TRACECONTEXTENTRY']._serialized_start=378
-  _globals['_TOKENIZEENTRY_TRACECONTEXTENTRY']._serialized_end=429
-  _globals['_TOKENIZERESPONSE']._serialized_start=431
-  _globals['_TOKENIZERESPONSE']._serialized_end=512
-  _globals['_TOKENIZERESULT']._serialized_start=514
-  _globals['_TOKENIZERESULT']._serialized_end=613
-  _globals['_ENTRYERROR']._serialized_start=615
-  _globals['_ENTRYERROR']._serialized_end=658
-  _globals['_DETOKENIZEREQUEST']._serialized_start=660
-  _globals['_DETOKENIZEREQUEST']._serialized_end=724
-  _globals['_DETOKENIZEENTRY']._serialized_start=727
-  _globals['_DETOKENIZEENTRY']._serialized_end=883
-  _globals['_DETOKENIZERESPONSE']._serialized_start=885
-  _globals['_DETOKENIZERESPONSE']._serialized_end=970
-  _globals['_DETOKENIZERESULT']._serialized_start=973
-  _globals['_DETOKENIZERESULT']._serialized_end=1158
-  _globals['_GETTOKENIZERINFOREQUEST']._serialized_start=1160
-  _globals['_GETTOKENIZERINFOREQUEST']._serialized_end=1185
-  _globals['_GETTOKENIZERINFORESPONSE']._serialized_start=1187
-  _globals['_GETTOKENIZERINFORESPONSE']._serialized_end=1256
-  _globals['_TOKENIZERMODEL']._serialized_start=1258
-  _globals['_TOKENIZERMODEL']._serialized_end=1359
-  _globals['_TOKENIZERSERVICE']._serialized_start=1362
-  _globals['_TOKENIZERSERVICE']._serialized_end=1617
+  _globals['_TOKENIZEENTRY']._serialized_end=505
+  _globals['_TOKENIZEENTRY_TRACECONTEXTENTRY']._serialized_start=454
+  _globals['_TOKENIZEENTRY_TRACECONTEXTENTRY']._serialized_end=505
+  _globals['_TOKENIZERESPONSE']._serialized_start=507
+  _globals['_TOKENIZERESPONSE']._serialized_end=588
+  _globals['_TOKENIZERESULT']._serialized_start=590
+  _globals['_TOKENIZERESULT']._serialized_end=689
+  _globals['_ENTRYERROR']._serialized_start=691
+  _globals['_ENTRYERROR']._serialized_end=734
+  _globals['_DETOKENIZEREQUEST']._serialized_start=736
+  _globals['_DETOKENIZEREQUEST']._serialized_end=800
+  _globals['_DETOKENIZEENTRY']._serialized_start=803
+  _globals['_DETOKENIZEENTRY']._serialized_end=959
+  _globals['_DETOKENIZERESPONSE']._serialized_start=961
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1046
+  _globals['_DETOKENIZERESULT']._serialized_start=1049
+  _globals['_DETOKENIZERESULT']._serialized_end=1234
+  _globals['_GETTOKENIZERINFOREQUEST']._serialized_start=1236
+  _globals['_GETTOKENIZERINFOREQUEST']._serialized_end=1261
+  _globals['_GETTOKENIZERINFORESPONSE']._serialized_start=1263
+  _globals['_GETTOKENIZERINFORESPONSE']._serialized_end=1332
+  _globals['_TOKENIZERMODEL']._serialized_start=1334
+  _globals['_TOKENIZERMODEL']._serialized_end=1435
+  _globals['_TOKENIZERSERVICE']._serialized_start=1438
+  _globals['_TOKENIZERSERVICE']._serialized_end=1693
 # @@protoc_insertion_point(module_scope)

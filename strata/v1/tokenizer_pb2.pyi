@@ -76,6 +76,8 @@ class TokenizeEntry(_message.Message):
     MAX_INPUT_TOKENS_FIELD_NUMBER: _builtins.int
     TRUNCATION_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    TOOL_CHOICE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model whose tokenizer and chat template to use."""
     prompt: _builtins.str
@@ -94,6 +96,16 @@ class TokenizeEntry(_message.Message):
         requests, so each entry's preprocess span joins its own trace.
         """
 
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[_gateway_pb2.Tool]:
+        """The request's tools: rendered through the chat template's own tool format when it has one,
+        described in Strata's words otherwise; not shown with TOOL_CHOICE_MODE_NONE.
+        """
+
+    @_builtins.property
+    def tool_choice(self) -> _gateway_pb2.ToolChoice:
+        """The request's tool choice (how the description asks for calls)."""
+
     def __init__(
         self,
         *,
@@ -103,10 +115,12 @@ class TokenizeEntry(_message.Message):
         max_input_tokens: _builtins.int = ...,
         truncation: _gateway_pb2.Truncation.ValueType = ...,
         trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        tools: _abc.Iterable[_gateway_pb2.Tool] | None = ...,
+        tool_choice: _gateway_pb2.ToolChoice | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_input_tokens", b"max_input_tokens", "messages", b"messages", "model", b"model", "prompt", b"prompt", "trace_context", b"trace_context", "truncation", b"truncation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_input_tokens", b"max_input_tokens", "messages", b"messages", "model", b"model", "prompt", b"prompt", "tool_choice", b"tool_choice", "tools", b"tools", "trace_context", b"trace_context", "truncation", b"truncation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -43,16 +43,18 @@ def _call_json(grammar: str) -> dict[str, object]:
     return dict(json.loads(line.removeprefix("call: %json ")))
 
 
-def test_required_and_named_constrain_to_calls_and_describe_the_tools() -> None:
+def test_required_and_named_constrain_to_calls_and_leave_the_conversation_alone() -> None:
+    """The grammar holds the answer to calls; the conversation is the client's (the tokenizer service
+    shows the model the tools: tests/unit/test_tool_prompt.py)."""
     required = tool_calls.prepare(_request(Mode.TOOL_CHOICE_MODE_REQUIRED))
     grammar = required.sampling.constraint.lark_grammar
-    assert grammar.startswith('start: block ("\\n" block)*\nblock: "<tool_call>" call "</tool_call>"')
+    assert grammar.startswith(
+        'start: block ("\\n" block)*\nblock: "<tool_call>" "\\n"? call "\\n"? "</tool_call>"'
+    )
     schema = _call_json(grammar)
     assert [o["properties"]["name"]["const"] for o in schema["anyOf"]] == ["get_weather", "get_time"]  # type: ignore[attr-defined]
     assert schema["anyOf"][0]["properties"]["arguments"] == ARGS  # type: ignore[index]
-    assert required.messages[0].role == "system" and "get_weather" in required.messages[0].content
-    assert "one line per call" in required.messages[0].content
-    assert required.messages[1].content == "Weather in Paris?"
+    assert [m.content for m in required.messages] == ["Weather in Paris?"]
     named = tool_calls.prepare(_request(Mode.TOOL_CHOICE_MODE_NAMED, "get_time"))
     assert named.sampling.constraint.lark_grammar.startswith("start: block\n"), "one call of that function"
     assert _call_json(named.sampling.constraint.lark_grammar)["properties"]["name"] == {"const": "get_time"}  # type: ignore[index]
@@ -68,12 +70,11 @@ def test_auto_allows_text_or_calls_and_none_changes_nothing() -> None:
 
 def test_single_call_allows_one_call_only() -> None:
     """parallel_tool_calls false (OpenAI), disable_parallel_tool_use (Anthropic): one block, for
-    required and for auto, and the model is told so."""
+    required and for auto."""
     required = _request(Mode.TOOL_CHOICE_MODE_REQUIRED)
     required.tool_choice.single_call = True
     one = tool_calls.prepare(required)
     assert one.sampling.constraint.lark_grammar.startswith("start: block\n")
-    assert "one line per call" not in one.messages[0].content
     auto = _request()
     auto.tool_choice.single_call = True
     assert tool_calls.prepare(auto).sampling.constraint.lark_grammar.startswith("start: TEXT | block\n")
@@ -130,6 +131,32 @@ def test_bad_tools_are_refused_naming_the_field(request_: gateway_pb2.GenerateRe
 SETTINGS = GatewaySettings.build(
     {"tokenizer_address": "127.0.0.1:1", "routes": [{"model": "tiny", "workers": ["127.0.0.1:1"]}]}
 )
+
+
+@pytest.mark.parametrize(
+    ("turn", "message"),
+    [
+        (common_pb2.ChatMessage(role="tool", content="21 C"), "messages[1].tool_call_id: a tool turn names"),
+        (
+            common_pb2.ChatMessage(
+                role="user", content="x", tool_calls=[common_pb2.ToolCall(id="c", name="f")]
+            ),
+            "messages[1].tool_calls: only an assistant turn",
+        ),
+        (common_pb2.ChatMessage(role="assistant"), "messages[1].content: must not be empty"),
+        (common_pb2.ChatMessage(role="robot", content="x"), "messages[1].role: 'robot'"),
+    ],
+)
+def test_the_gateway_checks_tool_turns(turn: common_pb2.ChatMessage, message: str) -> None:
+    """A tool turn names its call, only the assistant calls, a turn without calls has content; an
+    assistant turn with calls and no text, and a tool turn with its call's id, pass."""
+    first = common_pb2.ChatMessage(role="user", content="Weather?")
+    with pytest.raises(InvalidArgument) as caught:
+        validate(gateway_pb2.GenerateRequest(messages=[first, turn]), SETTINGS, lambda _: None)
+    assert str(caught.value).startswith(message)
+    calls = common_pb2.ChatMessage(role="assistant", tool_calls=[common_pb2.ToolCall(id="c", name="f")])
+    answer = common_pb2.ChatMessage(role="tool", content="21 C", tool_call_id="c")
+    validate(gateway_pb2.GenerateRequest(messages=[first, calls, answer]), SETTINGS, lambda _: None)
 
 
 @pytest.mark.parametrize(
