@@ -67,14 +67,15 @@ class Pipeline:
         settings: GatewaySettings,
         router: Router,
         batcher: TokenizeBatcher,
-        fingerprint: Callable[[str], str],
+        tokenizer: Callable[[str], tokenizer_pb2.TokenizerModel | None],
         tracing: Tracing,
     ) -> None:
-        """`fingerprint(model)` is the tokenizer fingerprint of a route's model ("" when unknown)."""
+        """`tokenizer(model)` is what the tokenizer service said of a route's model (None before it
+        answered)."""
         self._settings = settings
         self._router = router
         self._batcher = batcher
-        self._fingerprint = fingerprint
+        self._tokenizer = tokenizer
         self._tracing = tracing
         self.tenants = TenantBook(settings.tenants)
         """Each tenant's quotas: a request holds a Reservation from validation to its end."""
@@ -91,7 +92,7 @@ class Pipeline:
         """The prompt tokens `incoming` would take on its route (its conversation through the model's
         chat template, its tools as the model is asked for them), validated as a request is; nothing
         is admitted, generated nor taken from a quota."""
-        valid = validate(incoming.request, self._settings, self._router.max_model_len)
+        valid = validate(incoming.request, self._settings, self._router.max_model_len, self._tag_tokens)
         route = self._router.route(valid.model)
         tokenized = await self._batcher.tokenize(
             tokenizer_pb2.TokenizeEntry(
@@ -114,7 +115,7 @@ class Pipeline:
             model = UNKNOWN_MODEL  # a metric label: never a name a client made up
         done = False
         try:
-            valid = validate(incoming.request, self._settings, self._router.max_model_len)
+            valid = validate(incoming.request, self._settings, self._router.max_model_len, self._tag_tokens)
             request_id = valid.request_id
             trace.validated(valid)
             request = Request(incoming, valid, self._router.route(valid.model), trace, arrival)
@@ -303,8 +304,12 @@ class Pipeline:
         )
 
     def _same_tokenizer(self, primary: Route, other: Route) -> bool:
-        mine = self._fingerprint(primary.name)
-        return bool(mine) and mine == self._fingerprint(other.name)
+        mine, theirs = self._tokenizer(primary.name), self._tokenizer(other.name)
+        return mine is not None and theirs is not None and mine.fingerprint == theirs.fingerprint != ""
+
+    def _tag_tokens(self, model: str) -> bool:
+        info = self._tokenizer(model)
+        return info is not None and info.tool_call_tokens
 
     async def _tokenize(self, request: Request, route: Route) -> list[int]:
         limit = self._router.context_limit(route.name)

@@ -74,7 +74,7 @@ def _error(error: GatewayError) -> HttpError:
 def not_found(response_id: str, param: str | None = None) -> HttpError:
     return HttpError(
         404,
-        f"{param or 'response'}: {response_id!r} is not a stored response of this tenant (unknown, "
+        f"{param or 'response'}: {response_id!r} is not a stored response of this tenant (unknown, evicted, "
         "expired, deleted, or made with store: false)",
         param=param,
         code="previous_response_not_found" if param else "response_not_found",

@@ -192,10 +192,13 @@ class ResponseEvents:
 
     def closing(self, final: gateway_pb2.GenerateResponse) -> list[tuple[str, dict[str, Any]]]:
         """The events that end a finished answer: its message's done events (a call answer's items
-        have ended with their calls), then the response's."""
+        have ended with their calls; one cut inside its first call keeps the items it streamed), then
+        the response's."""
         events: list[tuple[str, dict[str, Any]]] = []
         whole = self._shape.finished(final)
-        if not final.tool_calls:
+        if self._calls and not final.tool_calls:  # a call announced, then cut: its item as streamed
+            whole["output"] = [{**item, "status": "incomplete"} for _, item in sorted(self._calls.items())]
+        elif not final.tool_calls:
             if self._text is None:
                 events += self._open_message()
             item = whole["output"][0]

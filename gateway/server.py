@@ -40,6 +40,8 @@ from strata.v1 import gateway_pb2, gateway_pb2_grpc
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from strata.v1 import tokenizer_pb2
+
     Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
 
 log = logging.getLogger(__name__)
@@ -176,7 +178,7 @@ class GatewayServer:
         self.tokenizer = TokenizerClient(settings, self._health_changed)
         self.router = Router(settings, self.tokenizer, self._health_changed)
         self.batcher = TokenizeBatcher(self.tokenizer, settings.max_batch_delay_ms, settings.max_batch_size)
-        self.pipeline = Pipeline(settings, self.router, self.batcher, self._fingerprint, self.tracing)
+        self.pipeline = Pipeline(settings, self.router, self.batcher, self._tokenizer_model, self.tracing)
         self.running: RunningServer | None = None
         self.address = ""
         """host:port the server is bound to."""
@@ -210,10 +212,9 @@ class GatewayServer:
             for route in self.router.routes()
         ]
 
-    def _fingerprint(self, model: str) -> str:
-        """The tokenizer service's fingerprint for a route's model; "" before it answered."""
-        tokenizer = self.tokenizer.models.get(model)
-        return tokenizer.fingerprint if tokenizer is not None else ""
+    def _tokenizer_model(self, model: str) -> tokenizer_pb2.TokenizerModel | None:
+        """What the tokenizer service said of a route's model in its latest answer; None before it."""
+        return self.tokenizer.models.get(model)
 
     def _health_changed(self) -> None:
         self._health_dirty.set()

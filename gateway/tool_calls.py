@@ -78,8 +78,10 @@ def calls_tools(request: gateway_pb2.GenerateRequest) -> bool:
     return bool(request.tools) and mode_of(request) != Mode.TOOL_CHOICE_MODE_NONE
 
 
-def prepare(request: gateway_pb2.GenerateRequest) -> gateway_pb2.GenerateRequest:
-    """The request to run for `request`'s tools (itself when it calls none); raises InvalidArgument."""
+def prepare(request: gateway_pb2.GenerateRequest, tag_tokens: bool = False) -> gateway_pb2.GenerateRequest:
+    """The request to run for `request`'s tools (itself when it calls none); raises InvalidArgument.
+    `tag_tokens`: the model's tokenizer has the call tags as tokens of their own, which the grammar
+    must then name as such (a model writes the token, never the text's letters)."""
     mode = mode_of(request)
     if mode not in Mode.values():
         raise InvalidArgument(f"tool_choice.mode: {mode} is not a ToolChoiceMode value")
@@ -105,7 +107,7 @@ def prepare(request: gateway_pb2.GenerateRequest) -> gateway_pb2.GenerateRequest
     prepared = gateway_pb2.GenerateRequest()
     prepared.CopyFrom(request)
     single = mode == Mode.TOOL_CHOICE_MODE_NAMED or request.tool_choice.single_call
-    prepared.sampling.constraint.lark_grammar = _grammar(call, mode, single)
+    prepared.sampling.constraint.lark_grammar = _grammar(call, mode, single, tag_tokens)
     return prepared
 
 
@@ -187,14 +189,16 @@ def _call_schema(schemas: dict[str, Any]) -> dict[str, Any]:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def _grammar(call: dict[str, Any], mode: int, single: bool) -> str:
+def _grammar(call: dict[str, Any], mode: int, single: bool, tag_tokens: bool) -> str:
     """The answer's grammar: calls one a line (`single`: one call), or for AUTO text instead. Text may
     not start with '<', so an answer that starts a call must finish it as the schema says."""
     calls = "block" if single else 'block ("\\n" block)*'
     start = f"TEXT | {calls}" if mode == Mode.TOOL_CHOICE_MODE_AUTO else calls
+    # llguidance names a special token <like_this>, and text "like this".
+    opening, closing = (CALL_OPEN, CALL_CLOSE) if tag_tokens else (f'"{CALL_OPEN}"', f'"{CALL_CLOSE}"')
     return (
         f"start: {start}\n"
-        f'block: "{CALL_OPEN}" "\\n"? call "\\n"? "{CALL_CLOSE}"\n'
+        f'block: {opening} "\\n"? call "\\n"? {closing}\n'
         "TEXT: /[^<][\\s\\S]*/\n"
         f"call: %json {json.dumps({**call, 'x-guidance': COMPACT_JSON})}\n"
     )

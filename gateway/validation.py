@@ -58,14 +58,16 @@ def validate(
     request: gateway_pb2.GenerateRequest,
     settings: GatewaySettings,
     context_limit: Callable[[str], int | None],
+    tag_tokens: Callable[[str], bool] = lambda _: False,
 ) -> ValidRequest:
-    """Check every field; `context_limit(model)` is the model's context length when a worker reported it."""
+    """Check every field; `context_limit(model)` is the model's context length when a worker reported
+    it, `tag_tokens(model)` whether its tokenizer has the tool-call tags as tokens of their own."""
     _check_input(request)
-    request = tool_calls.prepare(request)
+    model = request.model or settings.default_route
+    request = tool_calls.prepare(request, tag_tokens(model))
     sampling = _check_sampling(request, settings)
     _check_constraint(sampling)
     request_id = _check_request_id(request.request_id, settings.max_request_id_chars)
-    model = request.model or settings.default_route
     known = [route.model for route in settings.routes]
     if model not in known:
         raise NotFound(f"model: no route serves {model!r}; known models: {', '.join(known)}")

@@ -52,6 +52,8 @@ class ModelTokenizer:
     eos_token_ids: tuple[int, ...]
     skipped_ids: frozenset[int]
     """Special tokens, which decoding leaves out."""
+    tool_call_tokens: bool
+    """Whether "<tool_call>" and "</tool_call>" are added tokens (Qwen2.5's): grammars name them so."""
     vocab_size: int
 
     def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool) -> list[list[int]]:
@@ -144,6 +146,8 @@ def load_model(name: str, folder: Path) -> ModelTokenizer:
         skipped_ids=frozenset(
             i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special
         ),
+        tool_call_tokens={"<tool_call>", "</tool_call>"}
+        <= {token.content for token in tokenizer.get_added_tokens_decoder().values()},
         vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
     )
 

@@ -191,6 +191,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                     fingerprint=model.fingerprint,
                     has_chat_template=model.chat_template is not None,
                     eos_token_ids=model.eos_token_ids,
+                    tool_call_tokens=model.tool_call_tokens,
                 )
                 for model in registry.models.values()
             ]

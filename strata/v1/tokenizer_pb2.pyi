@@ -448,12 +448,17 @@ class TokenizerModel(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _builtins.int
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
     EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_TOKENS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The model name."""
     fingerprint: _builtins.str
     """sha256 over the model folder's tokenizer files; equal fingerprints mean identical tokenization."""
     has_chat_template: _builtins.bool
     """Whether the tokenizer has a chat template (messages are refused without one)."""
+    tool_call_tokens: _builtins.bool
+    """Whether "<tool_call>" and "</tool_call>" are tokens of their own (added tokens, as in Qwen2.5's
+    tokenizer): a grammar for tool calls must then name them as such tokens, not as text.
+    """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The end-of-sequence token ids."""
@@ -465,10 +470,11 @@ class TokenizerModel(_message.Message):
         fingerprint: _builtins.str = ...,
         has_chat_template: _builtins.bool = ...,
         eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        tool_call_tokens: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["eos_token_ids", b"eos_token_ids", "fingerprint", b"fingerprint", "has_chat_template", b"has_chat_template", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["eos_token_ids", b"eos_token_ids", "fingerprint", b"fingerprint", "has_chat_template", b"has_chat_template", "name", b"name", "tool_call_tokens", b"tool_call_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

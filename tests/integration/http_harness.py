@@ -12,6 +12,8 @@ waits for a credit queues, however slow the machine, instead of being refused on
 
 from __future__ import annotations
 
+import json
+import subprocess
 from typing import TYPE_CHECKING, Any
 
 from gateway.server import start as start_gateway
@@ -136,3 +138,30 @@ class HttpStack(ServerStack):
     def idle(self) -> bool:
         stats = self.worker_stats()
         return stats.used_kv_blocks == 0 and stats.open_requests == 0
+
+
+def curl_events(url: str, body: dict[str, Any], headers: dict[str, str]) -> list[tuple[str, dict[str, Any]]]:
+    """POST `body` with curl (no buffering) and read the raw Server-Sent Events framing: each event a
+    block of exactly an `event:` line and a `data:` line, blocks apart by a blank line; the (name,
+    data) pairs. curl is what an operator debugging a stream types."""
+    command = [
+        "curl",
+        "-sSN",
+        "--max-time",
+        "60",
+        "-H",
+        "content-type: application/json",
+        "--data",
+        json.dumps(body),
+    ]
+    for name, value in headers.items():
+        command += ["-H", f"{name}: {value}"]
+    done = subprocess.run([*command, url], capture_output=True, text=True, timeout=90, check=True)
+    events = []
+    for block in done.stdout.split("\n\n"):
+        if not block.strip():
+            continue
+        name, data = block.strip("\n").split("\n")
+        assert name.startswith("event: ") and data.startswith("data: "), block
+        events.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return events

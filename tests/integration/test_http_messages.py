@@ -22,7 +22,7 @@ import pytest
 
 from bench.http_driver import messages_body, send_messages
 from tests.grammar_cases import WEATHER
-from tests.integration.http_harness import KEY, MAX_BODY, MODEL, TIGHT_KEY, HttpStack
+from tests.integration.http_harness import KEY, MAX_BODY, MODEL, TIGHT_KEY, HttpStack, curl_events
 from tests.polling import wait_for
 
 if TYPE_CHECKING:
@@ -262,3 +262,15 @@ def test_the_bench_driver_reads_the_stream_as_the_sdk_does(stack: HttpStack) -> 
     assert result.usage_output_tokens == 10
     usage = whole.usage
     assert result.usage_input_tokens == usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
+def test_curl_sees_each_event_named_as_its_data_says(stack: HttpStack) -> None:
+    """The raw framing, as curl prints it: every event an `event:` line and a `data:` line whose JSON
+    has the same type, in Anthropic's order."""
+    body = {"model": MODEL, "max_tokens": 4, "messages": QUESTION, "stream": True}
+    events = curl_events(f"{stack.origin}/v1/messages", body, HEADERS)
+    assert all(name == data["type"] for name, data in events)
+    assert events[0][0] == "message_start" and [name for name, _ in events[-2:]] == [
+        "message_delta",
+        "message_stop",
+    ]

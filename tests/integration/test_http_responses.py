@@ -22,7 +22,7 @@ import pytest
 
 from bench.http_driver import responses_body, send_responses
 from tests.grammar_cases import WEATHER
-from tests.integration.http_harness import KEY, MAX_BODY, MODEL, TIGHT_KEY, HttpStack
+from tests.integration.http_harness import KEY, MAX_BODY, MODEL, TIGHT_KEY, HttpStack, curl_events
 from tests.polling import wait_for
 
 if TYPE_CHECKING:
@@ -161,6 +161,7 @@ def test_function_call_round_trip_whole_and_streamed(stack: HttpStack) -> None:
             tools=TOOLS,
             tool_choice=named,
             max_output_tokens=96,
+            temperature=0,
             stream=True,
         )
     )
@@ -285,3 +286,12 @@ def test_the_bench_driver_reads_the_stream_as_the_sdk_does(stack: HttpStack) -> 
     assert result.status == "OK" and result.text == whole.output_text
     assert whole.usage is not None and result.usage_output_tokens == 10
     assert result.usage_input_tokens == whole.usage.input_tokens and result.ttft_s is not None
+
+
+def test_curl_sees_each_event_named_as_its_data_says(stack: HttpStack) -> None:
+    """The raw framing, as curl prints it: every event an `event:` line and a `data:` line whose JSON
+    has the same type, in the API's order."""
+    body = {"model": MODEL, "input": QUESTION, "max_output_tokens": 4, "stream": True}
+    events = curl_events(f"{stack.base_url}/responses", body, {"authorization": f"Bearer {KEY}"})
+    assert all(name == data["type"] for name, data in events)
+    assert events[0][0] == "response.created" and events[-1][0] == "response.incomplete"

@@ -186,3 +186,24 @@ def test_a_pipeline_error_names_the_field_as_this_api_does() -> None:
     assert "max_output_tokens" in too_many.message
     assert _error(InvalidArgument("messages[2].content: too long")).param == "input"
     assert _error(InvalidArgument("sampling.constraint: bad schema")).param == "text.format"
+
+
+def test_a_call_cut_inside_keeps_the_item_it_streamed() -> None:
+    """A call announced and then cut by the token limit (no call parses): the response is incomplete
+    and its output is the call's item as streamed, not a message of the call's raw text."""
+    events = ResponseEvents(ResponseShape(ResponsesRequest.model_validate({"input": "x"}), "r1", "m"))
+    request = gateway_pb2.GenerateRequest(request_id="r1", tools=[gateway_pb2.Tool(name="w")])
+    held = ToolStream(request)
+    text = '<tool_call>{"name": "w", "arguments": {"city": "Pa'
+    final = _final(text, length=True)
+    ending = events.pieces(held.take(text)) + events.pieces(held.finish("", final)) + events.closing(final)
+    kinds = [kind for kind, _ in ending]
+    assert "response.output_text.delta" not in kinds and "response.content_part.added" not in kinds
+    assert kinds[-1] == "response.incomplete"
+    (item,) = ending[-1][1]["response"]["output"]
+    assert (item["type"], item["name"], item["status"], item["arguments"]) == (
+        "function_call",
+        "w",
+        "incomplete",
+        '{"city": "Pa',
+    )

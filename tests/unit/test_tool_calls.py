@@ -6,6 +6,7 @@ field, how a stream holds a call back, and the client's constraint keywords.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -256,3 +257,32 @@ def test_the_cli_sends_a_constraint_from_text_or_a_file(tmp_path) -> None:
     assert _generate_request(args).sampling.constraint.regex == "[0-9]+"
     plain = _generate_request(build_parser().parse_args(["generate", "hi"]))
     assert not plain.sampling.HasField("constraint")
+
+
+QWEN = Path(__file__).resolve().parents[2] / "models" / "Qwen2.5-Coder-0.5B-Instruct"
+
+
+def test_tags_that_are_tokens_are_named_as_tokens() -> None:
+    """A tokenizer whose call tags are tokens of their own (Qwen2.5's) gets a grammar that names them
+    as llguidance names special tokens; one without gets them as text."""
+    tokens = tool_calls.prepare(_request(Mode.TOOL_CHOICE_MODE_REQUIRED), tag_tokens=True)
+    assert '\nblock: <tool_call> "\\n"? call "\\n"? </tool_call>\n' in tokens.sampling.constraint.lark_grammar
+    text = tool_calls.prepare(_request(Mode.TOOL_CHOICE_MODE_REQUIRED))
+    assert (
+        '\nblock: "<tool_call>" "\\n"? call "\\n"? "</tool_call>"\n' in text.sampling.constraint.lark_grammar
+    )
+
+
+@pytest.mark.skipif(not (QWEN / "tokenizer.json").exists(), reason="Qwen2.5-Coder-0.5B is not fetched")
+def test_qwens_tokenizer_has_the_tags_as_tokens_and_its_grammar_takes_them() -> None:
+    import llguidance
+
+    from services.tokenizer.registry import load_model
+
+    assert load_model("qwen", QWEN).tool_call_tokens
+    tokenizer = llguidance.LLTokenizer((QWEN / "tokenizer.json").read_text())
+    grammar = tool_calls.prepare(_request(Mode.TOOL_CHOICE_MODE_REQUIRED), tag_tokens=True)
+    matcher = llguidance.LLMatcher(
+        tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar.sampling.constraint.lark_grammar)
+    )
+    assert matcher.validate_tokens([tokenizer.tokenize_str("<tool_call>")[0]]) == 1, matcher.get_error()

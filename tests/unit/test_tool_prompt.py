@@ -80,3 +80,9 @@ def test_qwens_own_template_lists_the_tools_and_writes_the_calls() -> None:
     assert "# Tools" in text and "<tools>" in text and '"name": "get_weather"' in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
     assert "<tool_response>\n21 C\n</tool_response>" in text
+
+
+def test_the_tiny_tokenizer_has_no_tag_tokens(tiny_serving_dir: Path) -> None:
+    from services.tokenizer.registry import load_model
+
+    assert not load_model("tiny", tiny_serving_dir).tool_call_tokens
