@@ -127,7 +127,7 @@ def parse(request: gateway_pb2.GenerateRequest, text: str, request_id: str) -> l
 
 
 def answered_with_calls(final: gateway_pb2.GenerateResponse) -> bool:
-    """Whether the answer ended with its calls (not cut by the token limit, with or without calls)."""
+    """Whether the answer is calls that ended as the model chose (the token limit cut none of it)."""
     return bool(final.tool_calls) and final.finish_reason != common_pb2.FINISH_REASON_LENGTH
 
 
