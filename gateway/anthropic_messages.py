@@ -8,9 +8,10 @@ disconnect watch and the idle-stream timeout), parses it (anthropic_schema.py) a
 Chat Completions request it is (openai_mapping.py), so both front doors run the same pipeline.
 
 A whole answer is a `message`: its content a `text` block, or the `tool_use` blocks of the calls it
-made; `stop_reason` end_turn, max_tokens, stop_sequence (with the string that matched) or tool_use;
-`usage` with the prompt tokens the prefix cache served as `cache_read_input_tokens`. A stream is
-Anthropic's events: message_start, a text block's content_block_start, text_delta deltas and
+made, after a thinking model's `thinking` block (gateway/reasoning.py); `stop_reason` end_turn,
+max_tokens, stop_sequence (with the string that matched) or tool_use; `usage` with the prompt tokens
+the prefix cache served as `cache_read_input_tokens`. A stream is Anthropic's events: message_start,
+a thinking block's thinking_delta deltas, a text block's content_block_start, text_delta deltas and
 content_block_stop, each call's tool_use block as soon as its name is written with its arguments in
 input_json_delta fragments as they are written (tool_stream.py), message_delta with the stop reason
 and the usage, message_stop; a failure after the first event is an `error` event.
@@ -43,6 +44,7 @@ from gateway.http_exchange import (
 )
 from gateway.openai_errors import HttpError, from_gateway, from_validation
 from gateway.openai_mapping import headers, to_generate_request
+from gateway.reasoning import ReasoningSplit
 from gateway.tool_calls import answered_with_calls
 from gateway.tool_stream import CallArguments, CallStart, ToolStream
 from strata.v1 import common_pb2
@@ -89,10 +91,14 @@ def tool_use(call: common_pb2.ToolCall) -> dict[str, Any]:
     return {"type": "tool_use", "id": call.id, "name": call.name, "input": json.loads(call.arguments_json)}
 
 
-def message(final: gateway_pb2.GenerateResponse) -> dict[str, Any]:
-    """The whole answer as Anthropic's `message` object."""
+def message(final: gateway_pb2.GenerateResponse, thinks: bool = False) -> dict[str, Any]:
+    """The whole answer as Anthropic's `message` object (a thinking model's reasoning first, as a
+    `thinking` block)."""
     reason, sequence = stop_reason(final)
-    content = [tool_use(call) for call in final.tool_calls] or [{"type": "text", "text": final.text}]
+    reasoning, answer = ReasoningSplit.split(final.text, thinks)
+    content = [tool_use(call) for call in final.tool_calls] or [{"type": "text", "text": answer}]
+    if reasoning:
+        content.insert(0, {"type": "thinking", "thinking": reasoning, "signature": ""})
     return {
         "id": f"msg_{final.request_id}",
         "type": "message",
@@ -157,7 +163,8 @@ class Messages(_Endpoint):
             async with contextlib.aclosing(self._pipeline.run(incoming)) as chunks:
                 async for chunk in chunks:
                     if chunk.final is not None:
-                        return JSONResponse(message(chunk.final), headers=headers(chunk.final))
+                        thinks = self._pipeline.thinks(chunk.final.model)
+                        return JSONResponse(message(chunk.final, thinks), headers=headers(chunk.final))
         except GatewayError as error:
             return anthropic_error(from_gateway(error)).response()
         raise AssertionError("the pipeline ended without a final chunk")
@@ -195,15 +202,19 @@ class Messages(_Endpoint):
         }
         yield named_event("message_start", {"type": "message_start", "message": head})
         held = ToolStream(request)
+        split = ReasoningSplit(self._pipeline.thinks(first.model or request.model))
         blocks = _Blocks()
         chunk: Chunk | None = first
         try:
             while chunk is not None:
                 final = chunk.final
                 if final is None:
-                    events = blocks.events(held.take(chunk.text))
+                    reasoning, answer = split.take(chunk.text)
+                    events = blocks.thinking(reasoning) + blocks.events(held.take(answer))
                 else:
-                    events = blocks.events(held.finish(chunk.text, final)) + blocks.closing(final)
+                    reasoning, answer = split.finish(chunk.text)
+                    events = blocks.thinking(reasoning) + blocks.events(held.finish(answer, final))
+                    events += blocks.closing(final)
                 for kind, payload in events:
                     yield named_event(kind, payload)
                 if final is not None:
@@ -218,13 +229,29 @@ class _Blocks:
 
     def __init__(self) -> None:
         self._count = 0
+        self._thinking: int | None = None
+        """The open thinking block's index."""
         self._text: int | None = None
         """The open text block's index."""
         self._calls: dict[int, int] = {}
         """A call's place -> its block's index."""
 
+    def thinking(self, text: str) -> list[tuple[str, dict[str, Any]]]:
+        """The events of reasoning: its thinking block opened at the first, a thinking_delta."""
+        if not text:
+            return []
+        out = []
+        if self._thinking is None:
+            self._thinking = self._count
+            out.append(self._start({"type": "thinking", "thinking": "", "signature": ""}))
+        delta = {"type": "thinking_delta", "thinking": text}
+        out.append(
+            ("content_block_delta", {"type": "content_block_delta", "index": self._thinking, "delta": delta})
+        )
+        return out
+
     def events(self, pieces: list[Piece]) -> list[tuple[str, dict[str, Any]]]:
-        out: list[tuple[str, dict[str, Any]]] = []
+        out: list[tuple[str, dict[str, Any]]] = self._stop_thinking() if pieces else []
         for piece in pieces:
             if isinstance(piece, str):
                 out += self._text_delta(piece)
@@ -248,7 +275,9 @@ class _Blocks:
     def closing(self, final: gateway_pb2.GenerateResponse) -> list[tuple[str, dict[str, Any]]]:
         """The events that end a stream: the text block's stop (an answer with no block gets an empty
         text block), message_delta with the stop reason and usage, message_stop."""
-        out = self._text_delta("") if self._count == 0 else []
+        out = self._stop_thinking()
+        if self._text is None and not self._calls:
+            out += self._text_delta("")  # an answer with no text and no call still has its text block
         out += self._stop_text()
         reason, sequence = stop_reason(final)
         ending: dict[str, Any] = {"stop_reason": reason, "stop_sequence": sequence}
@@ -275,6 +304,12 @@ class _Blocks:
                 ("content_block_delta", {"type": "content_block_delta", "index": self._text, "delta": delta})
             )
         return out
+
+    def _stop_thinking(self) -> list[tuple[str, dict[str, Any]]]:
+        if self._thinking is None:
+            return []
+        index, self._thinking = self._thinking, None
+        return [("content_block_stop", {"type": "content_block_stop", "index": index})]
 
     def _stop_text(self) -> list[tuple[str, dict[str, Any]]]:
         if self._text is None:

@@ -6,9 +6,11 @@ whose content is a string or `text`, `tool_use` and `tool_result` blocks, `max_t
 Anthropic requires it), `stop_sequences`, `temperature` (0 to 1), `top_p`, `top_k`, `tools` (name,
 description, input_schema), `tool_choice` (auto, any, tool, none), `output_config.format` (a JSON schema
 the answer follows), `stream` and `metadata`. A block type this gateway cannot read (an image, a
-document) and extended `thinking` are refused naming the field, and so is a field the API does not have:
-nothing is ignored in silence. `cache_control` is accepted and has no effect (the workers cache every
-prompt's prefix by themselves), and so is `output_config.effort`. Strata's own `ignore_eos`, `priority`,
+document) is refused naming the field, and so is a field the API does not have: nothing is ignored in
+silence. `thinking` is accepted (a model that thinks answers with `thinking` blocks; the budget is not
+enforced), and so are an earlier answer's `thinking` blocks, left out of the prompt. `cache_control`
+is accepted and has no effect (the workers cache every prompt's prefix by themselves), and so is
+`output_config.effort`. Strata's own `ignore_eos`, `priority`,
 `allow_fallback` and `no_fallback` are taken as extra body fields, as the Chat Completions front door
 takes them.
 
@@ -77,7 +79,16 @@ class ToolResultBlock(_Body):
         return f"error: {body}" if self.is_error else body
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(_Body):
+    """An earlier answer's reasoning, as the client sends the conversation back: left out of the
+    prompt, as chat templates leave out earlier turns' reasoning."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = ""
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
 
 
 class Message(_Body):
@@ -87,6 +98,8 @@ class Message(_Body):
     @model_validator(mode="after")
     def _blocks_in_their_turns(self) -> Message:
         for block in self.content if isinstance(self.content, list) else ():
+            if isinstance(block, ThinkingBlock) and self.role != "assistant":
+                raise ValueError("a thinking block belongs in an assistant turn")
             if self.role == "system" and not isinstance(block, TextBlock):
                 raise ValueError("a system turn holds text blocks only")
             if isinstance(block, ToolUseBlock) and self.role != "assistant":
@@ -140,14 +153,11 @@ class ToolChoice(_Body):
 
 
 class Thinking(_Body):
-    type: Literal["enabled", "disabled"]
-    budget_tokens: int | None = None
+    """Accepted either way: a model that thinks answers with `thinking` blocks, one that does not
+    never does; `budget_tokens` is not enforced (max_tokens bounds the whole answer)."""
 
-    @model_validator(mode="after")
-    def _off(self) -> Thinking:
-        if self.type == "enabled":
-            raise ValueError("thinking: extended thinking is not supported by this gateway; omit it")
-        return self
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
 
 
 ChatToolChoice = Literal["none", "auto", "required"] | NamedToolChoice | None

@@ -6,9 +6,10 @@ http_body_timeout_s (408 past it), parses it (openai_schema.py), builds the pipe
 the deadline of the `x-strata-timeout-ms` header, and answers: a whole JSON response, or Server-Sent
 Events (`data:` chunks, then `data: [DONE]`). A stream's headers go out with its first chunk, so a
 request refused before any token gets its real status (429, 503, ...); a failure after that is an
-error event. A client that disconnects, or stops reading a stream, loses its request as
-http_exchange.py says. This module must not hold request logic (the pipeline does) nor map errors
-(openai_errors.py).
+error event. A thinking model's reasoning (gateway/reasoning.py) is a chat answer's
+`reasoning_content`, streamed before the answer. A client that disconnects, or stops reading a
+stream, loses its request as http_exchange.py says. This module must not hold request logic (the
+pipeline does) nor map errors (openai_errors.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from gateway.openai_errors import from_gateway, from_validation
 from gateway.openai_logprobs import prompt_logprobs
 from gateway.openai_mapping import FINISH_REASONS, Reply, extension, headers, to_generate_request
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from gateway.reasoning import ReasoningSplit
 from gateway.tool_calls import answered_with_calls
 from gateway.tool_stream import CallEnd, ToolStream
 
@@ -98,6 +100,7 @@ class Completions(Endpoint):
             async with contextlib.aclosing(self._pipeline.run(incoming)) as chunks:
                 async for chunk in chunks:
                     if chunk.final is not None:
+                        reply.thinks = self._chat and self._pipeline.thinks(chunk.final.model)
                         return JSONResponse(reply.whole(chunk.final), headers=headers(chunk.final))
         except GatewayError as error:
             return from_gateway(error, token_field).response()
@@ -137,15 +140,24 @@ class Completions(Endpoint):
     ) -> AsyncGenerator[bytes, None]:
         chunk: Chunk | None = first
         opened: set[int] = set()
+        thinks = self._chat and self._pipeline.thinks(first.model or reply.model)
+        splits: dict[int, ReasoningSplit] = {}
         try:
             while chunk is not None:
                 reply.model = chunk.model or reply.model
                 final = chunk.final
                 opening = self._chat and chunk.index not in opened
+                split = splits.setdefault(chunk.index, ReasoningSplit(thinks))
+                last_of_sample = final is not None or chunk.sample_final is not None
+                reasoning, answer = split.finish(chunk.text) if last_of_sample else split.take(chunk.text)
+                if reasoning:
+                    yield event(reply.reasoning_chunk(reasoning, opening, chunk.index))
+                    opened.add(chunk.index)
+                    opening = False
                 if final is None:
                     done = chunk.sample_final
                     # Tools take one sample (check_samples refuses n > 1 with them): `held` is sample 0's.
-                    pieces = held.take(chunk.text)
+                    pieces = held.take(answer)
                     text = "".join(piece for piece in pieces if isinstance(piece, str))
                     if text or chunk.logprobs or done is not None or opening:
                         finish = None if done is None else _finish(done)
@@ -159,7 +171,7 @@ class Completions(Endpoint):
                 if final.choices:  # n > 1: every sample's last chunk has gone with its finish reason
                     last = reply.empty_chunk()
                 else:
-                    pieces = held.finish(chunk.text, final)
+                    pieces = held.finish(answer, final)
                     calls = _calls(reply, pieces)
                     if calls and opening:
                         yield event(reply.chunk("", None, True))

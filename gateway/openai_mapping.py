@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway import openai_tools
 from gateway.openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
+from gateway.reasoning import ReasoningSplit
 from gateway.request_ids import response_id
 from gateway.stage_clock import STAGES
 from gateway.tool_calls import answered_with_calls
@@ -146,6 +147,8 @@ class Reply:
         self.prompt_logprobs = sampling is not None and sampling.HasField("prompt_logprobs")
         self._text_offsets: dict[int, int] = {}
         """Per sample: where its next token starts in its text (the completions logprobs' text_offset)."""
+        self.thinks = False
+        """The model may open an answer with reasoning: a chat answer's goes to `reasoning_content`."""
 
     def started(self, request_id: str, model: str) -> None:
         """The request's id and serving model, as the first chunk tells them."""
@@ -176,7 +179,10 @@ class Reply:
                     "tool_calls": openai_tools.tool_calls(final, with_index=False),
                 }
             elif self.chat:
-                choice["message"] = {"role": "assistant", "content": sample.text}
+                reasoning, answer = ReasoningSplit.split(sample.text, self.thinks)
+                choice["message"] = {"role": "assistant", "content": answer}
+                if reasoning:
+                    choice["message"]["reasoning_content"] = reasoning
             else:
                 choice["text"] = sample.text
             choices.append(choice)
@@ -204,6 +210,13 @@ class Reply:
             choice["delta"] = delta
         else:
             choice["text"] = text
+        return {**self._head(chunk=True), "choices": [choice]}
+
+    def reasoning_chunk(self, text: str, first: bool, index: int = 0) -> dict[str, Any]:
+        """A chat stream chunk of sample `index`'s reasoning (`delta.reasoning_content`)."""
+        delta: dict[str, str] = {"role": "assistant"} if first else {}
+        delta["reasoning_content"] = text
+        choice = {"index": index, "finish_reason": None, "logprobs": None, "delta": delta}
         return {**self._head(chunk=True), "choices": [choice]}
 
     def call_chunk(self, piece: CallStart | CallArguments) -> dict[str, Any]:

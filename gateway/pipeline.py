@@ -311,6 +311,11 @@ class Pipeline:
         info = self._tokenizer(model)
         return info is not None and info.tool_call_tokens
 
+    def thinks(self, model: str) -> bool:
+        """Whether `model`'s answers may open with reasoning in think tokens (gateway/reasoning.py)."""
+        info = self._tokenizer(model)
+        return info is not None and info.think_tokens
+
     async def _tokenize(self, request: Request, route: Route) -> list[int]:
         limit = self._router.context_limit(route.name)
         valid, trace = request.valid, request.trace

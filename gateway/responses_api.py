@@ -39,6 +39,7 @@ from gateway.http_exchange import (
 from gateway.metrics import HTTP_RESPONSES
 from gateway.openai_errors import HttpError, from_gateway, from_validation
 from gateway.openai_mapping import headers, to_generate_request
+from gateway.reasoning import ReasoningSplit
 from gateway.responses_output import ResponseEvents, ResponseShape, answer_turn
 from gateway.responses_schema import ResponsesRequest
 from gateway.tool_stream import ToolStream
@@ -124,7 +125,7 @@ class Responses(Endpoint):
     ) -> JSONResponse | None:
         request, conversation = body
         model = incoming.request.model or self._settings.default_route
-        shape = ResponseShape(request, incoming.request.request_id, model)
+        shape = ResponseShape(request, incoming.request.request_id, model, self._pipeline.thinks(model))
         if request.stream:
             return await self._stream(incoming, shape, conversation, send)
         try:
@@ -146,7 +147,8 @@ class Responses(Endpoint):
         final: gateway_pb2.GenerateResponse,
     ) -> None:
         if whole["store"]:
-            self._store.put(incoming.tenant, whole, [*conversation, answer_turn(final)])
+            thinks = self._pipeline.thinks(final.model)
+            self._store.put(incoming.tenant, whole, [*conversation, answer_turn(final, thinks)])
 
     async def _stream(
         self, incoming: Incoming, shape: ResponseShape, conversation: list[ChatMessage], send: Send
@@ -176,14 +178,18 @@ class Responses(Endpoint):
         for kind, payload in built.opening():
             yield named_event(kind, payload)
         held = ToolStream(incoming.request)
+        split = ReasoningSplit(shape.thinks)
         chunk: Chunk | None = first
         try:
             while chunk is not None:
                 final = chunk.final
                 if final is None:
-                    events = built.pieces(held.take(chunk.text))
+                    reasoning, answer = split.take(chunk.text)
+                    events = built.reasoning(reasoning) + built.pieces(held.take(answer))
                 else:
-                    events = built.pieces(held.finish(chunk.text, final)) + built.closing(final)
+                    reasoning, answer = split.finish(chunk.text)
+                    events = built.reasoning(reasoning) + built.pieces(held.finish(answer, final))
+                    events += built.closing(final)
                     self._keep(incoming, events[-1][1]["response"], conversation, final)
                 for kind, payload in events:
                     yield named_event(kind, payload)

@@ -5,7 +5,8 @@ events that builds it.
 sampling, text format, metadata, previous_response_id, store) and renders the `response` object at
 any status: in_progress for `response.created`, then completed, incomplete (stopped by
 max_output_tokens: `incomplete_details.reason`) or failed. A finished answer is one `message` item
-holding an `output_text` part, or one `function_call` item per call the model made. Usage counts the
+holding an `output_text` part, or one `function_call` item per call the model made, after a
+thinking model's `reasoning` item (gateway/reasoning.py; streamed as reasoning_text deltas). Usage counts the
 prompt's tokens with those the prefix cache served as `input_tokens_details.cached_tokens`.
 `ResponseEvents` turns the pipeline's chunks into the API's events in order, each with its
 `sequence_number`: response.created, response.in_progress, the message's output_item.added and
@@ -22,6 +23,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from gateway.openai_schema import AssistantToolCall, CalledFunction, ChatMessage
+from gateway.reasoning import ReasoningSplit
 from gateway.tool_stream import CallArguments, CallStart
 from strata.v1 import common_pb2
 
@@ -42,8 +44,9 @@ def usage(final: gateway_pb2.GenerateResponse) -> dict[str, Any]:
     }
 
 
-def answer_turn(final: gateway_pb2.GenerateResponse) -> ChatMessage:
-    """The answer as the assistant turn a continuation (previous_response_id) reads."""
+def answer_turn(final: gateway_pb2.GenerateResponse, thinks: bool = False) -> ChatMessage:
+    """The answer as the assistant turn a continuation (previous_response_id) reads: its reasoning
+    left out, as a chat template leaves out earlier turns' reasoning."""
     calls = [
         AssistantToolCall(
             id=call.id,
@@ -54,7 +57,7 @@ def answer_turn(final: gateway_pb2.GenerateResponse) -> ChatMessage:
     ]
     if calls:
         return ChatMessage(role="assistant", content=None, tool_calls=calls)
-    return ChatMessage(role="assistant", content=final.text)
+    return ChatMessage(role="assistant", content=ReasoningSplit.split(final.text, thinks)[1])
 
 
 def _incomplete(final: gateway_pb2.GenerateResponse) -> bool:
@@ -64,6 +67,11 @@ def _incomplete(final: gateway_pb2.GenerateResponse) -> bool:
 def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part]}
+
+
+def reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": "completed"}
 
 
 def call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
@@ -80,9 +88,12 @@ def call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str,
 class ResponseShape:
     """The `response` object of one request, at whatever point it has reached."""
 
-    def __init__(self, body: ResponsesRequest, request_id: str, model: str) -> None:
+    def __init__(self, body: ResponsesRequest, request_id: str, model: str, thinks: bool = False) -> None:
+        """`thinks`: the model may open its answer with reasoning (gateway/reasoning.py)."""
         self.id = f"resp_{request_id}"
         self.message_id = f"msg_{request_id}"
+        self.reasoning_id = f"rs_{request_id}"
+        self.thinks = thinks
         self.model = model
         self._created_at = int(time.time())
         self._echo: dict[str, Any] = {
@@ -132,10 +143,12 @@ class ResponseShape:
         """The whole answer: completed, or incomplete when max_output_tokens stopped it."""
         self.model = final.model or self.model
         status = "incomplete" if _incomplete(final) else "completed"
+        reasoning, answer = ReasoningSplit.split(final.text, self.thinks)
+        output = [reasoning_item(self.reasoning_id, reasoning)] if reasoning else []
         if final.tool_calls:
-            output = [call_item(c.id, c.name, c.arguments_json, "completed") for c in final.tool_calls]
+            output += [call_item(c.id, c.name, c.arguments_json, "completed") for c in final.tool_calls]
         else:
-            output = [message_item(self.message_id, final.text, status)]
+            output.append(message_item(self.message_id, answer, status))
         return self.render(status, output, final)
 
 
@@ -149,6 +162,10 @@ class ResponseEvents:
         """The message's text so far; None until its item is open."""
         self._calls: dict[int, dict[str, Any]] = {}
         """Each call's item as streamed so far, by its place."""
+        self._reasoning: str | None = None
+        """The reasoning so far; None until its item is open."""
+        self._first = 0
+        """The output index of the message or first call: 1 after a reasoning item (which stays at 0)."""
 
     def _event(self, kind: str, **fields: Any) -> tuple[str, dict[str, Any]]:
         payload = {"type": kind, "sequence_number": self._sequence, **fields}
@@ -162,10 +179,24 @@ class ResponseEvents:
             self._event("response.in_progress", response=started),
         ]
 
+    def reasoning(self, text: str) -> list[tuple[str, dict[str, Any]]]:
+        """The events of reasoning: its item added at the first, a reasoning_text delta."""
+        if not text:
+            return []
+        events = []
+        if self._reasoning is None:
+            self._reasoning, self._first = "", 1
+            item = {"type": "reasoning", "id": self._shape.reasoning_id, "summary": [], "content": []}
+            events.append(self._event("response.output_item.added", output_index=0, item=item))
+        self._reasoning += text
+        where = {"item_id": self._shape.reasoning_id, "output_index": 0, "content_index": 0}
+        events.append(self._event("response.reasoning_text.delta", delta=text, **where))
+        return events
+
     def pieces(self, pieces: list[Piece]) -> list[tuple[str, dict[str, Any]]]:
         """The events of a chunk's pieces: text deltas (opening the message item at the first), each
         call's item as soon as its name is known, its arguments' fragments, its end."""
-        events: list[tuple[str, dict[str, Any]]] = []
+        events: list[tuple[str, dict[str, Any]]] = self._end_reasoning() if pieces else []
         for piece in pieces:
             if isinstance(piece, str):
                 events += self._text_delta(piece)
@@ -177,7 +208,7 @@ class ResponseEvents:
                     self._event("response.output_item.added", output_index=piece.index, item=dict(call))
                 )
                 continue
-            where = {"item_id": call["id"], "output_index": piece.index}
+            where = {"item_id": call["id"], "output_index": self._first + piece.index}
             if isinstance(piece, CallArguments):
                 events.append(
                     self._event("response.function_call_arguments.delta", delta=piece.text, **where)
@@ -186,7 +217,7 @@ class ResponseEvents:
             call.update(arguments=piece.arguments, status="completed")
             events += [
                 self._event("response.function_call_arguments.done", arguments=piece.arguments, **where),
-                self._event("response.output_item.done", output_index=piece.index, item=dict(call)),
+                self._event("response.output_item.done", output_index=where["output_index"], item=dict(call)),
             ]
         return events
 
@@ -194,19 +225,20 @@ class ResponseEvents:
         """The events that end a finished answer: its message's done events (a call answer's items
         have ended with their calls; one cut inside its first call keeps the items it streamed), then
         the response's."""
-        events: list[tuple[str, dict[str, Any]]] = []
+        events = self._end_reasoning()
         whole = self._shape.finished(final)
         if self._calls and not final.tool_calls:  # a call announced, then cut: its item as streamed
-            whole["output"] = [{**item, "status": "incomplete"} for _, item in sorted(self._calls.items())]
+            streamed = [{**item, "status": "incomplete"} for _, item in sorted(self._calls.items())]
+            whole["output"] = whole["output"][: self._first] + streamed
         elif not final.tool_calls:
             if self._text is None:
                 events += self._open_message()
-            item = whole["output"][0]
+            item = whole["output"][-1]
             part = item["content"][0]
             events += [
                 self._event("response.output_text.done", text=part["text"], logprobs=[], **self._where()),
                 self._event("response.content_part.done", part=part, **self._where()),
-                self._event("response.output_item.done", output_index=0, item=item),
+                self._event("response.output_item.done", output_index=self._first, item=item),
             ]
         kind = "response.completed" if whole["status"] == "completed" else "response.incomplete"
         events.append(self._event(kind, response=whole))
@@ -240,9 +272,24 @@ class ResponseEvents:
         }
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return [
-            self._event("response.output_item.added", output_index=0, item=item),
+            self._event("response.output_item.added", output_index=self._first, item=item),
             self._event("response.content_part.added", part=part, **self._where()),
         ]
 
     def _where(self) -> dict[str, Any]:
-        return {"item_id": self._shape.message_id, "output_index": 0, "content_index": 0}
+        return {"item_id": self._shape.message_id, "output_index": self._first, "content_index": 0}
+
+    def _end_reasoning(self) -> list[tuple[str, dict[str, Any]]]:
+        """The reasoning item's done events, once (when the answer or the end comes)."""
+        if self._reasoning is None:
+            return []
+        text, self._reasoning = self._reasoning, None
+        where = {"item_id": self._shape.reasoning_id, "output_index": 0, "content_index": 0}
+        return [
+            self._event("response.reasoning_text.done", text=text, **where),
+            self._event(
+                "response.output_item.done",
+                output_index=0,
+                item=reasoning_item(self._shape.reasoning_id, text),
+            ),
+        ]

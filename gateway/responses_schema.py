@@ -3,7 +3,8 @@ request it is.
 
 `ResponsesRequest` takes the API's field names: `input` (a string, or a list of items: messages whose
 content is a string or `input_text` / `output_text` parts, `function_call` items an earlier answer made
-and `function_call_output` items answering them), `instructions`, `max_output_tokens`, `temperature`,
+and `function_call_output` items answering them, and reasoning items, which are left out),
+`instructions`, `max_output_tokens`, `temperature`,
 `top_p`, `tools` (function tools), `tool_choice`, `text.format` (text, json_object, json_schema),
 `truncation` (auto drops the conversation's oldest tokens, as Strata's `left` does), `stream`,
 `store`, `previous_response_id` and `metadata`. A part this gateway cannot read (an image, a file), a
@@ -104,6 +105,18 @@ class FunctionCallOutputItem(_Body):
         return self.output if isinstance(self.output, str) else "\n".join(part.text for part in self.output)
 
 
+class ReasoningItem(_Body):
+    """An earlier answer's reasoning, as the client sends `response.output` back: left out of the
+    prompt, as chat templates leave out earlier turns' reasoning."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[Any] = []
+    content: list[Any] | None = None
+    encrypted_content: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
 def _item_type(value: Any) -> str:
     """An item without `type` is a message (the API's "easy input message")."""
     found = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
@@ -113,7 +126,8 @@ def _item_type(value: Any) -> str:
 Item = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_type),
 ]
 
@@ -223,6 +237,8 @@ class ResponsesRequest(_Body):
         for item in self.input:
             if isinstance(item, MessageItem):
                 turns.append(ChatMessage(role=item.role, content=item.text()))
+            elif isinstance(item, ReasoningItem):
+                continue
             elif isinstance(item, FunctionCallOutputItem):
                 turns.append(ChatMessage(role="tool", content=item.text(), tool_call_id=item.call_id))
             else:

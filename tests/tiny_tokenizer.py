@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -52,18 +52,29 @@ CORPUS = [
 ]
 
 
-def write_tiny_tokenizer(directory: Path, vocab_size: int = 384, chat_template: str = CHAT_TEMPLATE) -> Path:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `directory`."""
+THINK_TOKENS = ("<think>", "</think>")
+"""Qwen3's reasoning tags, added as tokens of their own (not special: decoding keeps them)."""
+
+
+def write_tiny_tokenizer(
+    directory: Path,
+    vocab_size: int = 384,
+    chat_template: str = CHAT_TEMPLATE,
+    added: tuple[str, ...] = (),
+) -> Path:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `directory`; the
+    `added` tokens come after the trained vocabulary, which shrinks to keep `vocab_size` ids in all."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(added),
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in added])
     tokenizer.save(str(directory / "tokenizer.json"))
     config = {
         "bos_token": "<|im_start|>",

@@ -54,6 +54,8 @@ class ModelTokenizer:
     """Special tokens, which decoding leaves out."""
     tool_call_tokens: bool
     """Whether "<tool_call>" and "</tool_call>" are added tokens (Qwen2.5's): grammars name them so."""
+    think_tokens: bool
+    """Whether "<think>" and "</think>" are added tokens (Qwen3's): an answer may open with reasoning."""
     vocab_size: int
 
     def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool) -> list[list[int]]:
@@ -136,6 +138,7 @@ def load_model(name: str, folder: Path) -> ModelTokenizer:
     for eos_id in extra if isinstance(extra, list) else [extra]:
         if isinstance(eos_id, int) and eos_id not in eos_ids:
             eos_ids.append(eos_id)
+    added = {token.content for token in tokenizer.get_added_tokens_decoder().values()}
     return ModelTokenizer(
         name=name,
         folder=folder,
@@ -146,8 +149,8 @@ def load_model(name: str, folder: Path) -> ModelTokenizer:
         skipped_ids=frozenset(
             i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special
         ),
-        tool_call_tokens={"<tool_call>", "</tool_call>"}
-        <= {token.content for token in tokenizer.get_added_tokens_decoder().values()},
+        tool_call_tokens={"<tool_call>", "</tool_call>"} <= added,
+        think_tokens={"<think>", "</think>"} <= added,
         vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
     )
 

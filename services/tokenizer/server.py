@@ -192,6 +192,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                     has_chat_template=model.chat_template is not None,
                     eos_token_ids=model.eos_token_ids,
                     tool_call_tokens=model.tool_call_tokens,
+                    think_tokens=model.think_tokens,
                 )
                 for model in registry.models.values()
             ]

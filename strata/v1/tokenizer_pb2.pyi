@@ -449,6 +449,7 @@ class TokenizerModel(_message.Message):
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
     EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TOOL_CALL_TOKENS_FIELD_NUMBER: _builtins.int
+    THINK_TOKENS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The model name."""
     fingerprint: _builtins.str
@@ -458,6 +459,10 @@ class TokenizerModel(_message.Message):
     tool_call_tokens: _builtins.bool
     """Whether "<tool_call>" and "</tool_call>" are tokens of their own (added tokens, as in Qwen2.5's
     tokenizer): a grammar for tool calls must then name them as such tokens, not as text.
+    """
+    think_tokens: _builtins.bool
+    """Whether "<think>" and "</think>" are tokens of their own (Qwen3's): an answer may open with its
+    reasoning between them, which the HTTP APIs return apart from the answer.
     """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -471,10 +476,11 @@ class TokenizerModel(_message.Message):
         has_chat_template: _builtins.bool = ...,
         eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         tool_call_tokens: _builtins.bool = ...,
+        think_tokens: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["eos_token_ids", b"eos_token_ids", "fingerprint", b"fingerprint", "has_chat_template", b"has_chat_template", "name", b"name", "tool_call_tokens", b"tool_call_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["eos_token_ids", b"eos_token_ids", "fingerprint", b"fingerprint", "has_chat_template", b"has_chat_template", "name", b"name", "think_tokens", b"think_tokens", "tool_call_tokens", b"tool_call_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

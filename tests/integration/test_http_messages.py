@@ -186,8 +186,9 @@ def _error(response: httpx.Response) -> dict[str, Any]:
 
 def test_every_refusal_has_anthropics_shape_and_status(stack: HttpStack) -> None:
     """No key, an unknown model, a missing or mistyped field, an image block, a turn holding a block
-    of the other role, no anthropic-version header, an oversized body, a tenant over its quota: each
-    gets Anthropic's status and error type, with a message naming the field or the limit."""
+    of the other role (a call or reasoning in a user turn), no anthropic-version header, an oversized
+    body, a tenant over its quota: each gets Anthropic's status and error type, with a message naming
+    the field or the limit."""
     with pytest.raises(anthropic.AuthenticationError) as unauthenticated:
         client(stack, key="wrong").messages.create(model=MODEL, max_tokens=4, messages=QUESTION)
     assert unauthenticated.value.status_code == 401 and "x-api-key" in str(unauthenticated.value)
@@ -197,6 +198,7 @@ def test_every_refusal_has_anthropics_shape_and_status(stack: HttpStack) -> None
     base = {"model": MODEL, "max_tokens": 4, "messages": QUESTION}
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
     call = {"type": "tool_use", "id": "t", "name": "f", "input": {}}
+    thought = {"type": "thinking", "thinking": "x"}
     cases = [
         ({"model": MODEL, "messages": QUESTION}, "max_tokens"),
         ({**base, "max_tokens": "4"}, "max_tokens"),
@@ -204,7 +206,7 @@ def test_every_refusal_has_anthropics_shape_and_status(stack: HttpStack) -> None
         ({**base, "top_k": -1}, "top_k"),
         ({**base, "messages": [{"role": "user", "content": [image]}]}, "messages[0]"),
         ({**base, "messages": [{"role": "user", "content": [call]}]}, "assistant turn"),
-        ({**base, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+        ({**base, "messages": [{"role": "user", "content": [thought]}]}, "assistant turn"),
         ({**base, "surprise": 1}, "surprise"),
     ]  # fmt: skip
     for body, named in cases:

@@ -44,8 +44,9 @@ def test_the_door_refusals_speak_of_anthropics_header_and_unknown_statuses_are_a
 
 
 def test_blocks_become_the_chat_turns_the_pipeline_runs() -> None:
-    """System first; an assistant's text and tool_use one turn with its call; the user's tool_result
-    a tool turn answering that call, before the user's text; any, tool and none choices."""
+    """System first; an assistant's text and tool_use one turn with its call (its thinking block left
+    out); the user's tool_result a tool turn answering that call, before the user's text; any, tool
+    and none choices."""
     body = MessagesRequest.model_validate(
         {
             "model": "m",
@@ -56,6 +57,7 @@ def test_blocks_become_the_chat_turns_the_pipeline_runs() -> None:
                 {
                     "role": "assistant",
                     "content": [
+                        {"type": "thinking", "thinking": "The user wants Paris.", "signature": ""},
                         {"type": "text", "text": "Let me look."},
                         {"type": "tool_use", "id": "c1", "name": "w", "input": {"city": "Paris"}},
                     ],

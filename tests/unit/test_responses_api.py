@@ -20,7 +20,8 @@ from strata.v1 import common_pb2, gateway_pb2
 def test_items_become_the_chat_turns_the_pipeline_runs() -> None:
     """Instructions first; an easy message without `type`; an earlier answer's output_text; a call
     joining the assistant turn before it; a call with no turn before it its own assistant turn; an
-    output a tool turn answering its call; the history of a continuation before the input."""
+    output a tool turn answering its call; a reasoning item left out; the history of a continuation
+    before the input."""
     body = ResponsesRequest.model_validate(
         {
             "model": "m",
@@ -36,6 +37,12 @@ def test_items_become_the_chat_turns_the_pipeline_runs() -> None:
                 },
                 {"type": "function_call", "call_id": "c1", "name": "w", "arguments": '{"city": "Paris"}'},
                 {"type": "function_call_output", "call_id": "c1", "output": "21 C"},
+                {
+                    "type": "reasoning",
+                    "id": "rs_1",
+                    "summary": [],
+                    "content": [{"type": "reasoning_text", "text": "?"}],
+                },
                 {"type": "function_call", "call_id": "c2", "name": "w", "arguments": "{}"},
                 {"role": "developer", "content": [{"type": "input_text", "text": "Now Rome."}]},
             ],
@@ -79,7 +86,7 @@ def test_options_map_onto_the_chat_request() -> None:
 @pytest.mark.parametrize(
     ("body", "named"),
     [
-        ({"input": [{"type": "reasoning", "id": "r", "summary": []}]}, "input"),
+        ({"input": [{"type": "web_search_call", "id": "w", "status": "completed"}]}, "input"),
         ({"input": "x", "background": True}, "background"),
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text"),
         ({"input": "x", "include": ["file_search_call.results"]}, "include"),

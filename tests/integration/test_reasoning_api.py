@@ -1,0 +1,91 @@
+"""Reasoning through the whole stack with the official openai SDK: a model whose tokenizer has `<think>`
+and `</think>` as tokens of their own (Qwen3's, here the tiny model's tokenizer with the two added)
+gets its reasoning in `reasoning_content`, apart from the answer, whole and streamed; the same text
+from a model without those tokens is all answer.
+
+The tiny random model does not think of itself: Strata's grammar extension to `response_format`
+makes it open its answer with a think block (the tokens named as llguidance names them), which is
+what a thinking model writes. The Messages and Responses APIs' reasoning blocks and items are held
+to the same split in tests/unit/test_reasoning.py.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+import openai
+import pytest
+
+from tests.conftest import build_tiny_model
+from tests.integration.http_harness import KEY, MODEL, HttpStack
+from tests.tiny_tokenizer import THINK_TOKENS, write_tiny_tokenizer
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+WORD = "[a-z]{2,8}"
+THINKING = {"type": "grammar", "grammar": f'start: <think> /{WORD}/ </think> "\\n\\n" /{WORD}/\n'}
+AS_TEXT = {"type": "grammar", "grammar": f'start: "<think>" /{WORD}/ "</think>" "\\n\\n" /{WORD}/\n'}
+QUESTION: Any = [{"role": "user", "content": "Where is Paris?"}]
+
+
+def _stack(tmp_path_factory: pytest.TempPathFactory, added: tuple[str, ...]) -> Iterator[HttpStack]:
+    directory = build_tiny_model(
+        tmp_path_factory.mktemp("tiny-think"),
+        "llama",
+        seed=4,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    )
+    with HttpStack(write_tiny_tokenizer(directory, added=added), step_delay_s=0.0) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpStack]:
+    yield from _stack(tmp_path_factory, THINK_TOKENS)
+
+
+def _ask(stack: HttpStack, response_format: dict[str, str], stream: bool = False) -> Any:
+    sdk = openai.OpenAI(base_url=stack.base_url, api_key=KEY, max_retries=0, timeout=60)
+    return sdk.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        max_tokens=48,
+        temperature=0,
+        stream=stream,
+        extra_body={"response_format": response_format},
+    )
+
+
+def test_a_thinking_models_reasoning_comes_apart_whole_and_streamed(thinking: HttpStack) -> None:
+    """The think block's text is `reasoning_content`, the rest `content`, the same whole and streamed;
+    a stream sends the reasoning first."""
+    whole = _ask(thinking, THINKING).choices[0].message
+    reasoning = whole.model_extra["reasoning_content"]
+    assert re.fullmatch(WORD, reasoning) and re.fullmatch(WORD, whole.content or ""), whole
+    streamed: dict[str, str] = {"reasoning_content": "", "content": ""}
+    order = []
+    for chunk in _ask(thinking, THINKING, stream=True):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        parts = {
+            "reasoning_content": (delta.model_extra or {}).get("reasoning_content"),
+            "content": delta.content,
+        }
+        for key, part in parts.items():
+            if part:
+                streamed[key] += part
+                order.append(key)
+    assert streamed == {"reasoning_content": reasoning, "content": whole.content}
+    assert order.index("content") > max(i for i, key in enumerate(order) if key == "reasoning_content")
+
+
+def test_a_model_without_think_tokens_answers_it_all(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The same tags written as text by a model whose tokenizer lacks them stay in the answer."""
+    for plain in _stack(tmp_path_factory, ()):
+        message = _ask(plain, AS_TEXT).choices[0].message
+        assert "reasoning_content" not in (message.model_extra or {})
+        assert re.fullmatch(f"<think>{WORD}</think>\n\n{WORD}", message.content or ""), message.content
