@@ -92,7 +92,9 @@ class Pipeline:
         """The prompt tokens `incoming` would take on its route (its conversation through the model's
         chat template, its tools as the model is asked for them), validated as a request is; nothing
         is admitted, generated nor taken from a quota."""
-        valid = validate(incoming.request, self._settings, self._router.max_model_len, self._tag_tokens)
+        valid = validate(
+            incoming.request, self._settings, self._router.max_model_len, self._tag_tokens, self.thinks
+        )
         route = self._router.route(valid.model)
         tokenized = await self._batcher.tokenize(
             tokenizer_pb2.TokenizeEntry(
@@ -115,7 +117,9 @@ class Pipeline:
             model = UNKNOWN_MODEL  # a metric label: never a name a client made up
         done = False
         try:
-            valid = validate(incoming.request, self._settings, self._router.max_model_len, self._tag_tokens)
+            valid = validate(
+                incoming.request, self._settings, self._router.max_model_len, self._tag_tokens, self.thinks
+            )
             request_id = valid.request_id
             trace.validated(valid)
             request = Request(incoming, valid, self._router.route(valid.model), trace, arrival)

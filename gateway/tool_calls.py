@@ -4,10 +4,10 @@
 with a grammar that makes the answer one or more calls, one a line, each written as
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (REQUIRED; NAMED: one call of that
 function; `single_call`: one call), or either text or such calls (AUTO); a block may hold its JSON on
-a line of its own, as templates with a tool format of their own (Qwen2.5's) write it. Each arguments
-object is held to its function's parameters schema by the same grammar. The tokenizer service shows
-the model the tools (services/tokenizer/tool_prompt.py). NONE (and a request without tools) runs
-unchanged. `parse` turns the final text back into ToolCalls, each keeping its arguments as the model
+a line of its own, as templates with a tool format of their own (Qwen2.5's) write it; a thinking
+model's reasoning may come first (gateway/reasoning.py). Each arguments object is held to its
+function's parameters schema by the same grammar. The tokenizer service shows the model the tools
+(services/tokenizer/tool_prompt.py). NONE (and a request without tools) runs unchanged. `parse` turns the final text back into ToolCalls, each keeping its arguments as the model
 wrote them (a call the token limit cut is dropped); a call's id follows from the request id and the
 call's place (`call_id`), so a stream that announces a call before the answer ends names it as the
 final answer does. Errors are InvalidArgument naming the field. This module must not do I/O nor know
@@ -22,6 +22,7 @@ import re
 from typing import Any
 
 from gateway.errors import InvalidArgument
+from gateway.reasoning import CLOSE, OPEN
 from strata.v1 import common_pb2, gateway_pb2
 
 MAX_TOOLS = 32
@@ -78,10 +79,13 @@ def calls_tools(request: gateway_pb2.GenerateRequest) -> bool:
     return bool(request.tools) and mode_of(request) != Mode.TOOL_CHOICE_MODE_NONE
 
 
-def prepare(request: gateway_pb2.GenerateRequest, tag_tokens: bool = False) -> gateway_pb2.GenerateRequest:
+def prepare(
+    request: gateway_pb2.GenerateRequest, tag_tokens: bool = False, thinks: bool = False
+) -> gateway_pb2.GenerateRequest:
     """The request to run for `request`'s tools (itself when it calls none); raises InvalidArgument.
     `tag_tokens`: the model's tokenizer has the call tags as tokens of their own, which the grammar
-    must then name as such (a model writes the token, never the text's letters)."""
+    must then name as such (a model writes the token, never the text's letters); `thinks`: it has
+    the think tags so, and the answer may open with its reasoning (gateway/reasoning.py)."""
     mode = mode_of(request)
     if mode not in Mode.values():
         raise InvalidArgument(f"tool_choice.mode: {mode} is not a ToolChoiceMode value")
@@ -107,7 +111,7 @@ def prepare(request: gateway_pb2.GenerateRequest, tag_tokens: bool = False) -> g
     prepared = gateway_pb2.GenerateRequest()
     prepared.CopyFrom(request)
     single = mode == Mode.TOOL_CHOICE_MODE_NAMED or request.tool_choice.single_call
-    prepared.sampling.constraint.lark_grammar = _grammar(call, mode, single, tag_tokens)
+    prepared.sampling.constraint.lark_grammar = _grammar(call, mode, single, tag_tokens, thinks)
     return prepared
 
 
@@ -117,7 +121,9 @@ def parse(request: gateway_pb2.GenerateRequest, text: str, request_id: str) -> l
     if not calls_tools(request):
         return []
     calls: list[common_pb2.ToolCall] = []
-    position = 0
+    # A thinking model's reasoning comes first (the grammar allows it nowhere else).
+    opened = text.lstrip()
+    position = text.index(CLOSE) + len(CLOSE) if opened.startswith(OPEN) and CLOSE in text else 0
     while (call := _one_call(text, position)) is not None:
         name, arguments, position = call
         calls.append(
@@ -189,11 +195,16 @@ def _call_schema(schemas: dict[str, Any]) -> dict[str, Any]:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def _grammar(call: dict[str, Any], mode: int, single: bool, tag_tokens: bool) -> str:
-    """The answer's grammar: calls one a line (`single`: one call), or for AUTO text instead. Text may
-    not start with '<', so an answer that starts a call must finish it as the schema says."""
+def _grammar(call: dict[str, Any], mode: int, single: bool, tag_tokens: bool, thinks: bool) -> str:
+    """The answer's grammar: calls one a line (`single`: one call), or for AUTO text instead, after a
+    thinking model's reasoning. Text may not start with '<', so an answer that starts a call must
+    finish it as the schema says."""
     calls = "block" if single else 'block ("\\n" block)*'
     start = f"TEXT | {calls}" if mode == Mode.TOOL_CHOICE_MODE_AUTO else calls
+    # The think tags are tokens of their own (or the model does not think): a thought's text never
+    # holds them, so THOUGHT ends where </think> comes.
+    think = f"{OPEN} THOUGHT? {CLOSE} BREAK?\nTHOUGHT: /[\\s\\S]+/\nBREAK: /\\n+/\n" if thinks else ""
+    start = f"think? ({start})\nthink: {think}" if thinks else start
     # llguidance names a special token <like_this>, and text "like this".
     opening, closing = (CALL_OPEN, CALL_CLOSE) if tag_tokens else (f'"{CALL_OPEN}"', f'"{CALL_CLOSE}"')
     return (

@@ -59,12 +59,14 @@ def validate(
     settings: GatewaySettings,
     context_limit: Callable[[str], int | None],
     tag_tokens: Callable[[str], bool] = lambda _: False,
+    thinks: Callable[[str], bool] = lambda _: False,
 ) -> ValidRequest:
     """Check every field; `context_limit(model)` is the model's context length when a worker reported
-    it, `tag_tokens(model)` whether its tokenizer has the tool-call tags as tokens of their own."""
+    it, `tag_tokens(model)` whether its tokenizer has the tool-call tags as tokens of their own,
+    `thinks(model)` whether it has the think tags so."""
     _check_input(request)
     model = request.model or settings.default_route
-    request = tool_calls.prepare(request, tag_tokens(model))
+    request = tool_calls.prepare(request, tag_tokens(model), thinks(model))
     sampling = _check_sampling(request, settings)
     _check_constraint(sampling)
     request_id = _check_request_id(request.request_id, settings.max_request_id_chars)

@@ -11,13 +11,16 @@ to the same split in tests/unit/test_reasoning.py.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import TYPE_CHECKING, Any
 
+import jsonschema
 import openai
 import pytest
 
 from tests.conftest import build_tiny_model
+from tests.grammar_cases import WEATHER
 from tests.integration.http_harness import KEY, MODEL, HttpStack
 from tests.tiny_tokenizer import THINK_TOKENS, write_tiny_tokenizer
 
@@ -89,3 +92,29 @@ def test_a_model_without_think_tokens_answers_it_all(tmp_path_factory: pytest.Te
         message = _ask(plain, AS_TEXT).choices[0].message
         assert "reasoning_content" not in (message.model_extra or {})
         assert re.fullmatch(f"<think>{WORD}</think>\n\n{WORD}", message.content or ""), message.content
+
+
+def test_a_thinking_model_may_reason_before_it_calls(thinking: HttpStack) -> None:
+    """With tools, the call grammar lets a thinking model open with reasoning, which the worker's
+    grammar takes: the answer is a call that follows its schema, or (the random model thinking past
+    the token limit, as it does here) reasoning only, reported as reasoning_content with no content
+    and no call; never the reasoning's text as content or as a call."""
+    sdk = openai.OpenAI(base_url=thinking.base_url, api_key=KEY, max_retries=0, timeout=60)
+    reply = sdk.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=96,
+        temperature=0,
+    )
+    choice = reply.choices[0]
+    reasoning = (choice.message.model_extra or {}).get("reasoning_content", "")
+    assert "<think>" not in reasoning and "<think>" not in (choice.message.content or "")
+    if choice.finish_reason == "tool_calls":
+        (call,) = choice.message.tool_calls or []
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)  # type: ignore[union-attr]
+    else:
+        assert choice.finish_reason == "length" and reasoning and not choice.message.content
+        assert not choice.message.tool_calls

@@ -286,3 +286,33 @@ def test_qwens_tokenizer_has_the_tags_as_tokens_and_its_grammar_takes_them() -> 
         tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar.sampling.constraint.lark_grammar)
     )
     assert matcher.validate_tokens([tokenizer.tokenize_str("<tool_call>")[0]]) == 1, matcher.get_error()
+
+
+def test_a_thinking_model_may_reason_before_its_calls(tmp_path: Path) -> None:
+    """With the think tags as tokens (tests/tiny_tokenizer.py's THINK_TOKENS) the grammar lets an
+    answer open with reasoning, then its calls (required) or text or calls (auto), and the parse
+    reads the calls after the reasoning."""
+    import llguidance
+    from tokenizers import Tokenizer
+
+    from tests.tiny_tokenizer import THINK_TOKENS, write_tiny_tokenizer
+
+    source = (write_tiny_tokenizer(tmp_path, added=THINK_TOKENS) / "tokenizer.json").read_text()
+    tokenizer, encoder = llguidance.LLTokenizer(source), Tokenizer.from_str(source)
+    thought = (
+        '<think>I should look it up.</think>\n\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    )
+    cases = [
+        (Mode.TOOL_CHOICE_MODE_REQUIRED, thought, True),
+        (Mode.TOOL_CHOICE_MODE_REQUIRED, "<think></think>\n\nIt is sunny.", False),
+        (Mode.TOOL_CHOICE_MODE_AUTO, "<think>Easy.</think>\n\nIt is sunny.", True),
+        (Mode.TOOL_CHOICE_MODE_AUTO, thought, True),
+    ]
+    for mode, text, allowed in cases:
+        grammar = tool_calls.prepare(_request(mode), thinks=True).sampling.constraint.lark_grammar
+        matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar))
+        ids = encoder.encode(text, add_special_tokens=False).ids
+        assert (matcher.validate_tokens(ids) == len(ids)) is allowed, (mode, text, matcher.get_error())
+    (call,) = tool_calls.parse(_request(Mode.TOOL_CHOICE_MODE_REQUIRED), thought, "r1")
+    assert call.name == "get_time" and call.arguments_json == "{}"
+    assert "think" not in tool_calls.prepare(_request()).sampling.constraint.lark_grammar, "off by default"
