@@ -7,11 +7,12 @@ function; `single_call`: one call), or either text or such calls (AUTO); a block
 a line of its own, as templates with a tool format of their own (Qwen2.5's) write it; a thinking
 model's reasoning may come first (gateway/reasoning.py). Each arguments object is held to its
 function's parameters schema by the same grammar. The tokenizer service shows the model the tools
-(services/tokenizer/tool_prompt.py). NONE (and a request without tools) runs unchanged. `parse` turns the final text back into ToolCalls, each keeping its arguments as the model
-wrote them (a call the token limit cut is dropped); a call's id follows from the request id and the
-call's place (`call_id`), so a stream that announces a call before the answer ends names it as the
-final answer does. Errors are InvalidArgument naming the field. This module must not do I/O nor know
-a protocol's shapes.
+(services/tokenizer/tool_prompt.py). NONE (and a request without tools) runs unchanged. `parse`
+turns the final text back into ToolCalls, each keeping its arguments as the model wrote them (a call
+the token limit cut is dropped); a call's id follows from the request id and the call's place
+(`call_id`), so a stream that announces a call before the answer ends names it as the final answer
+does. Errors are InvalidArgument naming the field. This module must not do I/O nor know a
+protocol's shapes.
 """
 
 from __future__ import annotations
