@@ -15,6 +15,7 @@ import json
 import re
 from typing import TYPE_CHECKING, Any
 
+import anthropic
 import jsonschema
 import openai
 import pytest
@@ -118,3 +119,47 @@ def test_a_thinking_model_may_reason_before_it_calls(thinking: HttpStack) -> Non
     else:
         assert choice.finish_reason == "length" and reasoning and not choice.message.content
         assert not choice.message.tool_calls
+
+
+def test_the_three_apis_return_the_same_reasoning(thinking: HttpStack) -> None:
+    """The same greedy request with tools through Chat Completions, Messages and Responses, whole and
+    streamed (the random model reasons past the token limit here): Chat's reasoning_content is the
+    Messages thinking block and the Responses reasoning item, and none of them puts it in the answer."""
+    tool: Any = {"name": "get_weather", "parameters": WEATHER}
+    chat = openai.OpenAI(base_url=thinking.base_url, api_key=KEY, max_retries=0, timeout=60)
+    asked = chat.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        tools=[{"type": "function", "function": tool}],
+        tool_choice="required",
+        max_tokens=32,
+        temperature=0,
+    ).choices[0]
+    reasoning = (asked.message.model_extra or {}).get("reasoning_content", "")
+    assert reasoning, asked.message
+    claude = anthropic.Anthropic(base_url=thinking.origin, api_key=KEY, max_retries=0, timeout=60)
+    claude_tools: Any = [{"name": "get_weather", "input_schema": WEATHER}]
+    ask: Any = {"model": MODEL, "max_tokens": 32, "messages": QUESTION, "tools": claude_tools}
+    whole = claude.messages.create(**ask, tool_choice={"type": "any"}, extra_body={"temperature": 0})
+    first = whole.content[0]
+    assert first.type == "thinking" and first.thinking == reasoning
+    with claude.messages.stream(**ask, tool_choice={"type": "any"}, extra_body={"temperature": 0}) as stream:
+        thoughts = "".join(
+            e.delta.thinking
+            for e in stream
+            if e.type == "content_block_delta" and e.delta.type == "thinking_delta"
+        )  # type: ignore[union-attr]
+    assert thoughts == reasoning
+    request: Any = {
+        "model": MODEL,
+        "input": QUESTION,
+        "tools": [{"type": "function", **tool}],
+        "tool_choice": "required",
+        "max_output_tokens": 32,
+        "temperature": 0,
+    }
+    item = chat.responses.create(**request).output[0]
+    assert item.type == "reasoning" and item.content is not None and item.content[0].text == reasoning
+    events = chat.responses.create(**request, stream=True)
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")  # type: ignore[union-attr]
+    assert deltas == reasoning
