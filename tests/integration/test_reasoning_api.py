@@ -1,12 +1,13 @@
-"""Reasoning through the whole stack with the official openai SDK: a model whose tokenizer has `<think>`
-and `</think>` as tokens of their own (Qwen3's, here the tiny model's tokenizer with the two added)
-gets its reasoning in `reasoning_content`, apart from the answer, whole and streamed; the same text
-from a model without those tokens is all answer.
+"""Reasoning through the whole stack with the official openai and anthropic SDKs: a model whose tokenizer
+has `<think>` and `</think>` as tokens of their own (Qwen3's, here the tiny model's tokenizer with the
+two added) gets its reasoning apart from the answer, whole and streamed, as Chat's
+`reasoning_content`, a Messages `thinking` block and a Responses `reasoning` item; the same text from a
+model without those tokens is all answer; with tools, the reasoning may come before the calls.
 
 The tiny random model does not think of itself: Strata's grammar extension to `response_format`
 makes it open its answer with a think block (the tokens named as llguidance names them), which is
-what a thinking model writes. The Messages and Responses APIs' reasoning blocks and items are held
-to the same split in tests/unit/test_reasoning.py.
+what a thinking model writes; with tools, the call grammar's optional think block is where the
+greedy random model goes, and reasons past the token limit.
 """
 
 from __future__ import annotations
