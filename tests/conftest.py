@@ -193,20 +193,20 @@ def tiny_serving_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_tokenizer(directory)
 
 
+def build_long_serving_dir(directory: Path, **tokenizer: Any) -> Path:
+    """tiny_serving_dir's model (same seed) with a 4096-token context and the tiny tokenizer, written
+    with `tokenizer`'s options (write_tiny_tokenizer's: another chat template, added tokens)."""
+    from tests.tiny_tokenizer import write_tiny_tokenizer
+
+    build_tiny_model(directory, "llama", seed=4, tie_word_embeddings=True, max_position_embeddings=4096)
+    return write_tiny_tokenizer(directory, **tokenizer)
+
+
 @pytest.fixture(scope="session")
 def tiny_long_serving_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny_serving_dir's model (same seed) and tokenizer with a 4096-token context, for requests that
     must run far longer than the 256 tokens the other tiny models allow."""
-    from tests.tiny_tokenizer import write_tiny_tokenizer
-
-    directory = build_tiny_model(
-        tmp_path_factory.mktemp("tiny-long-serving"),
-        "llama",
-        seed=4,
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
-    )
-    return write_tiny_tokenizer(directory)
+    return build_long_serving_dir(tmp_path_factory.mktemp("tiny-long-serving"))
 
 
 @pytest.fixture(scope="session")

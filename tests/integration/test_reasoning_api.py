@@ -21,10 +21,10 @@ import jsonschema
 import openai
 import pytest
 
-from tests.conftest import build_tiny_model
+from tests.conftest import build_long_serving_dir
 from tests.grammar_cases import WEATHER
 from tests.integration.http_harness import KEY, MODEL, HttpStack
-from tests.tiny_tokenizer import THINK_TOKENS, write_tiny_tokenizer
+from tests.tiny_tokenizer import THINK_TOKENS
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -36,14 +36,8 @@ QUESTION: Any = [{"role": "user", "content": "Where is Paris?"}]
 
 
 def _stack(tmp_path_factory: pytest.TempPathFactory, added: tuple[str, ...]) -> Iterator[HttpStack]:
-    directory = build_tiny_model(
-        tmp_path_factory.mktemp("tiny-think"),
-        "llama",
-        seed=4,
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
-    )
-    with HttpStack(write_tiny_tokenizer(directory, added=added), step_delay_s=0.0) as running:
+    directory = build_long_serving_dir(tmp_path_factory.mktemp("tiny-think"), added=added)
+    with HttpStack(directory, step_delay_s=0.0) as running:
         yield running
 
 

@@ -21,10 +21,10 @@ from tokenizers import Tokenizer
 from services.tokenizer.chat import ChatTemplate
 from services.tokenizer.tool_prompt import conversation
 from strata.v1 import common_pb2, gateway_pb2
-from tests.conftest import build_tiny_model
+from tests.conftest import build_long_serving_dir
 from tests.grammar_cases import WEATHER
 from tests.integration.http_harness import KEY, MODEL, HttpStack
-from tests.tiny_tokenizer import TOOLS_CHAT_TEMPLATE, write_tiny_tokenizer
+from tests.tiny_tokenizer import TOOLS_CHAT_TEMPLATE
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -48,14 +48,9 @@ CONVERSATION: Any = [
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = build_tiny_model(
-        tmp_path_factory.mktemp("tiny-tools-template"),
-        "llama",
-        seed=4,
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
+    return build_long_serving_dir(
+        tmp_path_factory.mktemp("tiny-tools-template"), chat_template=TOOLS_CHAT_TEMPLATE
     )
-    return write_tiny_tokenizer(directory, chat_template=TOOLS_CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
