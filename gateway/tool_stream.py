@@ -60,13 +60,9 @@ class ToolStream:
         self._position = 0
         """Where the next unread part of `_text` begins."""
         self._started = 0
+        """How many calls were announced (CallStart sent)."""
         self._arguments_at: int | None = None
         """Where the open call's arguments begin in `_text`; None between calls."""
-
-    @property
-    def announced(self) -> int:
-        """How many calls were announced (CallStart sent)."""
-        return self._started
 
     def take(self, text: str) -> list[Piece]:
         if self._text_mode:

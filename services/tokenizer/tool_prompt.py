@@ -23,7 +23,7 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 Mode = gateway_pb2.ToolChoiceMode
 
 
-def shows_tools(tools: list[gateway_pb2.Tool], choice: gateway_pb2.ToolChoice) -> bool:
+def _shows_tools(tools: list[gateway_pb2.Tool], choice: gateway_pb2.ToolChoice) -> bool:
     """Whether the model is shown the tools: some are given and the choice is not NONE."""
     return bool(tools) and choice.mode != Mode.TOOL_CHOICE_MODE_NONE
 
@@ -36,7 +36,7 @@ def conversation(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The turns and the tools (None: none shown) to render with a template that renders tools
     (`template_tools`) or not."""
-    shown = shows_tools(tools, choice)
+    shown = _shows_tools(tools, choice)
     if template_tools:
         listed = [_function(tool) for tool in tools] if shown else None
         return [_structured(message) for message in messages], listed
