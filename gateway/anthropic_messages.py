@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -34,16 +33,12 @@ from gateway.anthropic_errors import anthropic_error
 from gateway.anthropic_schema import CountTokensRequest, MessagesRequest
 from gateway.errors import GatewayError
 from gateway.http_exchange import (
-    TIMEOUT_HEADER,
     Endpoint,
-    deadline_ms,
-    http_incoming,
     named_event,
-    read_body,
     send_stream,
 )
 from gateway.openai_errors import HttpError, from_gateway, from_validation
-from gateway.openai_mapping import headers, to_generate_request
+from gateway.openai_mapping import headers
 from gateway.reasoning import ReasoningSplit
 from gateway.tool_calls import answered_with_calls
 from gateway.tool_stream import CallArguments, CallStart, ToolStream
@@ -55,10 +50,7 @@ if TYPE_CHECKING:
     from starlette.requests import Request
     from starlette.types import Send
 
-    from gateway.pipeline import Pipeline
     from gateway.request_values import Chunk, Incoming
-    from gateway.router import Router
-    from gateway.settings import GatewaySettings
     from gateway.tool_stream import Piece
     from strata.v1 import gateway_pb2
 
@@ -117,32 +109,20 @@ class _Endpoint(Endpoint):
 
     schema: type[MessagesRequest] | type[CountTokensRequest]
 
-    def __init__(self, settings: GatewaySettings, pipeline: Pipeline, router: Router) -> None:
-        self._settings = settings
-        self._pipeline = pipeline
-        self._router = router
-
     def shape(self, error: HttpError) -> HttpError:
         return anthropic_error(error)
 
     async def prepare(self, request: Request) -> tuple[Incoming, MessagesRequest | CountTokensRequest]:
-        arrival = time.time()
         if not request.headers.get(VERSION_HEADER):
             raise HttpError(
                 400, f"{VERSION_HEADER}: the header is required, e.g. 2023-06-01", param=VERSION_HEADER
             )
-        deadline = deadline_ms(request.headers.get(TIMEOUT_HEADER), arrival)
-        raw = await read_body(request, self._settings.max_message_bytes, self._settings.http_body_timeout_s)
+        body, deadline = await self._read(request, self.schema)
         try:
-            body = self.schema.model_validate_json(raw)
             chat = body.as_chat()
         except ValidationError as error:
             raise from_validation(error) from error
-        generate = to_generate_request(chat, self._settings, self._context)
-        return http_incoming(generate, request, deadline), body
-
-    def _context(self, model: str) -> int | None:
-        return self._router.max_model_len(model) if model in self._router.models else None
+        return self._incoming(chat, request, deadline), body
 
 
 class Messages(_Endpoint):

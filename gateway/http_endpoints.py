@@ -15,26 +15,20 @@ pipeline does) nor map errors (openai_errors.py).
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import TYPE_CHECKING
 
-from pydantic import ValidationError
 from sse_starlette.event import ServerSentEvent
 from starlette.responses import JSONResponse
 
 from gateway.errors import GatewayError
 from gateway.http_exchange import (
-    TIMEOUT_HEADER,
     Endpoint,
-    deadline_ms,
     event,
-    http_incoming,
-    read_body,
     send_stream,
 )
-from gateway.openai_errors import from_gateway, from_validation
+from gateway.openai_errors import from_gateway
 from gateway.openai_logprobs import prompt_logprobs
-from gateway.openai_mapping import FINISH_REASONS, Reply, extension, headers, to_generate_request
+from gateway.openai_mapping import FINISH_REASONS, Reply, extension, headers
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from gateway.reasoning import ReasoningSplit
 from gateway.tool_calls import answered_with_calls
@@ -62,22 +56,15 @@ class Completions(Endpoint):
 
     def __init__(self, chat: bool, settings: GatewaySettings, pipeline: Pipeline, router: Router) -> None:
         self._chat = chat
-        self._schema = ChatCompletionRequest if chat else CompletionRequest
+        self._schema: type[ChatCompletionRequest | CompletionRequest] = (
+            ChatCompletionRequest if chat else CompletionRequest
+        )
         self.endpoint = "chat.completions" if chat else "completions"
-        self._settings = settings
-        self._pipeline = pipeline
-        self._router = router
+        super().__init__(settings, pipeline, router)
 
     async def prepare(self, request: Request) -> tuple[Incoming, ChatCompletionRequest | CompletionRequest]:
-        arrival = time.time()
-        deadline = deadline_ms(request.headers.get(TIMEOUT_HEADER), arrival)
-        raw = await read_body(request, self._settings.max_message_bytes, self._settings.http_body_timeout_s)
-        try:
-            body = self._schema.model_validate_json(raw)
-        except ValidationError as error:
-            raise from_validation(error) from error
-        generate = to_generate_request(body, self._settings, self._context)
-        return http_incoming(generate, request, deadline), body
+        body, deadline = await self._read(request, self._schema)
+        return self._incoming(body, request, deadline), body
 
     async def respond(
         self, incoming: Incoming, body: ChatCompletionRequest | CompletionRequest, send: Send
@@ -86,11 +73,6 @@ class Completions(Endpoint):
         if body.stream:
             return await self._stream(incoming, body, token_field, send)
         return await self._whole(incoming, token_field)
-
-    def _context(self, model: str) -> int | None:
-        """A served model's context length when known; None for a name no route serves (the
-        pipeline's validation answers 404 for it)."""
-        return self._router.max_model_len(model) if model in self._router.models else None
 
     async def _whole(self, incoming: Incoming, token_field: str) -> JSONResponse:
         reply = Reply(

@@ -7,9 +7,11 @@ tenant the API-key middleware found, the caller's W3C trace context). From the m
 `unless_disconnected` waits for the client to disconnect and, when it does, cancels the request's task
 wherever it is (queued, prefilling, streaming), which closes the pipeline and so cancels the request on
 the worker. `send_stream` sends a stream's events and cancels it the same way when its client takes
-none for stream_idle_timeout_s. `Endpoint` is one POST endpoint: read and parse (`prepare`), refuse
-in the API's own error shape (`shape`), answer unless the client left (`respond`), count the status.
-This module must not know an API's fields nor map errors.
+none for stream_idle_timeout_s. `Endpoint` is one POST endpoint: read and parse (`prepare`, with
+`_read`: the body within its bounds, parsed by the API's schema, and the deadline; `_incoming`: the
+chat request every API is read as, onto the pipeline), refuse in the API's own error shape (`shape`),
+answer unless the client left (`respond`), count the status. This module must not know an API's
+fields nor decide statuses.
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import TYPE_CHECKING, Any
+import time
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from pydantic import BaseModel, ValidationError
 from sse_starlette.event import ServerSentEvent
 from starlette.requests import ClientDisconnect, Request
 
 from gateway.http_auth import answer_refusal, tenant
 from gateway.metrics import HTTP_RESPONSES, STUCK_STREAMS
-from gateway.openai_errors import HttpError, too_large, too_slow
+from gateway.openai_errors import HttpError, from_validation, too_large, too_slow
+from gateway.openai_mapping import to_generate_request
 from gateway.request_ids import new_request_id
 from gateway.request_trace import TRACE_KEYS
 from gateway.request_values import Incoming
@@ -35,7 +40,13 @@ if TYPE_CHECKING:
     from starlette.responses import JSONResponse
     from starlette.types import Receive, Scope, Send
 
+    from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+    from gateway.pipeline import Pipeline
+    from gateway.router import Router
+    from gateway.settings import GatewaySettings
     from strata.v1 import gateway_pb2
+
+Body = TypeVar("Body", bound=BaseModel)
 
 TIMEOUT_HEADER = "x-strata-timeout-ms"
 """The request's deadline, in milliseconds from its arrival (gRPC's call deadline, over HTTP)."""
@@ -83,6 +94,11 @@ class Endpoint:
 
     endpoint = ""
 
+    def __init__(self, settings: GatewaySettings, pipeline: Pipeline, router: Router) -> None:
+        self._settings = settings
+        self._pipeline = pipeline
+        self._router = router
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             incoming, body = await self.prepare(Request(scope, receive))
@@ -105,6 +121,28 @@ class Endpoint:
 
     def shape(self, error: HttpError) -> HttpError:
         return error
+
+    async def _read(self, request: Request, schema: type[Body]) -> tuple[Body, int]:
+        """The body, read within max_message_bytes and http_body_timeout_s and parsed by `schema` (400
+        naming the field), and the deadline (unix ms) of the timeout header, from the arrival."""
+        arrival = time.time()
+        deadline = deadline_ms(request.headers.get(TIMEOUT_HEADER), arrival)
+        raw = await read_body(request, self._settings.max_message_bytes, self._settings.http_body_timeout_s)
+        try:
+            return schema.model_validate_json(raw), deadline
+        except ValidationError as error:
+            raise from_validation(error) from error
+
+    def _incoming(
+        self, chat: ChatCompletionRequest | CompletionRequest, request: Request, deadline: int
+    ) -> Incoming:
+        """The pipeline's Incoming for the chat (or text) completion request the body is read as."""
+        return http_incoming(to_generate_request(chat, self._settings, self._context), request, deadline)
+
+    def _context(self, model: str) -> int | None:
+        """A served model's context length when known; None for a name no route serves (the
+        pipeline's validation answers 404 for it)."""
+        return self._router.max_model_len(model) if model in self._router.models else None
 
 
 def http_incoming(generate: gateway_pb2.GenerateRequest, request: Request, deadline: int) -> Incoming:

@@ -92,9 +92,7 @@ class Pipeline:
         """The prompt tokens `incoming` would take on its route (its conversation through the model's
         chat template, its tools as the model is asked for them), validated as a request is; nothing
         is admitted, generated nor taken from a quota."""
-        valid = validate(
-            incoming.request, self._settings, self._router.max_model_len, self._tag_tokens, self.thinks
-        )
+        valid = validate(incoming.request, self._settings, self._router.max_model_len, self._tokenizer)
         route = self._router.route(valid.model)
         tokenized = await self._batcher.tokenize(
             tokenizer_pb2.TokenizeEntry(
@@ -117,9 +115,7 @@ class Pipeline:
             model = UNKNOWN_MODEL  # a metric label: never a name a client made up
         done = False
         try:
-            valid = validate(
-                incoming.request, self._settings, self._router.max_model_len, self._tag_tokens, self.thinks
-            )
+            valid = validate(incoming.request, self._settings, self._router.max_model_len, self._tokenizer)
             request_id = valid.request_id
             trace.validated(valid)
             request = Request(incoming, valid, self._router.route(valid.model), trace, arrival)
@@ -310,10 +306,6 @@ class Pipeline:
     def _same_tokenizer(self, primary: Route, other: Route) -> bool:
         mine, theirs = self._tokenizer(primary.name), self._tokenizer(other.name)
         return mine is not None and theirs is not None and mine.fingerprint == theirs.fingerprint != ""
-
-    def _tag_tokens(self, model: str) -> bool:
-        info = self._tokenizer(model)
-        return info is not None and info.tool_call_tokens
 
     def thinks(self, model: str) -> bool:
         """Whether `model`'s answers may open with reasoning in think tokens (gateway/reasoning.py)."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -28,17 +27,13 @@ from starlette.responses import JSONResponse
 from gateway.errors import GatewayError
 from gateway.http_auth import tenant
 from gateway.http_exchange import (
-    TIMEOUT_HEADER,
     Endpoint,
-    deadline_ms,
-    http_incoming,
     named_event,
-    read_body,
     send_stream,
 )
 from gateway.metrics import HTTP_RESPONSES
 from gateway.openai_errors import HttpError, from_gateway, from_validation
-from gateway.openai_mapping import headers, to_generate_request
+from gateway.openai_mapping import headers
 from gateway.reasoning import ReasoningSplit
 from gateway.responses_output import ResponseEvents, ResponseShape, answer_turn
 from gateway.responses_schema import ResponsesRequest
@@ -90,20 +85,12 @@ class Responses(Endpoint):
     def __init__(
         self, settings: GatewaySettings, pipeline: Pipeline, router: Router, store: ResponseStore
     ) -> None:
-        self._settings = settings
-        self._pipeline = pipeline
-        self._router = router
+        super().__init__(settings, pipeline, router)
         self._store = store
 
     async def prepare(self, request: Request) -> tuple[Incoming, tuple[ResponsesRequest, list[ChatMessage]]]:
         """The Incoming, and the body with the conversation its answer continues (for the store)."""
-        arrival = time.time()
-        deadline = deadline_ms(request.headers.get(TIMEOUT_HEADER), arrival)
-        raw = await read_body(request, self._settings.max_message_bytes, self._settings.http_body_timeout_s)
-        try:
-            body = ResponsesRequest.model_validate_json(raw)
-        except ValidationError as error:
-            raise from_validation(error) from error
+        body, deadline = await self._read(request, ResponsesRequest)
         history: list[ChatMessage] = []
         if body.previous_response_id is not None:
             stored = self._store.get(tenant(request.scope), body.previous_response_id)
@@ -114,11 +101,7 @@ class Responses(Endpoint):
             chat = body.as_chat(history)
         except ValidationError as error:
             raise from_validation(error) from error
-        generate = to_generate_request(chat, self._settings, self._context)
-        return http_incoming(generate, request, deadline), (body, [*history, *body.input_turns()])
-
-    def _context(self, model: str) -> int | None:
-        return self._router.max_model_len(model) if model in self._router.models else None
+        return self._incoming(chat, request, deadline), (body, [*history, *body.input_turns()])
 
     async def respond(
         self, incoming: Incoming, body: tuple[ResponsesRequest, list[ChatMessage]], send: Send

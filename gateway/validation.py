@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from gateway.settings import GatewaySettings
+    from strata.v1 import tokenizer_pb2
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # The worker refuses larger constraints too (services/worker/engine/grammar_spec.py).
@@ -58,15 +59,16 @@ def validate(
     request: gateway_pb2.GenerateRequest,
     settings: GatewaySettings,
     context_limit: Callable[[str], int | None],
-    tag_tokens: Callable[[str], bool] = lambda _: False,
-    thinks: Callable[[str], bool] = lambda _: False,
+    tokenizer: Callable[[str], tokenizer_pb2.TokenizerModel | None] = lambda _: None,
 ) -> ValidRequest:
     """Check every field; `context_limit(model)` is the model's context length when a worker reported
-    it, `tag_tokens(model)` whether its tokenizer has the tool-call tags as tokens of their own,
-    `thinks(model)` whether it has the think tags so."""
+    it, `tokenizer(model)` what the tokenizer service said of its tokenizer (the tool grammar names the
+    call and think tags as tokens where they are tokens of their own)."""
     _check_input(request)
     model = request.model or settings.default_route
-    request = tool_calls.prepare(request, tag_tokens(model), thinks(model))
+    info = tokenizer(model)
+    tags, thinks = (info.tool_call_tokens, info.think_tokens) if info is not None else (False, False)
+    request = tool_calls.prepare(request, tags, thinks)
     sampling = _check_sampling(request, settings)
     _check_constraint(sampling)
     request_id = _check_request_id(request.request_id, settings.max_request_id_chars)
