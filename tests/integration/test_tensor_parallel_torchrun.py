@@ -92,22 +92,29 @@ def test_torchrun_starts_the_ranks_and_rank_0_serves(tiny_serving_dir: Path, tmp
     config.write_text(yaml.safe_dump({"workers": [worker]}))
     announce = tmp_path / "worker.addr"
     environ = {key: value for key, value in os.environ.items() if not key.startswith("STRATA_")}
+    # Every rank's and the launcher's log, in a file (a pipe nobody reads could fill and block them),
+    # quoted when the group fails, since either rank's failure makes torchrun stop the other.
+    log = tmp_path / "ranks.log"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     rendezvous = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     worker_command = ["-m", "services.worker", "--config", str(config), "--index", "0"]
-    process = subprocess.Popen(
-        [*launcher, *rendezvous, *worker_command, "--announce-file", str(announce)],
-        cwd=REPO,
-        env=environ,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    with log.open("w") as sink:
+        process = subprocess.Popen(
+            [*launcher, *rendezvous, *worker_command, "--announce-file", str(announce)],
+            cwd=REPO,
+            env=environ,
+            stdout=subprocess.DEVNULL,
+            stderr=sink,
+        )
     try:
-        address = announced_address(process, announce, WAIT_S)
-        served = asyncio.run(generate(address, tiny_serving_dir))
-        rank_zero(process.pid).send_signal(signal.SIGTERM)
-        assert process.wait(timeout=WAIT_S) == 0
+        try:
+            address = announced_address(process, announce, WAIT_S)
+            served = asyncio.run(generate(address, tiny_serving_dir))
+            rank_zero(process.pid).send_signal(signal.SIGTERM)
+            assert process.wait(timeout=WAIT_S) == 0
+        except (AssertionError, grpc.RpcError, TimeoutError, subprocess.TimeoutExpired) as error:
+            failure = f"the torchrun group failed: {error!r}; its log:\n{log.read_text()}"
+            raise AssertionError(failure) from error
     finally:
         if process.poll() is None:
             process.kill()
