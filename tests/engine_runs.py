@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from services.worker.engine.cost_line import StepCostModel
+from tests.scheduler_invariants import check_invariants
 
 if TYPE_CHECKING:
     from services.worker.engine.engine import LLMEngine
@@ -25,7 +26,7 @@ def run_requests(
     while engine.has_work():
         for out in engine.step():
             outputs[out.request_id].append(out)
-        engine.scheduler.check_invariants()
+        check_invariants(engine.scheduler)
     return outputs
 
 

@@ -28,6 +28,7 @@ from services.worker.model.tensor_parallel import Shard
 from services.worker.settings import WorkerSettings
 from tests.conftest import build_tiny_model
 from tests.parity import TIE_GAP
+from tests.scheduler_invariants import check_invariants
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -62,7 +63,7 @@ def run(
     while engine.has_work():
         for out in engine.step():
             outputs[out.request_id].append(out)
-        engine.scheduler.check_invariants()
+        check_invariants(engine.scheduler)
     return outputs
 
 

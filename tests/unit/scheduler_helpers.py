@@ -16,6 +16,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.params import SamplingParams
 from services.worker.engine.scheduler import ScheduledBatch, Scheduler
 from services.worker.engine.sequence import Sequence, StepOutput
+from tests.scheduler_invariants import check_invariants
 
 EOS = 2
 VOCAB_START = 10  # sampled ids stay clear of EOS and of the stop ids tests pick
@@ -73,7 +74,7 @@ def step(
     assert batch.is_empty != had_work, "a scheduler with work must always make progress"
     assert all(e.num_tokens >= 1 for e in batch.entries)
     outputs = sched.postprocess(batch, model.run(batch))
-    sched.check_invariants()
+    check_invariants(sched)
     return batch, outputs
 
 

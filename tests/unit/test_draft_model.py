@@ -19,6 +19,7 @@ from services.worker.engine.engine import LLMEngine
 from services.worker.engine.params import SamplingParams
 from services.worker.model import native
 from tests.engine_runs import pin_draft_cost
+from tests.scheduler_invariants import check_invariants
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -42,7 +43,7 @@ def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) ->
     while engine.has_work():
         for out in engine.step():
             outputs[out.request_id].append(out)
-        engine.scheduler.check_invariants()
+        check_invariants(engine.scheduler)
     return outputs
 
 

@@ -12,6 +12,7 @@ from gateway.samples import sample_seed
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.params import SamplingParams
+from tests.scheduler_invariants import check_invariants
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -45,7 +46,7 @@ def test_shared_prompt_blocks_survive_preemption(tiny_llama_dir: Path) -> None:
                 hits_before = tight.stats().prefix_hit_blocks
                 for i in range(1, 4):
                     tight.add_request(f"s{i}", prompt, params[i])
-        tight.scheduler.check_invariants()
+        check_invariants(tight.scheduler)
     stats = tight.stats()
     assert stats.prefix_hit_blocks - hits_before >= 3 * (len(prompt) - 1) // 8
     assert stats.num_preemptions > 0

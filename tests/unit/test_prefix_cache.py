@@ -22,6 +22,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.params import SamplingParams
 from services.worker.engine.scheduler import Scheduler
 from services.worker.engine.sequence import Sequence
+from tests.scheduler_invariants import check_invariants
 from tests.unit.scheduler_helpers import EOS, VOCAB_START, FakeModel, step
 
 if TYPE_CHECKING:
@@ -169,7 +170,7 @@ def test_abort_of_a_request_whose_blocks_others_share() -> None:
     shared = set(a.block_table) & set(b.block_table)
     assert len(shared) == 4
     sched.abort("a")
-    sched.check_invariants()
+    check_invariants(sched)
     while sched.has_work:
         step(sched, model)
     alone = scheduler(cache=False)

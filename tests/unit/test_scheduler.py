@@ -20,6 +20,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.params import InvalidRequestError
 from services.worker.engine.scheduler import Scheduler
 from services.worker.engine.sequence import FinishReason, Sequence, SequenceStatus, StepOutput
+from tests.scheduler_invariants import check_invariants
 from tests.unit.scheduler_helpers import EOS, FakeModel, make_scheduler, make_seq, run_all, step
 
 
@@ -98,7 +99,7 @@ def test_token_budget_max_num_seqs_and_decodes_first() -> None:
             assert e.start == e.seq.num_computed_tokens
             assert e.sample == (e.start + e.num_tokens == e.seq.num_tokens)
         sched.postprocess(batch, model.run(batch))
-        sched.check_invariants()
+        check_invariants(sched)
     assert steps > 200 / 16
 
 
@@ -274,7 +275,7 @@ def test_shed_load_preempts_the_newest_then_recovers() -> None:
     assert all(v.status is SequenceStatus.WAITING and not v.block_table for v in victims)
     assert [s.request_id for s in sched.waiting] == ["r4", "r5", "r6", "r7"]
     assert sched.stats.effective_max_num_seqs == 4
-    sched.check_invariants()
+    check_invariants(sched)
     free_before = sched.block_manager.num_free_blocks
     retry = sched.schedule()  # survivors run again from the same place, with the blocks they kept
     assert {e.seq.request_id: e.start for e in retry.entries} == {f"r{i}": starts[f"r{i}"] for i in range(4)}
@@ -305,7 +306,7 @@ def test_shed_load_keeps_at_least_one_running() -> None:
     assert sched.stats.effective_max_num_seqs == 1
     assert sched.shed_load() == []  # the last one stays: the engine decides what a lone failure means
     assert (sched.num_running, sched.stats.effective_max_num_seqs, sched.stats.num_load_sheds) == (1, 1, 2)
-    sched.check_invariants()
+    check_invariants(sched)
 
 
 def test_postprocess_refuses_a_stale_or_mismatched_step() -> None:
@@ -331,5 +332,5 @@ def test_abort_between_schedule_and_postprocess_drops_the_result() -> None:
     assert sched.abort("a")
     outputs = sched.postprocess(batch, sampled)
     assert [o.request_id for o in outputs] == ["b"]
-    sched.check_invariants()
+    check_invariants(sched)
     assert sched.block_manager.num_used_blocks == 1

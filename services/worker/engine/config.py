@@ -85,6 +85,33 @@ class SpeculativeConfig(BaseModel):
         return self.method != "off"
 
 
+class LoraConfig(BaseModel):
+    """engine.lora: memory slots for LoRA adapters of the served model (docs/lora.md)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_loras: int = 0
+    """Adapters resident at once, each in a slot of its own: every slot's memory is taken at start
+    and counted in the memory budget; 0 serves no adapters. More adapters may be loaded: they stay on
+    disk and take the least recently used slot that no running request's adapter holds."""
+    max_lora_rank: int = 16
+    """The highest adapter rank a slot holds (an adapter of lower rank fills part of it)."""
+
+    @field_validator("max_loras")
+    @classmethod
+    def _slots(cls, value: int) -> int:
+        if value < 0:
+            raise _invalid("lora__max_loras", value, "must be >= 0 (0 serves no adapters)", "8")
+        return value
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _rank(cls, value: int) -> int:
+        if value < 1:
+            raise _invalid("lora__max_lora_rank", value, "must be >= 1", "16")
+        return value
+
+
 class EngineConfig(BaseModel):
     """Settings of one continuous-batching engine. Immutable once built."""
 
@@ -134,6 +161,8 @@ class EngineConfig(BaseModel):
     """After load shedding, successful steps between each +1 of the running limit."""
     speculative: SpeculativeConfig = SpeculativeConfig()
     """Speculative decoding, off by default (docs/speculative-decoding.md)."""
+    lora: LoraConfig = LoraConfig()
+    """LoRA adapter slots, none by default (docs/lora.md)."""
 
     @field_validator("block_size")
     @classmethod

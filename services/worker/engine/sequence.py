@@ -61,6 +61,7 @@ class Sequence:
     """
 
     __slots__ = (
+        "adapter",
         "arrival",
         "block_hashes",
         "block_table",
@@ -96,10 +97,12 @@ class Sequence:
         cache_salt: str = "",
         grammar: GrammarMatcher | None = None,
         itl_slo_s: float | None = None,
+        adapter: str = "",
     ) -> None:
         """cache_salt: who may share this sequence's cached blocks (the tenant); "" shares with all
         sequences of salt "" only. grammar: the output constraint's state, advanced by every token.
-        itl_slo_s: the inter-token latency its route promises (step_limits.py keeps steps within it)."""
+        itl_slo_s: the inter-token latency its route promises (step_limits.py keeps steps within it).
+        adapter: the LoRA adapter it runs through ("" for the base model)."""
         self.request_id = request_id
         self.prompt_ids: list[int] = list(prompt_ids)
         if not self.prompt_ids:
@@ -124,6 +127,7 @@ class Sequence:
         """Prompt tokens the prefix cache served at its first admission (Usage's cached_input_tokens)."""
         self.grammar = grammar
         self.itl_slo_s = itl_slo_s
+        self.adapter = adapter
         self.prompt_logprobs: list[TokenLogprobs] = []
         """With params.prompt_logprobs: entry j is prompt token j + 1's, filled as prefill runs."""
         self.num_draft_trials = 0

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from services.worker.model.gguf_linear import GgufLinear
+from services.worker.model.lora_file import PROJECTIONS
 from services.worker.model.small_int8 import WeightOnlyInt8
 from services.worker.model.small_linear import MAX_ROWS
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from services.worker.model.config import ModelConfig
     from services.worker.model.family import CausalLM
     from services.worker.model.kv_cache import KVCache
+    from services.worker.model.lora import LoraLayer, LoraRows
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _enabled = True
@@ -60,6 +62,9 @@ class _Projection(ctypes.Structure):
         ("gguf_types", _I64 * _MAX_GGUF_PARTS),
         ("gguf_blocks", _P * _MAX_GGUF_PARTS),
         ("gguf_rows", _I64 * _MAX_GGUF_PARTS),
+        ("lora_a", _P),
+        ("lora_bt", _P),
+        ("lora_rank", _I64),
     )
 
 
@@ -85,6 +90,8 @@ class _Step(ctypes.Structure):
         ("table_width", _I64),
         ("block_size", _I64),
         ("kv_format", _I64),
+        ("lora_rows", _P),
+        ("lora_scratch", _P),
     )
 
 
@@ -147,6 +154,20 @@ def _gguf_projection(module: GgufLinear, held: list[Tensor]) -> _Projection | No
     return projection
 
 
+def _lora(projections: list[_Projection | None], lora: LoraLayer | None, held: list[Tensor]) -> bool:
+    """Point each projection at its adapter slots (where the model serves adapters); False when the
+    slots are not float32 CPU tensors, which the native stack cannot read."""
+    if lora is None:
+        return True
+    for name, projection in zip(PROJECTIONS, projections, strict=True):
+        a, bt = lora.weights[name]
+        if a.dtype != torch.float32 or a.device.type != "cpu" or projection is None:
+            return False
+        held.extend((a, bt))
+        projection.lora_a, projection.lora_bt, projection.lora_rank = a.data_ptr(), bt.data_ptr(), a.shape[1]
+    return True
+
+
 def _norm(module: nn.Module, held: list[Tensor]) -> int | None:
     weight = getattr(module, "weight", None)
     if not isinstance(weight, Tensor) or weight.dtype != torch.float32 or weight.device.type != "cpu":
@@ -168,6 +189,8 @@ class NativeDecodeStack:
         self.final_norm = final_norm
         self.held = held
         self.kv_format = kv_format  # the cache rows' csrc/paged_attention.cpp id
+        # The widest projection's adapter rows (q/k/v's three bands), 0 without adapter slots.
+        self.lora_rank = max((layer.qkv.lora_rank for layer in layers), default=0)
 
     @classmethod
     def build(cls, model: CausalLM, cache: KVCache) -> NativeDecodeStack | None:
@@ -187,7 +210,11 @@ class NativeDecodeStack:
             modules = (layer.qkv, layer.o, layer.gate_up, layer.down)
             projections = [_projection(module, held) for module in modules]
             norms = (_norm(layer.input_norm, held), _norm(layer.post_attention_norm, held))
-            if any(p is None for p in projections) or None in norms:
+            if (
+                any(p is None for p in projections)
+                or None in norms
+                or not _lora(projections, layer.lora, held)
+            ):
                 return None
             keys, values = cache.layer(index)
             layers.append(_Layer(*norms, *projections, keys.data_ptr(), values.data_ptr()))
@@ -196,9 +223,16 @@ class NativeDecodeStack:
         return cls(model.config, layers, final_norm, held, kv_format)
 
     def run(
-        self, kernels: native.Library, residual: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata
+        self,
+        kernels: native.Library,
+        residual: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        meta: AttentionMetadata,
+        lora: LoraRows | None,
     ) -> Tensor:
-        """The final-normed hidden states [rows, hidden] of a decode-only step; `residual` is consumed."""
+        """The final-normed hidden states [rows, hidden] of a decode-only step; `residual` is consumed.
+        `lora`: the rows' adapter slots, or None when no row has one."""
         c = self.config
         rows = residual.shape[0]
         step = _Step(
@@ -221,6 +255,12 @@ class NativeDecodeStack:
         )
         widths = c.q_size + 2 * c.kv_size + c.q_size + 3 * c.intermediate_size + 2 * c.hidden_size
         scratch = torch.empty(rows * widths, dtype=torch.float32)
+        shrunk: Tensor | None = None
+        if lora is not None:
+            if not self.lora_rank:
+                raise ValueError("a step with adapter rows on a model whose stack has no adapter slots")
+            shrunk = torch.empty(rows * self.lora_rank, dtype=torch.float32)
+            step.lora_rows, step.lora_scratch = lora.slots.data_ptr(), shrunk.data_ptr()
         hidden = torch.empty_like(residual)
         kernels.decode_stack(
             ctypes.addressof(self.layers),

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from services.worker.model.attention import AttentionBackend, AttentionMetadata
     from services.worker.model.config import ModelConfig
     from services.worker.model.kv_cache import KVCache
+    from services.worker.model.lora import LoraSlots
 
 
 class DecoderLM(CausalLM):
@@ -56,6 +57,7 @@ class DecoderLM(CausalLM):
         # first step that could use them and rebuilt when the cache changes. The views hold the old
         # cache's tensors, so a new cache never reuses their addresses and the key cannot collide.
         self._native_stack: tuple[int, decode_stack.NativeDecodeStack | None] | None = None
+        self.lora: LoraSlots | None = None
 
     @property
     def native_paths(self) -> NativePaths:
@@ -71,8 +73,22 @@ class DecoderLM(CausalLM):
             attention, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            views.append(StackLayer(*norms, *projections))
+            lora = self.lora.layers[len(views)] if self.lora is not None else None
+            views.append(StackLayer(*norms, *projections, lora=lora))
         return views
+
+    def attach_lora(self, slots: LoraSlots) -> None:
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError(
+                "LoRA adapters over tensor-parallel ranks are not served: set tensor_parallel_size 1"
+            )
+        for layer, lora in zip(self.layers, slots.layers, strict=True):
+            if not isinstance(layer, DecoderLayer):
+                raise ValueError(f"{type(layer).__name__} layers cannot serve LoRA adapters")
+            layer.self_attn.lora = lora
+            layer.mlp.lora = lora
+        self.lora = slots
+        self._native_stack = None  # its views are rebuilt with the slots' addresses
 
     def forward(
         self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, cache: KVCache
@@ -93,7 +109,7 @@ class DecoderLM(CausalLM):
             kernels = native.library()
             stack = self._stack(cache) if kernels is not None else None
             if kernels is not None and stack is not None:
-                return stack.run(kernels, residual, cos, sin, meta)
+                return stack.run(kernels, residual, cos, sin, meta, self.lora.rows if self.lora else None)
         sliding = self.sliding_rotary_emb(positions, residual.dtype) if self.sliding_rotary_emb else None
         delta: Tensor | None = None
         for index, layer in enumerate(self.layers):

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from services.worker.model.attention import AttentionMetadata
     from services.worker.model.config import ModelConfig
     from services.worker.model.kv_cache import KVCache
+    from services.worker.model.lora import LoraLayer, LoraSlots
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,8 @@ class StackLayer:
     o: nn.Module
     gate_up: nn.Module
     down: nn.Module
+    lora: LoraLayer | None = None
+    """The layer's adapter slots, where the model serves adapters."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +97,11 @@ class CausalLM(nn.Module, ABC):
         """Whether a CUDA graph may replay this model's forward: not where the forward does more than
         compute (a tensor-parallel model's sends the other ranks their plan first)."""
         return True
+
+    def attach_lora(self, slots: LoraSlots) -> None:
+        """Serve LoRA adapters from `slots`: every projection adds the deltas of the rows that name one.
+        A model that cannot says why (a ValueError naming what would make it able to)."""
+        raise ValueError(f"{type(self).__name__} cannot serve LoRA adapters")
 
     def idle(self) -> None:
         """Called on the step thread between steps while there is no work (a model spread over ranks

@@ -24,6 +24,7 @@ from services.worker.model.small_linear import project
 if TYPE_CHECKING:
     from services.worker.model.attention import AttentionBackend, AttentionMetadata
     from services.worker.model.config import ModelConfig
+    from services.worker.model.lora import LoraLayer
 
 
 class RMSNorm(nn.Module):
@@ -101,6 +102,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.backend = backend
+        self.lora: LoraLayer | None = None
+        """The layer's adapter slots, where the model serves LoRA adapters (decoder.py attaches them)."""
 
     def forward(
         self,
@@ -110,7 +113,10 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         layer_cache: tuple[Tensor, Tensor],
     ) -> Tensor:
-        qkv = project(self.qkv_proj, x).view(x.shape[0], -1, self.head_dim)
+        fused = project(self.qkv_proj, x)
+        if self.lora is not None:
+            self.lora.add("qkv", x, fused)
+        qkv = fused.view(x.shape[0], -1, self.head_dim)
         rotated_heads = self.num_heads + self.num_kv_heads
         if self.q_norm is not None and self.k_norm is not None:
             # qkv is this call's own fresh tensor: normalising its q and k heads in place is safe.
@@ -133,6 +139,8 @@ class Attention(nn.Module):
         v = qkv[:, rotated_heads:]
         out = self.backend.forward(q, k, v, layer_cache, meta, self.scale, self.window)
         result: Tensor = project(self.o_proj, out)
+        if self.lora is not None:
+            self.lora.add("o", out, result)
         return result
 
     def _norm_heads(self, qkv: Tensor, first: int, end: int, norm: RMSNorm) -> None:
@@ -155,13 +163,19 @@ class GatedMLP(nn.Module):
         self.gelu = config.activation == "gelu_tanh"
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.lora: LoraLayer | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = project(self.gate_up_proj, x)
+        if self.lora is not None:
+            self.lora.add("gate_up", x, gate_up)
         gate = gate_up[:, : self.intermediate_size]
         up = gate_up[:, self.intermediate_size :]
         activated = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        result: Tensor = project(self.down_proj, activated * up)
+        hidden = activated * up
+        result: Tensor = project(self.down_proj, hidden)
+        if self.lora is not None:
+            self.lora.add("down", hidden, result)
         return result
 
 

@@ -11,8 +11,9 @@
 // sleep and the next region must wake them, a few hundred times a step. Between its kernels the team
 // waits on its own barrier, which spins and then yields the core. Each projection's weight is
 // float32, int8 with one scale per row (small_int8.py's copies), or GGUF blocks of up to three types
-// (gguf_linear.py's modules). It must not choose when it
-// applies (decode_stack.py does) nor own any tensor: the caller passes every buffer.
+// (gguf_linear.py's modules); rows served through a LoRA adapter get its deltas (lora.cpp) after each
+// projection. It must not choose when it applies (decode_stack.py does) nor own any tensor: the
+// caller passes every buffer.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -48,6 +49,9 @@ struct Projection {
   int64_t gguf_types[kMaxGgufParts];
   const uint8_t* gguf_blocks[kMaxGgufParts];
   int64_t gguf_rows[kMaxGgufParts];
+  const float* lora_a;   // the adapter slots' A [slots, lora_rank, in] and Bt [slots, lora_rank, out],
+  const float* lora_bt;  // or null where the model serves no adapters (lora.cpp)
+  int64_t lora_rank;
 };
 
 // One decoder layer's weights and its cache; laid out as decode_stack.py's ctypes Structure.
@@ -70,6 +74,8 @@ struct Step {
   const int64_t* slots;
   int64_t table_width, block_size;
   int64_t kv_format;  // paged_attention.cpp's row format: float32 or int8
+  const int64_t* lora_rows;  // each row's adapter slot (-1: none), or null when no row has one
+  float* lora_scratch;       // rows * the widest lora_rank floats: a projection's shrunk rows
 };
 
 // The team's barrier between two kernels: spin (the wait is microseconds, less than a futex wake
@@ -120,6 +126,25 @@ void project(const Projection& p, const float* x, float* y, int64_t rows, int64_
   }
 }
 
+bool has_lora(const Projection& p, const Step& s) { return s.lora_rows != nullptr && p.lora_a != nullptr; }
+
+// A projection with its LoRA deltas: the shrink reads only x, so it shares the projection's phase;
+// the expansion adds to y, so it waits for every share of the projection and is waited for in turn.
+void project_with_lora(const Projection& p, const Step& s, const float* x, float* y, int64_t part, int64_t parts,
+                       SpinBarrier& barrier) {
+  const bool lora = has_lora(p, s);
+  if (lora)
+    strata::lora_shrink_part(x, p.lora_a, s.lora_rows, s.lora_scratch, s.rows, p.in_features, p.lora_rank, part,
+                             parts);
+  project(p, x, y, s.rows, part, parts);
+  barrier.wait();
+  if (lora) {
+    strata::lora_expand_part(s.lora_scratch, p.lora_bt, s.lora_rows, y, s.rows, p.out_features, p.lora_rank, part,
+                             parts);
+    barrier.wait();
+  }
+}
+
 // down's input: silu(gate) * up, with torch's own operators so the result is theirs to the bit.
 void swiglu(float* gate_up, float* out, int64_t rows, int64_t intermediate) {
   const auto options = at::TensorOptions().dtype(at::kFloat);
@@ -166,8 +191,7 @@ void strata_decode_stack(const Layer* layers, int64_t num_layers, const Step* st
         strata_rms_norm(x, add, layer.input_norm, residual, normed, rows, s.hidden, s.eps);
       }
       barrier.wait();
-      project(layer.qkv, normed, qkv, rows, part, parts);
-      barrier.wait();
+      project_with_lora(layer.qkv, s, normed, qkv, part, parts, barrier);
       if (lead) strata_rotary(qkv, s.cos, s.sin, rows, s.heads + 2 * s.kv_heads, s.heads + s.kv_heads, s.head_dim);
       barrier.wait();
       strata::paged_decode_store_part(layer.keys, layer.values, rows, s.kv_heads, s.head_dim, qkv + q_width,
@@ -179,16 +203,13 @@ void strata_decode_stack(const Layer* layers, int64_t num_layers, const Step* st
                                           qkv_width, s.heads, s.kv_heads, s.head_dim, s.block_size, s.table_width,
                                           s.attention_scale, s.kv_format, part, parts);
       barrier.wait();
-      project(layer.o, attended, delta, rows, part, parts);
-      barrier.wait();
+      project_with_lora(layer.o, s, attended, delta, part, parts, barrier);
       if (lead) strata_rms_norm(delta, residual, layer.post_attention_norm, residual, normed, rows, s.hidden, s.eps);
       barrier.wait();
-      project(layer.gate_up, normed, gate_up, rows, part, parts);
-      barrier.wait();
+      project_with_lora(layer.gate_up, s, normed, gate_up, part, parts, barrier);
       if (lead) swiglu(gate_up, activated, rows, s.intermediate);
       barrier.wait();
-      project(layer.down, activated, delta, rows, part, parts);
-      barrier.wait();
+      project_with_lora(layer.down, s, activated, delta, part, parts, barrier);
     }
   }
   strata_rms_norm(delta, residual, final_norm, residual, hidden_out, rows, s.hidden, s.eps);

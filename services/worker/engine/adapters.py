@@ -1,0 +1,151 @@
+"""The engine's LoRA adapters: which it serves, which sit in which memory slot, which are in use.
+
+An adapter is known by name once loaded (its files read and checked against the base, lora_file.py).
+At most `slots` of them are resident, each in one slot of the model's LoraSlots; the others stay on
+disk. A waiting sequence that names an adapter is admitted only once its adapter holds a slot: the
+scheduler asks `acquire`, which keeps a resident adapter, or gives a non-resident one a free slot or the
+least recently used slot that no running sequence's adapter holds, queueing its weights for the runner
+to install before the step runs (`take_installs`). An adapter whose weights are not in memory (evicted
+since it was loaded) is `wanted`: the engine reads it again between steps. Which adapters are in use is
+read from the running sequences each time, so no path can leak a pin. An unloaded adapter takes no new
+requests; its slot is freed once no running sequence uses it.
+
+This module owns the names, the slots' assignment and the LRU order. It is pure Python (no torch, no
+I/O): the engine reads files, the runner writes slots (lora.py), the scheduler decides admission.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from pathlib import Path
+
+    from services.worker.model.lora_file import AdapterWeights
+
+
+class UnknownAdapterError(LookupError):
+    """A request named an adapter this engine does not serve."""
+
+    def __init__(self, name: str, known: Iterable[str]) -> None:
+        served = ", ".join(sorted(known)) or "none"
+        super().__init__(f"adapter {name!r} is not loaded on this worker (loaded: {served})")
+        self.name = name
+
+
+@dataclass(slots=True)
+class _Adapter:
+    path: Path
+    rank: int
+    weights: AdapterWeights | None
+    """In host memory from its read until installed into a slot; None while on disk or resident."""
+    generation: int
+    unloading: bool = False
+
+
+class AdapterTable:
+    """Names -> slots for one engine; used from the engine's thread only."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self._adapters: dict[str, _Adapter] = {}
+        self._resident: OrderedDict[str, int] = OrderedDict()
+        """Resident adapter -> its slot, least recently acquired first."""
+        self._installs: list[tuple[int, AdapterWeights]] = []
+        self.wanted: set[str] = set()
+        """Adapters a waiting sequence needs whose weights must be read again from disk."""
+        self._generation = 0
+        self.num_loads = 0
+        """Installs into a slot since start (a first use or a reload after eviction)."""
+
+    def names(self) -> list[str]:
+        """The adapters that take requests, sorted."""
+        return sorted(name for name, adapter in self._adapters.items() if not adapter.unloading)
+
+    def is_resident(self, name: str) -> bool:
+        return name in self._resident
+
+    def path(self, name: str) -> Path:
+        return self._adapters[name].path
+
+    def check(self, name: str) -> None:
+        """Raise UnknownAdapterError unless `name` takes requests."""
+        adapter = self._adapters.get(name)
+        if adapter is None or adapter.unloading:
+            raise UnknownAdapterError(name, self.names())
+
+    def add(self, name: str, path: Path, weights: AdapterWeights) -> None:
+        """Serve `weights` (read from `path`) as `name`."""
+        known = self._adapters.get(name)
+        if known is not None:
+            state = "is still unloading: wait for its requests to end" if known.unloading else "is loaded"
+            raise ValueError(f"adapter {name!r} {state}; unload it first to replace it")
+        self._adapters[name] = _Adapter(path, weights.rank, weights, generation=self._generation)
+        self._generation += 1
+
+    def identity(self, name: str) -> str:
+        """`name` and its load: what salts its sequences' cached KV blocks, so blocks computed through
+        an adapter are never served to the base, another adapter, or a later load under the same name."""
+        return f"{name}#{self._adapters[name].generation}"
+
+    def remove(self, name: str, running: Iterable[str]) -> None:
+        """Take no new requests for `name`; free its slot now, or once `running` no longer uses it."""
+        self.check(name)
+        self._adapters[name].unloading = True
+        self.collect(running)
+
+    def collect(self, running: Iterable[str]) -> None:
+        """Forget unloaded adapters that no running sequence uses (the scheduler's step end)."""
+        using = set(running)
+        for name in [n for n, a in self._adapters.items() if a.unloading and n not in using]:
+            del self._adapters[name]
+            self._resident.pop(name, None)
+            self.wanted.discard(name)
+
+    def refill(self, name: str, weights: AdapterWeights) -> None:
+        """Weights of a wanted adapter, read again from disk."""
+        adapter = self._adapters.get(name)
+        if adapter is not None and adapter.weights is None and name not in self._resident:
+            adapter.weights = weights
+        self.wanted.discard(name)
+
+    def acquire(self, name: str, running: Iterable[str]) -> bool:
+        """Whether a sequence of `name` may start now: True once `name` holds a slot (given it here if
+        one is free or held by an adapter no name in `running` uses)."""
+        if name in self._resident:
+            self._resident.move_to_end(name)
+            return True
+        adapter = self._adapters[name]
+        if adapter.weights is None:
+            self.wanted.add(name)
+            return False
+        slot = self._free_slot(set(running))
+        if slot is None:
+            return False
+        self._resident[name] = slot
+        self._installs.append((slot, adapter.weights))
+        adapter.weights = None  # the slot is its copy now; evicted, it is read again from disk
+        self.num_loads += 1
+        return True
+
+    def slot(self, name: str) -> int:
+        """The slot of a resident adapter (a running sequence's)."""
+        return self._resident[name]
+
+    def take_installs(self) -> list[tuple[int, AdapterWeights]]:
+        """The (slot, weights) the runner must write before the coming step, in order."""
+        installs, self._installs = self._installs, []
+        return installs
+
+    def _free_slot(self, using: set[str]) -> int | None:
+        taken = set(self._resident.values())
+        free = next((slot for slot in range(self.slots) if slot not in taken), None)
+        if free is not None:
+            return free
+        victim = next((name for name in self._resident if name not in using), None)
+        if victim is None:
+            return None
+        return self._resident.pop(victim)
