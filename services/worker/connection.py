@@ -76,6 +76,7 @@ class StreamHost(RequestHost, Protocol):
         cache_salt: str = "",
         grammar: GrammarMatcher | None = None,
         itl_slo_s: float | None = None,
+        adapter: str = "",
     ) -> None:
         """Check the request once, take a credit, queue it on the engine; raise what refuses it."""
 
@@ -239,6 +240,7 @@ class Connection:
             submission.cache_salt,
             grammar,
             slo,
+            submission.adapter,
         )
         record = AcceptedRequest(
             request_id,

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import grpc
 
+from services.worker.adapter_admin import AdminOffError, AdminTokenError
+from services.worker.engine.adapters import AdapterExistsError, NoAdapterSlotsError, UnknownAdapterError
 from services.worker.engine.async_engine import EngineDeadError
 from services.worker.engine.params import InvalidRequestError
 from services.worker.model.config import ModelLoadError
+from services.worker.model.lora_file import AdapterError
 
 
 class NotReadyError(RuntimeError):
@@ -54,6 +57,12 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (DrainingError, grpc.StatusCode.UNAVAILABLE),
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
     (ModelLoadError, grpc.StatusCode.UNAVAILABLE),
+    (UnknownAdapterError, grpc.StatusCode.NOT_FOUND),
+    (AdapterError, grpc.StatusCode.INVALID_ARGUMENT),
+    (AdapterExistsError, grpc.StatusCode.ALREADY_EXISTS),
+    (NoAdapterSlotsError, grpc.StatusCode.FAILED_PRECONDITION),
+    (AdminTokenError, grpc.StatusCode.UNAUTHENTICATED),
+    (AdminOffError, grpc.StatusCode.PERMISSION_DENIED),
 )
 
 REFUSALS: tuple[type[Exception], ...] = tuple(kind for kind, _ in _CODES if issubclass(kind, Exception))
@@ -69,6 +78,6 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 def rejection_code(error: BaseException) -> int:
-    """The numeric grpc.StatusCode a Rejection carries (3, 4, 8 or 14)."""
+    """The numeric grpc.StatusCode a Rejection carries (3, 4, 5, 8 or 14)."""
     code, _ = status_of(error)
     return int(code.value[0])

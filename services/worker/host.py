@@ -125,13 +125,16 @@ class WorkerHost:
         quantization = None if self.settings.quantization == "none" else self.settings.quantization
         if self.settings.tensor_parallel_size > 1:
             return self._build_tensor_parallel()
-        return LLMEngine.from_model_dir(
+        engine = LLMEngine.from_model_dir(
             self.settings.model_path,
             self.settings.engine,
             device=self.device,
             dtype=self.dtype,
             quantization=quantization,
         )
+        for name, path in self.settings.adapters.items():
+            engine.load_adapter(name, path)
+        return engine
 
     def _build_tensor_parallel(self) -> LLMEngine:
         loaded = load_tensor_parallel(rank_spec(self.settings))
@@ -268,19 +271,21 @@ class WorkerHost:
         cache_salt: str = "",
         grammar: GrammarMatcher | None = None,
         itl_slo_s: float | None = None,
+        adapter: str = "",
     ) -> None:
         """Check the request once, take a credit for `owner`, queue it on the engine.
 
         Raises NotReadyError, DrainingError or EngineDeadError when nothing runs now, InvalidRequestError
         for bad input or an id already running (before any credit is taken: a bad request is
-        INVALID_ARGUMENT even on a full worker), NoCreditError when no credit is left.
+        INVALID_ARGUMENT even on a full worker), UnknownAdapterError for an adapter not served here,
+        NoCreditError when no credit is left.
         """
         self.check_accepting()
-        self.engine.check(engine_id, prompt, params)
+        self.engine.check(engine_id, prompt, params, adapter)
         self.credits.acquire()
         self._owners[engine_id] = owner
         self._idle.clear()
-        self.engine.add_request(engine_id, prompt, params, priority, cache_salt, grammar, itl_slo_s)
+        self.engine.add_request(engine_id, prompt, params, priority, cache_salt, grammar, itl_slo_s, adapter)
 
     def abort(self, engine_id: str) -> None:
         """Abort an accepted request in the engine (its KV blocks are free before the next step)."""

@@ -16,6 +16,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from services.worker import adapter_admin
 from services.worker.errors import REFUSALS, DrainingError, status_of
 from services.worker.host import State, WorkerHost, rank_spec
 from services.worker.model.ranks import run_follower
@@ -78,6 +79,40 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self, request: worker_pb2.GetWorkerStatsRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> worker_pb2.GetWorkerStatsResponse:
         return self.host.stats()
+
+    async def ListAdapters(  # type: ignore[override]
+        self, request: worker_pb2.ListAdaptersRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> worker_pb2.ListAdaptersResponse:
+        try:
+            self.host.check_accepting()
+            return await adapter_admin.list_adapters(self.host.engine)
+        except REFUSALS as exc:
+            await context.abort(*status_of(exc))
+            raise  # abort raised already; this only tells the type checker
+
+    async def LoadAdapter(  # type: ignore[override]
+        self, request: worker_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> worker_pb2.LoadAdapterResponse:
+        try:
+            adapter_admin.authorize(self.host.settings.admin_token, context.invocation_metadata() or ())
+            self.host.check_accepting()
+            adapter = await adapter_admin.load_adapter(self.host.engine, request)
+        except REFUSALS as exc:
+            await context.abort(*status_of(exc))
+            raise
+        return worker_pb2.LoadAdapterResponse(adapter=adapter)
+
+    async def UnloadAdapter(  # type: ignore[override]
+        self, request: worker_pb2.UnloadAdapterRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> worker_pb2.UnloadAdapterResponse:
+        try:
+            adapter_admin.authorize(self.host.settings.admin_token, context.invocation_metadata() or ())
+            self.host.check_accepting()
+            await adapter_admin.unload_adapter(self.host.engine, request.name)
+        except REFUSALS as exc:
+            await context.abort(*status_of(exc))
+            raise
+        return worker_pb2.UnloadAdapterResponse()
 
 
 class WorkerServer:

@@ -7,15 +7,15 @@ variables; engine fields as STRATA_WORKER_ENGINE__<FIELD>). This module must not
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.grammar_spec import DEFAULT_COMPILE_TIMEOUT_S, DEFAULT_GRAMMAR_CACHE_SIZE
 from strata.rpc import MIB
-from strata.settings import ServiceSettings
+from strata.settings import ServiceSettings, resolve_path
 
 
 class WorkerSettings(ServiceSettings):
@@ -70,6 +70,11 @@ class WorkerSettings(ServiceSettings):
     INVALID_ARGUMENT; compiles run off the engine thread, so a slow one never stalls a step."""
     grammar_cache_size: int = DEFAULT_GRAMMAR_CACHE_SIZE
     """Compiled constraints kept (by hash, least recently used dropped first)."""
+    adapters: dict[str, Path] = Field(default_factory=dict)
+    """LoRA adapters (PEFT folders) served from the start, by name (docs/lora.md); needs
+    engine.lora.max_loras > 0. A folder that cannot be served stops the worker, naming it."""
+    admin_token: SecretStr | None = None
+    """The bearer token LoadAdapter and UnloadAdapter calls must carry; None refuses both."""
 
     @model_validator(mode="after")
     def _check(self) -> WorkerSettings:
@@ -92,9 +97,22 @@ class WorkerSettings(ServiceSettings):
             raise ValueError(
                 f"tensor_parallel_timeout_s={self.tensor_parallel_timeout_s} must be > 0, e.g. 60"
             )
+        if self.adapters and not self.engine.lora.max_loras:
+            raise ValueError(
+                f"adapters {', '.join(self.adapters)} need adapter slots: set engine.lora.max_loras, e.g. 8"
+            )
+        if self.admin_token is not None and not self.admin_token.get_secret_value().strip():
+            raise ValueError("admin_token must not be empty: set a secret, or unset it to refuse admin calls")
         if self.grammar_cache_size < 1:
             raise ValueError(f"grammar_cache_size={self.grammar_cache_size} must be >= 1, e.g. 256")
         return self
+
+    @classmethod
+    def resolve_nested_paths(cls, data: dict[str, Any], base: Path) -> dict[str, Any]:
+        adapters = data.get("adapters")
+        if isinstance(adapters, dict):
+            data["adapters"] = {name: resolve_path(path, base) for name, path in adapters.items()}
+        return data
 
     @property
     def credit_limit(self) -> int:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from strata.v1 import common_pb2 as strata_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16strata/v1/worker.proto\x12\tstrata.v1\x1a\x16strata/v1/common.proto\"{\n\x0e\x43onnectRequest\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x17.strata.v1.ConnectHello\x12*\n\x0bsubmissions\x18\x02 \x03(\x0b\x32\x15.strata.v1.Submission\x12\x15\n\rcancellations\x18\x03 \x03(\t\"Q\n\x0c\x43onnectHello\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\t\x12\x13\n\x0b\x63lient_name\x18\x03 \x01(\t\"\xdc\x02\n\nSubmission\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x05 \x01(\x03\x12>\n\rtrace_context\x18\x06 \x03(\x0b\x32\'.strata.v1.Submission.TraceContextEntry\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x18\n\x10prior_output_ids\x18\x08 \x03(\r\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\x12\n\nitl_slo_ms\x18\n \x01(\x01\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd3\x01\n\x0f\x43onnectResponse\x12%\n\x05hello\x18\x01 \x01(\x0b\x32\x16.strata.v1.WorkerHello\x12\'\n\x07updates\x18\x02 \x03(\x0b\x32\x16.strata.v1.TokenUpdate\x12(\n\nrejections\x18\x03 \x03(\x0b\x32\x14.strata.v1.Rejection\x12#\n\x07\x63redits\x18\x04 \x01(\x0b\x32\x12.strata.v1.Credits\x12!\n\x04step\x18\x05 \x01(\x0b\x32\x13.strata.v1.StepInfo\"\xbb\x01\n\x08StepInfo\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0b\x64uration_ms\x18\x02 \x01(\x01\x12\x0f\n\x07\x64\x65\x63odes\x18\x03 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x13\n\x0bmax_running\x18\x07 \x01(\r\x12\x16\n\x0eprefill_budget\x18\x08 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\t \x01(\r\"=\n\x0bWorkerHello\x12.\n\x04info\x18\x01 \x01(\x0b\x32 .strata.v1.GetWorkerInfoResponse\"\x9f\x03\n\x0bTokenUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.strata.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x15\n\routput_tokens\x18\x06 \x01(\r\x12\x10\n\x08queue_ms\x18\x07 \x01(\x01\x12\x12\n\nforward_ms\x18\x08 \x01(\x01\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\t \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\n \x01(\r\x12-\n\x08logprobs\x18\x0b \x03(\x0b\x32\x1b.strata.v1.PositionLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1b.strata.v1.PositionLogprobs\x12\x14\n\x0c\x64raft_tokens\x18\r \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x0e \x01(\r\">\n\tRejection\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\".\n\x07\x43redits\x12\x10\n\x08requests\x18\x01 \x01(\r\x12\x11\n\tkv_tokens\x18\x02 \x01(\r\"\x16\n\x14GetWorkerInfoRequest\"\xad\x02\n\x15GetWorkerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x14\n\x0cmax_requests\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\'\n\x06memory\x18\x08 \x01(\x0b\x32\x17.strata.v1.MemoryBudget\x12\x16\n\x0enative_kernels\x18\t \x01(\t\x12\x14\n\x0cmodel_family\x18\n \x01(\t\x12\x14\n\x0cnative_paths\x18\x0b \x01(\t\x12\x16\n\x0eweights_format\x18\x0c \x01(\t\"\x17\n\x15GetWorkerStatsRequest\"\xab\x03\n\x16GetWorkerStatsResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x16\n\x0eused_kv_blocks\x18\x03 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\r\x12\x16\n\x0e\x66ree_kv_tokens\x18\x05 \x01(\r\x12\x15\n\ropen_requests\x18\x06 \x01(\r\x12\r\n\x05steps\x18\x07 \x01(\x04\x12\x18\n\x10\x63\x61\x63hed_kv_blocks\x18\x08 \x01(\r\x12\x1b\n\x13\x65victable_kv_blocks\x18\t \x01(\r\x12\x1e\n\x16prefix_cache_evictions\x18\n \x01(\x04\x12!\n\x19prefix_cache_query_blocks\x18\x0b \x01(\x04\x12\x1f\n\x17prefix_cache_hit_blocks\x18\x0c \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\r \x01(\x04\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x0e \x01(\x04\x12\x1b\n\x13speculative_decodes\x18\x0f \x01(\x04\x12\x13\n\x0bpreemptions\x18\x10 \x01(\x04\x32\x80\x02\n\rWorkerService\x12\x44\n\x07\x43onnect\x12\x19.strata.v1.ConnectRequest\x1a\x1a.strata.v1.ConnectResponse(\x01\x30\x01\x12R\n\rGetWorkerInfo\x12\x1f.strata.v1.GetWorkerInfoRequest\x1a .strata.v1.GetWorkerInfoResponse\x12U\n\x0eGetWorkerStats\x12 .strata.v1.GetWorkerStatsRequest\x1a!.strata.v1.GetWorkerStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16strata/v1/worker.proto\x12\tstrata.v1\x1a\x16strata/v1/common.proto\"{\n\x0e\x43onnectRequest\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x17.strata.v1.ConnectHello\x12*\n\x0bsubmissions\x18\x02 \x03(\x0b\x32\x15.strata.v1.Submission\x12\x15\n\rcancellations\x18\x03 \x03(\t\"Q\n\x0c\x43onnectHello\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\t\x12\x13\n\x0b\x63lient_name\x18\x03 \x01(\t\"\xed\x02\n\nSubmission\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x05 \x01(\x03\x12>\n\rtrace_context\x18\x06 \x03(\x0b\x32\'.strata.v1.Submission.TraceContextEntry\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x18\n\x10prior_output_ids\x18\x08 \x03(\r\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\x12\n\nitl_slo_ms\x18\n \x01(\x01\x12\x0f\n\x07\x61\x64\x61pter\x18\x0b \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd3\x01\n\x0f\x43onnectResponse\x12%\n\x05hello\x18\x01 \x01(\x0b\x32\x16.strata.v1.WorkerHello\x12\'\n\x07updates\x18\x02 \x03(\x0b\x32\x16.strata.v1.TokenUpdate\x12(\n\nrejections\x18\x03 \x03(\x0b\x32\x14.strata.v1.Rejection\x12#\n\x07\x63redits\x18\x04 \x01(\x0b\x32\x12.strata.v1.Credits\x12!\n\x04step\x18\x05 \x01(\x0b\x32\x13.strata.v1.StepInfo\"\xbb\x01\n\x08StepInfo\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0b\x64uration_ms\x18\x02 \x01(\x01\x12\x0f\n\x07\x64\x65\x63odes\x18\x03 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x13\n\x0bmax_running\x18\x07 \x01(\r\x12\x16\n\x0eprefill_budget\x18\x08 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\t \x01(\r\"=\n\x0bWorkerHello\x12.\n\x04info\x18\x01 \x01(\x0b\x32 .strata.v1.GetWorkerInfoResponse\"\x9f\x03\n\x0bTokenUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.strata.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x15\n\routput_tokens\x18\x06 \x01(\r\x12\x10\n\x08queue_ms\x18\x07 \x01(\x01\x12\x12\n\nforward_ms\x18\x08 \x01(\x01\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\t \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\n \x01(\r\x12-\n\x08logprobs\x18\x0b \x03(\x0b\x32\x1b.strata.v1.PositionLogprobs\x12\x34\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1b.strata.v1.PositionLogprobs\x12\x14\n\x0c\x64raft_tokens\x18\r \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x0e \x01(\r\">\n\tRejection\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\".\n\x07\x43redits\x12\x10\n\x08requests\x18\x01 \x01(\r\x12\x11\n\tkv_tokens\x18\x02 \x01(\r\"\x16\n\x14GetWorkerInfoRequest\"\xad\x02\n\x15GetWorkerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x14\n\x0cmax_requests\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\'\n\x06memory\x18\x08 \x01(\x0b\x32\x17.strata.v1.MemoryBudget\x12\x16\n\x0enative_kernels\x18\t \x01(\t\x12\x14\n\x0cmodel_family\x18\n \x01(\t\x12\x14\n\x0cnative_paths\x18\x0b \x01(\t\x12\x16\n\x0eweights_format\x18\x0c \x01(\t\"\x17\n\x15GetWorkerStatsRequest\"\xab\x03\n\x16GetWorkerStatsResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x16\n\x0eused_kv_blocks\x18\x03 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\r\x12\x16\n\x0e\x66ree_kv_tokens\x18\x05 \x01(\r\x12\x15\n\ropen_requests\x18\x06 \x01(\r\x12\r\n\x05steps\x18\x07 \x01(\x04\x12\x18\n\x10\x63\x61\x63hed_kv_blocks\x18\x08 \x01(\r\x12\x1b\n\x13\x65victable_kv_blocks\x18\t \x01(\r\x12\x1e\n\x16prefix_cache_evictions\x18\n \x01(\x04\x12!\n\x19prefix_cache_query_blocks\x18\x0b \x01(\x04\x12\x1f\n\x17prefix_cache_hit_blocks\x18\x0c \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\r \x01(\x04\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x0e \x01(\x04\x12\x1b\n\x13speculative_decodes\x18\x0f \x01(\x04\x12\x13\n\x0bpreemptions\x18\x10 \x01(\x04\"\x15\n\x13ListAdaptersRequest\"f\n\x14ListAdaptersResponse\x12$\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x12.strata.v1.Adapter\x12\x11\n\tmax_loras\x18\x02 \x01(\r\x12\x15\n\rmax_lora_rank\x18\x03 \x01(\r\"E\n\x07\x41\x64\x61pter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x10\n\x08resident\x18\x04 \x01(\x08\"0\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\":\n\x13LoadAdapterResponse\x12#\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x12.strata.v1.Adapter\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x17\n\x15UnloadAdapterResponse2\xf3\x03\n\rWorkerService\x12\x44\n\x07\x43onnect\x12\x19.strata.v1.ConnectRequest\x1a\x1a.strata.v1.ConnectResponse(\x01\x30\x01\x12R\n\rGetWorkerInfo\x12\x1f.strata.v1.GetWorkerInfoRequest\x1a .strata.v1.GetWorkerInfoResponse\x12U\n\x0eGetWorkerStats\x12 .strata.v1.GetWorkerStatsRequest\x1a!.strata.v1.GetWorkerStatsResponse\x12O\n\x0cListAdapters\x12\x1e.strata.v1.ListAdaptersRequest\x1a\x1f.strata.v1.ListAdaptersResponse\x12L\n\x0bLoadAdapter\x12\x1d.strata.v1.LoadAdapterRequest\x1a\x1e.strata.v1.LoadAdapterResponse\x12R\n\rUnloadAdapter\x12\x1f.strata.v1.UnloadAdapterRequest\x1a .strata.v1.UnloadAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,29 +39,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONNECTHELLO']._serialized_start=186
   _globals['_CONNECTHELLO']._serialized_end=267
   _globals['_SUBMISSION']._serialized_start=270
-  _globals['_SUBMISSION']._serialized_end=618
-  _globals['_SUBMISSION_TRACECONTEXTENTRY']._serialized_start=567
-  _globals['_SUBMISSION_TRACECONTEXTENTRY']._serialized_end=618
-  _globals['_CONNECTRESPONSE']._serialized_start=621
-  _globals['_CONNECTRESPONSE']._serialized_end=832
-  _globals['_STEPINFO']._serialized_start=835
-  _globals['_STEPINFO']._serialized_end=1022
-  _globals['_WORKERHELLO']._serialized_start=1024
-  _globals['_WORKERHELLO']._serialized_end=1085
-  _globals['_TOKENUPDATE']._serialized_start=1088
-  _globals['_TOKENUPDATE']._serialized_end=1503
-  _globals['_REJECTION']._serialized_start=1505
-  _globals['_REJECTION']._serialized_end=1567
-  _globals['_CREDITS']._serialized_start=1569
-  _globals['_CREDITS']._serialized_end=1615
-  _globals['_GETWORKERINFOREQUEST']._serialized_start=1617
-  _globals['_GETWORKERINFOREQUEST']._serialized_end=1639
-  _globals['_GETWORKERINFORESPONSE']._serialized_start=1642
-  _globals['_GETWORKERINFORESPONSE']._serialized_end=1943
-  _globals['_GETWORKERSTATSREQUEST']._serialized_start=1945
-  _globals['_GETWORKERSTATSREQUEST']._serialized_end=1968
-  _globals['_GETWORKERSTATSRESPONSE']._serialized_start=1971
-  _globals['_GETWORKERSTATSRESPONSE']._serialized_end=2398
-  _globals['_WORKERSERVICE']._serialized_start=2401
-  _globals['_WORKERSERVICE']._serialized_end=2657
+  _globals['_SUBMISSION']._serialized_end=635
+  _globals['_SUBMISSION_TRACECONTEXTENTRY']._serialized_start=584
+  _globals['_SUBMISSION_TRACECONTEXTENTRY']._serialized_end=635
+  _globals['_CONNECTRESPONSE']._serialized_start=638
+  _globals['_CONNECTRESPONSE']._serialized_end=849
+  _globals['_STEPINFO']._serialized_start=852
+  _globals['_STEPINFO']._serialized_end=1039
+  _globals['_WORKERHELLO']._serialized_start=1041
+  _globals['_WORKERHELLO']._serialized_end=1102
+  _globals['_TOKENUPDATE']._serialized_start=1105
+  _globals['_TOKENUPDATE']._serialized_end=1520
+  _globals['_REJECTION']._serialized_start=1522
+  _globals['_REJECTION']._serialized_end=1584
+  _globals['_CREDITS']._serialized_start=1586
+  _globals['_CREDITS']._serialized_end=1632
+  _globals['_GETWORKERINFOREQUEST']._serialized_start=1634
+  _globals['_GETWORKERINFOREQUEST']._serialized_end=1656
+  _globals['_GETWORKERINFORESPONSE']._serialized_start=1659
+  _globals['_GETWORKERINFORESPONSE']._serialized_end=1960
+  _globals['_GETWORKERSTATSREQUEST']._serialized_start=1962
+  _globals['_GETWORKERSTATSREQUEST']._serialized_end=1985
+  _globals['_GETWORKERSTATSRESPONSE']._serialized_start=1988
+  _globals['_GETWORKERSTATSRESPONSE']._serialized_end=2415
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=2417
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=2438
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=2440
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=2542
+  _globals['_ADAPTER']._serialized_start=2544
+  _globals['_ADAPTER']._serialized_end=2613
+  _globals['_LOADADAPTERREQUEST']._serialized_start=2615
+  _globals['_LOADADAPTERREQUEST']._serialized_end=2663
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=2665
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=2723
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=2725
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=2761
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=2763
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=2786
+  _globals['_WORKERSERVICE']._serialized_start=2789
+  _globals['_WORKERSERVICE']._serialized_end=3288
 # @@protoc_insertion_point(module_scope)

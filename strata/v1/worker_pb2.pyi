@@ -121,6 +121,7 @@ class Submission(_message.Message):
     PRIOR_OUTPUT_IDS_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     ITL_SLO_MS_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request id, unique among the stream's running requests."""
     deadline_unix_ms: _builtins.int
@@ -135,6 +136,10 @@ class Submission(_message.Message):
     """The inter-token latency the request's route promises, in milliseconds; 0 is none. While a sequence
     carrying one runs, the worker keeps its steps within it by what they measure: prefill goes in
     smaller chunks and fewer sequences run (StepInfo reports both). Negative: INVALID_ARGUMENT.
+    """
+    adapter: _builtins.str
+    """The LoRA adapter the request runs through, by the name it was loaded under; empty: the base model.
+    One this worker does not serve is rejected with NOT_FOUND.
     """
     @_builtins.property
     def prompt_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -172,10 +177,11 @@ class Submission(_message.Message):
         prior_output_ids: _abc.Iterable[_builtins.int] | None = ...,
         cache_salt: _builtins.str = ...,
         itl_slo_ms: _builtins.float = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "deadline_unix_ms", b"deadline_unix_ms", "itl_slo_ms", b"itl_slo_ms", "prior_output_ids", b"prior_output_ids", "priority", b"priority", "prompt_ids", b"prompt_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "cache_salt", b"cache_salt", "deadline_unix_ms", b"deadline_unix_ms", "itl_slo_ms", b"itl_slo_ms", "prior_output_ids", b"prior_output_ids", "priority", b"priority", "prompt_ids", b"prompt_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -648,3 +654,175 @@ class GetWorkerStatsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetWorkerStatsResponse: _TypeAlias = GetWorkerStatsResponse  # noqa: Y015
+
+@_typing.final
+class ListAdaptersRequest(_message.Message):
+    """Asks which adapters the worker serves."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAdaptersRequest: _TypeAlias = ListAdaptersRequest  # noqa: Y015
+
+@_typing.final
+class ListAdaptersResponse(_message.Message):
+    """The adapters the worker serves."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTERS_FIELD_NUMBER: _builtins.int
+    MAX_LORAS_FIELD_NUMBER: _builtins.int
+    MAX_LORA_RANK_FIELD_NUMBER: _builtins.int
+    max_loras: _builtins.int
+    """Adapters resident at once (engine.lora.max_loras); 0: the worker serves no adapters."""
+    max_lora_rank: _builtins.int
+    """The highest rank a slot holds (engine.lora.max_lora_rank)."""
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___Adapter]:
+        """Those taking requests, by name."""
+
+    def __init__(
+        self,
+        *,
+        adapters: _abc.Iterable[Global___Adapter] | None = ...,
+        max_loras: _builtins.int = ...,
+        max_lora_rank: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAdaptersResponse: _TypeAlias = ListAdaptersResponse  # noqa: Y015
+
+@_typing.final
+class Adapter(_message.Message):
+    """One served adapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    RESIDENT_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name requests give (the gateway serves it as `<model>:<name>`)."""
+    path: _builtins.str
+    """The folder it was read from, on the worker's filesystem."""
+    rank: _builtins.int
+    """Its LoRA rank."""
+    resident: _builtins.bool
+    """Whether it holds a memory slot now (else it is read from disk at its next request)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        resident: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path", "rank", b"rank", "resident", b"resident"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Adapter: _TypeAlias = Adapter  # noqa: Y015
+
+@_typing.final
+class LoadAdapterRequest(_message.Message):
+    """Serve an adapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name requests will give: non-empty, without ':'."""
+    path: _builtins.str
+    """Its folder (adapter_config.json and adapter_model.safetensors), on the worker's filesystem."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadAdapterRequest: _TypeAlias = LoadAdapterRequest  # noqa: Y015
+
+@_typing.final
+class LoadAdapterResponse(_message.Message):
+    """The adapter now served."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def adapter(self) -> Global___Adapter:
+        """Its name, folder and rank (not resident until its first request)."""
+
+    def __init__(
+        self,
+        *,
+        adapter: Global___Adapter | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadAdapterResponse: _TypeAlias = LoadAdapterResponse  # noqa: Y015
+
+@_typing.final
+class UnloadAdapterRequest(_message.Message):
+    """Stop serving an adapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name it was loaded under."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadAdapterRequest: _TypeAlias = UnloadAdapterRequest  # noqa: Y015
+
+@_typing.final
+class UnloadAdapterResponse(_message.Message):
+    """The adapter takes no new requests."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadAdapterResponse: _TypeAlias = UnloadAdapterResponse  # noqa: Y015

@@ -73,6 +73,21 @@ class WorkerServiceStub:
                 request_serializer=strata_dot_v1_dot_worker__pb2.GetWorkerStatsRequest.SerializeToString,
                 response_deserializer=strata_dot_v1_dot_worker__pb2.GetWorkerStatsResponse.FromString,
                 _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/strata.v1.WorkerService/ListAdapters',
+                request_serializer=strata_dot_v1_dot_worker__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_worker__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/strata.v1.WorkerService/LoadAdapter',
+                request_serializer=strata_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_worker__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/strata.v1.WorkerService/UnloadAdapter',
+                request_serializer=strata_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_worker__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -123,6 +138,31 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListAdapters(self, request, context):
+        """The LoRA adapters this worker serves over its model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadAdapter(self, request, context):
+        """Serve a PEFT adapter from a folder on the worker's filesystem. Admin only: the call must carry
+        `authorization: Bearer <admin_token>` (UNAUTHENTICATED otherwise; PERMISSION_DENIED where the
+        worker has no admin_token). An adapter unfit for the base is INVALID_ARGUMENT naming the problem; a
+        name loaded already is ALREADY_EXISTS; a worker without adapter slots is FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Stop taking requests for an adapter (admin only, as LoadAdapter). Its running and waiting requests
+        finish through it; its slot is freed after them. An unknown name is NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -140,6 +180,21 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.GetWorkerStats,
                     request_deserializer=strata_dot_v1_dot_worker__pb2.GetWorkerStatsRequest.FromString,
                     response_serializer=strata_dot_v1_dot_worker__pb2.GetWorkerStatsResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=strata_dot_v1_dot_worker__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_worker__pb2.ListAdaptersResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=strata_dot_v1_dot_worker__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_worker__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=strata_dot_v1_dot_worker__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_worker__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -247,6 +302,87 @@ class WorkerService:
             '/strata.v1.WorkerService/GetWorkerStats',
             strata_dot_v1_dot_worker__pb2.GetWorkerStatsRequest.SerializeToString,
             strata_dot_v1_dot_worker__pb2.GetWorkerStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.WorkerService/ListAdapters',
+            strata_dot_v1_dot_worker__pb2.ListAdaptersRequest.SerializeToString,
+            strata_dot_v1_dot_worker__pb2.ListAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.WorkerService/LoadAdapter',
+            strata_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+            strata_dot_v1_dot_worker__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.WorkerService/UnloadAdapter',
+            strata_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+            strata_dot_v1_dot_worker__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

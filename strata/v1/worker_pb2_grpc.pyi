@@ -63,6 +63,18 @@ class WorkerServiceStub:
     """The model this worker serves, its limits and its tokenizer fingerprint."""
     GetWorkerStats: _grpc.UnaryUnaryMultiCallable[_worker_pb2.GetWorkerStatsRequest, _worker_pb2.GetWorkerStatsResponse]
     """A snapshot of the engine's load: running and waiting requests, free KV cache."""
+    ListAdapters: _grpc.UnaryUnaryMultiCallable[_worker_pb2.ListAdaptersRequest, _worker_pb2.ListAdaptersResponse]
+    """The LoRA adapters this worker serves over its model."""
+    LoadAdapter: _grpc.UnaryUnaryMultiCallable[_worker_pb2.LoadAdapterRequest, _worker_pb2.LoadAdapterResponse]
+    """Serve a PEFT adapter from a folder on the worker's filesystem. Admin only: the call must carry
+    `authorization: Bearer <admin_token>` (UNAUTHENTICATED otherwise; PERMISSION_DENIED where the
+    worker has no admin_token). An adapter unfit for the base is INVALID_ARGUMENT naming the problem; a
+    name loaded already is ALREADY_EXISTS; a worker without adapter slots is FAILED_PRECONDITION.
+    """
+    UnloadAdapter: _grpc.UnaryUnaryMultiCallable[_worker_pb2.UnloadAdapterRequest, _worker_pb2.UnloadAdapterResponse]
+    """Stop taking requests for an adapter (admin only, as LoadAdapter). Its running and waiting requests
+    finish through it; its slot is freed after them. An unknown name is NOT_FOUND.
+    """
 
 @_typing.type_check_only
 class WorkerServiceAsyncStub(WorkerServiceStub):
@@ -99,6 +111,18 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """The model this worker serves, its limits and its tokenizer fingerprint."""
     GetWorkerStats: _aio.UnaryUnaryMultiCallable[_worker_pb2.GetWorkerStatsRequest, _worker_pb2.GetWorkerStatsResponse]  # type: ignore[assignment]
     """A snapshot of the engine's load: running and waiting requests, free KV cache."""
+    ListAdapters: _aio.UnaryUnaryMultiCallable[_worker_pb2.ListAdaptersRequest, _worker_pb2.ListAdaptersResponse]  # type: ignore[assignment]
+    """The LoRA adapters this worker serves over its model."""
+    LoadAdapter: _aio.UnaryUnaryMultiCallable[_worker_pb2.LoadAdapterRequest, _worker_pb2.LoadAdapterResponse]  # type: ignore[assignment]
+    """Serve a PEFT adapter from a folder on the worker's filesystem. Admin only: the call must carry
+    `authorization: Bearer <admin_token>` (UNAUTHENTICATED otherwise; PERMISSION_DENIED where the
+    worker has no admin_token). An adapter unfit for the base is INVALID_ARGUMENT naming the problem; a
+    name loaded already is ALREADY_EXISTS; a worker without adapter slots is FAILED_PRECONDITION.
+    """
+    UnloadAdapter: _aio.UnaryUnaryMultiCallable[_worker_pb2.UnloadAdapterRequest, _worker_pb2.UnloadAdapterResponse]  # type: ignore[assignment]
+    """Stop taking requests for an adapter (admin only, as LoadAdapter). Its running and waiting requests
+    finish through it; its slot is freed after them. An unknown name is NOT_FOUND.
+    """
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     """Hosts one engine and serves it over one long-lived bidirectional stream per gateway connection.
@@ -150,5 +174,35 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.GetWorkerStatsResponse, _abc.Awaitable[_worker_pb2.GetWorkerStatsResponse]]:
         """A snapshot of the engine's load: running and waiting requests, free KV cache."""
+
+    @_abc_1.abstractmethod
+    def ListAdapters(
+        self,
+        request: _worker_pb2.ListAdaptersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.ListAdaptersResponse, _abc.Awaitable[_worker_pb2.ListAdaptersResponse]]:
+        """The LoRA adapters this worker serves over its model."""
+
+    @_abc_1.abstractmethod
+    def LoadAdapter(
+        self,
+        request: _worker_pb2.LoadAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.LoadAdapterResponse, _abc.Awaitable[_worker_pb2.LoadAdapterResponse]]:
+        """Serve a PEFT adapter from a folder on the worker's filesystem. Admin only: the call must carry
+        `authorization: Bearer <admin_token>` (UNAUTHENTICATED otherwise; PERMISSION_DENIED where the
+        worker has no admin_token). An adapter unfit for the base is INVALID_ARGUMENT naming the problem; a
+        name loaded already is ALREADY_EXISTS; a worker without adapter slots is FAILED_PRECONDITION.
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadAdapter(
+        self,
+        request: _worker_pb2.UnloadAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.UnloadAdapterResponse, _abc.Awaitable[_worker_pb2.UnloadAdapterResponse]]:
+        """Stop taking requests for an adapter (admin only, as LoadAdapter). Its running and waiting requests
+        finish through it; its slot is freed after them. An unknown name is NOT_FOUND.
+        """
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from services.worker.engine.adapters import UnknownAdapterError
+from services.worker.engine.adapters import NoAdapterSlotsError, UnknownAdapterError
 from services.worker.engine.params import SamplingParams
 from services.worker.model.lora_file import AdapterError
 from tests.conftest import build_tiny_model
@@ -123,7 +123,7 @@ def test_an_unfit_adapter_is_refused_naming_the_problem(
 
 def test_an_engine_without_slots_refuses_adapters(tiny_llama_dir: Path, adapters: dict[str, Path]) -> None:
     engine = lora_engine(tiny_llama_dir)
-    with pytest.raises(AdapterError, match=r"engine\.lora\.max_loras is 0"):
+    with pytest.raises(NoAdapterSlotsError, match=r"engine\.lora\.max_loras is 0"):
         engine.load_adapter("a", adapters["a"])
     with pytest.raises(UnknownAdapterError, match="'a' is not loaded"):
         engine.validate([5, 6], SamplingParams(max_new_tokens=2), "a")

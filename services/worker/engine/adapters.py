@@ -36,6 +36,14 @@ class UnknownAdapterError(LookupError):
         self.name = name
 
 
+class AdapterExistsError(ValueError):
+    """An adapter of this name is loaded (or still unloading)."""
+
+
+class NoAdapterSlotsError(RuntimeError):
+    """The engine was built without adapter slots (engine.lora.max_loras is 0)."""
+
+
 @dataclass(slots=True)
 class _Adapter:
     path: Path
@@ -61,6 +69,16 @@ class AdapterTable:
         self.num_loads = 0
         """Installs into a slot since start (a first use or a reload after eviction)."""
 
+    @property
+    def unloading(self) -> bool:
+        return any(adapter.unloading for adapter in self._adapters.values())
+
+    def describe(self) -> list[tuple[str, Path, int, bool]]:
+        """(name, path, rank, resident) of each adapter that takes requests, by name."""
+        return [
+            (n, self._adapters[n].path, self._adapters[n].rank, n in self._resident) for n in self.names()
+        ]
+
     def names(self) -> list[str]:
         """The adapters that take requests, sorted."""
         return sorted(name for name, adapter in self._adapters.items() if not adapter.unloading)
@@ -82,7 +100,7 @@ class AdapterTable:
         known = self._adapters.get(name)
         if known is not None:
             state = "is still unloading: wait for its requests to end" if known.unloading else "is loaded"
-            raise ValueError(f"adapter {name!r} {state}; unload it first to replace it")
+            raise AdapterExistsError(f"adapter {name!r} {state}; unload it first to replace it")
         self._adapters[name] = _Adapter(path, weights.rank, weights, generation=self._generation)
         self._generation += 1
 

@@ -6,8 +6,9 @@ gives the process a second OpenMP team, and with more OpenMP threads than cores 
 spin-waiting, which cost 13-25% of decode throughput on a 2-core machine. Commands reach the step
 thread through a thread-safe inbox and are applied between steps; each step's outputs come back to
 the loop in one callback, which feeds the per-request streams and then the step listeners (a server
-that multiplexes many requests reads whole steps rather than one stream per request). This module
-must not make scheduling decisions: that is the engine's job.
+that multiplexes many requests reads whole steps rather than one stream per request). `call` runs any
+other work on the engine (loading an adapter) on that thread between two steps. This module must not
+make scheduling decisions: that is the engine's job.
 """
 
 from __future__ import annotations
@@ -19,18 +20,19 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from services.worker.engine.adapters import UnknownAdapterError
 from services.worker.engine.params import InvalidRequestError, SamplingParams
-from services.worker.engine.sequence import FinishReason, StepOutput
+from services.worker.engine.request_stream import RequestStream, aborted_output
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
-
     from services.worker.engine.engine import EngineStats, LLMEngine
     from services.worker.engine.grammar_matcher import GrammarMatcher
+    from services.worker.engine.sequence import StepOutput
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -65,6 +67,7 @@ class _Add:
     cache_salt: str = ""
     grammar: GrammarMatcher | None = None
     itl_slo_s: float | None = None
+    adapter: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,37 +75,10 @@ class _Abort:
     request_id: str
 
 
-class RequestStream:
-    """The tokens of one request, as an async iterator of StepOutput; ends after the finished one."""
-
-    def __init__(self, request_id: str, owner: AsyncEngine) -> None:
-        self.request_id = request_id
-        self._owner = owner
-        self._queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
-        self.finished = False
-
-    def _push(self, item: StepOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> AsyncIterator[StepOutput]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[StepOutput]:
-        try:
-            while not self.finished:
-                item = await self._queue.get()
-                if isinstance(item, BaseException):
-                    self.finished = True
-                    raise item
-                self.finished = item.finished
-                yield item
-        finally:
-            # A consumer that stops early (cancel, disconnect) must not leave the request running.
-            if not self.finished:
-                self._owner.abort(self.request_id)
-
-    def abort(self) -> None:
-        self._owner.abort(self.request_id)
+@dataclass(frozen=True, slots=True)
+class _Call:
+    work: Callable[[LLMEngine], Any]
+    done: asyncio.Future[Any]
 
 
 class AsyncEngine:
@@ -113,7 +89,7 @@ class AsyncEngine:
         self._build = build
         self._engine: LLMEngine | None = None
         self._idle_wait_s = idle_wait_s
-        self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         # Every request the loop knows of; None for those submitted with add_request (listeners only).
@@ -151,14 +127,26 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
-    def check(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def check(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, adapter: str = ""
+    ) -> None:
         """Raise unless this request can be queued now: EngineDeadError when the engine is not running,
-        InvalidRequestError for bad input (the engine's validate) or an id already running."""
+        InvalidRequestError for bad input (the engine's validate) or an id already running,
+        UnknownAdapterError for an adapter the engine does not serve."""
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self._error or 'stopped'}")
         if request_id in self._streams:
             raise InvalidRequestError("request_id", request_id, "a request with this id is already running")
-        self.engine.validate(prompt_ids, params)
+        self.engine.validate(prompt_ids, params, adapter)
+
+    async def call(self, work: Callable[[LLMEngine], T]) -> T:
+        """Run `work(engine)` on the step thread between two steps; its result, or what it raised."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running: {self._error or 'stopped'}")
+        done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._inbox.put(_Call(work, done))
+        self._wake.set()
+        return await done
 
     def submit(
         self,
@@ -170,7 +158,7 @@ class AsyncEngine:
     ) -> RequestStream:
         """Check and queue a request; raises like `check`, at once."""
         self.check(request_id, prompt_ids, params)
-        stream = RequestStream(request_id, self)
+        stream = RequestStream(request_id, self.abort)
         self._enqueue(_Add(request_id, list(prompt_ids), params, priority, grammar=grammar), stream)
         return stream
 
@@ -183,13 +171,16 @@ class AsyncEngine:
         cache_salt: str = "",
         grammar: GrammarMatcher | None = None,
         itl_slo_s: float | None = None,
+        adapter: str = "",
     ) -> None:
         """Queue a request that passed `check` (not checked again), whose outputs reach only the step
         listeners and its failure the failure listeners. For servers that read whole steps, not one
         stream per request, and that take their own resources for a request between the two calls.
         cache_salt: who may share its cached KV blocks (the tenant); grammar: its output constraint;
-        itl_slo_s: the inter-token latency its route promises."""
-        command = _Add(request_id, list(prompt_ids), params, priority, cache_salt, grammar, itl_slo_s)
+        itl_slo_s: the inter-token latency its route promises; adapter: its LoRA adapter, if any."""
+        command = _Add(
+            request_id, list(prompt_ids), params, priority, cache_salt, grammar, itl_slo_s, adapter
+        )
         self._enqueue(command, None)
 
     def add_step_listener(
@@ -222,7 +213,7 @@ class AsyncEngine:
         self._wake.set()
         stream = self._streams.pop(request_id, None)
         if stream is not None and not stream.finished:
-            stream._push(_aborted(request_id))
+            stream.push(aborted_output(request_id))
 
     def stats(self) -> EngineStats:
         """The snapshot taken after the last step (an immutable object replaced atomically)."""
@@ -262,6 +253,17 @@ class AsyncEngine:
         finally:
             # On this thread, which made every collective a tensor-parallel model's ranks share.
             self.engine.close()
+            self._refuse_calls()
+
+    def _refuse_calls(self) -> None:
+        """Settle the calls the stopped loop will never run: their callers must not wait forever."""
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Call):
+                self._post(_settle_call, (cmd.done, None, EngineDeadError("the engine stopped")))
 
     def _drain_inbox(self) -> None:
         while True:
@@ -279,13 +281,24 @@ class AsyncEngine:
                         cmd.cache_salt,
                         cmd.grammar,
                         cmd.itl_slo_s,
+                        cmd.adapter,
                     )
-                except (InvalidRequestError, ValueError) as exc:
+                except (InvalidRequestError, ValueError, UnknownAdapterError) as exc:
                     # `check` ran on the loop, the scheduler's own state lives here: should they ever
-                    # disagree, the one request fails, never the engine.
+                    # disagree (an adapter unloaded between the two), the one request fails, never the engine.
                     self._post(self._fail_one, (cmd.request_id, exc))
+            elif isinstance(cmd, _Call):
+                self._run_call(cmd)
             else:
                 self.engine.abort(cmd.request_id)
+
+    def _run_call(self, call: _Call) -> None:
+        try:
+            result = call.work(self.engine)
+        except Exception as exc:  # the caller's failure, raised in the caller: the loop goes on
+            self._post(_settle_call, (call.done, None, exc))
+            return
+        self._post(_settle_call, (call.done, result, None))
 
     def _post(self, fn: object, arg: object) -> None:
         loop = self._loop
@@ -298,7 +311,7 @@ class AsyncEngine:
                 continue  # aborted by the client while this step ran
             stream = self._streams.pop(out.request_id) if out.finished else self._streams[out.request_id]
             if stream is not None:
-                stream._push(out)
+                stream.push(out)
         for listener in list(self._step_listeners):
             try:
                 listener(report)
@@ -311,14 +324,14 @@ class AsyncEngine:
             return
         stream = self._streams.pop(request_id)
         if stream is not None:
-            stream._push(error)
+            stream.push(error)
         self._notify_failure(request_id, error)
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}
         for request_id, stream in streams.items():
             if stream is not None:
-                stream._push(error)
+                stream.push(error)
             self._notify_failure(request_id, error)
         self._notify_failure(None, error)
 
@@ -340,12 +353,11 @@ def _settle(outcome: tuple[asyncio.Future[None], BaseException | None]) -> None:
         future.set_exception(error)
 
 
-def _aborted(request_id: str) -> StepOutput:
-    return StepOutput(
-        request_id=request_id,
-        new_token_ids=[],
-        finished=True,
-        finish_reason=FinishReason.ABORTED,
-        num_prompt_tokens=0,
-        num_output_tokens=0,
-    )
+def _settle_call(outcome: tuple[asyncio.Future[Any], Any, BaseException | None]) -> None:
+    future, result, error = outcome
+    if future.done():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)

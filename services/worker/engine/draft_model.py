@@ -10,8 +10,8 @@ from the chunk's last position, then drafts the rest one decode at a time, every
 Drafts are drawn as the target draws, through the same sampler at the same output positions with the
 same seed and processors, so where the two models agree the draft is the very token the target picks.
 A mirror is dropped with its blocks when its request ends (the engine says so) or is found not
-running. This module must not touch the target's sequences or cache: it reads the sequences and
-proposes.
+running. `load_draft` loads the draft beside the target and checks their tokenizers agree. This
+module must not touch the target's sequences or cache: it reads the sequences and proposes.
 """
 
 from __future__ import annotations
@@ -24,11 +24,30 @@ from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.cost_line import StepCostModel
 from services.worker.engine.model_runner import ModelRunner
 from services.worker.engine.sequence import ScheduledBatch, ScheduledEntry, Sequence
+from services.worker.model.loader import load_model
+from strata.fingerprint import tokenizer_fingerprint
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
+    from services.worker.engine.config import SpeculativeConfig
     from services.worker.model.loader import LoadedModel
+
+
+def load_draft(loaded: LoadedModel, config: SpeculativeConfig) -> LoadedModel | None:
+    """The draft model of method "draft", on the served model's device and in its dtype; its
+    tokenizer must be the served model's (a draft token must mean the same text)."""
+    if config.method != "draft" or config.draft_model_path is None:
+        return None
+    draft = load_model(config.draft_model_path, device=str(loaded.device), dtype=loaded.dtype)
+    ours, theirs = tokenizer_fingerprint(loaded.path), tokenizer_fingerprint(draft.path)
+    if ours != theirs:
+        raise ValueError(
+            f"engine.speculative.draft_model_path={config.draft_model_path!r} has another tokenizer "
+            f"({theirs}) than the served model {loaded.path} ({ours}): choose a draft model of the same "
+            "family and tokenizer, e.g. Qwen2.5-Coder-0.5B-Instruct for Qwen2.5-Coder-1.5B-Instruct"
+        )
+    return draft
 
 
 class DraftModel:

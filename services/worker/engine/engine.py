@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.worker.engine.adapters import UnknownAdapterError
+from services.worker.engine.adapters import NoAdapterSlotsError, UnknownAdapterError
 from services.worker.engine.block_manager import BlockManager
-from services.worker.engine.config import EngineConfig, SpeculativeConfig
-from services.worker.engine.draft_model import DraftModel
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.draft_model import DraftModel, load_draft
 from services.worker.engine.faults import FaultInjector, SimulatedOutOfMemoryError
 from services.worker.engine.lora_serving import LoraServing
 from services.worker.engine.memory_profile import explicit_num_blocks, size_kv_cache
@@ -31,8 +31,7 @@ from services.worker.engine.scheduler import Scheduler, SchedulerStats
 from services.worker.engine.sequence import FinishReason, Sequence, StepOutput
 from services.worker.engine.speculation import Speculator
 from services.worker.model.loader import load_model
-from services.worker.model.lora_file import AdapterError
-from strata.fingerprint import tokenizer_fingerprint, weights_fingerprint
+from strata.fingerprint import weights_fingerprint
 
 if TYPE_CHECKING:
     from collections.abc import Sequence as SequenceOf
@@ -66,22 +65,6 @@ class EngineStats(SchedulerStats):
     def last_prefill_tokens(self) -> int:
         """The last step's prompt tokens: its tokens less its decodes' and their drafts'."""
         return self.last_batch_tokens - self.last_num_decodes - self.last_num_draft_tokens
-
-
-def load_draft(loaded: LoadedModel, config: SpeculativeConfig) -> LoadedModel | None:
-    """The draft model of method "draft", on the served model's device and in its dtype; its
-    tokenizer must be the served model's (a draft token must mean the same text)."""
-    if config.method != "draft" or config.draft_model_path is None:
-        return None
-    draft = load_model(config.draft_model_path, device=str(loaded.device), dtype=loaded.dtype)
-    ours, theirs = tokenizer_fingerprint(loaded.path), tokenizer_fingerprint(draft.path)
-    if ours != theirs:
-        raise ValueError(
-            f"engine.speculative.draft_model_path={config.draft_model_path!r} has another tokenizer "
-            f"({theirs}) than the served model {loaded.path} ({ours}): choose a draft model of the same "
-            "family and tokenizer, e.g. Qwen2.5-Coder-0.5B-Instruct for Qwen2.5-Coder-1.5B-Instruct"
-        )
-    return draft
 
 
 def model_fingerprint(loaded: LoadedModel, kv_cache_dtype: str) -> str:
@@ -222,7 +205,9 @@ class LLMEngine:
         output constraint (grammar_compiler.py), already advanced past any prior output it was given.
         itl_slo_s: the inter-token latency its route promises; steps are sized to keep it. adapter: the
         LoRA adapter it runs through, "" for the base model."""
-        if adapter and self.lora is not None:
+        if adapter:
+            self.check_adapter(adapter)  # unloaded since `validate`: the request fails, not the scheduler
+            assert self.lora is not None
             cache_salt = f"{cache_salt}\0{self.lora.table.identity(adapter)}"
         seed = params.seed if params.seed is not None else secrets.randbelow(2**63)
         self._arrivals += 1
@@ -253,9 +238,9 @@ class LLMEngine:
 
     def load_adapter(self, name: str, path: Path) -> int:
         """Serve the PEFT adapter in `path` as `name` (lora_serving.py); its rank. AdapterError if it
-        cannot be served, ValueError if `name` is loaded already."""
+        cannot be served, AdapterExistsError if `name` is loaded already, NoAdapterSlotsError here."""
         if self.lora is None:
-            raise AdapterError(
+            raise NoAdapterSlotsError(
                 f"adapter {name!r}: this worker serves no adapters (engine.lora.max_loras is 0): set "
                 "engine.lora.max_loras to the adapters it may hold at once, e.g. 8"
             )
@@ -265,7 +250,8 @@ class LLMEngine:
         """Take no new requests for `name`; its running and waiting requests finish through it."""
         self.check_adapter(name)
         assert self.lora is not None
-        self.lora.table.remove(name, self.scheduler.adapters_used)
+        queued = self.scheduler.running + self.scheduler.waiting
+        self.lora.table.remove(name, (seq.adapter for seq in queued if seq.adapter))
 
     def abort(self, request_id: str) -> bool:
         if self.speculator is not None:
@@ -296,8 +282,9 @@ class LLMEngine:
         outputs = failed + self.scheduler.postprocess(
             batch, result.tokens, logprobs=result.logprobs, prompt_logprobs=result.prompt_logprobs
         )
-        if self.lora is not None:
-            self.lora.table.collect(self.scheduler.adapters_used)
+        if self.lora is not None and self.lora.table.unloading:
+            queued = self.scheduler.running + self.scheduler.waiting
+            self.lora.table.collect(seq.adapter for seq in queued if seq.adapter)
         if self.speculator is not None:
             for out in outputs:
                 if out.finished:
@@ -340,7 +327,7 @@ class LLMEngine:
             return []
         outputs: list[StepOutput] = []
         for name, _ in self.lora.refill():
-            self.lora.table.remove(name, self.scheduler.adapters_used)
+            self.lora.table.remove(name, self.scheduler.adapters_used)  # its waiting requests fail below
             outputs.extend(self._fail(seq) for seq in self.scheduler.waiting if seq.adapter == name)
         return outputs
 
