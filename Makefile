@@ -10,7 +10,7 @@ STAMP := $(VENV)/.strata-setup
 MODEL_DIR := models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-cached bench-itl bench-flood bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-kv-schemes bench-spec bench-spec-qwen bench-spec-draft bench-spec-stack bench-spec-peer bench-spec-peer-draft bench-prefix-routing bench-peer bench-peer-avx2 bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar bench-outputs bench-tp records reliability chaos images compose-test run clean
+.PHONY: setup model protos test testdeps test-fast lint bench bench-stack bench-fallback bench-cached bench-itl bench-flood bench-tenants bench-http bench-tracing bench-prefix bench-kv bench-kv-schemes bench-spec bench-spec-qwen bench-spec-draft bench-spec-stack bench-spec-peer bench-spec-peer-draft bench-prefix-routing bench-peer bench-peer-avx2 bench-serve-peer bench-serve-peer-qwen bench-neighbour bench-grammar bench-outputs bench-tp bench-lora records reliability chaos images compose-test run clean
 
 setup: $(STAMP)
 
@@ -160,6 +160,11 @@ bench-spec-peer-draft: setup
 # one stream and 16; then the collectives and the vocabulary projection timed alone (about 5 minutes).
 bench-tp: setup model
 	$(BIN)/python -m bench.tp --json bench/results/tp-cpu.json
+
+# LoRA adapters: 64 streams over 8 rank-16 adapters and one stream over one, against the base alone;
+# the stall a run-time load causes while 32 streams run.
+bench-lora: setup model
+	$(BIN)/python -m bench.lora --json bench/results/lora-cpu.json
 
 # Log probabilities' cost at 64 streams, and n = 8 samples against 8 separate requests of one prompt.
 bench-outputs: setup model
