@@ -65,6 +65,8 @@ class _Projection(ctypes.Structure):
         ("lora_a", _P),
         ("lora_bt", _P),
         ("lora_rank", _I64),
+        ("lora_bands", _P),
+        ("lora_num_bands", _I64),
     )
 
 
@@ -91,6 +93,8 @@ class _Step(ctypes.Structure):
         ("block_size", _I64),
         ("kv_format", _I64),
         ("lora_rows", _P),
+        ("lora_order", _P),
+        ("lora_count", _I64),
         ("lora_scratch", _P),
     )
 
@@ -163,8 +167,10 @@ def _lora(projections: list[_Projection | None], lora: LoraLayer | None, held: l
         a, bt = lora.weights[name]
         if a.dtype != torch.float32 or a.device.type != "cpu" or projection is None:
             return False
-        held.extend((a, bt))
+        bands = lora.bands[name]
+        held.extend((a, bt, bands))
         projection.lora_a, projection.lora_bt, projection.lora_rank = a.data_ptr(), bt.data_ptr(), a.shape[1]
+        projection.lora_bands, projection.lora_num_bands = bands.data_ptr(), bands.shape[0]
     return True
 
 
@@ -261,6 +267,7 @@ class NativeDecodeStack:
                 raise ValueError("a step with adapter rows on a model whose stack has no adapter slots")
             shrunk = torch.empty(rows * self.lora_rank, dtype=torch.float32)
             step.lora_rows, step.lora_scratch = lora.slots.data_ptr(), shrunk.data_ptr()
+            step.lora_order, step.lora_count = lora.order.data_ptr(), lora.order.shape[0]
         hidden = torch.empty_like(residual)
         kernels.decode_stack(
             ctypes.addressof(self.layers),

@@ -7,11 +7,12 @@ slot each row reads (`set_rows`: -1 for the base model, or None when no row has 
 costs nothing); each projection then adds, to every adapter row of its output, (x . A[slot]^T) .
 Bt[slot], computed per group of rows that share a slot, never by merging an adapter into the base
 weights, so one batch mixes adapters and the base. On the CPU in float32 the native kernel does it
-(csrc/lora.cpp: the rows' shrink to R values, then their expansion over the output columns);
+(csrc/lora.cpp: the rows' shrink to R values, then their expansion over the output columns, both in
+slot order so each slot's weights are read once a step);
 elsewhere torch, one pair of matmuls per slot in the step.
 
-This module owns the slot tensors' contents: `install` writes an adapter into a slot, `clear` zeroes
-it. It must not decide which adapter sits in which slot (the engine's adapter table does) nor read
+This module owns the slot tensors' contents: `install` writes an adapter into a slot (over whatever
+an evicted one left there). It must not decide which adapter sits in which slot (the engine's adapter table does) nor read
 adapter files (lora_file.py does).
 """
 
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor
 
 from services.worker.model import native
-from services.worker.model.lora_file import PROJECTIONS, widths
+from services.worker.model.lora_file import PROJECTIONS, columns, widths
 
 if TYPE_CHECKING:
     from services.worker.model.config import ModelConfig
@@ -36,6 +37,9 @@ class LoraRows:
     def __init__(self, slots: list[int], device: torch.device) -> None:
         self.slots = torch.tensor(slots, dtype=torch.int64)
         """On the CPU, whatever the model's device: the native kernel reads it there."""
+        ordered = sorted((slot, row) for row, slot in enumerate(slots) if slot >= 0)
+        self.order = torch.tensor([row for _, row in ordered], dtype=torch.int64)
+        """The rows with an adapter, by slot: the kernel reads each slot's weights once a step."""
         self.groups = [
             (slot, torch.tensor([i for i, s in enumerate(slots) if s == slot], device=device))
             for slot in sorted(set(slots) - {-1})
@@ -45,9 +49,14 @@ class LoraRows:
 class LoraLayer:
     """One decoder layer's slot tensors, per fused projection, and the step its deltas apply to."""
 
-    def __init__(self, owner: LoraSlots, weights: dict[str, tuple[Tensor, Tensor]]) -> None:
+    def __init__(
+        self, owner: LoraSlots, weights: dict[str, tuple[Tensor, Tensor]], bands: dict[str, Tensor]
+    ) -> None:
         self.owner = owner
         self.weights = weights
+        self.bands = bands
+        """Per projection, [components, 4]: each component's first rank row, rank rows, first and end
+        output column (csrc/lora.cpp reads only those columns of its rows of Bt)."""
 
     def add(self, projection: str, x: Tensor, y: Tensor) -> None:
         """y[i] += (x[i] . A[slot_i]^T) . Bt[slot_i] for every adapter row i of this step."""
@@ -57,12 +66,17 @@ class LoraLayer:
         a, bt = self.weights[projection]
         kernels = native.library() if _native(x, y, a) else None
         if kernels is not None:
+            bands = self.bands[projection]
             kernels.lora_add(
                 x.data_ptr(),
                 y.data_ptr(),
                 rows.slots.data_ptr(),
+                rows.order.data_ptr(),
+                rows.order.shape[0],
                 a.data_ptr(),
                 bt.data_ptr(),
+                bands.data_ptr(),
+                bands.shape[0],
                 x.shape[0],
                 x.shape[1],
                 y.shape[1],
@@ -88,17 +102,27 @@ class LoraSlots:
         self.max_rank = max_rank
         self.rows: LoraRows | None = None
         self.device = device
-        shapes = widths(config)
+        shapes, spans = widths(config), columns(config)
+        bands = {
+            name: torch.tensor(
+                [[c * max_rank, max_rank, first, end] for c, (first, end) in enumerate(spans[name])],
+                dtype=torch.int64,
+            )
+            for name in PROJECTIONS
+        }
         self.layers = [
             LoraLayer(
                 self,
                 {
                     name: (
-                        torch.zeros(slots, comps * max_rank, width_in, device=device, dtype=dtype),
-                        torch.zeros(slots, comps * max_rank, width_out, device=device, dtype=dtype),
+                        torch.zeros(slots, len(spans[name]) * max_rank, width_in, device=device, dtype=dtype),
+                        torch.zeros(
+                            slots, len(spans[name]) * max_rank, width_out, device=device, dtype=dtype
+                        ),
                     )
-                    for name, (comps, width_in, width_out) in shapes.items()
+                    for name, (width_in, width_out) in shapes.items()
                 },
+                bands,
             )
             for _ in range(config.num_hidden_layers)
         ]
@@ -123,12 +147,6 @@ class LoraSlots:
                     target = slice(first, first + adapter.rank)
                     a[slot, target] = source_a[band].to(a.dtype)
                     bt[slot, target] = source_bt[band].to(bt.dtype)
-
-    def clear(self, slot: int) -> None:
-        for layer in self.layers:
-            for a, bt in layer.weights.values():
-                a[slot].zero_()
-                bt[slot].zero_()
 
     def set_rows(self, slots: list[int] | None) -> None:
         """The coming step's slot per row (-1: base), or None when no row has an adapter."""

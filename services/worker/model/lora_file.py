@@ -3,10 +3,12 @@
 A PEFT adapter is a folder with `adapter_config.json` (`r`, `lora_alpha`, `target_modules`, ...) and
 `adapter_model.safetensors`, whose tensors are named `...layers.<i>.<self_attn|mlp>.<module>.lora_A
 .weight` [rank, in] and `...lora_B.weight` [out, rank]. The model fuses q/k/v into one projection and
-gate/up into another (layers.py), so an adapter's modules are laid out here per fused projection: A
-stacks the modules' A rows ([modules x rank, in]) and Bt holds each module's B transposed and scaled
-by alpha / rank (alpha / sqrt(rank) with rsLoRA) in that module's output columns, zero elsewhere
-([modules x rank, out]). The delta of a row is then (x . A^T) . Bt, whatever the projection.
+gate/up into another (layers.py), so an adapter's modules are laid out here per fused projection and
+component (q, k, v; gate, up): A stacks each component's A rows ([components x rank, in]) and Bt holds
+its B transposed and scaled by alpha / rank (alpha / sqrt(rank) with rsLoRA) in that component's
+output columns, zero elsewhere ([components x rank, out]). A module fused in the checkpoint too
+(Phi-3's qkv_proj) gives each component it spans its A and its rows of B. The delta of a row is then
+(x . A^T) . Bt, whatever the projection, and component c's rank rows touch only its own columns.
 
 This module owns the reading and every check of an adapter against the base it is for: it refuses,
 naming the problem, a missing or unreadable file, an option it cannot serve (DoRA, biases, modules to
@@ -47,12 +49,11 @@ class AdapterError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Part:
-    """Where one checkpoint module sits in a fused projection: its component and output columns."""
+    """Where one checkpoint module sits in a fused projection: the components its output covers (q/k/v
+    are components 0, 1, 2 of qkv; Phi-3's fused qkv_proj covers all three)."""
 
     projection: str
-    component: int
-    """Its index among the projection's components (q, k, v: 0, 1, 2); a rank-sized row band of A."""
-    columns: tuple[int, int]
+    components: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,30 +69,40 @@ class AdapterWeights:
         return sum(a.nbytes + bt.nbytes for layer in self.layers for a, bt in layer.values())
 
 
-def parts(config: ModelConfig) -> dict[str, Part]:
+def parts() -> dict[str, Part]:
     """Every module name an adapter may target -> where it sits in the base's fused projections."""
-    q, kv, inter, hidden = config.q_size, config.kv_size, config.intermediate_size, config.hidden_size
     return {
-        "q_proj": Part("qkv", 0, (0, q)),
-        "k_proj": Part("qkv", 1, (q, q + kv)),
-        "v_proj": Part("qkv", 2, (q + kv, q + 2 * kv)),
-        "qkv_proj": Part("qkv", 0, (0, q + 2 * kv)),
-        "o_proj": Part("o", 0, (0, hidden)),
-        "gate_proj": Part("gate_up", 0, (0, inter)),
-        "up_proj": Part("gate_up", 1, (inter, 2 * inter)),
-        "gate_up_proj": Part("gate_up", 0, (0, 2 * inter)),
-        "down_proj": Part("down", 0, (0, hidden)),
+        "q_proj": Part("qkv", (0,)),
+        "k_proj": Part("qkv", (1,)),
+        "v_proj": Part("qkv", (2,)),
+        "qkv_proj": Part("qkv", (0, 1, 2)),
+        "o_proj": Part("o", (0,)),
+        "gate_proj": Part("gate_up", (0,)),
+        "up_proj": Part("gate_up", (1,)),
+        "gate_up_proj": Part("gate_up", (0, 1)),
+        "down_proj": Part("down", (0,)),
     }
 
 
-def widths(config: ModelConfig) -> dict[str, tuple[int, int, int]]:
-    """Per fused projection: (components, in features, out features)."""
+def widths(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Per fused projection: (in features, out features)."""
     q, kv, inter, hidden = config.q_size, config.kv_size, config.intermediate_size, config.hidden_size
     return {
-        "qkv": (3, hidden, q + 2 * kv),
-        "o": (1, q, hidden),
-        "gate_up": (2, hidden, 2 * inter),
-        "down": (1, inter, hidden),
+        "qkv": (hidden, q + 2 * kv),
+        "o": (q, hidden),
+        "gate_up": (hidden, 2 * inter),
+        "down": (inter, hidden),
+    }
+
+
+def columns(config: ModelConfig) -> dict[str, tuple[tuple[int, int], ...]]:
+    """Per fused projection: each component's output columns [first, end)."""
+    q, kv, inter, hidden = config.q_size, config.kv_size, config.intermediate_size, config.hidden_size
+    return {
+        "qkv": ((0, q), (q, q + kv), (q + kv, q + 2 * kv)),
+        "o": ((0, hidden),),
+        "gate_up": ((0, inter), (inter, 2 * inter)),
+        "down": ((0, hidden),),
     }
 
 
@@ -119,7 +130,7 @@ def read_adapter(name: str, directory: Path, config: ModelConfig, max_rank: int)
         layer, module, side = int(match[1]), match[2], match[3]
         found.setdefault((layer, module), {})[side] = tensor
     layers: list[dict[str, tuple[Tensor, Tensor]]] = [{} for _ in range(config.num_hidden_layers)]
-    places, shapes = parts(config), widths(config)
+    places, shapes, spans = parts(), widths(config), columns(config)
     for (layer, module), pair in sorted(found.items()):
         place = places.get(module)
         if place is None:
@@ -133,30 +144,29 @@ def read_adapter(name: str, directory: Path, config: ModelConfig, max_rank: int)
             )
         if set(pair) != {"A", "B"}:
             raise AdapterError(f"adapter {name!r}: layer {layer} {module} has lora_{''.join(pair)} alone")
-        components, in_features, out_features = shapes[place.projection]
-        first, end = place.columns
+        in_features, out_features = shapes[place.projection]
+        covered = [spans[place.projection][c] for c in place.components]
+        width = sum(end - first for first, end in covered)
         a, b = pair["A"], pair["B"]
         module_rank = a.shape[0]
-        if (
-            a.shape != (module_rank, in_features)
-            or b.shape != (end - first, module_rank)
-            or module_rank > rank
-        ):
+        if a.shape != (module_rank, in_features) or b.shape != (width, module_rank) or module_rank > rank:
             raise AdapterError(
                 f"adapter {name!r}: layer {layer} {module} has A {tuple(a.shape)} and B {tuple(b.shape)}, "
-                f"the base takes A [<= {rank}, {in_features}] and B [{end - first}, rank]: it was "
+                f"the base takes A [<= {rank}, {in_features}] and B [{width}, rank]: it was "
                 "trained for another base"
             )
-        fused = layers[layer].get(place.projection)
-        if fused is None:
-            fused = (
-                torch.zeros(components * rank, in_features),
-                torch.zeros(components * rank, out_features),
-            )
-            layers[layer][place.projection] = fused
-        band = slice(place.component * rank, place.component * rank + module_rank)
-        fused[0][band] = a.float()
-        fused[1][band, first:end] = b.float().T * scale
+        components = len(spans[place.projection])
+        fused = layers[layer].setdefault(
+            place.projection,
+            (torch.zeros(components * rank, in_features), torch.zeros(components * rank, out_features)),
+        )
+        # A module spanning several components (a fused qkv_proj) gives each its A and its rows of B.
+        offset = 0
+        for component, (first, end) in zip(place.components, covered, strict=True):
+            band = slice(component * rank, component * rank + module_rank)
+            fused[0][band] = a.float()
+            fused[1][band, first:end] = b[offset : offset + end - first].float().T * scale
+            offset += end - first
     return AdapterWeights(name, rank, tuple(layers))
 
 

@@ -200,7 +200,7 @@ class Library:
         self.gguf_linear.argtypes = [_I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64]
         self.lora_add = library.strata_lora_add
         self.lora_add.restype = None
-        self.lora_add.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64]
+        self.lora_add.argtypes = [_P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64]
         self.rotary = library.strata_rotary
         self.rotary.restype = None
         self.rotary.argtypes = [_P, _P, _P, _I64, _I64, _I64, _I64]

@@ -52,6 +52,8 @@ struct Projection {
   const float* lora_a;   // the adapter slots' A [slots, lora_rank, in] and Bt [slots, lora_rank, out],
   const float* lora_bt;  // or null where the model serves no adapters (lora.cpp)
   int64_t lora_rank;
+  const int64_t* lora_bands;  // [lora_num_bands, 4] (lora.cpp)
+  int64_t lora_num_bands;
 };
 
 // One decoder layer's weights and its cache; laid out as decode_stack.py's ctypes Structure.
@@ -74,8 +76,10 @@ struct Step {
   const int64_t* slots;
   int64_t table_width, block_size;
   int64_t kv_format;  // paged_attention.cpp's row format: float32 or int8
-  const int64_t* lora_rows;  // each row's adapter slot (-1: none), or null when no row has one
-  float* lora_scratch;       // rows * the widest lora_rank floats: a projection's shrunk rows
+  const int64_t* lora_rows;   // each row's adapter slot (-1: none), or null when no row has one
+  const int64_t* lora_order;  // the lora_count rows with a slot, sorted by slot
+  int64_t lora_count;
+  float* lora_scratch;        // rows * the widest lora_rank floats: a projection's shrunk rows
 };
 
 // The team's barrier between two kernels: spin (the wait is microseconds, less than a futex wake
@@ -134,13 +138,13 @@ void project_with_lora(const Projection& p, const Step& s, const float* x, float
                        SpinBarrier& barrier) {
   const bool lora = has_lora(p, s);
   if (lora)
-    strata::lora_shrink_part(x, p.lora_a, s.lora_rows, s.lora_scratch, s.rows, p.in_features, p.lora_rank, part,
-                             parts);
+    strata::lora_shrink_part(x, p.lora_a, s.lora_rows, s.lora_order, s.lora_count, s.lora_scratch, p.in_features,
+                             p.lora_rank, part, parts);
   project(p, x, y, s.rows, part, parts);
   barrier.wait();
   if (lora) {
-    strata::lora_expand_part(s.lora_scratch, p.lora_bt, s.lora_rows, y, s.rows, p.out_features, p.lora_rank, part,
-                             parts);
+    strata::lora_expand_part(s.lora_scratch, p.lora_bt, s.lora_rows, s.lora_order, s.lora_count, y, p.out_features,
+                             p.lora_rank, p.lora_bands, p.lora_num_bands, part, parts);
     barrier.wait();
   }
 }

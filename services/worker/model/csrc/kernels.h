@@ -35,12 +35,14 @@ void paged_decode_attention_part(const float* q, void* keys, void* values, const
                                  int64_t kv_heads, int64_t dim, int64_t block_size, int64_t table_width, float scale,
                                  int64_t format, int64_t part, int64_t parts);
 
-// strata_lora_add's halves (lora.cpp): the shrink of the rows of share `part` (t [rows, rank]), then the
-// expansion into the output columns of share `part`; every shrink share must be done before any expands.
-void lora_shrink_part(const float* x, const float* a, const int64_t* row_slots, float* t, int64_t rows, int64_t in,
-                      int64_t rank, int64_t part, int64_t parts);
-void lora_expand_part(const float* t, const float* bt, const int64_t* row_slots, float* y, int64_t rows,
-                      int64_t out, int64_t rank, int64_t part, int64_t parts);
+// strata_lora_add's halves (lora.cpp): the shrink of the ordered rows of share `part` (t [rows, rank]),
+// then the expansion into the output columns of share `part`; every shrink share must be done before any
+// expands.
+void lora_shrink_part(const float* x, const float* a, const int64_t* row_slots, const int64_t* order, int64_t count,
+                      float* t, int64_t in, int64_t rank, int64_t part, int64_t parts);
+void lora_expand_part(const float* t, const float* bt, const int64_t* row_slots, const int64_t* order,
+                      int64_t count, float* y, int64_t out, int64_t rank, const int64_t* bands, int64_t num_bands,
+                      int64_t part, int64_t parts);
 
 // The [begin, end) of share `part` when `count` items are cut into `parts` near-equal shares.
 inline void share(int64_t count, int64_t part, int64_t parts, int64_t* begin, int64_t* end) {
