@@ -108,9 +108,11 @@ class Attempt:
             trace_context=trace.carrier(self.hop) or request.incoming.trace_context,
             priority=self.route.worker_priority(request.priority, self.slot.ticket.tenant, link),
             prior_output_ids=prior,
-            # The tenant salts the worker's prefix cache: tenants never share cached blocks.
+            # The tenant salts the worker's prefix cache: tenants never share cached blocks (the
+            # worker adds the adapter's own salt).
             cache_salt=self.slot.ticket.tenant,
             itl_slo_ms=self.route.settings.itl_slo_ms,
+            adapter=request.adapter_on(self.route),
         )
         self.submitted = time.perf_counter()
         request.clock.wait("queue", self.submitted)

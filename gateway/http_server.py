@@ -26,8 +26,10 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from gateway.adapter_admin import served_adapters
 from gateway.anthropic_errors import anthropic_error
 from gateway.anthropic_messages import CountTokens, Messages
+from gateway.http_adapters import AdapterEndpoints
 from gateway.http_auth import ApiKeys
 from gateway.http_endpoints import Completions
 from gateway.http_guard import guarded_protocol
@@ -76,6 +78,7 @@ class HttpFrontDoor:
         store = ResponseStore(settings.responses_store_ttl_s, settings.responses_store_bytes)
         responses = Responses(settings, pipeline, router, store)
         stored = StoredResponses(store)
+        adapters = AdapterEndpoints(settings, router)
         routes = Starlette(
             routes=[
                 Route("/v1/chat/completions", chat, methods=["POST"]),
@@ -85,6 +88,8 @@ class HttpFrontDoor:
                 Route("/v1/responses", responses, methods=["POST"]),
                 Route("/v1/responses/{response_id}", stored.answer, methods=["GET", "DELETE"]),
                 Route("/v1/models", self._models, methods=["GET"]),
+                Route("/v1/load_lora_adapter", adapters.load, methods=["POST"]),
+                Route("/v1/unload_lora_adapter", adapters.unload, methods=["POST"]),
                 Route("/health", self._health, methods=["GET"]),
             ]
         )
@@ -96,12 +101,13 @@ class HttpFrontDoor:
             "/v1/responses": responses.endpoint,
             "/v1/responses/": stored.endpoint,
             "/v1/models": "models",
+            "/v1/load_lora_adapter": "load_lora_adapter",
+            "/v1/unload_lora_adapter": "unload_lora_adapter",
         }
         anthropic = dict.fromkeys(("/v1/messages", "/v1/messages/count_tokens"), anthropic_error)
-        # Readiness answers probes, which carry no key.
-        self.app = ApiKeys(
-            routes, settings.tenant_keys(), endpoints, open_paths=frozenset({"/health"}), shapes=anthropic
-        )
+        # Readiness answers probes, which carry no key; the adapter endpoints check admin keys themselves.
+        open_paths = frozenset({"/health", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+        self.app = ApiKeys(routes, settings.tenant_keys(), endpoints, open_paths=open_paths, shapes=anthropic)
         self.address = ""
         """host:port the HTTP API is bound to."""
         self._server: _Server | None = None
@@ -163,6 +169,15 @@ class HttpFrontDoor:
                     "fallback_model": route.fallback,
                 }
             )
+        for route, adapter in await served_adapters(self._router):
+            # vLLM's shape for an adapter: its own id, the base model as its parent.
+            entry = {
+                "id": f"{route.name}:{adapter.name}",
+                "object": "model",
+                "created": 0,
+                "owned_by": "strata",
+            }
+            data.append(entry | {"parent": route.name, "root": adapter.path, "lora_rank": adapter.rank})
         return JSONResponse({"object": "list", "data": data})
 
     async def _health(self, request: Request) -> JSONResponse:

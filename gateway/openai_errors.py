@@ -2,8 +2,9 @@
 
 Every error a client of the HTTP API sees is `{"error": {"message", "type", "param", "code"}}` with
 `param` in the HTTP API's names. A pipeline error (GatewayError) maps one to one from its gRPC code
-(INVALID_ARGUMENT 400, NOT_FOUND 404, RESOURCE_EXHAUSTED 429 with Retry-After and retry-after-ms from
-the same estimate as the gRPC RetryInfo, UNAVAILABLE 503, DEADLINE_EXCEEDED 504); a body that is not
+(INVALID_ARGUMENT 400, PERMISSION_DENIED 403, NOT_FOUND 404, RESOURCE_EXHAUSTED 429 with Retry-After
+and retry-after-ms from the same estimate as the gRPC RetryInfo, UNAVAILABLE 503, DEADLINE_EXCEEDED
+504); a body that is not
 JSON, has a wrong type or asks for an unsupported feature is 400 naming the field; 401, 408, 413 and
 the 503 of a full front door (http_guard.py) are the HTTP front door's own. This module must not
 decide when something fails: callers raise, the front door answers.
@@ -32,6 +33,7 @@ _BY_CODE: dict[grpc.StatusCode, tuple[int, str, str]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
     grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", "failed_precondition"),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", "permission_denied"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable", "unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout", "deadline_exceeded"),

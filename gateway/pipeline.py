@@ -28,9 +28,10 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from gateway.adapter_names import ModelName
 from gateway.admission import Refused
 from gateway.attempt import Attempt
-from gateway.errors import GatewayError, ResourceExhausted, Unavailable
+from gateway.errors import GatewayError, NotFound, ResourceExhausted, Unavailable
 from gateway.fallback import received
 from gateway.metrics import FALLBACKS, REQUEST_ERRORS, REQUESTS, observe_finished
 from gateway.request import Request
@@ -118,6 +119,9 @@ class Pipeline:
             valid = validate(incoming.request, self._settings, self._router.max_model_len, self._tokenizer)
             request_id = valid.request_id
             trace.validated(valid)
+            self.tenants.check_model(
+                incoming.tenant, ModelName(valid.model, valid.adapter), self._settings.adapter_aliases
+            )
             request = Request(incoming, valid, self._router.route(valid.model), trace, arrival)
             request.priority = self.tenants.priority_for(incoming.tenant, valid.request.priority)
             reservation = self.tenants.reserve(incoming.tenant, request.ticket().cost)
@@ -128,7 +132,9 @@ class Pipeline:
                     async for chunk in chunks:
                         if chunk.final is not None:
                             observe_finished(chunk.final)
-                            REQUESTS.labels(model, incoming.protocol, "ok").inc()
+                            # The served model: `<route>:<adapter>` once a worker ran the adapter (a name
+                            # a client made up never becomes a label).
+                            REQUESTS.labels(chunk.final.model, incoming.protocol, "ok").inc()
                             done = True
                         yield chunk
             finally:
@@ -171,7 +177,7 @@ class Pipeline:
                 else:
                     if detour is not None and not request.fallback_reason:
                         FALLBACKS.labels(model=request.primary.name, reason=detour.trigger.value).inc()
-                    request.sent_to(route.name, detour)
+                    request.sent_to(route, detour)
                     attempt.send(link)
                     while True:
                         deltas = await request.sink.next_deltas()
@@ -309,7 +315,10 @@ class Pipeline:
 
     def thinks(self, model: str) -> bool:
         """Whether `model`'s answers may open with reasoning in think tokens (gateway/reasoning.py)."""
-        info = self._tokenizer(model)
+        try:
+            info = self._tokenizer(self._router.route(model).name)
+        except NotFound:
+            return False
         return info is not None and info.think_tokens
 
     async def _tokenize(self, request: Request, route: Route) -> list[int]:

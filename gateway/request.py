@@ -19,6 +19,7 @@ import time
 from typing import TYPE_CHECKING
 
 from gateway import tool_calls
+from gateway.adapter_names import ModelName
 from gateway.admission import Ticket, deadline_from_unix_ms, estimate_prompt_tokens, priority_of
 from gateway.delta_sink import DeltaSink
 from gateway.errors import DeadlineExceeded, TokenizerUnavailable, Unavailable
@@ -57,7 +58,9 @@ class Request:
         self.clock = StageClock(arrival)
         self.prompt_ids: list[int] = []
         """The prompt as the current route reads it; empty until tokenized."""
-        self.prefix = prompt_prefix(valid.request, incoming.tenant)
+        # A worker keeps each tenant's, and each adapter's, cached blocks apart: so does the guess.
+        salt = f"{incoming.tenant}\0{valid.adapter}" if valid.adapter else incoming.tenant
+        self.prefix = prompt_prefix(valid.request, salt)
         """The prompt's piece hashes, for the forecast's guess of what a worker has cached."""
         self.sink = DeltaSink(valid.stop, valid.sampling.min_tokens)
         """Fed by the current attempt's worker link; read by the pipeline."""
@@ -66,7 +69,8 @@ class Request:
         self.prompt_logprobs: list[common_pb2.PositionLogprobs] = []
         self.text: list[str] = []
         self.timing = common_pb2.Timing()
-        self.model = valid.model
+        self.model = ModelName(valid.model, valid.adapter).served
+        """The model that serves it, as responses, logs and metrics name it."""
         self.fallback_reason = ""
         self.failover_at_token = 0
         self.device_memory_bytes = 0
@@ -95,15 +99,22 @@ class Request:
             prefix=self.prefix,
         )
 
-    def sent_to(self, model: str, detour: Detour | None) -> None:
-        """An attempt is sent to `model`'s route (`detour`: why not the primary's, None on it): the
-        response names the model that serves it, the first detour's reason, and where a failover
-        took the stream over."""
+    def adapter_on(self, route: Route) -> str:
+        """The LoRA adapter an attempt on `route` runs through: the request's, on its primary and on a
+        fallback, unless the primary's route runs adapters' requests on the fallback's base model."""
+        if route is self.primary or not self.primary.settings.adapter_fallback_to_base:
+            return self.valid.adapter
+        return ""
+
+    def sent_to(self, route: Route, detour: Detour | None) -> None:
+        """An attempt is sent to `route` (`detour`: why not the primary, None on it): the response
+        names the model that serves it (`<route>:<adapter>` through an adapter), the first detour's
+        reason, and where a failover took the stream over."""
         if detour is not None and not self.fallback_reason:
             self.fallback_reason = detour.reason
         if self.token_ids:
             self.failover_at_token = len(self.token_ids)
-        self.model = model
+        self.model = ModelName(route.name, self.adapter_on(route)).served
 
     def add(self, deltas: list[Delta]) -> tuple[Chunk | None, Failure | None]:
         """The chunk these deltas make (None when they carry nothing) and the failure that ended them.

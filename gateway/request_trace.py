@@ -84,15 +84,19 @@ class RequestTrace:
         self.trace_id = trace_id_hex(self.span)
         self._emitted = 0
         self._ended = False
+        self._adapter = ""
+        """The LoRA adapter the request named ("" for a base model), once validated."""
 
     def validated(self, valid: ValidRequest) -> None:
         """The request's resolved model and sampling (defaults filled in)."""
+        self._adapter = valid.adapter
         if self.span is not None:
             self.span.update_name(f"{self._operation} {valid.model}")
             sampling = valid.sampling
             self.span.set_attributes(
                 {
                     "gen_ai.request.model": valid.model,
+                    "strata.lora_adapter": valid.adapter,
                     "gen_ai.request.max_tokens": sampling.max_new_tokens,
                     "gen_ai.request.temperature": sampling.temperature,
                     "strata.request_id": valid.request_id,
@@ -186,6 +190,7 @@ class RequestTrace:
             "tenant": self._tenant,
             "protocol": self._protocol,
             "model": response.model,
+            "adapter": self._adapter,
             "input_tokens": response.usage.input_tokens,
             "output_tokens": response.usage.output_tokens,
             "cached_input_tokens": response.usage.cached_input_tokens,

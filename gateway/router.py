@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
+from gateway import adapter_names
 from gateway.discovery import resolve
-from gateway.errors import NotFound, Unavailable
+from gateway.errors import Unavailable
 from gateway.route import Route
 from gateway.worker_link import WorkerLink
 
@@ -37,6 +38,7 @@ class Router:
         def make_link(address: str, model: str, on_capacity: Callable[[], None]) -> WorkerLink:
             return WorkerLink(address, model, settings, tokenizer, on_change, on_capacity)
 
+        self._aliases = settings.adapter_aliases
         self._routes = {
             route.model: Route(route, settings, make_link, on_change, resolver) for route in settings.routes
         }
@@ -46,10 +48,8 @@ class Router:
         return list(self._routes)
 
     def route(self, model: str) -> Route:
-        route = self._routes.get(model)
-        if route is None:
-            raise NotFound(f"model: no route serves {model!r}; known models: {', '.join(self._routes)}")
-        return route
+        """The route serving `model` (a route's name, `<route>:<adapter>` or an adapter alias)."""
+        return self._routes[adapter_names.resolve(model, self._routes, self._aliases).route]
 
     def routes(self) -> list[Route]:
         return list(self._routes.values())

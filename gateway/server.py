@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 
+from gateway.adapter_admin import served_adapters
 from gateway.auth import ApiKeyInterceptor, tenant_of
 from gateway.errors import GatewayError, abort
 from gateway.http_server import HttpFrontDoor
@@ -160,6 +161,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     weights_format=status.weights_format,
                 )
             )
+        routes = {info.name: info for info in models}
+        for route, adapter in await served_adapters(self._router):
+            entry = gateway_pb2.ModelInfo()
+            entry.CopyFrom(routes[route.name])
+            entry.name, entry.base_model = f"{route.name}:{adapter.name}", route.name
+            entry.adapter, entry.lora_rank = adapter.name, adapter.rank
+            models.append(entry)
         tenants = self._pipeline.tenants.status()
         for route in self._router.routes():
             for tenant in tenants:

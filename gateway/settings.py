@@ -9,12 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from gateway.adapter_names import resolve as resolve_model
 from gateway.tenant_settings import DEFAULT_TENANT, TenantSettings, check_tenants
 from strata.rpc import MIB, check_listen
 from strata.settings import ServiceSettings
+from strata.status import NotFound
 from strata.tls import ClientTlsSettings
 
 
@@ -35,6 +37,9 @@ class RouteSettings(BaseModel):
     """Another route's model: the smaller model, with the same tokenizer, that serves when this one can't."""
     fallback_enabled: bool = True
     """False never uses `fallback` for this route."""
+    adapter_fallback_to_base: bool = False
+    """A request through a LoRA adapter that falls back runs on `fallback` through the same adapter (its
+    workers must have it loaded, else it fails NOT_FOUND); true runs it on the fallback's base model."""
     max_queued_requests: int = 64
     """Requests waiting for a worker credit at most; more are refused (RESOURCE_EXHAUSTED) at once."""
     max_queued_tokens: int = 32768
@@ -189,6 +194,14 @@ class GatewaySettings(ServiceSettings):
     connection opening or of its first byte; a slower one is answered 408 and closed (slowloris)."""
     http_body_timeout_s: float = 30.0
     """A request's whole body must arrive within this many seconds of its head; a slower one is 408."""
+    adapter_aliases: dict[str, str] = Field(default_factory=dict)
+    """Model names that stand for a route's LoRA adapter: `{"support-bot": "smollm2:support"}`
+    (docs/lora.md); an adapter is served as `<model>:<adapter>` with or without one."""
+    admin_keys: tuple[SecretStr, ...] = ()
+    """Keys the HTTP API's adapter endpoints (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`) take as
+    `authorization: Bearer <key>`; none turns those endpoints off (404)."""
+    worker_admin_token: SecretStr | None = None
+    """The admin_token the gateway's workers take: the adapter endpoints forward loads and unloads with it."""
     responses_store_ttl_s: float = 3600.0
     """How long a stored Responses API answer (`store: true`) can be continued or fetched."""
     responses_store_bytes: int = 16 * MIB
@@ -274,6 +287,18 @@ class GatewaySettings(ServiceSettings):
         if any(not key.get_secret_value().strip() for key in self.api_keys):
             raise ValueError("api_keys must not hold an empty key; remove it")
         check_tenants(self.tenants, self.default_keys())
+        for alias, target in self.adapter_aliases.items():
+            try:
+                named = resolve_model(target, names, {})
+            except NotFound:
+                named = None
+            if alias in names or named is None or not named.adapter:
+                raise ValueError(
+                    f"adapter_aliases: {alias!r} -> {target!r} must map a name that is not a route's to "
+                    f"<route>:<adapter> of a route among {names}, e.g. {names[0]}:support"
+                )
+        if any(not key.get_secret_value().strip() for key in self.admin_keys):
+            raise ValueError("admin_keys must not hold an empty key; remove it")
         return self
 
     @property

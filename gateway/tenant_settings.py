@@ -36,6 +36,9 @@ class TenantSettings(BaseModel):
     back when a request ends); None: no limit."""
     max_priority: Literal["interactive", "batch"] = "interactive"
     """The highest priority it may ask for: batch makes its interactive requests INVALID_ARGUMENT."""
+    adapters: tuple[str, ...] | None = None
+    """The LoRA adapters it may use, by served name (`smollm2:support`, or an alias); another is
+    PERMISSION_DENIED. None: every adapter. The base models stay open to it either way."""
 
     @model_validator(mode="before")
     @classmethod

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gateway.adapter_names import check_allowed
 from gateway.admission import Priority
 from gateway.errors import InvalidArgument
 from gateway.metrics import TENANT_REQUESTS, TENANT_RUNNING
@@ -27,7 +28,9 @@ from strata.status import QuotaExceeded
 from strata.v1 import gateway_pb2
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Mapping
+
+    from gateway.adapter_names import ModelName
 
 QUOTA_REASON = "quota"
 
@@ -98,6 +101,11 @@ class TenantBook:
                 f"(max_priority), not {priority.name.lower()}"
             )
         return priority
+
+    def check_model(self, tenant: str, name: ModelName, aliases: Mapping[str, str]) -> None:
+        """Raise PermissionDenied when the tenant may not use the adapter `name` runs through."""
+        allowed = self._usage[tenant].settings.adapters
+        check_allowed(name, tenant, None if allowed is None else {aliases.get(a, a) for a in allowed})
 
     def reserve(self, tenant: str, tokens: int) -> Reservation:
         """Take one request's concurrency and `tokens` from the tenant's quota, or raise QuotaExceeded."""

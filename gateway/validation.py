@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gateway import tool_calls
+from gateway.adapter_names import ModelName, resolve
 from gateway.errors import InvalidArgument, NotFound
 from gateway.request_ids import or_new
 from strata.sampling import (
@@ -45,10 +46,13 @@ class ValidRequest:
 
     request: gateway_pb2.GenerateRequest
     model: str
+    """The route's model."""
     request_id: str
     """The caller's id, or a generated uuid4 hex."""
     sampling: common_pb2.SamplingParams
     """The request's sampling with max_new_tokens resolved."""
+    adapter: str = ""
+    """The LoRA adapter its model names (`<model>:<adapter>` or an alias); "" for the base model."""
 
     @property
     def stop(self) -> tuple[str, ...]:
@@ -65,16 +69,21 @@ def validate(
     it, `tokenizer(model)` what the tokenizer service said of its tokenizer (the tool grammar names the
     call and think tags as tokens where they are tokens of their own)."""
     _check_input(request)
-    model = request.model or settings.default_route
+    routes = [route.model for route in settings.routes]
+    unknown: NotFound | None = None
+    try:
+        name = resolve(request.model or settings.default_route, routes, settings.adapter_aliases)
+    except NotFound as missing:  # reported after the fields' own checks, as before adapters existed
+        name, unknown = ModelName(request.model), missing
+    model = name.route
     info = tokenizer(model)
     tags, thinks = (info.tool_call_tokens, info.think_tokens) if info is not None else (False, False)
     request = tool_calls.prepare(request, tags, thinks)
     sampling = _check_sampling(request, settings)
     _check_constraint(sampling)
     request_id = _check_request_id(request.request_id, settings.max_request_id_chars)
-    known = [route.model for route in settings.routes]
-    if model not in known:
-        raise NotFound(f"model: no route serves {model!r}; known models: {', '.join(known)}")
+    if unknown is not None:
+        raise unknown
     if sampling.max_new_tokens == 0:
         sampling.max_new_tokens = settings.default_max_new_tokens
     if sampling.max_new_tokens > settings.max_new_tokens_limit:
@@ -98,6 +107,7 @@ def validate(
         model=model,
         request_id=or_new(request_id),
         sampling=sampling,
+        adapter=name.adapter,
     )
 
 

@@ -90,6 +90,25 @@ class WorkerLink:
         """Why the worker refused this gateway (FAILED_PRECONDITION); empty when it did not."""
         self.last_error = "not connected yet"
 
+    async def list_adapters(self, timeout_s: float) -> worker_pb2.ListAdaptersResponse:
+        """The LoRA adapters the worker serves (gateway/adapter_admin.py lists and forwards them)."""
+        response: worker_pb2.ListAdaptersResponse = await self._stub.ListAdapters(
+            worker_pb2.ListAdaptersRequest(), timeout=timeout_s
+        )
+        return response
+
+    async def load_adapter(
+        self, request: worker_pb2.LoadAdapterRequest, token: str, timeout_s: float
+    ) -> None:
+        metadata = (("authorization", f"Bearer {token}"),)
+        await self._stub.LoadAdapter(request, timeout=timeout_s, metadata=metadata)
+
+    async def unload_adapter(self, name: str, token: str, timeout_s: float) -> None:
+        metadata = (("authorization", f"Bearer {token}"),)
+        await self._stub.UnloadAdapter(
+            worker_pb2.UnloadAdapterRequest(name=name), timeout=timeout_s, metadata=metadata
+        )
+
     @property
     def free_credits(self) -> int:
         """Slots the route may still grant on this link: 0 when the link is not usable."""

@@ -100,6 +100,9 @@ STACK_AND_FEATURES: dict[str, Entry] = {
         target="make bench-spec-stack",
     ),
     "tp-cpu.json": Entry(ENGINE, "bench/tp.py", 480, py("bench.tp", *out("tp-cpu.json"))),
+    "lora-cpu.json": Entry(
+        ENGINE, "bench/lora.py", 1200, py("bench.lora", *out("lora-cpu.json")), target="make bench-lora"
+    ),
     "kv-schemes-cpu.json": Entry(
         ENGINE, "bench/kv_schemes.py", 240, py("bench.kv_schemes", *out("kv-schemes-cpu.json"))
     ),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from docs_tables_common import Record, Table, num, ratio, spread, stats, table
+from docs_tables_common import Record, Table, met, num, ratio, spread, stats, table
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -257,8 +257,34 @@ def tensor_parallel(records: Mapping[str, Record]) -> list[str]:
     ]
 
 
+def lora(records: Mapping[str, Record]) -> list[str]:
+    """bench/lora.py's record: the engine serving adapters against the base alone per workload, the
+    stall of a run-time load, and the record's own verdicts."""
+    data = records["lora-cpu.json"].data
+    rows = [
+        [
+            str(data[part]["streams"]),
+            stats(data[part]["base"]["tok_s"]),
+            stats(data[part]["adapters"]["tok_s"]),
+            stats(data[part]["ratio"], 2),
+        ]
+        for part in ("many_streams", "one_stream")
+    ]
+    stall = data["load_stall"]
+    load = [[stats(stall["step_ms"]), stats(stall["load_ms"]), stats(stall["longest_gap_steps"], 2)]]
+    verdicts = [[line["target"], line["figure"], met(line["met"])] for line in data["targets"]]
+    return [
+        *table(["streams", "base alone, tok/s", "through adapters, tok/s", "ratio"], rows),
+        "",
+        *table(["steady step, ms", "load, ms", "longest gap, step times"], load),
+        "",
+        *table(["target", "measured", ""], verdicts),
+    ]
+
+
 TABLES = (
     Table("tensor-parallel", ("tp-cpu.json",), tensor_parallel),
+    Table("lora", ("lora-cpu.json",), lora),
     engine_table("engine", "engine-cpu.json"),
     engine_table("engine-native", "engine-cpu-native.json"),
     engine_table("engine-one-stream", "engine-cpu-1-stream.json"),

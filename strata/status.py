@@ -54,6 +54,12 @@ class NotFound(StatusError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class PermissionDenied(StatusError):
+    """The caller is known but may not use what it named (an adapter outside its tenant's list)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class FailedPrecondition(StatusError):
     """The request is well formed but the system is not in a state to serve it."""
 

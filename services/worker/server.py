@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from services.worker import adapter_admin
 from services.worker.errors import REFUSALS, DrainingError, status_of
@@ -27,8 +27,10 @@ from strata.strict_handlers import add_servicer
 from strata.tracing import Tracing
 from strata.v1 import worker_pb2, worker_pb2_grpc
 
+T = TypeVar("T")
+
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Awaitable, Callable
     from pathlib import Path
 
     import grpc
@@ -93,26 +95,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def LoadAdapter(  # type: ignore[override]
         self, request: worker_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> worker_pb2.LoadAdapterResponse:
-        try:
-            adapter_admin.authorize(self.host.settings.admin_token, context.invocation_metadata() or ())
-            self.host.check_accepting()
-            adapter = await adapter_admin.load_adapter(self.host.engine, request)
-        except REFUSALS as exc:
-            await context.abort(*status_of(exc))
-            raise
+        adapter = await self._admin(context, lambda: adapter_admin.load_adapter(self.host.engine, request))
         return worker_pb2.LoadAdapterResponse(adapter=adapter)
 
     async def UnloadAdapter(  # type: ignore[override]
         self, request: worker_pb2.UnloadAdapterRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> worker_pb2.UnloadAdapterResponse:
+        await self._admin(context, lambda: adapter_admin.unload_adapter(self.host.engine, request.name))
+        return worker_pb2.UnloadAdapterResponse()
+
+    async def _admin(
+        self, context: grpc.aio.ServicerContext[object, object], work: Callable[[], Awaitable[T]]
+    ) -> T:
+        """An admin call: the caller's token checked, the worker serving, then `work`."""
         try:
             adapter_admin.authorize(self.host.settings.admin_token, context.invocation_metadata() or ())
             self.host.check_accepting()
-            await adapter_admin.unload_adapter(self.host.engine, request.name)
+            return await work()
         except REFUSALS as exc:
             await context.abort(*status_of(exc))
-            raise
-        return worker_pb2.UnloadAdapterResponse()
+            raise  # abort raised already; this only tells the type checker
 
 
 class WorkerServer:

@@ -271,6 +271,8 @@ def _models(args: argparse.Namespace) -> int:
             kv += f" ({model.memory.kv_cache_dtype})"
         kernels = "; ".join([*model.native_kernels, *model.native_paths]) or "-"
         family = model.model_family or "-"
+        if model.base_model:  # a LoRA adapter over a route's model: that route's figures
+            family = f"{family} + LoRA r{model.lora_rank}"
         weights = "; ".join(model.weights_format) or "-"
         fallback = model.fallback_model or "-"
         rows.append((name, family, str(model.max_model_len), kv, workers, fallback, weights, kernels))

@@ -551,7 +551,7 @@ Global___TenantStatus: _TypeAlias = TenantStatus  # noqa: Y015
 
 @_typing.final
 class ModelInfo(_message.Message):
-    """One model route."""
+    """One model route, or one LoRA adapter served over a route's model (`<model>:<adapter>`)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -569,6 +569,9 @@ class ModelInfo(_message.Message):
     MODEL_FAMILY_FIELD_NUMBER: _builtins.int
     NATIVE_PATHS_FIELD_NUMBER: _builtins.int
     WEIGHTS_FORMAT_FIELD_NUMBER: _builtins.int
+    BASE_MODEL_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    LORA_RANK_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The name to put in GenerateRequest.model."""
     max_model_len: _builtins.int
@@ -589,6 +592,14 @@ class ModelInfo(_message.Message):
     """Tokens the KV caches of the route's ready workers hold together."""
     model_family: _builtins.str
     """The model's family, as its ready workers report it ("qwen2", ...); empty before one is ready."""
+    base_model: _builtins.str
+    """An adapter's entry: the route's model it runs over (the other fields are that route's); empty on a
+    route's own entry.
+    """
+    adapter: _builtins.str
+    """An adapter's entry: its name on the workers."""
+    lora_rank: _builtins.int
+    """An adapter's entry: its LoRA rank."""
     @_builtins.property
     def memory(self) -> _common_pb2.MemoryBudget:
         """The memory budget of one of the route's workers (the first that reported one)."""
@@ -628,10 +639,13 @@ class ModelInfo(_message.Message):
         model_family: _builtins.str = ...,
         native_paths: _abc.Iterable[_builtins.str] | None = ...,
         weights_format: _abc.Iterable[_builtins.str] | None = ...,
+        base_model: _builtins.str = ...,
+        adapter: _builtins.str = ...,
+        lora_rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["memory", b"memory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["configured_workers", b"configured_workers", "fallback_enabled", b"fallback_enabled", "fallback_model", b"fallback_model", "kv_cache_tokens", b"kv_cache_tokens", "max_model_len", b"max_model_len", "memory", b"memory", "model_family", b"model_family", "name", b"name", "native_kernels", b"native_kernels", "native_paths", b"native_paths", "queued_requests", b"queued_requests", "ready_workers", b"ready_workers", "tokenizer_fingerprint", b"tokenizer_fingerprint", "weights_format", b"weights_format"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "base_model", b"base_model", "configured_workers", b"configured_workers", "fallback_enabled", b"fallback_enabled", "fallback_model", b"fallback_model", "kv_cache_tokens", b"kv_cache_tokens", "lora_rank", b"lora_rank", "max_model_len", b"max_model_len", "memory", b"memory", "model_family", b"model_family", "name", b"name", "native_kernels", b"native_kernels", "native_paths", b"native_paths", "queued_requests", b"queued_requests", "ready_workers", b"ready_workers", "tokenizer_fingerprint", b"tokenizer_fingerprint", "weights_format", b"weights_format"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -721,7 +721,9 @@ class Adapter(_message.Message):
     rank: _builtins.int
     """Its LoRA rank."""
     resident: _builtins.bool
-    """Whether it holds a memory slot now (else it is read from disk at its next request)."""
+    """Whether it holds a memory slot now (else it takes one at its next request, read from disk again if
+    it was evicted).
+    """
     def __init__(
         self,
         *,

@@ -43,7 +43,7 @@ MODEL = "tiny"
 class HttpStack(ServerStack):
     """The three services serving `model_dir` as `model`, the gateway's HTTP API on a free port; the
     worker sleeps `step_delay_s` before each engine step. `engine` adds to the worker's engine settings,
-    `gateway` to the gateway's."""
+    `worker` to the worker's others, `gateway` to the gateway's."""
 
     def __init__(
         self,
@@ -52,6 +52,7 @@ class HttpStack(ServerStack):
         tracing: Tracing | None = None,
         step_delay_s: float = STEP_DELAY_S,
         engine: dict[str, Any] | None = None,
+        worker: dict[str, Any] | None = None,
         **gateway: Any,
     ) -> None:
         super().__init__()
@@ -59,7 +60,7 @@ class HttpStack(ServerStack):
         """The running worker server (its engine host under .host)."""
         try:
             self.gateway, self.worker_address = self._start(
-                model_dir, model, tracing, step_delay_s, engine or {}, gateway
+                model_dir, model, tracing, step_delay_s, engine or {}, worker or {}, gateway
             )
         except BaseException:
             self.close()
@@ -75,6 +76,7 @@ class HttpStack(ServerStack):
         tracing: Tracing | None,
         step_delay_s: float,
         engine: dict[str, Any],
+        worker_extra: dict[str, Any],
         gateway: dict[str, Any],
     ) -> tuple[Any, str]:
         """The running gateway and the worker's address."""
@@ -96,6 +98,7 @@ class HttpStack(ServerStack):
                 "fault_step_delay_s": step_delay_s,
                 **engine,
             },
+            **worker_extra,
         }
         worker = self.loop.run(start_worker(WorkerSettings.build(worker_settings)))
         self.servers.append(worker)

@@ -113,7 +113,7 @@ async def generate(route: Route, name: str, new_tokens: int = 4) -> list[int]:
     """Place, send and collect one request's tokens, as the pipeline's attempt does."""
     request = request_of(route, name, new_tokens)
     with Attempt.place(request, route, None, 0) as attempt:
-        request.sent_to(route.name, None)
+        request.sent_to(route, None)
         attempt.send(await attempt.granted())
         return await collect(request)
 

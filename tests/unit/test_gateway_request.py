@@ -89,7 +89,7 @@ def _sent(request: Request, route: Route, detour: Detour | None = None) -> tuple
     attempt = Attempt.place(request, route, detour, 0)
     attempt.__enter__()
     link = RecordingLink()
-    request.sent_to(route.name, detour)
+    request.sent_to(route, detour)
     attempt.send(link)  # type: ignore[arg-type]
     return attempt, link
 

@@ -148,9 +148,8 @@ def test_unloading_lets_running_requests_finish_and_refuses_new_ones(
         for out in engine.step():
             tokens.extend(out.new_token_ids)
     _served_as_merged({"running": tokens}, [("running", prompt, "a")], tiny_llama_dir, adapters)
-    assert engine.lora is not None
-    assert not engine.lora.table.is_resident("a")
-    engine.load_adapter("a", adapters["b"])  # the name is free again, here for b's weights
+    # The name is free again (here for b's weights), and the one slot too: its request runs.
+    engine.load_adapter("a", adapters["b"])
     requests = [("reloaded", prompt, "a")]
     _served_as_merged(run_requests(engine, requests), requests, tiny_llama_dir, {"a": adapters["b"]})
 
@@ -196,3 +195,30 @@ def test_adapter_settings_are_checked(tiny_llama_dir: Path) -> None:
     with pytest.raises(AdapterError, match="hold no ':'"):
         engine.load_adapter("base:x", tiny_llama_dir)
     assert json.dumps(engine.adapter_names) == "[]"
+
+
+def test_an_evicted_adapter_whose_files_changed_is_unloaded_not_read_back(
+    tiny_llama_dir: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """Read back after an eviction, an adapter must find the files it was loaded from: changed, it is
+    unloaded and the request waiting for it ends with an error; the engine goes on serving."""
+    import shutil
+
+    from services.worker.engine.sequence import FinishReason
+
+    copied = shutil.copytree(adapters["a"], tmp_path / "a")
+    engine = lora_engine(tiny_llama_dir, max_loras=1)
+    engine.load_adapter("a", copied)
+    engine.load_adapter("b", adapters["b"])
+    run_requests(engine, [("first a", prompts(1)[0], "a"), ("then b", prompts(1)[0], "b")])
+    weights = copied / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes() + b" ")
+    params = SamplingParams(max_new_tokens=4)
+    engine.add_request("a again", prompts(1)[0], params, adapter="a")
+    ended = []
+    while engine.has_work():
+        ended += [out for out in engine.step() if out.request_id == "a again"]
+    assert [(out.finish_reason, out.new_token_ids) for out in ended] == [(FinishReason.ERROR, [])]
+    assert engine.adapter_names == ["b"]
+    requests = [("b still", prompts(1)[0], "b")]
+    _served_as_merged(run_requests(engine, requests), requests, tiny_llama_dir, adapters)

@@ -250,13 +250,22 @@ class LLMEngine:
         """Take no new requests for `name`; its running and waiting requests finish through it."""
         self.check_adapter(name)
         assert self.lora is not None
-        queued = self.scheduler.running + self.scheduler.waiting
-        self.lora.table.remove(name, (seq.adapter for seq in queued if seq.adapter))
+        self.lora.table.remove(name, self._queued_adapters())
+
+    def _queued_adapters(self) -> list[str]:
+        """The adapters of the running and waiting sequences (an unloading one stays until they end)."""
+        return [seq.adapter for seq in self.scheduler.running + self.scheduler.waiting if seq.adapter]
+
+    def _collect_adapters(self) -> None:
+        if self.lora is not None and self.lora.table.unloading:
+            self.lora.table.collect(self._queued_adapters())
 
     def abort(self, request_id: str) -> bool:
         if self.speculator is not None:
             self.speculator.release(request_id)
-        return self.scheduler.abort(request_id)
+        aborted = self.scheduler.abort(request_id)
+        self._collect_adapters()
+        return aborted
 
     def has_work(self) -> bool:
         return self.scheduler.has_work
@@ -271,6 +280,7 @@ class LLMEngine:
         proposals = self.speculator.propose(self.scheduler.running) if self.speculator is not None else None
         batch = self.scheduler.schedule(proposals)
         if batch.is_empty:
+            self._collect_adapters()
             return failed
         started = time.perf_counter()
         try:
@@ -282,9 +292,7 @@ class LLMEngine:
         outputs = failed + self.scheduler.postprocess(
             batch, result.tokens, logprobs=result.logprobs, prompt_logprobs=result.prompt_logprobs
         )
-        if self.lora is not None and self.lora.table.unloading:
-            queued = self.scheduler.running + self.scheduler.waiting
-            self.lora.table.collect(seq.adapter for seq in queued if seq.adapter)
+        self._collect_adapters()
         if self.speculator is not None:
             for out in outputs:
                 if out.finished:
@@ -326,9 +334,9 @@ class LLMEngine:
         if self.lora is None or not self.lora.table.wanted:
             return []
         outputs: list[StepOutput] = []
-        for name, _ in self.lora.refill():
-            self.lora.table.remove(name, self.scheduler.adapters_used)  # its waiting requests fail below
+        for name in self.lora.refill():
             outputs.extend(self._fail(seq) for seq in self.scheduler.waiting if seq.adapter == name)
+            self.lora.table.retire(name, self._queued_adapters())
         return outputs
 
     def _fail(self, seq: Sequence) -> StepOutput:

@@ -1,23 +1,23 @@
 """LoRA deltas on the model's projections: the resident adapters' weights and the step's rows' slots.
 
-`LoraSlots` holds `slots` adapters at once, stacked per layer and fused projection (A [slots, R, in],
-Bt [slots, R, out], R = components x max_rank; lora_file.py says the layout), allocated once so their
-addresses never change (the native decode stack points at them). Before a step the runner says which
-slot each row reads (`set_rows`: -1 for the base model, or None when no row has an adapter, which
-costs nothing); each projection then adds, to every adapter row of its output, (x . A[slot]^T) .
-Bt[slot], computed per group of rows that share a slot, never by merging an adapter into the base
-weights, so one batch mixes adapters and the base. On the CPU in float32 the native kernel does it
-(csrc/lora.cpp: the rows' shrink to R values, then their expansion over the output columns, both in
-slot order so each slot's weights are read once a step);
-elsewhere torch, one pair of matmuls per slot in the step.
+`LoraSlots` holds `slots` adapters at once, stacked per layer and fused projection (A [slots, R, in], Bt
+[slots, R, out], R = components x max_rank; lora_file.py says the layout), allocated once so their
+addresses never change (the native decode stack points at them). Before a step the runner says which slot
+each row reads (`set_rows`: -1 for the base model, or None when no row has an adapter, which costs
+nothing); each projection then adds, to every adapter row of its output, (x . A[slot]^T) . Bt[slot],
+computed per group of rows that share a slot, never by merging an adapter into the base weights, so one
+batch mixes adapters and the base. On the CPU in float32 the native kernel does it (csrc/lora.cpp: the
+rows' shrink to R values, then their expansion over the output columns, both in slot order so each slot's
+weights are read once a step); elsewhere torch, one pair of matmuls per slot in the step.
 
-This module owns the slot tensors' contents: `install` writes an adapter into a slot (over whatever
-an evicted one left there). It must not decide which adapter sits in which slot (the engine's adapter table does) nor read
-adapter files (lora_file.py does).
+This module owns the slot tensors' contents: `install` writes an adapter into a slot (over whatever an
+evicted one left there). It must not decide which adapter sits in which slot (the engine's adapter table
+does) nor read adapter files (lora_file.py does).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,14 +35,21 @@ class LoraRows:
     """One step's rows' slots (-1: the base model), as the native kernel and torch each take them."""
 
     def __init__(self, slots: list[int], device: torch.device) -> None:
+        self._slots = slots
+        self._device = device
         self.slots = torch.tensor(slots, dtype=torch.int64)
         """On the CPU, whatever the model's device: the native kernel reads it there."""
         ordered = sorted((slot, row) for row, slot in enumerate(slots) if slot >= 0)
         self.order = torch.tensor([row for _, row in ordered], dtype=torch.int64)
         """The rows with an adapter, by slot: the kernel reads each slot's weights once a step."""
-        self.groups = [
-            (slot, torch.tensor([i for i, s in enumerate(slots) if s == slot], device=device))
-            for slot in sorted(set(slots) - {-1})
+
+    @functools.cached_property
+    def groups(self) -> list[tuple[int, Tensor]]:
+        """Per slot of the step, its rows' indices on the model's device (torch's path only)."""
+        rows = self._slots
+        return [
+            (slot, torch.tensor([i for i, s in enumerate(rows) if s == slot], device=self._device))
+            for slot in sorted(set(rows) - {-1})
         ]
 
 

@@ -12,7 +12,7 @@ output columns, zero elsewhere ([components x rank, out]). A module fused in the
 
 This module owns the reading and every check of an adapter against the base it is for: it refuses,
 naming the problem, a missing or unreadable file, an option it cannot serve (DoRA, biases, modules to
-save, per-module alphas), a module outside the seven projections, a layer the base lacks, or a shape
+save, per-module alphas or ranks), a module outside the seven projections, a layer the base lacks, or a shape
 that does not fit the base (another base's adapter). It must not place adapters in memory slots
 (lora.py) nor decide which are resident (the engine's adapter table).
 """
@@ -187,6 +187,7 @@ def _settings(name: str, directory: Path) -> dict[str, Any]:
         (settings.get("bias", "none") != "none", f"trained biases (bias: {settings.get('bias')!r})"),
         (bool(settings.get("modules_to_save")), f"modules_to_save {settings.get('modules_to_save')!r}"),
         (bool(settings.get("alpha_pattern")), "per-module alphas (alpha_pattern)"),
+        (bool(settings.get("rank_pattern")), "per-module ranks (rank_pattern)"),
         (bool(settings.get("fan_in_fan_out")), "fan_in_fan_out (Conv1D bases)"),
     )
     for refused, what in refusals:
