@@ -60,13 +60,13 @@ class _ReadyLink:
         """Nothing to connect to."""
 
 
-def _route(model: str) -> Route:
-    """A started route of one `_ReadyLink`."""
+def _route(model: str, **extra: Any) -> Route:
+    """A started route of one `_ReadyLink`; `extra` adds to its settings."""
     settings = GatewaySettings.build(
         # No SLO: a link that never reports a step still queues the slots placed on it.
         {
             "tokenizer_address": "127.0.0.1:1",
-            "routes": [{"model": model, "workers": ["127.0.0.1:1"], "ttft_slo_ms": 0}],
+            "routes": [{"model": model, "workers": ["127.0.0.1:1"], "ttft_slo_ms": 0, **extra}],
         }
     )
     route = Route(settings.routes[0], settings, lambda *args: _ReadyLink(), lambda: None)  # type: ignore[arg-type,return-value]
@@ -74,11 +74,12 @@ def _route(model: str) -> Route:
     return route
 
 
-def _request(model: str = "big") -> Request:
+def _request(model: str = "big", adapter: str = "", **route: Any) -> Request:
     incoming = Incoming(gateway_pb2.GenerateRequest(prompt="hi"))
-    valid = ValidRequest(incoming.request, model, "rid", common_pb2.SamplingParams(max_new_tokens=8))
+    valid = ValidRequest(incoming.request, model, "rid", common_pb2.SamplingParams(max_new_tokens=8), adapter)
     arrival = time.perf_counter()
-    request = Request(incoming, valid, _route(model), RequestTrace(Tracing.off(), incoming, arrival), arrival)
+    primary = _route(model, **route)
+    request = Request(incoming, valid, primary, RequestTrace(Tracing.off(), incoming, arrival), arrival)
     request.prompt_ids = [4, 5, 6]
     return request
 
@@ -186,6 +187,27 @@ def test_a_failover_submission_carries_the_tokens_sent_and_the_final_names_the_f
         assert timing.forward_ms == pytest.approx(5.0) and timing.queue_ms >= 2.0
         assert second.submitted is not None
         assert timing.network_ms == pytest.approx((received - second.submitted) * 1000.0 - 7.0, abs=1e-6)
+
+    run(main)
+
+
+@pytest.mark.parametrize(("to_base", "on_fallback"), [(False, "a"), (True, "")])
+def test_a_request_through_an_adapter_fails_over_through_it_or_to_the_base_as_its_route_says(
+    to_base: bool, on_fallback: str
+) -> None:
+    """The submission names the adapter on the primary; on the fallback too, unless the primary's route
+    sets adapter_fallback_to_base. The response names what served it."""
+
+    async def main() -> None:
+        request = _request(adapter="a", adapter_fallback_to_base=to_base)
+        first, link = _sent(request, request.primary)
+        assert (link.sent[0].adapter, request.model) == ("a", "big:a")
+        _add(request, first, [Delta(error=Unavailable("gone"))])
+        first.__exit__(None, None, None)
+        detour = Detour("small", Trigger.FAILOVER, "primary big failed: gone")
+        _, fallback = _sent(request, _route("small"), detour)
+        assert fallback.sent[0].adapter == on_fallback
+        assert request.model == ("small:a" if on_fallback else "small")
 
     run(main)
 

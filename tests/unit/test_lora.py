@@ -120,3 +120,22 @@ def test_a_mixed_batch_serves_each_adapter_as_its_merged_model(
     for request_id, prompt, adapter in requests:
         ref, ref_logits = hf_greedy_reference(references[adapter], prompt, NEW_TOKENS)
         assert_greedy_parity(tokens[request_id], ref, ref_logits, context=f"{request_id} adapter {adapter!r}")
+
+
+@pytest.mark.real_model
+def test_the_default_model_through_an_adapter_equals_peft_merged(
+    real_model_dir: Path, tmp_path: Path
+) -> None:
+    """SmolLM2-135M with a random rank-8 adapter of every projection: base and adapter requests in one
+    batch each give transformers' greedy tokens on the base and on PEFT's merged model."""
+    adapter = write_adapter(real_model_dir, tmp_path / "adapter", seed=7, rank=8, alpha=2)
+    engine = lora_engine(real_model_dir, max_loras=1)
+    engine.load_adapter("a", adapter)
+    prompt = [1, 504, 3458, 314, 260, 1345, 282]
+    requests = [("base", prompt, ""), ("through", prompt, "a")]
+    tokens = run_requests(engine, requests)
+    assert tokens["through"] != tokens["base"], "the adapter changed nothing: the test would prove nothing"
+    references = {"": base_model(real_model_dir), "a": merged_model(real_model_dir, adapter)}
+    for request_id, ids, name in requests:
+        ref, logits = hf_greedy_reference(references[name], ids, NEW_TOKENS)
+        assert_greedy_parity(tokens[request_id], ref, logits, context=f"{request_id} on SmolLM2")

@@ -2,8 +2,8 @@
 
 An adapter is known by name once loaded (its files read and checked against the base, lora_file.py).
 At most `slots` of them are resident, each in one slot of the model's LoraSlots; an evicted one's
-weights leave memory (read again from disk when wanted), one loaded and not used yet waits in host
-memory. A waiting sequence that names an adapter is admitted only once its adapter holds a slot: the
+weights leave memory (read again from disk when wanted), and of the adapters loaded and not used yet
+at most `slots` wait in host memory, the others on disk. A waiting sequence that names an adapter is admitted only once its adapter holds a slot: the
 scheduler asks `acquire`, which keeps a resident adapter, or gives a non-resident one a free slot or the
 least recently used slot that no running sequence's adapter holds, queueing its weights for the runner
 to install before the step runs (`take_installs`). An adapter whose weights are not in memory (evicted
@@ -106,7 +106,11 @@ class AdapterTable:
         if known is not None:
             state = "is still unloading: wait for its requests to end" if known.unloading else "is loaded"
             raise AdapterExistsError(f"adapter {name!r} {state}; unload it first to replace it")
-        self._adapters[name] = _Adapter(path, weights.rank, weights, self._generation, stamp)
+        # Host memory holds at most as many adapters waiting for their first slot as there are slots;
+        # past that, one is read again from disk at its first request.
+        waiting = sum(adapter.weights is not None for adapter in self._adapters.values())
+        kept = weights if waiting < self.slots else None
+        self._adapters[name] = _Adapter(path, weights.rank, kept, self._generation, stamp)
         self._generation += 1
         self._publish()
 

@@ -92,9 +92,10 @@ class LoraConfig(BaseModel):
 
     max_loras: int = 0
     """Adapters resident at once, each in a slot of its own: every slot's memory is taken at start
-    and counted in the memory budget; 0 serves no adapters. More adapters may be loaded: each takes,
-    at its first request, the least recently used slot that no running request's adapter holds, and an
-    evicted one is read from disk again when next wanted."""
+    and counted in the memory budget; 0 serves no adapters. More adapters may be loaded: they wait on
+    disk (at most max_loras of them in host memory), and each takes, at its first request, the least
+    recently used slot that no running request's adapter holds; an evicted one is read from disk again
+    when next wanted."""
     max_lora_rank: int = 16
     """The highest adapter rank a slot holds (an adapter of lower rank fills part of it)."""
 
