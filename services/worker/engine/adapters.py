@@ -1,15 +1,16 @@
 """The engine's LoRA adapters: which it serves, which sit in which memory slot, which are in use.
 
-An adapter is known by name once loaded (its files read and checked against the base, lora_file.py).
-At most `slots` of them are resident, each in one slot of the model's LoraSlots; an evicted one's
-weights leave memory (read again from disk when wanted), and of the adapters loaded and not used yet
-at most `slots` wait in host memory, the others on disk. A waiting sequence that names an adapter is admitted only once its adapter holds a slot: the
-scheduler asks `acquire`, which keeps a resident adapter, or gives a non-resident one a free slot or the
-least recently used slot that no running sequence's adapter holds, queueing its weights for the runner
-to install before the step runs (`take_installs`). An adapter whose weights are not in memory (evicted
-since it was loaded) is `wanted`: the engine reads it again between steps. Which adapters are in use is
-read from the running sequences each time, so no path can leak a pin. An unloaded adapter takes no new
-requests; its slot is freed once no running or waiting sequence uses it.
+An adapter is known by name once loaded (its files read and checked against the base, lora_file.py). At
+most `slots` of them are resident, each in one slot of the model's LoraSlots; an evicted one's weights
+leave memory (read again from disk when wanted), and of the adapters loaded and not used yet at most
+`slots` wait in host memory, the others on disk. A waiting sequence that names an adapter is admitted
+only once its adapter holds a slot: the scheduler asks `acquire`, which keeps a resident adapter, or
+gives a non-resident one a free slot or the least recently used slot that no running sequence's adapter
+holds, queueing its weights for the runner to install before the step runs (`take_installs`). An adapter
+whose weights are not in memory (evicted, or left on disk at its load) is `wanted`: the engine reads it again
+between steps. Which adapters are in use is read from the running sequences each time, so no path can
+leak a pin. An unloaded adapter takes no new requests; its slot is freed once no running or waiting
+sequence uses it.
 
 This module owns the names, the slots' assignment and the LRU order. It is pure Python (no torch, no
 I/O): the engine reads files, the runner writes slots (lora.py), the scheduler decides admission.
