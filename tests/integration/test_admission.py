@@ -93,11 +93,13 @@ def test_a_burst_is_refused_at_once_and_exactly(stack: Stack) -> None:
     for prompt, result in zip(prompts, results, strict=True):
         if not isinstance(result, grpc.aio.AioRpcError):
             assert list(result.token_ids) == stack.alone(model, prompt, new_tokens), prompt
-    # Decided at once: every refusal took under 5 ms inside the server, and no refused prompt
-    # reached the tokenizer (only the 48 admitted ones were tokenized).
+    # Decided at once: every refusal took under 25 ms inside the server (a decision takes well under a
+    # millisecond; the bound leaves room for a collector pause on a shared 2-core machine, which once
+    # made one of 152 take over 5 ms in CI), while a queued request waits seconds; and no refused
+    # prompt reached the tokenizer (only the 48 admitted ones were tokenized).
     assert metric("strata_rejections_total", model=model, reason="queue_full") == count - 48
     fast = metric(
-        "strata_gateway_admission_decision_seconds_bucket", model=model, outcome="refused", le="0.005"
+        "strata_gateway_admission_decision_seconds_bucket", model=model, outcome="refused", le="0.025"
     )
     assert fast == count - 48
     assert metric("strata_gateway_tokenize_batch_size_sum", model=model) - tokenized_before == 48

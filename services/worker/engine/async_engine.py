@@ -227,9 +227,9 @@ class AsyncEngine:
             self._stats = self._engine.stats()
         except BaseException as exc:  # start() re-raises it in the caller
             self._error = exc
-            self._post(_settle, (built, exc))
+            self._post(_settle, (built, None, exc))
             return
-        self._post(_settle, (built, None))
+        self._post(_settle, (built, None, None))
         try:
             while not self._stop.is_set():
                 self._drain_inbox()
@@ -263,7 +263,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if isinstance(cmd, _Call):
-                self._post(_settle_call, (cmd.done, None, EngineDeadError("the engine stopped")))
+                self._post(_settle, (cmd.done, None, EngineDeadError("the engine stopped")))
 
     def _drain_inbox(self) -> None:
         while True:
@@ -296,9 +296,9 @@ class AsyncEngine:
         try:
             result = call.work(self.engine)
         except Exception as exc:  # the caller's failure, raised in the caller: the loop goes on
-            self._post(_settle_call, (call.done, None, exc))
+            self._post(_settle, (call.done, None, exc))
             return
-        self._post(_settle_call, (call.done, result, None))
+        self._post(_settle, (call.done, result, None))
 
     def _post(self, fn: object, arg: object) -> None:
         loop = self._loop
@@ -343,17 +343,7 @@ class AsyncEngine:
                 log.exception("failure listener %r failed", listener)
 
 
-def _settle(outcome: tuple[asyncio.Future[None], BaseException | None]) -> None:
-    future, error = outcome
-    if future.done():
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
-
-
-def _settle_call(outcome: tuple[asyncio.Future[Any], Any, BaseException | None]) -> None:
+def _settle(outcome: tuple[asyncio.Future[Any], Any, BaseException | None]) -> None:
     future, result, error = outcome
     if future.done():
         return
