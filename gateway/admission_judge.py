@@ -20,11 +20,10 @@ from gateway.admission import PromptEstimate
 from gateway.forecast import Forecast, LinkView, forecast
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from gateway.admission import Priority, Ticket
+    from gateway.admission import Ticket
     from gateway.admission_queue import AdmissionQueue
     from gateway.credits import Slot
+    from gateway.fair_share import FairShare
     from gateway.settings import RouteSettings
     from gateway.worker_link import WorkerLink
 
@@ -35,19 +34,11 @@ Refusal = tuple[str, str, "float | None"]
 class AdmissionJudge:
     """Forecasts and refusals for one route's tickets."""
 
-    def __init__(
-        self,
-        settings: RouteSettings,
-        queue: AdmissionQueue,
-        worker_priority: Callable[[Priority, str, WorkerLink], int],
-        usable_credits: Callable[[str, WorkerLink], int],
-    ) -> None:
-        """`worker_priority` and `usable_credits` are the route's: the priority a tenant's request
-        would have on a link, and the credits it may take there."""
+    def __init__(self, settings: RouteSettings, queue: AdmissionQueue, share: FairShare) -> None:
+        """`share` says what a tenant's request may take on a link and the priority it has there."""
         self._settings = settings
         self._queue = queue
-        self._worker_priority = worker_priority
-        self._usable_credits = usable_credits
+        self._share = share
         self.prompts = PromptEstimate()
         """What the route's prompts tokenize to against their byte bounds; the route feeds it."""
 
@@ -58,9 +49,9 @@ class AdmissionJudge:
             LinkView(
                 link.load,
                 link.load.slots(link.credits.limit),
-                self._usable_credits(ticket.tenant, link),
+                self._share.usable_credits(ticket.tenant, link),
                 [self._exact(slot, [link]) for slot in link.credits.unsent],
-                self._worker_priority(ticket.priority, ticket.tenant, link),
+                self._share.worker_priority(ticket.priority, ticket.tenant, link.load),
                 self._cached(ticket, [link]),
             )
             for link in links

@@ -23,10 +23,9 @@ from typing import TYPE_CHECKING, Any
 from gateway.admission import Priority
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from gateway.admission import Ticket
     from gateway.credits import Slot
+    from gateway.fair_share import FairShare
 
 Entry = tuple[float, int, "Slot[Any]"]
 """(tag, arrival number, slot): a lane is sorted by it."""
@@ -35,13 +34,12 @@ Entry = tuple[float, int, "Slot[Any]"]
 class AdmissionQueue:
     """Waiting slots by priority and tag, with their request and token totals."""
 
-    def __init__(
-        self, max_requests: int, max_tokens: int, weight: Callable[[str], float] | None = None
-    ) -> None:
-        """`weight(tenant)` turns fair queuing on; None serves each priority first come, first served."""
+    def __init__(self, max_requests: int, max_tokens: int, share: FairShare | None = None) -> None:
+        """A `share` with fair queuing on weighs tenants; without, each priority is served first come,
+        first served."""
         self.max_requests = max_requests
         self.max_tokens = max_tokens
-        self._weight = weight
+        self._share = share if share is not None and share.on else None
         self._lanes: dict[Priority, list[Entry]] = {priority: [] for priority in Priority}
         self._virtual = dict.fromkeys(Priority, 0.0)
         self._finish: dict[tuple[Priority, str], float] = {}
@@ -57,10 +55,10 @@ class AdmissionQueue:
 
     def _tag(self, ticket: Ticket) -> float:
         """The virtual finish tag `ticket` would get now (FIFO: behind everyone)."""
-        if self._weight is None:
+        if self._share is None:
             return float("inf")
         start = max(self._virtual[ticket.priority], self._finish.get((ticket.priority, ticket.tenant), 0.0))
-        return start + ticket.cost / self._weight(ticket.tenant)
+        return start + ticket.cost / self._share.weight(ticket.tenant)
 
     def ahead_slots(self, ticket: Ticket) -> list[Slot[Any]]:
         """The waiting slots `ticket` would wait behind, were it queued now, in the order served."""
@@ -102,7 +100,7 @@ class AdmissionQueue:
         ticket = slot.ticket
         arrival = next(self._arrivals)
         tag = self._tag(ticket)
-        if self._weight is None:
+        if self._share is None:
             tag = float(arrival)
         else:
             self._finish[(ticket.priority, ticket.tenant)] = tag
@@ -124,9 +122,9 @@ class AdmissionQueue:
         lane = next((lane for lane in self._lanes.values() if lane), None)
         return lane[0][2] if lane is not None else None
 
-    def first(self, wanted: Callable[[Slot[Any]], bool]) -> Slot[Any] | None:
-        """The first waiting slot, in the order served, that `wanted` accepts; left in the queue."""
-        return next((slot for lane in self._lanes.values() for _, _, slot in lane if wanted(slot)), None)
+    def waiting(self) -> list[Slot[Any]]:
+        """The waiting slots in the order served, left in the queue."""
+        return [slot for lane in self._lanes.values() for _, _, slot in lane]
 
     def pop_next(self) -> Slot[Any] | None:
         """The next slot to serve: the lowest tag of the interactive lane, else of the batch lane."""
@@ -134,7 +132,7 @@ class AdmissionQueue:
             lane = self._lanes[priority]
             if lane:
                 tag, _, slot = lane.pop(0)
-                if self._weight is not None:
+                if self._share is not None:
                     self._virtual[priority] = tag
                 self.tokens -= slot.tokens
                 return slot
@@ -149,7 +147,7 @@ class AdmissionQueue:
 
     def clear(self) -> list[Slot[Any]]:
         """Empty the queue, returning every slot in the order it would have been served."""
-        slots = [slot for priority in Priority for _, _, slot in self._lanes[priority]]
+        slots = self.waiting()
         for lane in self._lanes.values():
             lane.clear()
         self.tokens = 0

@@ -79,14 +79,18 @@ class Attempt:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.slot.release()
+        self.route.release(self.slot)
         if self.submitted is not None and self.ended is None:  # cancelled or failed while it ran
             self.request.trace.close_hop(self.hop, time.perf_counter())
 
     async def granted(self) -> WorkerLink:
         """Wait for a worker credit; the link it is on. Raises why the queue let the request go."""
-        request = self.request
-        link = await self.slot.granted(len(request.prompt_ids) + len(request.token_ids), request.prompt_ids)
+        request, route, slot = self.request, self.route, self.slot
+        # The exact prompt size replaces the estimate; the tokenized prompt lets the route choose by prefix.
+        route.set_tokens(slot, len(request.prompt_ids) + len(request.token_ids))
+        if request.prompt_ids:
+            route.set_prompt(slot, request.prompt_ids)
+        link = await slot.granted()
         self.request.trace.routed(link.address, self.slot.route_reason, self.slot.preferred)
         return link
 
@@ -148,7 +152,7 @@ class Attempt:
         if self.ended is not None or self.submitted is None:
             return
         self.ended = time.perf_counter()
-        self.slot.release()
+        self.route.release(self.slot)
         request = self.request
         request.clock.worker_attempt(
             submitted=self.submitted,

@@ -11,10 +11,11 @@ in flight can still make a submission arrive to a full worker, which the worker 
 
 A Slot is one request's claim on a credit for one submission, from its place in a route's queue to its
 end: the route's dispatcher grants it on a link (taking the credit), and `release` is the only way the
-credit returns. `release` is idempotent and covers every state: a waiting slot leaves the queue, a
-granted one gives its credit back, and one whose submission is still open on the worker has it
-cancelled there. The pipeline, which owns the request's lifecycle, releases every slot it was given,
-on every path. This module does no I/O and must not choose links (route.py does) nor queue requests.
+credit returns. `release` is idempotent and covers every state; the route it came from releases it
+(`Route.release`: a waiting slot leaves the queue, one whose submission is still open on the worker
+has it cancelled there, and the freed credit is granted). The attempt, which holds the slot for the
+request's lifecycle, has it released on every path. This module does no I/O, calls nothing above it,
+and must not choose links (route.py does) nor queue requests.
 """
 
 from __future__ import annotations
@@ -32,27 +33,13 @@ if TYPE_CHECKING:
 
 
 class CreditLink(Protocol):
-    """What a Slot needs of the link its credit is on (a WorkerLink): the stream's credits, and a word
-    when the slot lets its credit go."""
+    """What a Slot needs of the link its credit is on (a WorkerLink): the stream's credits."""
 
     @property
     def credits(self) -> StreamCredits: ...
 
-    def slot_released(self, slot: Slot[Any]) -> None: ...
-
 
 LinkT = TypeVar("LinkT", bound=CreditLink)
-
-
-class SlotQueue(Protocol):
-    """What a waiting Slot needs of its route's queue."""
-
-    def set_tokens(self, slot: Slot[Any], tokens: int) -> None: ...
-
-    def set_prompt(self, slot: Slot[Any], prompt_ids: list[int]) -> None:
-        """The tokenized prompt: the queue may route the slot by its prefix (and move its credit)."""
-
-    def withdraw(self, slot: Slot[Any]) -> None: ...
 
 
 class StreamCredits:
@@ -110,7 +97,7 @@ class Slot(Generic[LinkT]):
     """One request's claim on a worker credit for one submission, on a link of type LinkT. Used from
     the event loop only."""
 
-    def __init__(self, ticket: Ticket, queue: SlotQueue) -> None:
+    def __init__(self, ticket: Ticket) -> None:
         self.ticket = ticket
         self.tokens = ticket.prompt_tokens
         """The prompt size the queue counts: the estimate, then the exact count."""
@@ -131,7 +118,6 @@ class Slot(Generic[LinkT]):
         """Why the credit is on its link (prefix_routing.py's reasons); empty while waiting."""
         self.preferred = ""
         """The replica the prompt's prefix preferred; empty without a key."""
-        self._queue = queue
         self._outcome: asyncio.Future[LinkT] = asyncio.get_running_loop().create_future()
         self._released = False
 
@@ -169,33 +155,27 @@ class Slot(Generic[LinkT]):
         link.credits.take(self)
         self.link = link
         old.credits.give_back(self)
-        old.slot_released(self)
 
-    async def granted(self, prompt_tokens: int, prompt_ids: list[int] | None = None) -> LinkT:
-        """Wait for the grant (the exact prompt size replaces the estimate, the tokenized prompt
-        lets the route choose by prefix); the link it is on.
+    async def granted(self) -> LinkT:
+        """Wait for the grant; the link it is on.
 
         Raises what `refuse` was given: Refused ("shed"), DeadlineExceeded or Unavailable.
         """
-        self._queue.set_tokens(self, prompt_tokens)
-        if prompt_ids:
-            self._queue.set_prompt(self, prompt_ids)
         await self._outcome
         assert self.link is not None  # set by grant, changed only by move
         return self.link
 
-    def release(self) -> None:
-        """Give the claim up, whatever its state; idempotent."""
+    def release(self) -> bool:
+        """Give the claim up, whatever its state: a granted credit goes back to its link's count. True
+        the first time (the route then takes a waiting slot out of its queue, or cancels a sent
+        submission and grants the freed credit); False after."""
         if self._released:
-            return
+            return False
         self._released = True
         if self.timer is not None:
             self.timer.cancel()
         if not self._outcome.done():
             self._outcome.cancel()
-        link = self.link
-        if link is None:
-            self._queue.withdraw(self)
-            return
-        link.credits.give_back(self)
-        link.slot_released(self)
+        if self.link is not None:
+            self.link.credits.give_back(self)
+        return True

@@ -17,9 +17,9 @@ Prompts not yet prefilled on the worker count ahead of the ticket only when thei
 least the ticket's (the worker prefills a favoured tenant's prompt first, route.py), and a running
 request of a lower priority gives its slot up at once (the worker preempts it). A request counts as
 running to its max_new_tokens, so the forecast is an upper bound when requests stop early (the safe side
-of the promise). `under_share` tells whether a tenant holds less than its weighted share of the work
-open on a stream. This module does no I/O and must not decide: route.py compares the forecast with the
-SLO and the deadline, and worker_link.py feeds the LinkLoad.
+of the promise). `tenant_costs` is the work each tenant holds open on a stream, which its fair share
+is measured against (fair_share.py). This module does no I/O and must not decide: route.py compares
+the forecast with the SLO and the deadline, and worker_link.py feeds the LinkLoad.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from gateway.prompt_prefix import NO_PREFIX, CachedPrefixes, PromptPrefix
 from gateway.step_cost import StepCost
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
 
     from gateway.admission import Ticket
     from strata.v1 import worker_pb2
@@ -129,16 +129,14 @@ class LinkLoad:
             prefilled=max(0, cached),
         )
 
-    def under_share(self, tenant: str, weight: Callable[[str], float]) -> bool:
-        """Whether `tenant` holds less than its weighted share of the token cost (prompt plus
-        max_new_tokens) of the requests open on this stream, among the tenants holding some."""
+    def tenant_costs(self) -> dict[str, int]:
+        """The token cost (prompt plus max_new_tokens) of the requests open on this stream, by tenant:
+        what a tenant's fair share is measured against (fair_share.py)."""
         costs: dict[str, int] = {}
         for request in self._open.values():
             cost = request.prompt_tokens + request.max_new_tokens
             costs[request.tenant] = costs.get(request.tenant, 0) + cost
-        total = sum(costs.values())
-        weights = sum(weight(name) for name in {*costs, tenant})
-        return costs.get(tenant, 0) < total * weight(tenant) / weights
+        return costs
 
     @property
     def margin_s(self) -> float:
@@ -284,7 +282,7 @@ class LinkView:
     unsent: Sequence[Ticket] = ()
     """The tickets of slots granted on it whose submissions are not sent yet (being tokenized)."""
     priority: int = 0
-    """The Submission.priority the ticket would have on it (route.py's worker_priority)."""
+    """The Submission.priority the ticket would have on it (fair_share.py's worker_priority)."""
     cached_tokens: int = 0
     """Of the ticket's prompt, the tokens this worker's prefix cache likely serves (CachedPrefixes)."""
 

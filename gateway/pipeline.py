@@ -43,7 +43,7 @@ from strata.status import ELAPSED_KEY
 from strata.v1 import tokenizer_pb2
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncGenerator, Callable
+    from collections.abc import AsyncGenerator
 
     from gateway.fallback import Detour
     from gateway.request_values import Chunk, Failure, Incoming
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from gateway.router import Router
     from gateway.settings import GatewaySettings
     from gateway.tokenize_batcher import TokenizeBatcher
+    from gateway.tokenizer_client import TokenizerClient
     from strata.tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -68,11 +69,11 @@ class Pipeline:
         settings: GatewaySettings,
         router: Router,
         batcher: TokenizeBatcher,
-        tokenizer: Callable[[str], tokenizer_pb2.TokenizerModel | None],
+        tokenizer: TokenizerClient,
         tracing: Tracing,
     ) -> None:
-        """`tokenizer(model)` is what the tokenizer service said of a route's model (None before it
-        answered)."""
+        """`tokenizer.models` is what the tokenizer service said of the routes' models (validation
+        reads it)."""
         self._settings = settings
         self._router = router
         self._batcher = batcher
@@ -93,7 +94,7 @@ class Pipeline:
         """The prompt tokens `incoming` would take on its route (its conversation through the model's
         chat template, its tools as the model is asked for them), validated as a request is; nothing
         is admitted, generated nor taken from a quota."""
-        valid = validate(incoming.request, self._settings, self._router.max_model_len, self._tokenizer)
+        valid = validate(incoming.request, self._settings, self._router.max_model_len, self._tokenizer.models)
         route = self._router.route(valid.model)
         tokenized = await self._batcher.tokenize(
             tokenizer_pb2.TokenizeEntry(
@@ -116,7 +117,9 @@ class Pipeline:
             model = UNKNOWN_MODEL  # a metric label: never a name a client made up
         done = False
         try:
-            valid = validate(incoming.request, self._settings, self._router.max_model_len, self._tokenizer)
+            valid = validate(
+                incoming.request, self._settings, self._router.max_model_len, self._tokenizer.models
+            )
             request_id = valid.request_id
             trace.validated(valid)
             self.tenants.check_model(
@@ -310,13 +313,14 @@ class Pipeline:
         )
 
     def _same_tokenizer(self, primary: Route, other: Route) -> bool:
-        mine, theirs = self._tokenizer(primary.name), self._tokenizer(other.name)
+        models = self._tokenizer.models
+        mine, theirs = models.get(primary.name), models.get(other.name)
         return mine is not None and theirs is not None and mine.fingerprint == theirs.fingerprint != ""
 
     def thinks(self, model: str) -> bool:
         """Whether `model`'s answers may open with reasoning in think tokens (gateway/reasoning.py)."""
         try:
-            info = self._tokenizer(self._router.route(model).name)
+            info = self._tokenizer.models.get(self._router.route(model).name)
         except NotFound:
             return False
         return info is not None and info.think_tokens

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Sequence
+    from collections.abc import Iterable, Mapping, Sequence
 
 VIRTUAL_NODES = 64
 """Ring points per replica: enough that two or three replicas split the key space near evenly."""
@@ -116,12 +116,11 @@ def choose(
     ring: Ring,
     key: int | None,
     factor: float,
-    credits: Callable[[R], int],
+    free: Mapping[str, int],
 ) -> Choice[R] | None:
     """The replica for a request with routing key `key` among the ready `replicas`; None when none
-    has a credit for it. `credits(replica)` is what the request may take there (route.py keeps some of
-    a replica's free credits for tenants below their share)."""
-    free = {replica.address: credits(replica) for replica in replicas}
+    has a credit for it. `free[address]` is what the request may take there (fair_share.py keeps some
+    of a replica's free credits for tenants below their share)."""
     if not any(value > 0 for value in free.values()):
         return None
     # Least loaded as the dispatcher has always judged it: the most credits this gateway may use.

@@ -13,22 +13,19 @@ more than it accepts, on the link prefix_routing.py chooses: the replica the pro
 while it is within the load bound, else the ready link with the most credit. A slot is usually granted
 before its prompt is tokenized (a credit was free at once); once tokenized, `set_prompt` moves its
 unsent credit to the prefix's replica when that is another with a credit free. With fair queuing on, a
-request whose tenant holds less than its weighted share of a link's open work is sent favoured
-(`worker_priority`): the worker prefills it before the rest of its priority and, when every running slot
-is taken, preempts a less favoured sequence for it. For that request to reach the worker while another
-tenant holds every credit, `fair_reserve_share` of each link's credits go only to a tenant below its
-share there (`usable_credits`); the dispatcher serves the queue in order, except that a head which may
-not take them lets the first waiting slot of such a tenant take one. Slots granted in one pass are
-submitted in one event-loop tick and so share one ConnectRequest. A slot whose deadline passes while it
-waits leaves the queue with DEADLINE_EXCEEDED (nothing was sent to a worker); a released one leaves it
-too. This module must not talk to workers (worker_link.py) nor find them (discovery.py) nor validate
-requests.
+tenant below its weighted share of a link is sent favoured there and may take the credits kept for such
+tenants (fair_share.py); the dispatcher serves the queue in order, except that a head which may not take
+them lets the first waiting slot of such a tenant take one. Slots granted in one pass are submitted in
+one event-loop tick and so share one ConnectRequest. A slot whose deadline passes while it waits leaves
+the queue with DEADLINE_EXCEEDED (nothing was sent to a worker). The route releases the slots it made
+(`release`): a waiting one leaves the queue, a granted one's credit is granted again and its submission
+cancelled on the worker if still open. This module must not read from workers nor write submissions
+(worker_link.py), find them (discovery.py) nor validate requests.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -39,6 +36,7 @@ from gateway.admission_queue import AdmissionQueue
 from gateway.credits import Slot
 from gateway.discovery import Discovery, resolve
 from gateway.errors import DeadlineExceeded, Unavailable
+from gateway.fair_share import FairShare
 from gateway.metrics import ADMISSION_DECISION_SECONDS, REJECTIONS
 from gateway.prefix_routing import Ring, choose, prefix_key
 from gateway.prompt_prefix import NO_PREFIX
@@ -54,8 +52,8 @@ if TYPE_CHECKING:
     from gateway.worker_link import WorkerLink
     from strata.v1 import common_pb2
 
-    MakeLink = Callable[[str, str, Callable[[], None]], WorkerLink]
-    """(address, model, on_capacity) -> a new link."""
+    MakeLink = Callable[[str, str, asyncio.Event], WorkerLink]
+    """(address, model, capacity) -> a new link that sets `capacity` when its credits or readiness change."""
 
 # A ticket leaves the queue this long before its deadline, so that the gateway's DEADLINE_EXCEEDED,
 # which says how long it waited, reaches the client before the client's own timer fires.
@@ -102,13 +100,16 @@ class Route:
         self.fallback_enabled = settings.fallback_enabled
         self._default_retry_s = gateway.overload_retry_after_s
         weights = {tenant.name: tenant.weight for tenant in gateway.tenants}
-        self._weight = (lambda tenant: weights.get(tenant, 1.0)) if gateway.fair_queuing else None
-        self._queue = AdmissionQueue(settings.max_queued_requests, settings.max_queued_tokens, self._weight)
-        self._judge = AdmissionJudge(settings, self._queue, self.worker_priority, self.usable_credits)
+        self._share = FairShare(weights, settings.fair_reserve_share, gateway.fair_queuing)
+        self._queue = AdmissionQueue(settings.max_queued_requests, settings.max_queued_tokens, self._share)
+        self._judge = AdmissionJudge(settings, self._queue, self._share)
         self._ring = Ring(())
+        self._capacity = asyncio.Event()
+        """Set by the route's links when their credits or readiness change (worker_link.py)."""
+        self._dispatcher: asyncio.Task[None] | None = None
         self._discovery = Discovery(
             settings,
-            lambda address: make_link(address, self.name, self._capacity_changed),
+            lambda address: make_link(address, self.name, self._capacity),
             on_change,
             resolver,
         )
@@ -126,9 +127,13 @@ class Route:
 
     def start(self) -> None:
         self._discovery.start()
+        self._dispatcher = asyncio.create_task(self._follow_capacity(), name=f"dispatch-{self.name}")
 
     async def close(self) -> None:
         await self._discovery.close()
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+            await asyncio.gather(self._dispatcher, return_exceptions=True)
         self._fail_waiting(Unavailable(f"the gateway stopped serving model {self.name!r}"))
 
     def available(self) -> bool:
@@ -176,30 +181,13 @@ class Route:
 
     def free_credits(self, tenant: str) -> int:
         """The credits a request of `tenant` may take on the route's links now."""
-        return sum(self.usable_credits(tenant, link) for link in self.links)
-
-    def _favoured(self, tenant: str, link: WorkerLink) -> bool:
-        """Fair queuing is on and `tenant` holds less than its weighted share of the work open on `link`."""
-        return self._weight is not None and link.load.under_share(tenant, self._weight)
+        return sum(self._share.usable_credits(tenant, link) for link in self.links)
 
     def worker_priority(self, priority: Priority, tenant: str, link: WorkerLink) -> int:
-        """Submission.priority for a request of `tenant` on `link`: its class's, favoured when the
-        tenant is below its share there. The worker prefills favoured prompts first and preempts a less
-        favoured sequence for one when its running slots are full, so fairness reaches past the queue
-        into who runs (a flood sent while the worker had credits cannot hold a quiet tenant behind it)."""
-        return priority.worker_priority(self._favoured(tenant, link))
-
-    def usable_credits(self, tenant: str, link: WorkerLink) -> int:
-        """The credits of `link` a request of `tenant` may take: all that are free when the tenant is
-        below its share there, else all but the reserve (`fair_reserve_share` of the credits, at most
-        those beyond the worker's running limit, which a lone tenant so still fills)."""
-        free = link.free_credits
-        if free <= 0 or self._weight is None or self._favoured(tenant, link):
-            return free
-        limit = link.credits.limit
-        beyond_running = max(0, limit - link.load.max_running)
-        reserve = min(math.ceil(self.settings.fair_reserve_share * limit), beyond_running)
-        return max(0, free - reserve)
+        """Submission.priority for a request of `tenant` on `link` (fair_share.py): the worker prefills
+        favoured prompts first and preempts a less favoured sequence for one when its running slots are
+        full, so a flood sent while the worker had credits cannot hold a quiet tenant behind it."""
+        return self._share.worker_priority(priority, tenant, link.load)
 
     def forecast(self, ticket: Ticket) -> Forecast | None:
         """When `ticket` would start and get its first token, queued now; None before any step report."""
@@ -241,7 +229,7 @@ class Route:
             raise self._refusal(reason, text, wait)
         victims = self._queue.victims(ticket)
         wait = predicted.start_s if predicted is not None else None
-        slot: Slot[WorkerLink] = Slot(ticket, self)
+        slot: Slot[WorkerLink] = Slot(ticket)
         slot.forecast = predicted
         slot.prefix_key = key
         for victim in victims if isinstance(victims, list) else ():
@@ -282,11 +270,21 @@ class Route:
         if chosen is not link:
             slot.move(chosen)
             slot.forecast = self._judge.forecast(slot.ticket, [chosen]) or slot.forecast
+            self._capacity_changed()  # the credit it left on `link` may go to a waiting slot
 
-    def withdraw(self, slot: Slot[WorkerLink]) -> None:
-        """A released slot that was never granted leaves the queue (if still in it)."""
-        if self._queue.remove(slot):
-            self._dispatch()
+    def release(self, slot: Slot[WorkerLink]) -> None:
+        """Give up `slot`, whatever its state; idempotent. A slot never granted leaves the queue; a
+        granted one gives its credit back, its submission is cancelled on the worker if still open
+        there, and the credit goes to a waiting slot."""
+        if not slot.release():
+            return
+        link = slot.link
+        if link is None:
+            if self._queue.remove(slot):
+                self._dispatch()
+            return
+        link.cancel(slot.wire_id)
+        self._capacity_changed()
 
     def _refusal(self, reason: str, text: str, wait_s: float | None) -> Refused:
         retry_s = wait_s if wait_s else self._default_retry_s
@@ -323,6 +321,13 @@ class Route:
         for slot in self._queue.clear():
             self._leave(slot, error)
 
+    async def _follow_capacity(self) -> None:
+        """The dispatcher's task: runs it whenever a link signals a change."""
+        while True:
+            await self._capacity.wait()
+            self._capacity.clear()
+            self._capacity_changed()
+
     def _capacity_changed(self) -> None:
         """A link's credits or readiness changed: grant what waits, or fail it if no link is left."""
         if self._queue.requests and not self.available():
@@ -344,7 +349,8 @@ class Route:
         if addresses != self._ring.addresses:
             self._ring = Ring(addresses)
         factor = self.settings.prefix_routing_load_factor
-        return choose(links, self._ring, key, factor, lambda link: self.usable_credits(tenant, link))
+        credits = {link.address: self._share.usable_credits(tenant, link) for link in links}
+        return choose(links, self._ring, key, factor, credits)
 
     def _dispatch(self) -> None:
         while (slot := self._queue.peek_next()) is not None:
@@ -352,10 +358,13 @@ class Route:
             if choice is None and not slot.decided:
                 # The head may not take the credits kept for tenants below their share: the first
                 # waiting slot of such a tenant may; everyone else keeps the queue's order.
-                reserved = self._queue.first(lambda s: not s.decided and self._choose(s) is not None)
+                reserved = next(
+                    ((s, c) for s in self._queue.waiting() if not s.decided and (c := self._choose(s))),
+                    None,
+                )
                 if reserved is None:
                     return
-                slot, choice = reserved, self._choose(reserved)
+                slot, choice = reserved
                 self._queue.remove(slot)
             else:
                 self._queue.pop_next()

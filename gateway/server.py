@@ -41,8 +41,6 @@ from strata.v1 import gateway_pb2, gateway_pb2_grpc
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from strata.v1 import tokenizer_pb2
-
     Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
 
 log = logging.getLogger(__name__)
@@ -186,7 +184,7 @@ class GatewayServer:
         self.tokenizer = TokenizerClient(settings, self._health_changed)
         self.router = Router(settings, self.tokenizer, self._health_changed)
         self.batcher = TokenizeBatcher(self.tokenizer, settings.max_batch_delay_ms, settings.max_batch_size)
-        self.pipeline = Pipeline(settings, self.router, self.batcher, self._tokenizer_model, self.tracing)
+        self.pipeline = Pipeline(settings, self.router, self.batcher, self.tokenizer, self.tracing)
         self.running: RunningServer | None = None
         self.address = ""
         """host:port the server is bound to."""
@@ -219,10 +217,6 @@ class GatewayServer:
             (route.name, route.queued_requests, sum(link.open_requests for link in route.links))
             for route in self.router.routes()
         ]
-
-    def _tokenizer_model(self, model: str) -> tokenizer_pb2.TokenizerModel | None:
-        """What the tokenizer service said of a route's model in its latest answer; None before it."""
-        return self.tokenizer.models.get(model)
 
     def _health_changed(self) -> None:
         self._health_dirty.set()

@@ -30,7 +30,7 @@ from strata.sampling import (
 from strata.v1 import common_pb2, gateway_pb2
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
 
     from gateway.settings import GatewaySettings
     from strata.v1 import tokenizer_pb2
@@ -63,11 +63,11 @@ def validate(
     request: gateway_pb2.GenerateRequest,
     settings: GatewaySettings,
     context_limit: Callable[[str], int | None],
-    tokenizer: Callable[[str], tokenizer_pb2.TokenizerModel | None] = lambda _: None,
+    tokenizer_models: Mapping[str, tokenizer_pb2.TokenizerModel],
 ) -> ValidRequest:
     """Check every field; `context_limit(model)` is the model's context length when a worker reported
-    it, `tokenizer(model)` what the tokenizer service said of its tokenizer (the tool grammar names the
-    call and think tags as tokens where they are tokens of their own)."""
+    it, `tokenizer_models` what the tokenizer service said of the models' tokenizers (the tool grammar
+    names the call and think tags as tokens where they are tokens of their own)."""
     _check_input(request)
     routes = [route.model for route in settings.routes]
     unknown: NotFound | None = None
@@ -76,7 +76,7 @@ def validate(
     except NotFound as missing:  # reported after the fields' own checks, as before adapters existed
         name, unknown = ModelName(request.model), missing
     model = name.route
-    info = tokenizer(model)
+    info = tokenizer_models.get(model)
     tags, thinks = (info.tool_call_tokens, info.think_tokens) if info is not None else (False, False)
     request = tool_calls.prepare(request, tags, thinks)
     sampling = _check_sampling(request, settings)

@@ -5,12 +5,12 @@ tokenizer service's fingerprint, then runs a writer task (link_writer.py) and a 
 ConnectResponse the reader makes ONE batched Detokenize call covering every update in it, hands each
 request its result (request.py keeps the state that call needs), and feeds the message to the LinkLoad
 that the route's forecast reads (forecast.py). Each submission rides on a Slot granted on this link
-(credits.py counts them, so the worker is never sent more than it accepts); releasing the slot cancels
-its submission if the worker still runs it, and every change of the credits is signalled to the route's
-dispatcher through `on_capacity`. A broken stream fails its open requests with UNAVAILABLE
-and reconnects with backoff; a FAILED_PRECONDITION answer (another model or tokenizer) leaves the link
-refused, with the reason kept for the error clients see. This module must not choose between links
-(route.py does) nor shape client responses (request.py does).
+(credits.py counts them, so the worker is never sent more than it accepts); the route cancels the
+submission of a released slot if the worker still runs it, and every change of the credits the stream
+brings sets the route's `capacity` event, which its dispatcher waits on. A broken stream fails its open
+requests with UNAVAILABLE and reconnects with backoff; a FAILED_PRECONDITION answer (another model or
+tokenizer) leaves the link refused, with the reason kept for the error clients see. This module must
+not choose between links (route.py does) nor shape client responses (request.py does).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -59,14 +59,16 @@ class WorkerLink:
         settings: GatewaySettings,
         tokenizer: TokenizerClient,
         on_change: Callable[[], None],
-        on_capacity: Callable[[], None] | None = None,
+        capacity: asyncio.Event | None = None,
     ) -> None:
+        """`capacity` is set at every change of the link's credits or readiness: the route's
+        dispatcher waits on it."""
         self.address = address
         self.model = model
         self._settings = settings
         self._tokenizer = tokenizer
         self._on_change = on_change
-        self._on_capacity = on_capacity or (lambda: None)
+        self._capacity = capacity or asyncio.Event()
         self._channel = aio_channel(address, channel_options(INTERNAL_MESSAGE_BYTES), settings.internal_tls)
         self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -129,7 +131,7 @@ class WorkerLink:
     def set_leaving(self, leaving: bool = True) -> None:
         """Take no new requests (the address left discovery), or take them again; open ones run on."""
         self.leaving = leaving
-        self._on_capacity()
+        self._capacity.set()
 
     async def wait_idle(self) -> None:
         """Return once no request is open on this link and every delta is delivered."""
@@ -165,14 +167,10 @@ class WorkerLink:
         WORKER_SUBMISSIONS.labels(self.model, self.address).inc()
         self._outbound.put_nowait(submission)
 
-    def slot_released(self, slot: Slot[Any]) -> None:
-        """A slot granted here was released: cancel its submission if the worker still runs it. The
-        worker reads a cancellation before any submission queued after it: the credit is free already."""
-        self._cancel(slot.wire_id)
-        self._on_capacity()
-
-    def _cancel(self, wire_id: str) -> None:
-        """Abort a request still open on this stream, freeing its KV blocks in the worker."""
+    def cancel(self, wire_id: str) -> None:
+        """Abort a request still open on this stream (none: nothing), freeing its KV blocks in the
+        worker. The worker reads a cancellation before any submission queued after it, so the credit
+        its slot gave back is free already."""
         if wire_id and self._open.pop(wire_id, None) is not None:
             self.load.forget(wire_id)
             self._outbound.put_nowait(wire_id)
@@ -242,7 +240,7 @@ class WorkerLink:
                 first.credits.requests,
             )
             self._on_change()
-            self._on_capacity()
+            self._capacity.set()
             writer = asyncio.create_task(
                 write_merged(call, self._outbound, self.model, self.address), name=f"writer-{self.address}"
             )
@@ -275,7 +273,7 @@ class WorkerLink:
             entries.append(sink.entry(update, self.model))
         if response.HasField("credits"):
             self.credits.report(response.credits.requests, len(self._open))
-        self._on_capacity()
+        self._capacity.set()
         if entries:
             self._delivering = True
             try:
@@ -294,16 +292,16 @@ class WorkerLink:
             results, call = await self._tokenizer.detokenize(entries)
         except TokenizerUnavailable as lost:
             for wire_id, sink, _ in targets:
-                self._cancel(wire_id)
+                self.cancel(wire_id)
                 sink.fail(lost)
             return
         for (wire_id, sink, update), result in zip(targets, results, strict=True):
             if result.HasField("error"):
-                self._cancel(wire_id)
+                self.cancel(wire_id)
                 sink.fail(from_code(result.error.code, result.error.message))
                 continue
             if result.stopped:
-                self._cancel(wire_id)  # the worker may still be generating: free its KV blocks now
+                self.cancel(wire_id)  # the worker may still be generating: free its KV blocks now
             sink.deliver(update, result, received, call)
 
     def _drop(self, reason: str, *, expected: bool = False) -> None:
@@ -318,7 +316,7 @@ class WorkerLink:
         for sink in failed.values():
             sink.fail(error)
         self._note_idle()
-        self._on_capacity()
+        self._capacity.set()
         if was_ready:
             level = logging.INFO if expected else logging.WARNING
             log.log(level, "link to worker %s for model %s closed: %s", self.address, self.model, reason)

@@ -64,6 +64,19 @@ def request_path(records: Mapping[str, Record]) -> list[str]:
         f"{data['gateway_modules_total']} gateway modules and makes {data['gateway_types_made_count']} "
         "gateway types.",
         *_walk(data.get("walk_from_serve")),
+        *_upward(data.get("upward_calls")),
+    ]
+
+
+def _upward(upward: Mapping[str, Any] | None) -> list[str]:
+    """The calls up the import graph, when the record counts them."""
+    if upward is None:
+        return []
+    calls = "".join(f"\n- `{call}`" for call in upward["calls"])
+    return [
+        "",
+        "Calls from a gateway module into one that imports it (a callback up the layers): "
+        f"{upward['count']}.{calls}",
     ]
 
 

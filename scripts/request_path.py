@@ -7,9 +7,12 @@ hook records every gateway function that runs and a wrapper on each gateway clas
 records every gateway type made. The walk is the gateway functions the request runs from
 `Pipeline._serve` on, each at its first call, in the order they are first called: read as a list of
 modules (a function in the same module as the one before is the same stop), it counts the stops, the
-returns to a module the walk already left, and the stops in each module. The figures are the request
-path's size as a newcomer reading the code meets it; they change only when the code does. This
-script must not change any service's behaviour: the hooks only record.
+returns to a module the walk already left, and the stops in each module. Every call from one gateway
+module into another while the request runs is kept too: one into a module that imports the caller
+(directly or through others, read from the sources' imports, TYPE_CHECKING ones included) goes up the
+layers, a callback the lower module was handed. The figures are the request path's size and shape as
+a newcomer reading the code meets it; they change only when the code does. This script must not
+change any service's behaviour: the hooks only record.
 
     .venv/bin/python scripts/request_path.py [--model-dir DIR] [--json PATH] [--tree DIR]
 
@@ -19,6 +22,7 @@ script must not change any service's behaviour: the hooks only record.
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import functools
 import importlib
@@ -71,6 +75,10 @@ class Recorder:
         self.walk: list[tuple[str, str]] = []
         """(module, function) at each gateway function's first call from Pipeline._serve's on."""
         self._seen: set[object] = set()
+        self.calls: set[tuple[str, str, str, str]] = set()
+        """(caller module, caller function, callee module, callee function) of every call from one
+        gateway module into another while `on` is set (a coroutine resumed through the one awaiting it
+        counts as called by it again, as it was)."""
 
     def profile(self, frame: Any, event: str, arg: object) -> None:
         if self.on and event == "call":
@@ -78,6 +86,11 @@ class Recorder:
             path = Path(code.co_filename)
             if path.parent == GATEWAY_DIR:
                 self.modules.add(path.stem)
+                caller = frame.f_back
+                if caller is not None and Path(caller.f_code.co_filename).parent == GATEWAY_DIR:
+                    source = Path(caller.f_code.co_filename).stem
+                    if source != path.stem:
+                        self.calls.add((source, caller.f_code.co_qualname, path.stem, code.co_qualname))
                 started = self.walk or (path.stem == "pipeline" and code.co_name == WALK_START)
                 # A coroutine's every resumption is a call: a function is on the walk at its first
                 # call only, and one first called before _serve (the front door) is not on it.
@@ -129,6 +142,47 @@ def walk_figures(walk: list[tuple[str, str]]) -> dict[str, Any]:
         "stops_per_module": dict(sorted(entries.items(), key=lambda item: (-item[1], item[0]))),
         "most_stops_in_one_module": max(entries.values(), default=0),
     }
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each gateway module's gateway imports, TYPE_CHECKING ones included, read from its source."""
+    graph: dict[str, set[str]] = {}
+    for path in GATEWAY_DIR.glob("*.py"):
+        imported: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gateway."):
+                imported.add(node.module.removeprefix("gateway.").split(".")[0])
+            elif isinstance(node, ast.Import):
+                imported.update(
+                    alias.name.split(".")[1] for alias in node.names if alias.name.startswith("gateway.")
+                )
+        graph[path.stem] = imported
+    return graph
+
+
+def upward_calls(calls: set[tuple[str, str, str, str]]) -> dict[str, Any]:
+    """The calls that go up the layers: from a module into one that imports it (directly or through
+    others). The code below holds a callback, a protocol or a lambda of the module above it, so a
+    reader of the lower module is sent back up to find what runs."""
+    graph = import_graph()
+
+    def above(module: str) -> set[str]:
+        found: set[str] = set()
+        for name, imported in graph.items():
+            if module in imported:
+                found.add(name)
+        frontier = set(found)
+        while frontier:
+            frontier = {name for name, imported in graph.items() if imported & frontier} - found
+            found |= frontier
+        return found
+
+    edges = sorted(
+        f"{source}.{caller} -> {target}.{callee}"
+        for source, caller, target, callee in calls
+        if target in above(source)
+    )
+    return {"count": len(edges), "calls": edges}
 
 
 def line_counts() -> dict[str, int]:
@@ -214,6 +268,7 @@ def main() -> int:
         "gateway_types_made": sorted(recorder.types),
         "gateway_types_made_count": len(recorder.types),
         "walk_from_serve": walk_figures(recorder.walk),
+        "upward_calls": upward_calls(recorder.calls),
         "measured_tree": _tree_commit(),
         "lines": line_counts(),
     }

@@ -188,7 +188,7 @@ def test_a_dns_route_resolves_localhost_and_follows_its_changes(tiny_serving_dir
 async def generate_on(route: Route, link: Any, name: str, new_tokens: int) -> list[int]:
     """A request submitted straight to one link: its slot granted there, bypassing the dispatcher."""
     request = request_of(route, name, new_tokens)
-    slot: Slot[Any] = Slot(ticket(name), route)
+    slot: Slot[Any] = Slot(ticket(name))
     slot.grant(link)
     try:
         sampling = common_pb2.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
@@ -198,7 +198,7 @@ async def generate_on(route: Route, link: Any, name: str, new_tokens: int) -> li
         link.submit(slot, submission, request.sink)
         return await collect(request)
     finally:
-        slot.release()
+        route.release(slot)
 
 
 def test_a_cancelled_caller_leaves_the_queue_and_a_lost_worker_fails_the_waiting(

@@ -22,6 +22,7 @@ from gateway.admission import (
 )
 from gateway.admission_queue import AdmissionQueue
 from gateway.credits import Slot, StreamCredits
+from gateway.fair_share import FairShare
 from gateway.settings import GatewaySettings
 from strata.settings import SettingsError
 from strata.status import RETRY_PUSHBACK_KEY, STATUS_DETAILS_KEY, Unavailable, retry_delay_s, trailers
@@ -42,38 +43,17 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     new_loop.close()
 
 
-class RecordingRoute:
-    """What a Slot calls back on its route: recorded, since these tests drive the queue by hand."""
-
-    def __init__(self) -> None:
-        self.withdrawn: list[Slot[Any]] = []
-
-    def set_tokens(self, slot: Slot[Any], tokens: int) -> None:
-        slot.tokens = tokens
-
-    def set_prompt(self, slot: Slot[Any], prompt_ids: list[int]) -> None:
-        slot.prefix_key = len(prompt_ids)
-
-    def withdraw(self, slot: Slot[Any]) -> None:
-        self.withdrawn.append(slot)
-
-
 class RecordingLink:
-    """What a granted Slot calls on its link: its credits, and the release that may cancel a submission."""
+    """What a granted Slot reads of its link: its credits."""
 
     def __init__(self) -> None:
         self.credits = StreamCredits()
-        self.released: list[Slot[Any]] = []
-
-    def slot_released(self, slot: Slot[Any]) -> None:
-        self.released.append(slot)
 
 
 def slot(
     name: str,
     tokens: int = 10,
     priority: Priority = Priority.INTERACTIVE,
-    route: RecordingRoute | None = None,
     tenant: str = "default",
     new_tokens: int = 8,
 ) -> Slot[Any]:
@@ -82,7 +62,7 @@ def slot(
     )
 
     async def make() -> Slot[Any]:  # a slot belongs to the running loop, as on a route
-        return Slot(ticket, route or RecordingRoute())
+        return Slot(ticket)
 
     return asyncio.get_event_loop().run_until_complete(make())
 
@@ -116,8 +96,7 @@ def test_fair_queuing_serves_tenants_by_token_cost_over_weight() -> None:
     """A flood of long prompts from one tenant and a trickle of short ones from another, equal weight:
     each tenant is served in the order of its token cost, so the short ones pass the flood; with
     weight 2 a tenant gets twice the cost; a newcomer is tagged from the virtual time, not behind."""
-    weights = {"noisy": 1.0, "quiet": 1.0}
-    queue = AdmissionQueue(max_requests=20, max_tokens=100_000, weight=lambda tenant: weights[tenant])
+    queue = AdmissionQueue(max_requests=20, max_tokens=100_000, share=FairShare({}, 0.0, on=True))
     for i in range(4):
         queue.push(slot(f"n{i}", tokens=512, tenant="noisy", new_tokens=32))  # cost 544 each
     for i in range(4):
@@ -133,8 +112,7 @@ def test_fair_queuing_serves_tenants_by_token_cost_over_weight() -> None:
     queue.push(slot("q4", tokens=32, tenant="quiet", new_tokens=32))
     assert order(queue) == ["q4", "n4"]
     # Weight 2 halves a tenant's charge: two of its requests per one of an equal cost.
-    weights["quiet"] = 2.0
-    fresh = AdmissionQueue(max_requests=20, max_tokens=100_000, weight=lambda tenant: weights[tenant])
+    fresh = AdmissionQueue(max_requests=20, max_tokens=100_000, share=FairShare({"quiet": 2.0}, 0.0, on=True))
     for i in range(3):
         fresh.push(slot(f"n{i}", tokens=96, tenant="noisy", new_tokens=32))
         fresh.push(slot(f"q{i}", tokens=96, tenant="quiet", new_tokens=32))
@@ -232,22 +210,22 @@ def test_stream_credits_count_held_slots_and_learn_others_from_reports() -> None
 
 
 def test_a_slot_takes_one_credit_when_granted_and_gives_it_back_exactly_once() -> None:
-    route, link = RecordingRoute(), RecordingLink()
+    """The first release of a slot gives its credit back and says so (its route then cancels or
+    withdraws it); a second does nothing. A waiting slot's release decides it without a credit."""
+    link = RecordingLink()
     link.credits.reset(limit=2, reported=2)
-    granted = slot("g", route=route)
+    granted = slot("g")
     granted.grant(link)  # type: ignore[arg-type]
     assert granted.decided and link.credits.available() == 1
-    granted.release()
-    granted.release()
-    assert link.credits.held == 0 and link.released == [granted] and route.withdrawn == []
-    waiting = slot("w", route=route)
-    waiting.release()
-    waiting.release()
-    assert route.withdrawn == [waiting] and waiting.decided  # it left the queue, once
-    refused = slot("r", route=route)
+    assert granted.release() and not granted.release()
+    assert link.credits.held == 0 and link.credits.available() == 2
+    waiting = slot("w")
+    assert waiting.release() and not waiting.release()
+    assert waiting.decided and waiting.link is None
+    refused = slot("r")
     refused.refuse(Unavailable("no worker"))
     with pytest.raises(Unavailable):
-        asyncio.get_event_loop().run_until_complete(refused.granted(10))
+        asyncio.get_event_loop().run_until_complete(refused.granted())
 
 
 @pytest.mark.parametrize(

@@ -291,23 +291,6 @@ def test_a_favoured_ticket_takes_a_running_slot_of_a_lower_priority_at_once() ->
     assert no_credit is not None and no_credit.start_s == pytest.approx(0.4)
 
 
-def test_a_tenant_is_under_share_while_it_holds_less_than_its_weighted_part_of_the_open_cost() -> None:
-    load = LinkLoad()
-    weights = {"noisy": 1.0, "quiet": 1.0, "heavy": 3.0}.__getitem__
-    assert not load.under_share("quiet", weights)  # nothing open: nobody to be favoured over
-    load.sent(submission("n1", prompt=500, new=12), tenant="noisy")
-    assert load.under_share("quiet", weights)
-    assert not load.under_share("noisy", weights)  # alone, it holds all of its share
-    load.sent(submission("q1", prompt=20, new=12), tenant="quiet")
-    assert load.under_share("quiet", weights) and not load.under_share("noisy", weights)
-    # Weight 3 of 5: 3/5 of (512 + 32) = 326 tokens is its share, and it holds none.
-    assert load.under_share("heavy", weights)
-    load.sent(submission("h1", prompt=300, new=12), tenant="heavy")
-    assert load.under_share("heavy", weights)  # 312 < 3/5 x 856
-    load.sent(submission("h2", prompt=500, new=12), tenant="heavy")
-    assert not load.under_share("heavy", weights)  # 824 >= 3/5 x 1368
-
-
 def test_reported_prefill_is_credited_to_the_prompts_in_the_order_the_worker_takes_them() -> None:
     """A step that computed 400 prompt tokens leaves 112 of a 512-token prompt sent first to wait for,
     and all of a later one; a favoured prompt sent later is credited first."""

@@ -78,22 +78,22 @@ BAD: list[tuple[str, dict[str, Any]]] = [
 @pytest.mark.parametrize(("field", "fields"), BAD, ids=[f"{i}-{b[0][:24]}" for i, b in enumerate(BAD)])
 def test_invalid_field_is_named(field: str, fields: dict[str, Any]) -> None:
     with pytest.raises(InvalidArgument) as info:
-        validate(_request(**fields), SETTINGS, _limit)
+        validate(_request(**fields), SETTINGS, _limit, {})
     assert info.value.message.startswith(field), info.value.message
 
 
 def test_context_limit_message_names_the_model_limit() -> None:
     with pytest.raises(InvalidArgument, match=r"context of 256 tokens; ask for at most 255"):
-        validate(_request(sampling={"max_new_tokens": 300}), SETTINGS, _limit)
+        validate(_request(sampling={"max_new_tokens": 300}), SETTINGS, _limit, {})
 
 
 def test_unknown_model_is_not_found_and_names_known_models() -> None:
     with pytest.raises(NotFound, match=r"'nope'.*tiny, big"):
-        validate(_request(model="nope"), SETTINGS, _limit)
+        validate(_request(model="nope"), SETTINGS, _limit, {})
 
 
 def test_defaults_are_filled() -> None:
-    valid = validate(_request(), SETTINGS, _limit)
+    valid = validate(_request(), SETTINGS, _limit, {})
     assert valid.model == "tiny"
     assert valid.sampling.max_new_tokens == 32
     assert len(valid.request_id) == 32 and int(valid.request_id, 16) >= 0
@@ -108,7 +108,7 @@ def test_valid_request_keeps_fields() -> None:
         sampling={"max_new_tokens": 5, "top_p": 0.5, "stop": ["\n\n", "é" * 32], "repetition_penalty": 1.1},
         messages=[],
     )
-    valid = validate(request, SETTINGS, _limit)  # big has no known limit yet: no context check
+    valid = validate(request, SETTINGS, _limit, {})  # big has no known limit yet: no context check
     assert (valid.model, valid.request_id) == ("big", "my id-1")
     assert valid.stop == ("\n\n", "é" * 32)
     assert valid.sampling.max_new_tokens == 5

@@ -22,9 +22,9 @@ class Replica:
     open_load: int = 0
 
 
-def free(replica: Replica) -> int:
-    """Every credit a replica has free: what a request of a tenant below its share may take."""
-    return replica.free_credits
+def free(replicas: list[Replica]) -> dict[str, int]:
+    """Every credit each replica has free: what a request of a tenant below its share may take."""
+    return {replica.address: replica.free_credits for replica in replicas}
 
 
 def test_every_gateway_computes_the_same_ring_and_keys() -> None:
@@ -64,7 +64,7 @@ def test_a_prefix_goes_to_its_replica_within_the_load_bound() -> None:
     ring = Ring(ADDRESSES)
     key = prefix_key("t", [42], 64)
     preferred = ring.walk(key or 0)[0]
-    choice = choose(replicas, ring, key, 1.25, free)
+    choice = choose(replicas, ring, key, 1.25, free(replicas))
     assert choice is not None and (choice.replica.address, choice.reason) == (preferred, PREFIX)
     home = next(r for r in replicas if r.address == preferred)
     home.open_load = 4
@@ -73,10 +73,10 @@ def test_a_prefix_goes_to_its_replica_within_the_load_bound() -> None:
     # total 5 + 1 over 3 replicas: average 2, bound floor(1.25 x 2) = 2 < 4 + 1.
     assert load_bound(replicas, 1.25) == 2
     home.free_credits, others[0].free_credits = 4, 7
-    choice = choose(replicas, ring, key, 1.25, free)
+    choice = choose(replicas, ring, key, 1.25, free(replicas))
     assert choice is not None and choice.reason == LOAD_BOUND and choice.replica is others[1]
     assert choice.preferred == preferred
-    no_key = choose(replicas, ring, None, 1.25, free)
+    no_key = choose(replicas, ring, None, 1.25, free(replicas))
     assert no_key is not None and no_key.reason == LEAST_LOADED and no_key.replica is others[1]
 
 
@@ -87,11 +87,11 @@ def test_a_replica_without_credit_is_never_chosen() -> None:
     key = prefix_key("t", [5], 64)
     home = next(r for r in replicas if r.address == ring.walk(key or 0)[0])
     home.free_credits = 0
-    choice = choose(replicas, ring, key, 1.25, free)
+    choice = choose(replicas, ring, key, 1.25, free(replicas))
     assert choice is not None and choice.replica is not home and choice.reason == LOAD_BOUND
     for replica in replicas:
         replica.free_credits = 0
-    assert choose(replicas, ring, key, 1.25, free) is None
+    assert choose(replicas, ring, key, 1.25, free(replicas)) is None
 
 
 def test_under_a_stream_of_arrivals_no_replica_exceeds_the_bound() -> None:
@@ -105,7 +105,7 @@ def test_under_a_stream_of_arrivals_no_replica_exceeds_the_bound() -> None:
     for _ in range(600):
         key = keys[0] if rng.random() < 0.5 else rng.choice(keys[1:])
         bound = load_bound(replicas, 1.25)
-        choice = choose(replicas, ring, key, 1.25, free)
+        choice = choose(replicas, ring, key, 1.25, free(replicas))
         assert choice is not None
         choice.replica.open_load += 1
         assert choice.replica.open_load <= max(bound, min(r.open_load for r in replicas) + 1)

@@ -109,11 +109,11 @@ def test_the_gateway_and_the_engine_refuse_past_the_tables_limit() -> None:
         engine_params = SamplingParams(presence_penalty=value)
         if refused:
             with pytest.raises(InvalidArgument, match="presence_penalty"):
-                validate(request, SETTINGS, lambda _model: None)
+                validate(request, SETTINGS, lambda _model: None, {})
             with pytest.raises(InvalidRequestError, match="presence_penalty"):
                 engine_params.validate(4, 100)
         else:
-            validate(request, SETTINGS, lambda _model: None)
+            validate(request, SETTINGS, lambda _model: None, {})
             engine_params.validate(4, 100)
 
 
@@ -155,9 +155,9 @@ def test_the_gateway_and_the_engine_check_each_range_by_the_tables_one_rule(name
         request.sampling.logprobs = name == "top_logprobs"  # alternatives need logprobs on
         if past:
             with pytest.raises(InvalidArgument, match=_words(name, value)):
-                validate(request, SETTINGS, lambda _model: None)
+                validate(request, SETTINGS, lambda _model: None, {})
         else:
-            validate(request, SETTINGS, lambda _model: None)
+            validate(request, SETTINGS, lambda _model: None, {})
     engine_name = ENGINE_NAMES.get(name, name)
     SamplingParams(**{engine_name: taken}).validate(4, 100)  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match=_words(name, refused)):

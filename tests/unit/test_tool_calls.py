@@ -153,11 +153,11 @@ def test_the_gateway_checks_tool_turns(turn: common_pb2.ChatMessage, message: st
     assistant turn with calls and no text, and a tool turn with its call's id, pass."""
     first = common_pb2.ChatMessage(role="user", content="Weather?")
     with pytest.raises(InvalidArgument) as caught:
-        validate(gateway_pb2.GenerateRequest(messages=[first, turn]), SETTINGS, lambda _: None)
+        validate(gateway_pb2.GenerateRequest(messages=[first, turn]), SETTINGS, lambda _: None, {})
     assert str(caught.value).startswith(message)
     calls = common_pb2.ChatMessage(role="assistant", tool_calls=[common_pb2.ToolCall(id="c", name="f")])
     answer = common_pb2.ChatMessage(role="tool", content="21 C", tool_call_id="c")
-    validate(gateway_pb2.GenerateRequest(messages=[first, calls, answer]), SETTINGS, lambda _: None)
+    validate(gateway_pb2.GenerateRequest(messages=[first, calls, answer]), SETTINGS, lambda _: None, {})
 
 
 @pytest.mark.parametrize(
@@ -184,7 +184,7 @@ def test_the_gateway_checks_a_constraints_shape(
         prompt="x", sampling=common_pb2.SamplingParams(constraint=constraint)
     )
     with pytest.raises(InvalidArgument) as caught:
-        validate(request, SETTINGS, lambda _: None)
+        validate(request, SETTINGS, lambda _: None, {})
     assert str(caught.value).startswith(message)
 
 
