@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from typing import TYPE_CHECKING, Any, Self, TypedDict, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import grpc
 
 from strata.generate_request import build_request
 from strata.retry import CallAttempts, RetryPolicy
 from strata.rpc import MIB, aio_channel, channel_options, sync_channel
+from strata.sampling import SamplingOptions
 from strata.v1 import gateway_pb2, gateway_pb2_grpc
 
 if TYPE_CHECKING:
@@ -50,32 +51,19 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 * MIB
 ResponseT = TypeVar("ResponseT")
 
 
-class GenerateOptions(TypedDict, total=False):
-    """The keyword arguments of generate and generate_stream besides prompt and timeout."""
+class GenerateOptions(SamplingOptions, total=False):
+    """The keyword arguments of generate and generate_stream besides prompt and timeout: the scalar
+    sampling parameters (strata.sampling.SamplingOptions) and these."""
 
     messages: Sequence[tuple[str, str] | Mapping[str, str]] | None
     model: str
-    max_new_tokens: int
-    temperature: float
-    top_p: float | None
-    top_k: int
-    repetition_penalty: float | None
-    no_repeat_ngram_size: int
     stop: Sequence[str]
-    seed: int | None
-    ignore_eos: bool
     request_id: str
     allow_fallback: bool
     truncation: int | str | None
-    presence_penalty: float
-    frequency_penalty: float
-    min_p: float
-    typical_p: float | None
     logit_bias: Mapping[int, float] | None
     stop_token_ids: Sequence[int]
-    min_tokens: int
     logprobs: int | None
-    prompt_logprobs: int | None
     n: int
     json_schema: str | Mapping[str, Any] | None
     json_object: bool

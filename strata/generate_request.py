@@ -12,10 +12,13 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from strata.sampling import SamplingOptions
 from strata.v1 import common_pb2, gateway_pb2
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
+
+    from typing_extensions import Unpack
 
 
 def _chat_message(message: tuple[str, str] | Mapping[str, str]) -> common_pb2.ChatMessage:
@@ -46,72 +49,47 @@ def build_request(
     *,
     messages: Sequence[tuple[str, str] | Mapping[str, str]] | None = None,
     model: str = "",
-    max_new_tokens: int = 0,
-    temperature: float = 0.0,
-    top_p: float | None = None,
-    top_k: int = 0,
-    repetition_penalty: float | None = None,
-    no_repeat_ngram_size: int = 0,
     stop: Sequence[str] = (),
-    seed: int | None = None,
-    ignore_eos: bool = False,
     request_id: str = "",
     allow_fallback: bool = False,
     truncation: int | str | None = None,
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-    min_p: float = 0.0,
-    typical_p: float | None = None,
     logit_bias: Mapping[int, float] | None = None,
     stop_token_ids: Sequence[int] = (),
-    min_tokens: int = 0,
     logprobs: int | None = None,
-    prompt_logprobs: int | None = None,
     n: int = 1,
     json_schema: str | Mapping[str, Any] | None = None,
     json_object: bool = False,
     regex: str | None = None,
     grammar: str | None = None,
     speculate: bool = True,
+    **options: Unpack[SamplingOptions],
 ) -> gateway_pb2.GenerateRequest:
     """The GenerateRequest for these arguments; None leaves an optional field unset (the server's default).
 
     `messages` are (role, content) tuples or {"role", "content"} dicts; `truncation` is a
-    gateway_pb2.Truncation value or its name ("left", "refuse"). `logprobs` N returns each generated
-    token's log probability with its N most likely alternatives (0: the token's alone); None: none.
-    `prompt_logprobs` likewise for the prompt's tokens. `n` samples of the prompt come back as the
+    gateway_pb2.Truncation value or its name ("left", "refuse"). `options` are the scalar sampling
+    parameters under their proto names (strata.sampling.SamplingOptions: max_new_tokens, temperature,
+    top_p, ...). `logprobs` N returns each generated token's log probability with its N most likely
+    alternatives (0: the token's alone); None: none. `n` samples of the prompt come back as the
     response's choices. At most one output constraint: `json_schema` (a dict, or its JSON text),
     `json_object`, `regex`, or `grammar` (Lark). `speculate` False keeps the request out of the
     worker's speculative decoding.
     """
+    unknown = sorted(set(options) - set(SamplingOptions.__annotations__))
+    if unknown:
+        raise TypeError(f"build_request() got unexpected keyword arguments: {', '.join(unknown)}")
     sampling = common_pb2.SamplingParams(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        no_repeat_ngram_size=no_repeat_ngram_size,
         stop=list(stop),
-        ignore_eos=ignore_eos,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-        min_p=min_p,
         logit_bias=dict(logit_bias or {}),
         stop_token_ids=list(stop_token_ids),
-        min_tokens=min_tokens,
         no_speculation=not speculate,
     )
+    for name, value in options.items():
+        if value is not None:
+            setattr(sampling, name, value)
     if logprobs is not None:
         sampling.logprobs = True
         sampling.top_logprobs = logprobs
-    if prompt_logprobs is not None:
-        sampling.prompt_logprobs = prompt_logprobs
-    if top_p is not None:
-        sampling.top_p = top_p
-    if typical_p is not None:
-        sampling.typical_p = typical_p
-    if repetition_penalty is not None:
-        sampling.repetition_penalty = repetition_penalty
-    if seed is not None:
-        sampling.seed = seed
     constraints = {
         "json_schema": json_schema if isinstance(json_schema, str | None) else json.dumps(dict(json_schema)),
         "json_object": json_object or None,

@@ -2,6 +2,10 @@
 its default and range, and its name in every front door (the HTTP API's body, the Python client's
 keyword arguments, `strata generate`'s flags).
 
+`SamplingOptions` is the scalars the Python client (strata.client, strata.generate_request) and
+`strata generate` take under the proto's names, with their types: they copy and expose each one from
+here, so a scalar parameter is added to the proto, this table and its processor, not to them.
+
 The limits the gateway and the worker check are defined here and nowhere else, and so is the rule
 for each scalar's range (BOUNDS, `out_of_bounds`): the gateway's validation and the engine's apply
 the same rule and say it in the same words. The front doors are checked against the table by
@@ -13,8 +17,9 @@ grpc: every layer reads it.
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -185,3 +190,31 @@ SAMPLING_PARAMS: tuple[SamplingParam, ...] = (
            valid="one of a JSON schema, any JSON object, a regex, a Lark grammar",
            http=("response_format",), client=_CONSTRAINT_OPTIONS, cli=_CONSTRAINT_OPTIONS),
 )  # fmt: skip
+
+
+class SamplingOptions(TypedDict, total=False):
+    """The scalar sampling parameters the Python client and `strata generate` take under their proto
+    names, each copied into SamplingParams as given; None (or absent) leaves it unset, so the gateway
+    applies its default."""
+
+    max_new_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    repetition_penalty: float | None
+    no_repeat_ngram_size: int | None
+    seed: int | None
+    ignore_eos: bool | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    min_p: float | None
+    typical_p: float | None
+    min_tokens: int | None
+    prompt_logprobs: int | None
+
+
+def option_type(name: str) -> type:
+    """The Python type of the scalar option `name` (int, float or bool)."""
+    hint = typing.get_type_hints(SamplingOptions)[name]
+    found: type = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    return found

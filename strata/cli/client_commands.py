@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
+
+from strata.sampling import SAMPLING_PARAMS, SamplingOptions, option_type
 
 if TYPE_CHECKING:
     import argparse
@@ -25,21 +27,21 @@ if TYPE_CHECKING:
     SubParsers: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
 
 DEFAULT_TIMEOUT_S = 300.0
+_LOCAL_OPTIONS = ("max_new_tokens", "temperature")
+"""The sampling options the in-process --local path honours."""
+_OPTIONS = tuple(
+    param.name
+    for param in SAMPLING_PARAMS
+    if param.cli == (param.name,) and param.name in SamplingOptions.__annotations__
+)
+"""The scalar sampling options `strata generate` takes, under their proto names (strata/sampling.py)."""
 # Options of the gRPC path that the in-process --local path cannot honour.
 _REMOTE_ONLY = (
     "address",
     "system",
     "model",
-    "top_p",
-    "top_k",
-    "repetition_penalty",
-    "seed",
+    *(name for name in _OPTIONS if name not in _LOCAL_OPTIONS),
     "stop",
-    "presence_penalty",
-    "frequency_penalty",
-    "min_p",
-    "typical_p",
-    "min_tokens",
     "logprobs",
     "n",
     "json_schema",
@@ -57,28 +59,20 @@ def _generate_request(args: argparse.Namespace) -> gateway_pb2.GenerateRequest:
         messages = [("user", args.prompt)]
         if args.system is not None:
             messages.insert(0, ("system", args.system))
+    # The parser made one option per name, of the type SamplingOptions gives it (add_generate).
+    options = cast("SamplingOptions", {name: getattr(args, name) for name in _OPTIONS})
     return build_request(
         None if args.chat else args.prompt,
         messages=messages,
         model=args.model or "",
-        max_new_tokens=args.max_new_tokens or 0,
-        temperature=args.temperature or 0.0,
-        top_p=args.top_p,
-        top_k=args.top_k or 0,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.seed,
         stop=args.stop or (),
-        presence_penalty=args.presence_penalty or 0.0,
-        frequency_penalty=args.frequency_penalty or 0.0,
-        min_p=args.min_p or 0.0,
-        typical_p=args.typical_p,
-        min_tokens=args.min_tokens or 0,
         logprobs=args.logprobs,
         n=args.n or 1,
         json_schema=_text_or_file(args.json_schema),
         json_object=args.json_object,
         regex=args.regex,
         grammar=_text_or_file(args.grammar),
+        **options,
     )
 
 
@@ -208,20 +202,17 @@ def add_generate(subparsers: SubParsers) -> None:
     parser.add_argument("--chat", action="store_true", help="send PROMPT as a user message (chat template)")
     parser.add_argument("--system", help="with --chat: a system message before PROMPT")
     parser.add_argument("--model", help="model name, as `strata models` lists it (default: the gateway's)")
-    parser.add_argument("--max-new-tokens", type=int, help="default: the gateway's (64)")
-    parser.add_argument("--temperature", type=float, help="0 is greedy (default: 0)")
-    parser.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1] (default: off)")
-    parser.add_argument("--top-k", type=int, help="keep the k most likely tokens (default: off)")
-    parser.add_argument("--repetition-penalty", type=float, help="> 1 discourages repeats (default: off)")
-    parser.add_argument("--seed", type=int, help="sampling seed, for repeatable sampling")
+    sampling = parser.add_argument_group("sampling (strata/sampling.py's table; docs/outputs.md)")
+    for param in SAMPLING_PARAMS:
+        if param.name in _OPTIONS:
+            flag, kind = "--" + param.name.replace("_", "-"), option_type(param.name)
+            valid = f"; {param.valid}" if param.valid else ""
+            text = f"{param.meaning}{valid} (default: {param.default})".replace("%", "%%")
+            if kind is bool:
+                sampling.add_argument(flag, action="store_true", default=None, help=text)
+            else:
+                sampling.add_argument(flag, type=kind, help=text)
     parser.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
-    parser.add_argument("--presence-penalty", type=float, help="in [-2, 2]: OpenAI's (default: 0, off)")
-    parser.add_argument("--frequency-penalty", type=float, help="in [-2, 2]: OpenAI's (default: 0, off)")
-    parser.add_argument("--min-p", type=float, help="drop tokens below min_p x the top one's probability")
-    parser.add_argument(
-        "--typical-p", type=float, help="locally typical sampling mass in (0, 1] (default: off)"
-    )
-    parser.add_argument("--min-tokens", type=int, help="generate at least this many tokens (default: 0)")
     parser.add_argument(
         "--n", type=int, help="generate N samples of PROMPT, printed as [i] TEXT (default: 1)"
     )

@@ -13,6 +13,7 @@ import argparse
 import ast
 import re
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -22,7 +23,16 @@ from gateway.validation import validate
 from services.worker.engine.params import InvalidRequestError, SamplingParams
 from strata.cli.client_commands import add_generate
 from strata.client import GenerateOptions
-from strata.sampling import BOUNDS, MAX_PENALTY, SAMPLING_PARAMS, SamplingParam, out_of_bounds
+from strata.generate_request import build_request
+from strata.sampling import (
+    BOUNDS,
+    MAX_PENALTY,
+    SAMPLING_PARAMS,
+    SamplingOptions,
+    SamplingParam,
+    option_type,
+    out_of_bounds,
+)
 from strata.v1 import common_pb2, gateway_pb2
 from tests.unit.test_gateway_validation import SETTINGS
 
@@ -76,6 +86,42 @@ def test_the_http_api_exposes_what_the_table_says() -> None:
 
 def test_the_python_client_takes_what_the_table_says() -> None:
     assert set(GenerateOptions.__annotations__) - CLIENT_REQUEST_ARGUMENTS == names("client")
+
+
+def test_the_client_copies_every_scalar_it_names_as_the_proto_does() -> None:
+    """SamplingOptions is the proto's scalars that the table says the client names as the proto does
+    (logprobs, a count on the client, aside), each of the field's Python type; the client and the CLI
+    copy each one by name, so a value given reaches the request and one not given stays unset."""
+    fields = common_pb2.SamplingParams.DESCRIPTOR.fields_by_name
+    scalars = {name for name, field in fields.items() if not field.is_repeated and field.message_type is None}
+    own = {param.name for param in SAMPLING_PARAMS if param.client == (param.name,)} & scalars
+    assert set(SamplingOptions.__annotations__) == own - {"logprobs"}
+    for name in SamplingOptions.__annotations__:
+        value = option_type(name)(3)
+        assert type(getattr(common_pb2.SamplingParams(), name)) is option_type(name)
+        sent = build_request("x", **cast("SamplingOptions", {name: value})).sampling
+        assert getattr(sent, name) == value and name in {field.name for field, _ in sent.ListFields()}
+        unset = build_request("x", **cast("SamplingOptions", {name: None})).sampling
+        assert name not in {field.name for field, _ in unset.ListFields()}
+    with pytest.raises(TypeError, match="no_speculation"):
+        build_request("x", no_speculation=True)  # type: ignore[call-arg]
+
+
+def test_each_sampling_flag_of_strata_generate_reaches_the_request() -> None:
+    """Every scalar flag `strata generate` makes from the table sets its field, by its proto name."""
+    from strata.cli import build_parser
+    from strata.cli.client_commands import _generate_request
+
+    root = argparse.ArgumentParser()
+    add_generate(root.add_subparsers())
+    generate = next(action for action in root._actions if isinstance(action, argparse._SubParsersAction))
+    flags = [a for a in generate.choices["generate"]._actions if a.dest in SamplingOptions.__annotations__]
+    assert flags
+    for flag in flags:
+        argv = ["generate", "hi", flag.option_strings[0], *([] if flag.nargs == 0 else ["3"])]
+        sampling = _generate_request(build_parser().parse_args(argv)).sampling
+        assert getattr(sampling, flag.dest) == option_type(flag.dest)(3)
+        assert [field.name for field, _ in sampling.ListFields()] == [flag.dest]
 
 
 def test_strata_generate_takes_what_the_table_says() -> None:
