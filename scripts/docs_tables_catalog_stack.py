@@ -160,6 +160,13 @@ STACK_AND_FEATURES: dict[str, Entry] = {
         60,
         ("python", "scripts/request_path.py", *out("request-path.json")),
     ),
+    "request-path-before.json": Entry(
+        GATEWAY,
+        "scripts/request_path.py",
+        60,
+        ("python", "scripts/request_path.py", "--tree", "../before", *out("request-path-before.json")),
+        target="scripts/request_path.py --tree, with a checkout of the before commit beside this one",
+    ),
     "cached-admission-cpu.json": Entry(
         STACK,
         "bench/cached_admission.py",

@@ -68,15 +68,26 @@ def request_path(records: Mapping[str, Record]) -> list[str]:
     ]
 
 
+def request_path_before(records: Mapping[str, Record]) -> list[str]:
+    """The same census of an earlier checkout (`--tree`), to set beside the current one."""
+    data = records["request-path-before.json"].data
+    return [
+        f"The same script on the checkout of {data['measured_tree'][:7]}: "
+        f"{data['gateway_modules_run_count']} modules run, {data['gateway_types_made_count']} types made.",
+        *_walk(data.get("walk_from_serve")),
+        *_upward(data.get("upward_calls")),
+    ]
+
+
 def _upward(upward: Mapping[str, Any] | None) -> list[str]:
     """The calls up the import graph, when the record counts them."""
     if upward is None:
         return []
-    calls = "".join(f"\n- `{call}`" for call in upward["calls"])
     return [
         "",
         "Calls from a gateway module into one that imports it (a callback up the layers): "
-        f"{upward['count']}.{calls}",
+        f"{upward['count']}.",
+        *(f"- `{call}`" for call in upward["calls"]),
     ]
 
 
@@ -327,6 +338,7 @@ TABLES = (
     stack_table("stack", "stack-cpu.json"),
     stack_table("stack-one-stream", "stack-1-stream-cpu.json"),
     Table("request-path", ("request-path.json",), request_path),
+    Table("request-path-before", ("request-path-before.json",), request_path_before),
     Table("stack-before-after", ("stack-before-after-cpu.json",), before_after),
     Table("fallback", ("stack-rate-cpu.json",), lambda records: fallback(records, "stack-rate-cpu.json")),
     Table(
