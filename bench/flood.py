@@ -11,10 +11,11 @@ the flood holds every running slot of the primary (its strata_requests_running g
 max_num_seqs), the quiet tenant sends `--quiet-requests` (16)
 streaming requests, one every `--quiet-gap` (0.5) s, of `--quiet-prompt-tokens` (32) and
 `--quiet-tokens` (16) new tokens. Every request is greedy with EOS ignored, interactive and no_fallback:
-the primary alone serves them. Two contestants alternate over `--runs` rounds, the order reversed
+the primary alone serves them. Three contestants alternate over `--runs` rounds, the order reversed
 every other round: `fair` (the gateway as configured: fair queuing, a tenant below its share favoured
-on the worker, which preempts for it, and the route's credit reserve) and `fifo` (fair_queuing false:
-first come, first served, nobody favoured). Per phase: the
+on the worker, which preempts for it, and the route's credit reserve), `fair, no reserve` (the same
+with every route's fair_reserve_share 0: what the reserve adds) and `fifo` (fair_queuing false: first
+come, first served, nobody favoured). Per phase: the
 quiet requests' TTFT and refusals, the flood's calls by outcome, the time its refusals took inside the
 gateway (each one's strata-elapsed-ms trailer; and the admission decision histogram's p99 bucket), and
 the gateway's resident memory before the flood, at its peak and once the flood's connections closed.
@@ -52,8 +53,12 @@ from strata.client import auth_metadata
 from strata.rpc import MIB
 from strata.settings import DEFAULT_CONFIG, read_config
 
-CONTESTANTS = {"fair": True, "fifo": False}
-"""Each contestant's gateway fair_queuing."""
+CONTESTANTS: dict[str, tuple[bool, float | None]] = {
+    "fair": (True, None),
+    "fair, no reserve": (True, 0.0),
+    "fifo": (False, None),
+}
+"""Each contestant's gateway fair_queuing, and its routes' fair_reserve_share (None: the config's)."""
 KEYS = {"flood": "bench-flood-flood", "quiet": "bench-flood-quiet"}
 TARGET_REFUSAL_P99_MS = 50.0
 RSS_SAMPLE_S = 0.2
@@ -273,9 +278,12 @@ def _copy(args: argparse.Namespace, directory: Path, contestant: str) -> tuple[P
     if not routes:
         raise BenchError(f"{args.config} has no gateway routes to flood")
     tenants = [{"name": name, "api_keys": [key]} for name, key in KEYS.items()]
-    folder = directory / contestant
+    folder = directory / contestant.replace(", ", "-").replace(" ", "-")
     folder.mkdir(parents=True, exist_ok=True)
-    overrides = {"tenants": tenants, "fair_queuing": CONTESTANTS[contestant]}
+    fair, reserve = CONTESTANTS[contestant]
+    if reserve is not None:
+        routes = [{**route, "fair_reserve_share": reserve} for route in routes]
+    overrides = {"tenants": tenants, "fair_queuing": fair, "routes": routes}
     config = write_config(args.config, folder, "stack", {"gateway": overrides})
     return config, str(routes[0]["model"])
 

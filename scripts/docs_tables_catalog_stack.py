@@ -184,7 +184,7 @@ STACK_AND_FEATURES: dict[str, Entry] = {
     "flood-cpu.json": Entry(
         STACK,
         "bench/flood.py",
-        900,
+        1500,
         py("bench.flood", *out("flood-cpu.json")),
         target="make bench-flood",
     ),

@@ -4,9 +4,14 @@ gateway. The run itself starts stacks and is the benchmark's."""
 
 from __future__ import annotations
 
-from typing import Any
+import argparse
+from typing import TYPE_CHECKING, Any
 
-from bench.flood import TARGET_REFUSAL_P99_MS, _targets
+from bench.flood import CONTESTANTS, TARGET_REFUSAL_P99_MS, _copy, _targets
+from strata.settings import DEFAULT_CONFIG, read_config
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 def phase(contestant: str, ttfts: list[float], refused: int, inside: list[float]) -> dict[str, Any]:
@@ -36,3 +41,19 @@ def test_the_targets_pool_the_fair_rounds_and_leave_fifo_out() -> None:
     late = [*rounds, phase("fair", [2.5], 1, [TARGET_REFUSAL_P99_MS / 1000 * 2] * 10)]
     ttft, refused, inside = _targets(late, 2000.0)
     assert not ttft["met"] and not refused["met"] and not inside["met"]
+
+
+def test_each_contestant_runs_the_default_stack_with_its_own_fairness(tmp_path: Path) -> None:
+    """`fair` keeps the config's credit reserve, `fair, no reserve` sets every route's to 0, `fifo`
+    turns fair queuing off; all three carry the two tenants' keys."""
+    args = argparse.Namespace(config=DEFAULT_CONFIG)
+    configured = read_config(DEFAULT_CONFIG)["gateway"]["routes"]
+    for name, (fair, reserve) in CONTESTANTS.items():
+        path, model = _copy(args, tmp_path, name)
+        gateway = read_config(path)["gateway"]
+        assert model == configured[0]["model"] and gateway["fair_queuing"] is fair
+        assert sorted(tenant["name"] for tenant in gateway["tenants"]) == ["flood", "quiet"]
+        for route, original in zip(gateway["routes"], configured, strict=True):
+            wanted = original.get("fair_reserve_share") if reserve is None else reserve
+            assert route.get("fair_reserve_share") == wanted
+    assert CONTESTANTS["fair, no reserve"] == (True, 0.0)
