@@ -8,7 +8,8 @@ and, when every running slot is taken, preempts a less favoured sequence for it,
 past the queue into who runs. For that request to reach the worker while another tenant holds every
 credit, `fair_reserve_share` of each worker's credits go only to a tenant below its share there
 (`usable_credits`), never more than the credits beyond the worker's running limit, which a lone tenant
-so still fills. With fair queuing off every tenant weighs 1, none is favoured and nothing is reserved.
+so still fills. With fair queuing off no tenant is favoured, nothing is reserved, and the route's
+queue serves first come, first served (it reads no weight).
 
 This module reads links; it must not change credits, queue slots nor choose a link (route.py does).
 """

@@ -26,6 +26,7 @@ cancelled on the worker if still open. This module must not read from workers no
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
 
     MakeLink = Callable[[str, str, asyncio.Event], WorkerLink]
     """(address, model, capacity) -> a new link that sets `capacity` when its credits or readiness change."""
+
+log = logging.getLogger(__name__)
 
 # A ticket leaves the queue this long before its deadline, so that the gateway's DEADLINE_EXCEEDED,
 # which says how long it waited, reaches the client before the client's own timer fires.
@@ -322,11 +325,15 @@ class Route:
             self._leave(slot, error)
 
     async def _follow_capacity(self) -> None:
-        """The dispatcher's task: runs it whenever a link signals a change."""
+        """The dispatcher's task: runs it whenever a link signals a change. A failing pass is logged
+        and the task goes on, so one bad pass never leaves the queue without a dispatcher."""
         while True:
             await self._capacity.wait()
             self._capacity.clear()
-            self._capacity_changed()
+            try:
+                self._capacity_changed()
+            except Exception:
+                log.exception("the dispatcher of model %s failed a pass", self.name)
 
     def _capacity_changed(self) -> None:
         """A link's credits or readiness changed: grant what waits, or fail it if no link is left."""

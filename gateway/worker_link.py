@@ -61,8 +61,8 @@ class WorkerLink:
         on_change: Callable[[], None],
         capacity: asyncio.Event | None = None,
     ) -> None:
-        """`capacity` is set at every change of the link's credits or readiness: the route's
-        dispatcher waits on it."""
+        """`capacity` is set at every change of the credits or readiness that the stream brings (the
+        worker's reports, a connection, a drop, leaving): the route's dispatcher waits on it."""
         self.address = address
         self.model = model
         self._settings = settings

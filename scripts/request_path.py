@@ -10,9 +10,10 @@ modules (a function in the same module as the one before is the same stop), it c
 returns to a module the walk already left, and the stops in each module. Every call from one gateway
 module into another while the request runs is kept too: one into a module that imports the caller
 (directly or through others, read from the sources' imports, TYPE_CHECKING ones included) goes up the
-layers, a callback the lower module was handed. The figures are the request path's size and shape as
-a newcomer reading the code meets it; they change only when the code does. This script must not
-change any service's behaviour: the hooks only record.
+layers, a callback the lower module was handed. A wake-up through an event, a timer or a future's
+callback is no call: nothing of the module woken was handed down. The figures are the request path's
+size and shape as a newcomer reading the code meets it; they change only when the code does. This
+script must not change any service's behaviour: the hooks only record.
 
     .venv/bin/python scripts/request_path.py [--model-dir DIR] [--json PATH] [--tree DIR]
 
@@ -150,7 +151,9 @@ def import_graph() -> dict[str, set[str]]:
     for path in GATEWAY_DIR.glob("*.py"):
         imported: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gateway."):
+            if isinstance(node, ast.ImportFrom) and node.module == "gateway":
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gateway."):
                 imported.add(node.module.removeprefix("gateway.").split(".")[0])
             elif isinstance(node, ast.Import):
                 imported.update(
