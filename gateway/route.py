@@ -26,7 +26,6 @@ cancelled on the worker if still open. This module must not read from workers no
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -53,10 +52,9 @@ if TYPE_CHECKING:
     from gateway.worker_link import WorkerLink
     from strata.v1 import common_pb2
 
-    MakeLink = Callable[[str, str, asyncio.Event], WorkerLink]
-    """(address, model, capacity) -> a new link that sets `capacity` when its credits or readiness change."""
-
-log = logging.getLogger(__name__)
+    MakeLink = Callable[[str, str, Callable[[], None]], WorkerLink]
+    """(address, model, on_capacity) -> a new link that calls `on_capacity` when its credits or
+    readiness change."""
 
 # A ticket leaves the queue this long before its deadline, so that the gateway's DEADLINE_EXCEEDED,
 # which says how long it waited, reaches the client before the client's own timer fires.
@@ -107,12 +105,9 @@ class Route:
         self._queue = AdmissionQueue(settings.max_queued_requests, settings.max_queued_tokens, self._share)
         self._judge = AdmissionJudge(settings, self._queue, self._share)
         self._ring = Ring(())
-        self._capacity = asyncio.Event()
-        """Set by the route's links when their credits or readiness change (worker_link.py)."""
-        self._dispatcher: asyncio.Task[None] | None = None
         self._discovery = Discovery(
             settings,
-            lambda address: make_link(address, self.name, self._capacity),
+            lambda address: make_link(address, self.name, self._capacity_changed),
             on_change,
             resolver,
         )
@@ -130,13 +125,9 @@ class Route:
 
     def start(self) -> None:
         self._discovery.start()
-        self._dispatcher = asyncio.create_task(self._follow_capacity(), name=f"dispatch-{self.name}")
 
     async def close(self) -> None:
         await self._discovery.close()
-        if self._dispatcher is not None:
-            self._dispatcher.cancel()
-            await asyncio.gather(self._dispatcher, return_exceptions=True)
         self._fail_waiting(Unavailable(f"the gateway stopped serving model {self.name!r}"))
 
     def available(self) -> bool:
@@ -323,17 +314,6 @@ class Route:
     def _fail_waiting(self, error: Exception) -> None:
         for slot in self._queue.clear():
             self._leave(slot, error)
-
-    async def _follow_capacity(self) -> None:
-        """The dispatcher's task: runs it whenever a link signals a change. A failing pass is logged
-        and the task goes on, so one bad pass never leaves the queue without a dispatcher."""
-        while True:
-            await self._capacity.wait()
-            self._capacity.clear()
-            try:
-                self._capacity_changed()
-            except Exception:
-                log.exception("the dispatcher of model %s failed a pass", self.name)
 
     def _capacity_changed(self) -> None:
         """A link's credits or readiness changed: grant what waits, or fail it if no link is left."""

@@ -35,8 +35,8 @@ class Router:
         on_change: Callable[[], None],
         resolver: Resolver = resolve,
     ) -> None:
-        def make_link(address: str, model: str, capacity: asyncio.Event) -> WorkerLink:
-            return WorkerLink(address, model, settings, tokenizer, on_change, capacity)
+        def make_link(address: str, model: str, on_capacity: Callable[[], None]) -> WorkerLink:
+            return WorkerLink(address, model, settings, tokenizer, on_change, on_capacity)
 
         self._aliases = settings.adapter_aliases
         self._routes = {

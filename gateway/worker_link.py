@@ -7,7 +7,7 @@ request its result (request.py keeps the state that call needs), and feeds the m
 that the route's forecast reads (forecast.py). Each submission rides on a Slot granted on this link
 (credits.py counts them, so the worker is never sent more than it accepts); the route cancels the
 submission of a released slot if the worker still runs it, and every change of the credits the stream
-brings sets the route's `capacity` event, which its dispatcher waits on. A broken stream fails its open
+brings calls the route's dispatcher (`on_capacity`) at once. A broken stream fails its open
 requests with UNAVAILABLE and reconnects with backoff; a FAILED_PRECONDITION answer (another model or
 tokenizer) leaves the link refused, with the reason kept for the error clients see. This module must
 not choose between links (route.py does) nor shape client responses (request.py does).
@@ -59,16 +59,16 @@ class WorkerLink:
         settings: GatewaySettings,
         tokenizer: TokenizerClient,
         on_change: Callable[[], None],
-        capacity: asyncio.Event | None = None,
+        on_capacity: Callable[[], None] | None = None,
     ) -> None:
-        """`capacity` is set at every change of the credits or readiness that the stream brings (the
-        worker's reports, a connection, a drop, leaving): the route's dispatcher waits on it."""
+        """`on_capacity` is called at every change of the credits or readiness that the stream brings
+        (the worker's reports, a connection, a drop, leaving): the route's dispatcher, run at once."""
         self.address = address
         self.model = model
         self._settings = settings
         self._tokenizer = tokenizer
         self._on_change = on_change
-        self._capacity = capacity or asyncio.Event()
+        self._on_capacity = on_capacity or (lambda: None)
         self._channel = aio_channel(address, channel_options(INTERNAL_MESSAGE_BYTES), settings.internal_tls)
         self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -131,7 +131,7 @@ class WorkerLink:
     def set_leaving(self, leaving: bool = True) -> None:
         """Take no new requests (the address left discovery), or take them again; open ones run on."""
         self.leaving = leaving
-        self._capacity.set()
+        self._on_capacity()
 
     async def wait_idle(self) -> None:
         """Return once no request is open on this link and every delta is delivered."""
@@ -240,7 +240,7 @@ class WorkerLink:
                 first.credits.requests,
             )
             self._on_change()
-            self._capacity.set()
+            self._on_capacity()
             writer = asyncio.create_task(
                 write_merged(call, self._outbound, self.model, self.address), name=f"writer-{self.address}"
             )
@@ -273,7 +273,7 @@ class WorkerLink:
             entries.append(sink.entry(update, self.model))
         if response.HasField("credits"):
             self.credits.report(response.credits.requests, len(self._open))
-        self._capacity.set()
+        self._on_capacity()
         if entries:
             self._delivering = True
             try:
@@ -316,7 +316,7 @@ class WorkerLink:
         for sink in failed.values():
             sink.fail(error)
         self._note_idle()
-        self._capacity.set()
+        self._on_capacity()
         if was_ready:
             level = logging.INFO if expected else logging.WARNING
             log.log(level, "link to worker %s for model %s closed: %s", self.address, self.model, reason)
