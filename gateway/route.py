@@ -19,8 +19,8 @@ them lets the first waiting slot of such a tenant take one. Slots granted in one
 one event-loop tick and so share one ConnectRequest. A slot whose deadline passes while it waits leaves
 the queue with DEADLINE_EXCEEDED (nothing was sent to a worker). The route releases the slots it made
 (`release`): a waiting one leaves the queue, a granted one's credit is granted again and its submission
-cancelled on the worker if still open. This module must not read from workers nor write submissions
-(worker_link.py), find them (discovery.py) nor validate requests.
+cancelled on the worker if still open. This module must not talk to workers itself (worker_link.py
+does, on its commands), find them (discovery.py) nor validate requests.
 """
 
 from __future__ import annotations
