@@ -171,19 +171,17 @@ def upward_calls(calls: set[tuple[str, str, str, str]]) -> dict[str, Any]:
 
     def above(module: str) -> set[str]:
         found: set[str] = set()
-        for name, imported in graph.items():
-            if module in imported:
-                found.add(name)
-        frontier = set(found)
+        frontier = {module}
         while frontier:
             frontier = {name for name, imported in graph.items() if imported & frontier} - found
             found |= frontier
         return found
 
+    importers = {module: above(module) for module in {source for source, _, _, _ in calls}}
     edges = sorted(
         f"{source}.{caller} -> {target}.{callee}"
         for source, caller, target, callee in calls
-        if target in above(source)
+        if target in importers[source]
     )
     return {"count": len(edges), "calls": edges}
 
