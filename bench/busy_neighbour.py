@@ -33,7 +33,7 @@ import sys, torch
 torch.set_num_threads(1)
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
+from strata.sampling import SamplingParams
 engine = LLMEngine.from_model_dir(sys.argv[1], EngineConfig(num_blocks=256), quantization="dynamic-int8")
 prompts = [[100 + (i * 31 + j) % 20000 for j in range(64)] for i in range(16)]
 print("ready", flush=True)
@@ -64,7 +64,7 @@ def _neighbour(fallback: Path) -> subprocess.Popen[str]:
 
 
 def _one_stream(engine: Any, prompts: list[list[int]]) -> float:
-    from services.worker.engine.params import SamplingParams
+    from strata.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=64, ignore_eos=True)
     started = time.perf_counter()

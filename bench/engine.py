@@ -99,7 +99,7 @@ def run_benchmark(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     torch_ops_decode_rates: list[float] = []
     if not args.skip_engine:
         from services.worker.engine.engine import LLMEngine
-        from services.worker.engine.params import SamplingParams
+        from strata.sampling import SamplingParams
 
         engine = LLMEngine.from_model_dir(model_dir, config=engine_config, device=args.device, dtype=dtype)
         params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)

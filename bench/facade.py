@@ -35,7 +35,7 @@ def _workload(args: argparse.Namespace) -> tuple[Any, list[list[int]], Any]:
     import torch
 
     from services.worker.engine.config import EngineConfig
-    from services.worker.engine.params import SamplingParams
+    from strata.sampling import SamplingParams
 
     torch.set_num_threads(args.threads)
     prompts = make_prompts(args.requests, args.prompt_tokens, 40000, set(range(100)), seed=0)
@@ -45,7 +45,7 @@ def _workload(args: argparse.Namespace) -> tuple[Any, list[list[int]], Any]:
 
 def _sync_run(args: argparse.Namespace) -> dict[str, float]:
     from services.worker.engine.engine import LLMEngine
-    from services.worker.engine.params import SamplingParams
+    from strata.sampling import SamplingParams
 
     config, prompts, params = _workload(args)
     engine = LLMEngine.from_model_dir(args.model, config)
@@ -58,7 +58,7 @@ def _sync_run(args: argparse.Namespace) -> dict[str, float]:
 async def _facade_run(args: argparse.Namespace) -> dict[str, float]:
     from services.worker.engine.async_engine import AsyncEngine
     from services.worker.engine.engine import LLMEngine
-    from services.worker.engine.params import SamplingParams
+    from strata.sampling import SamplingParams
 
     config, prompts, params = _workload(args)
     facade = AsyncEngine(lambda: LLMEngine.from_model_dir(args.model, config))

@@ -31,7 +31,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.grammar_compiler import GrammarCompiler
 from services.worker.engine.grammar_spec import GrammarSpec
-from services.worker.engine.params import SamplingParams
+from strata.sampling import SamplingParams
 
 
 def chat_prompts(model_dir: Path, count: int) -> list[tuple[str, list[int]]]:

@@ -27,8 +27,8 @@ from bench.stats import DEFAULT_MODEL, save_record
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.grammar_spec import GrammarSpec
-from services.worker.engine.params import SamplingParams
 from services.worker.engine.sequence import FinishReason
+from strata.sampling import SamplingParams
 
 TARGET_STOP_RATE = 0.95
 

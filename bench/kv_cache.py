@@ -72,7 +72,7 @@ def engine(loaded: Any, cache_dtype: str, budget: int, max_num_seqs: int, max_mo
 
 
 def timed(engine: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
-    from services.worker.engine.params import SamplingParams
+    from strata.sampling import SamplingParams
 
     engine.reset_step_log()
     started = time.perf_counter()
@@ -116,9 +116,9 @@ def speed(
 
 def headroom(loaded: Any, streams: int, context: int) -> dict[str, Any]:
     """Peak running sequences and preemptions at the float32 budget of `streams` x `context` tokens."""
-    from services.worker.engine.params import SamplingParams
     from services.worker.model import kv_format
     from services.worker.model.kv_cache import KVCache
+    from strata.sampling import SamplingParams
 
     block = 16
     per_block = KVCache.bytes_per_block(loaded.config, block, kv_format.plain(torch.float32))

@@ -66,7 +66,7 @@ def perplexities(model_dir: Path, context: int, cache_dtypes: list[str]) -> dict
 
 def greedy_agreement(engines: dict[str, Any], prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
     """engines: {"float32": ..., "int8": ...}; the int8 cache's greedy tokens against float32's."""
-    from services.worker.engine.params import SamplingParams
+    from strata.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, logprobs=2)
     reference = run_greedy(engines["float32"], prompts, params)

@@ -150,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["STRATA_NATIVE_KERNELS"] = "off"
     torch.set_num_threads(args.threads)
     from bench.kv_cache import engine
-    from services.worker.engine.params import SamplingParams
     from services.worker.model import native
     from services.worker.model.loader import load_model
+    from strata.sampling import SamplingParams
 
     if native.library() is not None:
         raise SystemExit("bench.kv_schemes: the native kernels loaded although STRATA_NATIVE_KERNELS=off")

@@ -100,7 +100,7 @@ def generate(engine: Any, prompts: list[list[int]], names: list[str], params: An
 
 
 def alternate(sides: dict[str, Any], count: int, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
-    from services.worker.engine.params import SamplingParams
+    from strata.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     prompts = make_prompts(count, args.prompt_tokens, vocab, set(), seed=count)
@@ -126,7 +126,7 @@ def load_stall(
 ) -> dict[str, Any]:
     """The longest gap between two step ends while an adapter is loaded and its first stream starts,
     against the median step of the running streams before it."""
-    from services.worker.engine.params import SamplingParams
+    from strata.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     served = engine.adapter_names[:-1]  # one resident adapter unused: the new one takes its slot

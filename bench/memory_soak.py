@@ -25,7 +25,7 @@ from bench.stats import save_record
 from services.worker.device_memory import device_memory_bytes
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
+from strata.sampling import SamplingParams
 
 MIB = 2**20
 

@@ -25,8 +25,8 @@ from bench.provenance import finish_provenance, start_provenance
 from bench.stats import add_workload_arguments, make_prompts, save_record, summarize
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
 from services.worker.model.loader import load_model
+from strata.sampling import SamplingParams
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict[str, float]:

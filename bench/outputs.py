@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from bench.provenance import finish_provenance, start_provenance
 from bench.stats import DEFAULT_MODEL, ParityReport, check_parity, make_prompts, save_record
 from gateway.samples import sample_seed
-from services.worker.engine.params import SamplingParams
+from strata.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _run(engine: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
-    from services.worker.engine.params import SamplingParams
+    from strata.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens + 1, ignore_eos=True)
     engine.reset_step_log()

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from services.worker.engine.params import SamplingParams
+from strata.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from services.worker.engine.engine import LLMEngine

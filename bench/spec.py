@@ -219,8 +219,8 @@ def verdicts(record: dict[str, Any]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from services.worker.engine.params import SamplingParams
     from services.worker.model.loader import load_model
+    from strata.sampling import SamplingParams
 
     provenance = start_provenance(threads=args.threads)
     loaded = load_model(args.model)

@@ -125,7 +125,7 @@ def llama_round(peer: Peer, gguf: Path, texts: list[str], args: argparse.Namespa
 
 def strata_round(eng: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
     """Every prompt through the engine, one at a time: tokens over the wall time, its drafts."""
-    from services.worker.engine.params import SamplingParams
+    from strata.sampling import SamplingParams
 
     found = run(eng, prompts, SamplingParams(max_new_tokens=new_tokens), one_at_a_time=True)
     outputs = found.pop("outputs")

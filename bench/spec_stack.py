@@ -70,7 +70,7 @@ def speculate_everywhere(args: argparse.Namespace) -> None:
 def engine_round(engine: EngineBaseline, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
     """The prompts one at a time through the engine: tokens/s over the round, drafts, the outputs."""
     from bench.spec import run
-    from services.worker.engine.params import SamplingParams
+    from strata.sampling import SamplingParams
 
     return run(engine.engine, prompts, SamplingParams(max_new_tokens=new_tokens), one_at_a_time=True)
 

@@ -85,7 +85,7 @@ class EngineBaseline:
 
     def throughput(self, prompts: list[list[int]], new_tokens: int, concurrency: int) -> ThroughputRun:
         """`concurrency` prompts at a time, each wave run to completion: generated tokens over wall time."""
-        from services.worker.engine.params import SamplingParams
+        from strata.sampling import SamplingParams
 
         params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
         outputs: list[list[int]] = []
@@ -101,7 +101,7 @@ class EngineBaseline:
         The request is aborted once its first token is out: the rest of it would not change the next
         request's wait, which starts on an idle engine either way.
         """
-        from services.worker.engine.params import SamplingParams
+        from strata.sampling import SamplingParams
 
         params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
         waits: list[float] = []

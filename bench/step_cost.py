@@ -25,8 +25,8 @@ from bench.provenance import finish_provenance, start_provenance
 from bench.stats import save_record
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
 from services.worker.model.loader import load_model
+from strata.sampling import SamplingParams
 
 
 class _Steps:

@@ -84,7 +84,7 @@ def run(side: str, engine: Any, prompts: list[list[int]], params: Any, threads: 
 
 
 def alternate(engines: dict[str, Any], prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
-    from services.worker.engine.params import SamplingParams
+    from strata.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     threads = {"one_rank": args.threads, "two_ranks": args.threads // 2}

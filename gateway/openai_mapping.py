@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 from gateway import openai_tools
 from gateway.openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
+from gateway.openai_schema import TABLE_FIELDS
 from gateway.reasoning import ReasoningSplit
 from gateway.request_ids import response_id
 from gateway.stage_clock import STAGES
 from gateway.tool_calls import answered_with_calls
 from gateway.tool_stream import CallStart
-from strata.sampling import SAMPLING_PARAMS
 from strata.v1 import common_pb2, gateway_pb2
 
 if TYPE_CHECKING:
@@ -41,13 +41,6 @@ TRUNCATIONS = {"refuse": gateway_pb2.TRUNCATION_REFUSE, "left": gateway_pb2.TRUN
 # The OpenAI API's newer name for the system role.
 ROLE_ALIASES = {"developer": "system"}
 _SAMPLING_PATH = re.compile(r"^sampling\.(\w+)")
-_BY_HAND = frozenset({"logprobs", "top_logprobs", "stop", "stop_token_ids", "logit_bias"})
-"""Sampling fields the body names as the proto does but carries in another shape (per endpoint, a
-list, string keys): to_generate_request converts them."""
-_AS_SENT = tuple(
-    param.name for param in SAMPLING_PARAMS if param.http == (param.name,) and param.name not in _BY_HAND
-)
-"""The sampling fields the body carries as the proto does: copied by name where the client set them."""
 
 
 def to_generate_request(
@@ -68,7 +61,7 @@ def to_generate_request(
         logit_bias=body.logit_bias_ids(),
         stop_token_ids=body.stop_token_ids or [],
         no_speculation=not body.speculate,
-        **{name: value for name in _AS_SENT if (value := getattr(body, name)) is not None},
+        **{name: value for name in TABLE_FIELDS if (value := getattr(body, name)) is not None},
     )
     top = body.top_alternatives()
     if top is not None:

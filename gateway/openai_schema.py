@@ -4,7 +4,8 @@
 take the OpenAI field names (with `presence_penalty`, `frequency_penalty`, `logit_bias`, `logprobs`
 and `top_logprobs`), Strata's and vLLM's own options as extra body fields (`top_k`, `min_p`,
 `min_tokens`, `stop_token_ids`, `prompt_logprobs`, `priority`, ...), and the fields clients send by
-habit (`service_tier`, ...) at their default values. `n` asks for several samples. A chat request's
+habit (`service_tier`, ...) at their default values. The sampling scalars named as the proto names
+them are made from the table (strata/sampling.py), so a new one needs no line here. `n` asks for several samples. A chat request's
 `logprobs` is a boolean with `top_logprobs` alternatives; a completion's `logprobs` is the number of
 alternatives (OpenAI's legacy shape). `response_format` (json_object, json_schema, and Strata's regex
 and grammar) and `tools` with `tool_choice` are parsed here and mapped by openai_mapping.py. A
@@ -16,13 +17,40 @@ crash. This module must not know the gRPC request (openai_mapping.py builds it) 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+
+from strata.sampling import SAMPLING_PARAMS, SamplingOptions, option_type
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+TABLE_FIELDS = tuple(
+    param.name
+    for param in SAMPLING_PARAMS
+    if param.http == (param.name,) and param.name in SamplingOptions.__annotations__
+)
+"""The sampling scalars the body carries under the proto's names: made from the table (typed as the
+Python client takes them, None when not sent, checked by the gateway's validation against the table's
+range) and copied into the request by name."""
+
+if TYPE_CHECKING:
+    # The type checker cannot see fields made at run time; no typed code reads them by name (the
+    # mapping copies TABLE_FIELDS by name), and the ones other front doors set are declared in _Common.
+    _TableFields = _Body
+else:
+    _TableFields = create_model(
+        "_TableFields",
+        __base__=_Body,
+        **{
+            param.name: (option_type(param.name) | None, Field(default=None, description=param.meaning))
+            for param in SAMPLING_PARAMS
+            if param.name in TABLE_FIELDS
+        },
+    )
 
 
 class TextPart(_Body):
@@ -125,38 +153,34 @@ def _unsupported(field: str, value: object, why: str) -> ValueError:
     return ValueError(f"{field}: {value!r} is not supported ({why}); omit it or send its default")
 
 
-class _Common(_Body):
-    """What both endpoints share: sampling, streaming, Strata's options, the habitual fields."""
+class _Common(_TableFields):
+    """What both endpoints share: sampling, streaming, Strata's options, the habitual fields.
+
+    The sampling scalars come from the table (_TableFields); those declared again here are the ones
+    the Anthropic and Responses bodies set by name, typed for the checker, with the HTTP API's own
+    defaults (temperature 1, as OpenAI's)."""
 
     model: str = ""
     """Empty (or absent) takes the gateway's default model."""
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = 1.0
+    temperature: float = 1.0
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    ignore_eos: bool | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     """An end user's id: accepted, and not used."""
     # Strata's own options (extra body fields, as vLLM takes its own).
-    top_k: int = 0
-    min_p: float = 0.0
-    typical_p: float = 1.0
-    min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
-    prompt_logprobs: int | None = Field(default=None, ge=0)
-    repetition_penalty: float | None = None
-    no_repeat_ngram_size: int = 0
-    ignore_eos: bool = False
     speculate: bool = True
     """False keeps the request out of the worker's speculative decoding (same tokens, one a step)."""
     priority: Literal["interactive", "batch"] | None = None
     allow_fallback: bool = False
     no_fallback: bool = False
     truncation: Literal["refuse", "left"] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     n: int = Field(default=1, ge=1)
     """Samples of the prompt, in [1, 16] (the pipeline refuses more, naming `n`)."""

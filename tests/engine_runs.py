@@ -10,8 +10,8 @@ from tests.scheduler_invariants import check_invariants
 
 if TYPE_CHECKING:
     from services.worker.engine.engine import LLMEngine
-    from services.worker.engine.params import SamplingParams
     from services.worker.engine.sequence import StepOutput
+    from strata.sampling import SamplingParams
 
 
 def run_requests(

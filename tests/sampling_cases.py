@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.engine.params import SamplingParams
+from strata.sampling import SamplingParams
 
 CPU = torch.device("cpu")
 

@@ -27,7 +27,6 @@ from services.worker.convert import (
     remaining_s,
     sampling_params,
 )
-from services.worker.engine.params import InvalidRequestError
 from services.worker.engine.sequence import FinishReason
 from services.worker.errors import (
     REFUSALS,
@@ -40,6 +39,7 @@ from services.worker.grammar_wait import PendingCompiles
 from services.worker.metrics import WORKER_REJECTIONS
 from services.worker.open_requests import AcceptedRequest, OpenRequests, RequestHost
 from services.worker.outbound import OutboundQueue
+from strata.sampling import InvalidRequestError
 from strata.v1 import worker_pb2
 
 if TYPE_CHECKING:
@@ -48,8 +48,8 @@ if TYPE_CHECKING:
     from services.worker.engine.async_engine import StepReport
     from services.worker.engine.grammar_compiler import GrammarCompiler
     from services.worker.engine.grammar_matcher import GrammarMatcher
-    from services.worker.engine.params import SamplingParams
     from services.worker.engine.sequence import StepOutput
+    from strata.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

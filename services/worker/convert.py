@@ -20,10 +20,9 @@ import time
 from typing import TYPE_CHECKING
 
 from services.worker.engine.grammar_spec import GrammarKind, GrammarSpec
-from services.worker.engine.params import InvalidRequestError, SamplingParams
 from services.worker.engine.sequence import FinishReason
 from services.worker.errors import DeadlinePassedError
-from strata.sampling import as_sent
+from strata.sampling import InvalidRequestError, SamplingParams, as_sent
 from strata.v1 import common_pb2, worker_pb2
 
 if TYPE_CHECKING:

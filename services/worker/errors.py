@@ -13,9 +13,9 @@ import grpc
 from services.worker.adapter_admin import AdminOffError, AdminTokenError
 from services.worker.engine.adapters import AdapterExistsError, NoAdapterSlotsError, UnknownAdapterError
 from services.worker.engine.async_engine import EngineDeadError
-from services.worker.engine.params import InvalidRequestError
 from services.worker.model.config import ModelLoadError
 from services.worker.model.lora_file import AdapterError
+from strata.sampling import InvalidRequestError
 
 
 class NotReadyError(RuntimeError):

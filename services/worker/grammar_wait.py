@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from services.worker.engine.params import InvalidRequestError
+from strata.sampling import InvalidRequestError
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -31,13 +31,13 @@ from services.worker.device_memory import device_memory_bytes
 from services.worker.engine.async_engine import AsyncEngine, EngineDeadError
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.grammar_compiler import GrammarCompiler
-from services.worker.engine.params import InvalidRequestError, SamplingParams
 from services.worker.errors import DrainingError, HelloMismatchError, NotReadyError, ProtocolError
 from services.worker.metrics import EngineMetrics
 from services.worker.model.ranks import RankSpec, load_tensor_parallel
 from services.worker.reports import add_engine_info, native_kernels_state, step_info, worker_stats
 from services.worker.request_spans import WorkerSpans
 from strata.fingerprint import tokenizer_fingerprint
+from strata.sampling import InvalidRequestError, SamplingParams
 from strata.tracing import Tracing
 from strata.v1 import worker_pb2
 

@@ -33,7 +33,7 @@ async def _stream(
     from services.worker.engine.async_engine import AsyncEngine
     from services.worker.engine.config import EngineConfig
     from services.worker.engine.engine import LLMEngine
-    from services.worker.engine.params import SamplingParams
+    from strata.sampling import SamplingParams
 
     tokenizer: Any = AutoTokenizer.from_pretrained(str(model_dir))
     if chat:

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.cuda_graphs import CudaGraphRunner
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
+from strata.sampling import SamplingParams
 from tests.parity import assert_greedy_parity, hf_greedy_reference
 
 if TYPE_CHECKING:

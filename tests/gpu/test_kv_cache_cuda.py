@@ -14,8 +14,8 @@ import torch
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
 from services.worker.model.loader import load_model
+from strata.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from pathlib import Path

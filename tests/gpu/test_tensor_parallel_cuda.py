@@ -16,9 +16,9 @@ import torch
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
 from services.worker.model.loader import load_model
 from services.worker.model.ranks import RankSpec, collective_clock, load_tensor_parallel
+from strata.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from pathlib import Path

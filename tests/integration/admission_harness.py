@@ -21,9 +21,9 @@ from services.tokenizer.server import start as start_tokenizer
 from services.tokenizer.settings import TokenizerSettings
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
 from services.worker.server import start as start_worker
 from services.worker.settings import WorkerSettings
+from strata.sampling import SamplingParams
 from strata.v1 import common_pb2, gateway_pb2, tokenizer_pb2, tokenizer_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.integration.loop_thread import ServerStack
 from tests.route_defaults import NO_SLO_ROUTE

@@ -19,10 +19,10 @@ from services.tokenizer.server import start as start_tokenizer
 from services.tokenizer.settings import TokenizerSettings
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
 from services.worker.server import WorkerServer
 from services.worker.server import start as start_worker
 from services.worker.settings import WorkerSettings
+from strata.sampling import SamplingParams
 from strata.v1 import gateway_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 from tests.integration.loop_thread import ServerStack
 from tests.polling import wait_for

@@ -19,12 +19,12 @@ import torch.nn.functional as F
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
 from services.worker.model.attention import AttentionMetadata
 from services.worker.model.kv_cache import KVCache
 from services.worker.model.loader import LoadedModel, load_model
 from services.worker.model.small_linear import MAX_ROWS
 from strata.cli.model_fetch import FALLBACK_QUANTIZATION, fallback_model_dir
+from strata.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from pathlib import Path

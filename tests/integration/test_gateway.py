@@ -18,8 +18,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
 from strata.fingerprint import tokenizer_fingerprint
+from strata.sampling import SamplingParams
 from strata.v1 import (
     common_pb2,
     gateway_pb2,

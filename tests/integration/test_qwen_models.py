@@ -27,7 +27,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from bench.model_parity import PLAIN_PROMPTS, prompt_ids
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
 from services.worker.model.loader import load_model
 from strata.cli.launcher import start_stack
 from strata.cli.model_convert import transformers_kwargs
@@ -35,6 +34,7 @@ from strata.cli.model_fetch import DEFAULT_MODELS_ROOT, read_manifest
 from strata.cli.model_sources import QWEN_CODER_05B, QWEN_CODER_15B
 from strata.client import StrataClient
 from strata.retry import NO_RETRY
+from strata.sampling import SamplingParams
 from tests.parity import assert_greedy_parity, hf_greedy_reference, paged_greedy_generate
 
 if TYPE_CHECKING:

@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
 from services.worker.model.attention import AttentionMetadata
 from services.worker.model.kv_cache import KVCache
+from strata.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from pathlib import Path

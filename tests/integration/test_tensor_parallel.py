@@ -20,12 +20,12 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.grammar_compiler import GrammarCompiler
 from services.worker.engine.grammar_spec import GrammarSpec
-from services.worker.engine.params import SamplingParams
 from services.worker.model.config import ModelLoadError
 from services.worker.model.loader import load_model
 from services.worker.model.ranks import RankSpec, collective_clock, load_tensor_parallel
 from services.worker.model.tensor_parallel import Shard
 from services.worker.settings import WorkerSettings
+from strata.sampling import SamplingParams
 from tests.conftest import build_tiny_model
 from tests.parity import TIE_GAP
 from tests.scheduler_invariants import check_invariants

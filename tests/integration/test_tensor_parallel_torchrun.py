@@ -22,8 +22,8 @@ import yaml
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
 from services.worker.model.ranks import RankSpec, load_tensor_parallel
+from strata.sampling import SamplingParams
 from tests.integration.worker_harness import (
     ENGINE,
     REPO,

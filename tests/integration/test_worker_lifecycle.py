@@ -14,11 +14,11 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.worker.engine.params import InvalidRequestError
 from services.worker.model.config import ModelLoadError
 from services.worker.server import SERVICE_NAME, main, serve, start
 from services.worker.settings import WorkerSettings
 from strata.fingerprint import tokenizer_fingerprint
+from strata.sampling import InvalidRequestError
 from strata.tracing import Tracing
 from strata.v1 import common_pb2, worker_pb2
 from tests.integration.worker_harness import (

@@ -21,10 +21,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
 from services.worker.server import SERVICE_NAME, WorkerServer, start
 from services.worker.settings import WorkerSettings
 from strata.fingerprint import tokenizer_fingerprint
+from strata.sampling import SamplingParams
 from strata.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.polling import wait_for_async
 

@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
 from services.worker.host import resolve_device, resolve_dtype
 from services.worker.model.attention import AttentionMetadata
 from services.worker.model.kv_cache import KVCache
+from strata.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence

@@ -25,10 +25,10 @@ from tokenizers import Tokenizer
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
 from strata.cli.launcher import start_stack
 from strata.client import StrataClient
 from strata.retry import NO_RETRY
+from strata.sampling import SamplingParams
 from tests.polling import seconds_until
 from tests.route_defaults import harness_route
 

@@ -38,8 +38,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
 from strata.cli.launcher import start_stack
+from strata.sampling import SamplingParams
 from strata.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.polling import announced_address, poll, seconds_until, wait_for
 from tests.reliability.harness import SERVING, health, prompt_ids, spawn_service, stop_process, worker_stats

@@ -13,9 +13,9 @@ from typing import Any
 
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.params import SamplingParams
 from services.worker.engine.scheduler import ScheduledBatch, Scheduler
 from services.worker.engine.sequence import Sequence, StepOutput
+from strata.sampling import SamplingParams
 from tests.scheduler_invariants import check_invariants
 
 EOS = 2

@@ -13,9 +13,9 @@ import pytest
 from services.worker.engine.async_engine import AsyncEngine, EngineDeadError, StepReport
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import InvalidRequestError, SamplingParams
 from services.worker.engine.sequence import FinishReason
 from services.worker.model.loader import ModelLoadError
+from strata.sampling import InvalidRequestError, SamplingParams
 from tests.polling import wait_for_async
 
 if TYPE_CHECKING:

@@ -15,9 +15,9 @@ import torch
 from bench.kv_cache import engine
 from bench.kv_quality import run_greedy
 from bench.kv_schemes import cache_int8_rows, grouped_int8, int8_rows, rounded_outputs
-from services.worker.engine.params import SamplingParams
 from services.worker.model import kv_format, native
 from services.worker.model.loader import load_model
+from strata.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 from bench.spec import alternate, engine, parse_args, verdicts
-from services.worker.engine.params import SamplingParams
 from services.worker.model.loader import load_model
+from strata.sampling import SamplingParams
 from tests.engine_runs import pin_draft_cost
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ import random
 import pytest
 
 from services.worker.engine.block_manager import BlockAccountingError, BlockManager, NoFreeBlocksError
-from services.worker.engine.params import SamplingParams
 from services.worker.engine.sequence import FinishReason, Sequence, SequenceStatus
+from strata.sampling import SamplingParams
 from tests.scheduler_invariants import check_invariants
 from tests.unit.scheduler_helpers import FakeModel, make_scheduler, run_all, step
 from tests.unit.scheduler_helpers import make_seq as make_request

@@ -16,8 +16,8 @@ import pytest
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
 from services.worker.model import native
+from strata.sampling import SamplingParams
 from tests.engine_runs import pin_draft_cost
 from tests.scheduler_invariants import check_invariants
 

@@ -28,7 +28,6 @@ from torch import nn
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
 from services.worker.model.attention import AttentionMetadata
 from services.worker.model.config import ModelLoadError
 from services.worker.model.dynamic_int8 import DYNAMIC_INT8_LAYERS
@@ -37,6 +36,7 @@ from services.worker.model.loader import LoadedModel, load_model
 from services.worker.model.small_int8 import SmallBatchInt8
 from services.worker.model.small_linear import MAX_ROWS
 from services.worker.settings import WorkerSettings
+from strata.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from pathlib import Path

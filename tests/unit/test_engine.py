@@ -10,8 +10,8 @@ import pytest
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.faults import FaultInjectionDisabledError
-from services.worker.engine.params import InvalidRequestError, SamplingParams
 from services.worker.engine.sequence import FinishReason
+from strata.sampling import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -15,7 +15,7 @@ import torch
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.logprobs import token_logprobs
-from services.worker.engine.params import InvalidRequestError, SamplingParams
+from strata.sampling import InvalidRequestError, SamplingParams
 from tests.engine_runs import run_requests
 
 if TYPE_CHECKING:

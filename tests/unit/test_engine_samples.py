@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from gateway.samples import sample_seed
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
+from strata.sampling import SamplingParams
 from tests.scheduler_invariants import check_invariants
 
 if TYPE_CHECKING:

@@ -18,9 +18,9 @@ import pytest
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
 from services.worker.engine.sequence import FinishReason
 from services.worker.model import decode_stack, native
+from strata.sampling import SamplingParams
 from tests.engine_runs import pin_draft_cost, run_requests
 
 if TYPE_CHECKING:

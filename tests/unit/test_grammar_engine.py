@@ -23,8 +23,8 @@ from services.worker.engine.engine import LLMEngine
 from services.worker.engine.grammar_compiler import GrammarCompiler
 from services.worker.engine.grammar_mask import GrammarMasker
 from services.worker.engine.grammar_spec import GrammarSpec
-from services.worker.engine.params import InvalidRequestError, SamplingParams
 from services.worker.engine.sequence import FinishReason
+from strata.sampling import InvalidRequestError, SamplingParams
 from tests.grammar_cases import LARK, REGEX, SCHEMA, slow_schema
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.grammar_compiler import GrammarCompiler
 from services.worker.engine.grammar_spec import GrammarSpec
-from services.worker.engine.params import SamplingParams
+from strata.sampling import SamplingParams
 from tests.grammar_cases import SCHEMA
 
 if TYPE_CHECKING:

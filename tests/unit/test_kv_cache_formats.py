@@ -13,11 +13,11 @@ import torch
 
 from services.worker.engine.config import KV_CACHE_DTYPES, EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
 from services.worker.model import kv_format, native
 from services.worker.model.attention import AttentionMetadata, TorchAttention
 from services.worker.model.kv_format import KVFormat
 from services.worker.model.loader import load_model
+from strata.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -27,8 +27,8 @@ from services.worker.engine.logits_processors import (
     apply_output_penalties,
     banned_until_min_tokens,
 )
-from services.worker.engine.params import InvalidRequestError, SamplingParams
 from services.worker.engine.sampler import Sampler, SampleRow
+from strata.sampling import InvalidRequestError, SamplingParams
 
 EOS = (0, 7)
 

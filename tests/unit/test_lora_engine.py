@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 from services.worker.engine.adapters import NoAdapterSlotsError, UnknownAdapterError
-from services.worker.engine.params import SamplingParams
 from services.worker.model.lora_file import AdapterError
+from strata.sampling import SamplingParams
 from tests.conftest import build_tiny_model
 from tests.lora_adapters import (
     NEW_TOKENS,

@@ -17,10 +17,10 @@ from transformers import AutoModelForCausalLM
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
 from services.worker.model.config import ModelLoadError
 from services.worker.model.loader import load_model
 from services.worker.model.registry import SUPPORTED_ARCHITECTURES, family_of
+from strata.sampling import SamplingParams
 from tests.native_calls import count_decode_stack_calls
 from tests.parity import assert_greedy_parity, hf_greedy_reference, paged_greedy_generate
 

@@ -1,5 +1,5 @@
-"""The HTTP APIs' bodies mapped onto the gRPC request: Strata's `speculate` extension field, and each
-API's way to ask for one tool call at most."""
+"""The HTTP APIs' bodies mapped onto the gRPC request: the sampling scalars the body takes from the
+table, Strata's `speculate` extension field, and each API's way to ask for one tool call at most."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from typing import TYPE_CHECKING
 
 from gateway.anthropic_schema import MessagesRequest
 from gateway.openai_mapping import to_generate_request
-from gateway.openai_schema import ChatCompletionRequest
+from gateway.openai_schema import TABLE_FIELDS, ChatCompletionRequest
 from gateway.responses_schema import ResponsesRequest
 from gateway.settings import GatewaySettings
+from strata.sampling import SamplingOptions, option_type
 
 if TYPE_CHECKING:
     from strata.v1 import common_pb2
@@ -22,6 +23,19 @@ def _sampling_of(body: dict[str, object]) -> common_pb2.SamplingParams:
         {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}
     )
     return to_generate_request(chat, SETTINGS, lambda _: None).sampling
+
+
+def test_each_table_scalar_sent_in_the_body_reaches_the_request_and_one_not_sent_stays_unset() -> None:
+    """The body's fields made from the table: each of the client's scalars named as the proto names
+    it is one, typed as the client types it, and copied by name; absent, it is unset (the gateway's
+    default), except temperature, whose HTTP default is OpenAI's 1."""
+    assert set(TABLE_FIELDS) == set(SamplingOptions.__annotations__) - {"max_new_tokens"}
+    for name in TABLE_FIELDS:
+        value = option_type(name)(1)
+        sent = _sampling_of({name: value})
+        assert getattr(sent, name) == value and name in {field.name for field, _ in sent.ListFields()}
+        unset = {field.name for field, _ in _sampling_of({}).ListFields()}
+        assert (name in unset) == (name == "temperature"), name
 
 
 def test_speculate_false_keeps_the_request_out_of_speculative_decoding() -> None:

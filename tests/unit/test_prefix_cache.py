@@ -19,9 +19,9 @@ import pytest
 from services.worker.engine.block_hash import block_hash
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.params import SamplingParams
 from services.worker.engine.scheduler import Scheduler
 from services.worker.engine.sequence import Sequence
+from strata.sampling import SamplingParams
 from tests.scheduler_invariants import check_invariants
 from tests.unit.scheduler_helpers import EOS, VOCAB_START, FakeModel, step
 

@@ -59,7 +59,7 @@ def test_quantized_real_model_answers_paris(real_model_dir: Path, mode: str) -> 
 
     from services.worker.engine.config import EngineConfig
     from services.worker.engine.engine import LLMEngine
-    from services.worker.engine.params import SamplingParams
+    from strata.sampling import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
     text = tokenizer.apply_chat_template(

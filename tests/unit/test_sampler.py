@@ -17,9 +17,9 @@ from transformers.generation.logits_process import (
 )
 
 from services.worker.engine.noise import gumbel, row_keys, uniform
-from services.worker.engine.params import SamplingParams
 from services.worker.engine.penalties import apply_penalties
 from services.worker.engine.sampler import Sampler, SampleRow
+from strata.sampling import SamplingParams
 from tests.sampling_cases import CPU, TARGETS
 
 

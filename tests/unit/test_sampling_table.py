@@ -20,7 +20,6 @@ import pytest
 from gateway.errors import InvalidArgument
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from gateway.validation import validate
-from services.worker.engine.params import InvalidRequestError, SamplingParams
 from strata.cli.client_commands import add_generate
 from strata.client import GenerateOptions
 from strata.generate_request import build_request
@@ -28,8 +27,10 @@ from strata.sampling import (
     BOUNDS,
     MAX_PENALTY,
     SAMPLING_PARAMS,
+    InvalidRequestError,
     SamplingOptions,
     SamplingParam,
+    SamplingParams,
     option_type,
     out_of_bounds,
 )

@@ -17,9 +17,9 @@ import pytest
 
 from services.worker.engine.block_manager import BlockManager
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.params import InvalidRequestError
 from services.worker.engine.scheduler import Scheduler
 from services.worker.engine.sequence import FinishReason, Sequence, SequenceStatus, StepOutput
+from strata.sampling import InvalidRequestError
 from tests.scheduler_invariants import check_invariants
 from tests.unit.scheduler_helpers import EOS, FakeModel, make_scheduler, make_seq, run_all, step
 

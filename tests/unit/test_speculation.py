@@ -13,9 +13,9 @@ import pytest
 from services.worker.engine.config import EngineConfig, SpeculativeConfig
 from services.worker.engine.cost_line import COST_WINDOW, StepCostModel
 from services.worker.engine.ngram import ngram_proposal
-from services.worker.engine.params import SamplingParams
 from services.worker.engine.sequence import FinishReason, Sequence
 from services.worker.engine.speculation import Speculator, accepted_tokens, draft_length
+from strata.sampling import SamplingParams
 from tests.unit.scheduler_helpers import FakeModel, make_scheduler, make_seq, run_all, step
 
 

@@ -20,7 +20,6 @@ from torch import nn
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.params import SamplingParams
 from services.worker.model import native
 from services.worker.model.attention import AttentionMetadata
 from services.worker.model.config import ModelLoadError
@@ -29,6 +28,7 @@ from services.worker.model.loader import load_model
 from services.worker.model.small_int8 import SmallBatchInt8, WeightOnlyInt8
 from services.worker.model.small_linear import MAX_ROWS
 from services.worker.settings import WorkerSettings
+from strata.sampling import SamplingParams
 from tests.native_calls import count_decode_stack_calls
 
 if TYPE_CHECKING:

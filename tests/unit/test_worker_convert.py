@@ -8,7 +8,6 @@ import pytest
 from services.worker.convert import engine_priority, sampling_params, token_update
 from services.worker.credits import CreditPool
 from services.worker.engine.async_engine import EngineDeadError
-from services.worker.engine.params import InvalidRequestError, SamplingParams
 from services.worker.engine.sequence import FinishReason, StepOutput
 from services.worker.errors import (
     DeadlinePassedError,
@@ -18,6 +17,7 @@ from services.worker.errors import (
     rejection_code,
     status_of,
 )
+from strata.sampling import InvalidRequestError, SamplingParams
 from strata.v1 import common_pb2, worker_pb2
 
 

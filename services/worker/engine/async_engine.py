@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from services.worker.engine.adapters import UnknownAdapterError
-from services.worker.engine.params import InvalidRequestError, SamplingParams
 from services.worker.engine.request_stream import RequestStream, aborted_output
+from strata.sampling import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
     from services.worker.engine.engine import EngineStats, LLMEngine

@@ -26,12 +26,12 @@ from services.worker.engine.faults import FaultInjector, SimulatedOutOfMemoryErr
 from services.worker.engine.lora_serving import LoraServing
 from services.worker.engine.memory_profile import explicit_num_blocks, size_kv_cache
 from services.worker.engine.model_runner import ModelRunner
-from services.worker.engine.params import InvalidRequestError, SamplingParams
 from services.worker.engine.scheduler import Scheduler, SchedulerStats
 from services.worker.engine.sequence import FinishReason, Sequence, StepOutput
 from services.worker.engine.speculation import Speculator
 from services.worker.model.loader import load_model
 from strata.fingerprint import weights_fingerprint
+from strata.sampling import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
     from collections.abc import Sequence as SequenceOf

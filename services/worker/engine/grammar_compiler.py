@@ -26,8 +26,8 @@ from services.worker.engine.grammar_spec import (
     GrammarKind,
     GrammarSpec,
 )
-from services.worker.engine.params import InvalidRequestError
 from strata.fingerprint import tokenizer_fingerprint
+from strata.sampling import InvalidRequestError
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

@@ -14,7 +14,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from services.worker.engine.params import InvalidRequestError
+from strata.sampling import InvalidRequestError
 
 # The largest constraint source accepted, in bytes: a generous schema is a few KiB.
 MAX_CONSTRAINT_BYTES = 64 * 1024

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from torch import Tensor
 
-    from services.worker.engine.params import SamplingParams
+    from strata.sampling import SamplingParams
 
 _NEG_INF = float("-inf")
 

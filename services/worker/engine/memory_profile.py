@@ -24,12 +24,12 @@ import torch
 
 from services.worker.device_memory import device_memory_bytes
 from services.worker.engine.model_runner import ModelRunner
-from services.worker.engine.params import SamplingParams
 from services.worker.engine.sequence import ScheduledBatch, ScheduledEntry, Sequence
 from services.worker.memory_budget import CacheRequest, MemoryBudget, MemoryProfile, plan
 from services.worker.memory_limit import MemoryLimit, memory_limit
 from services.worker.model import kv_format
 from services.worker.model.kv_cache import KVCache
+from strata.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -37,7 +37,7 @@ from services.worker.engine.penalties import apply_penalties
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from services.worker.engine.params import SamplingParams
+    from strata.sampling import SamplingParams
 
 _NEG_INF = float("-inf")
 

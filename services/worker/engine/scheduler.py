@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 
 from services.worker.engine.batch_builder import BatchBuilder, SchedulerStats
 from services.worker.engine.block_manager import NO_HIT
-from services.worker.engine.params import InvalidRequestError
 from services.worker.engine.sequence import (
     FinishReason,
     ScheduledBatch,
@@ -33,6 +32,7 @@ from services.worker.engine.step_limits import StepLimits
 from services.worker.engine.step_results import StopRule, apply_step
 from services.worker.engine.waiting_queue import WaitingQueue
 from services.worker.engine.yielding import yielding
+from strata.sampling import InvalidRequestError
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping

@@ -14,13 +14,13 @@ import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from services.worker.engine.params import InvalidRequestError
+from strata.sampling import InvalidRequestError
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from services.worker.engine.grammar_matcher import GrammarMatcher
-    from services.worker.engine.params import SamplingParams
+    from strata.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
