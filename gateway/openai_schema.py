@@ -1,18 +1,19 @@
 """The OpenAI-compatible HTTP API's request bodies, as pydantic models that parse and check them.
 
-`ChatCompletionRequest` (POST /v1/chat/completions) and `CompletionRequest` (POST /v1/completions)
-take the OpenAI field names (with `presence_penalty`, `frequency_penalty`, `logit_bias`, `logprobs`
-and `top_logprobs`), Strata's and vLLM's own options as extra body fields (`top_k`, `min_p`,
-`min_tokens`, `stop_token_ids`, `prompt_logprobs`, `priority`, ...), and the fields clients send by
-habit (`service_tier`, ...) at their default values. The sampling scalars named as the proto names
-them are made from the table (strata/sampling.py), so a new one needs no line here. `n` asks for several samples. A chat request's
-`logprobs` is a boolean with `top_logprobs` alternatives; a completion's `logprobs` is the number of
-alternatives (OpenAI's legacy shape). `response_format` (json_object, json_schema, and Strata's regex
-and grammar) and `tools` with `tool_choice` are parsed here and mapped by openai_mapping.py. A
-habitual field whose value asks for a feature the gateway lacks is refused naming the field
-(`best_of: 3 ...`), and so is a field this API does not know: nothing is ignored in silence. Parsing
-is strict about types (a string is not a number), so a wrong type is a field-level error, never a
-crash. This module must not know the gRPC request (openai_mapping.py builds it) nor send anything.
+`ChatCompletionRequest` (POST /v1/chat/completions) and `CompletionRequest` (POST /v1/completions) take
+the OpenAI field names (with `presence_penalty`, `frequency_penalty`, `logit_bias`, `logprobs` and
+`top_logprobs`), Strata's and vLLM's own options as extra body fields (`top_k`, `min_p`, `min_tokens`,
+`stop_token_ids`, `prompt_logprobs`, `priority`, ...), and the fields clients send by habit
+(`service_tier`, ...) at their default values. The sampling scalars named as the proto names them are
+made from the table (strata/sampling.py), so a new one needs no line here. `n` asks for several
+samples. A chat request's `logprobs` is a boolean with `top_logprobs` alternatives; a completion's
+`logprobs` is the number of alternatives (OpenAI's legacy shape). `response_format` (json_object,
+json_schema, and Strata's regex and grammar) and `tools` with `tool_choice` are parsed here and mapped
+by openai_mapping.py. A habitual field whose value asks for a feature the gateway lacks is refused
+naming the field (`best_of: 3 ...`), and so is a field this API does not know: nothing is ignored in
+silence. Parsing is strict about types (a string is not a number), so a wrong type is a field-level
+error, never a crash. This module must not know the gRPC request (openai_mapping.py builds it) nor send
+anything.
 """
 
 from __future__ import annotations
