@@ -45,19 +45,20 @@ class AdmissionJudge:
     def forecast(self, ticket: Ticket, links: list[WorkerLink]) -> Forecast | None:
         """When `ticket` would start and get its first token on one of `links`, queued now; None before
         any of them reported a step."""
-        views = [
-            LinkView(
-                link.load,
-                link.load.slots(link.credits.limit),
-                self._share.usable_credits(ticket.tenant, link),
-                [self._exact(slot, [link]) for slot in link.credits.unsent],
-                self._share.worker_priority(ticket.priority, ticket.tenant, link.load),
-                self._cached(ticket, [link]),
-            )
-            for link in links
-        ]
+        views = [self._view(ticket, link) for link in links]
         ahead = [self._exact(slot, links) for slot in self._queue.ahead_slots(ticket)]
         return forecast(views, ahead, self._sized(ticket, None))
+
+    def _view(self, ticket: Ticket, link: WorkerLink) -> LinkView:
+        favoured = self._share.favoured(ticket.tenant, link.load)
+        return LinkView(
+            link.load,
+            link.load.slots(link.credits.limit),
+            self._share.usable_credits(ticket.tenant, link, favoured),
+            [self._exact(slot, [link]) for slot in link.credits.unsent],
+            ticket.priority.worker_priority(favoured),
+            self._cached(ticket, [link]),
+        )
 
     def _exact(self, slot: Slot[Any], links: list[WorkerLink]) -> Ticket:
         """A queued or granted ticket as the forecast prices it: sized, less what the worker it will

@@ -69,11 +69,14 @@ class FairShare:
         when the tenant is below its share there."""
         return priority.worker_priority(self.favoured(tenant, load))
 
-    def usable_credits(self, tenant: str, link: SharedLink) -> int:
+    def usable_credits(self, tenant: str, link: SharedLink, favoured: bool | None = None) -> int:
         """The credits of `link` a request of `tenant` may take: all that are free when the tenant is
-        below its share there, else all but the reserve."""
+        below its share there, else all but the reserve. `favoured` is `favoured(tenant, link.load)`
+        where the caller has asked it already (it sums every tenant's open work)."""
         free = link.free_credits
-        if free <= 0 or not self.on or self.favoured(tenant, link.load):
+        if favoured is None:
+            favoured = self.favoured(tenant, link.load)
+        if free <= 0 or not self.on or favoured:
             return free
         limit = link.credits.limit
         beyond_running = max(0, limit - link.load.max_running)
