@@ -245,12 +245,12 @@ class SamplingParams:
     temperature 0 means greedy; top_k 0 and top_p 1.0 mean no filtering; seed None lets the engine
     pick one at admission, so every request draws from the same counter-based noise.
 
-    The OpenAI/vLLM processors (logits_processors.py) are off at their defaults: presence and
-    frequency penalties 0, min_p 0, typical_p 1, no logit_bias, min_tokens 0. logprobs None returns no log
-    probabilities; N >= 0 returns each sampled token's and its N most likely alternatives'.
-    prompt_logprobs likewise for the prompt's tokens. prior_output_tokens counts the trailing prompt
-    ids that are a failed worker's output, which the penalties and min_tokens count as output.
-    speculate False keeps the request out of speculative decoding where the engine has it on (its
+    The OpenAI/vLLM processors (the worker's services/worker/engine/logits_processors.py) are off at their
+    defaults: presence and frequency penalties 0, min_p 0, typical_p 1, no logit_bias, min_tokens 0.
+    logprobs None returns no log probabilities; N >= 0 returns each sampled token's and its N most likely
+    alternatives'. prompt_logprobs likewise for the prompt's tokens. prior_output_tokens counts the
+    trailing prompt ids that are a failed worker's output, which the penalties and min_tokens count as
+    output. speculate False keeps the request out of speculative decoding where the engine has it on (its
     tokens are the same either way; only its steps' shape changes).
     """
 
