@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from strata.sampling import SAMPLING_PARAMS, SamplingOptions, option_type
+from strata.sampling import TABLE, SamplingOptions, option_type
 
 
 class _Body(BaseModel):
@@ -31,7 +31,7 @@ class _Body(BaseModel):
 
 TABLE_FIELDS = tuple(
     param.name
-    for param in SAMPLING_PARAMS
+    for param in TABLE
     if param.http == (param.name,) and param.name in SamplingOptions.__annotations__
 )
 """The sampling scalars the body carries under the proto's names: made from the table (typed as the
@@ -48,7 +48,7 @@ else:
         __base__=_Body,
         **{
             param.name: (option_type(param.name) | None, Field(default=None, description=param.meaning))
-            for param in SAMPLING_PARAMS
+            for param in TABLE
             if param.name in TABLE_FIELDS
         },
     )

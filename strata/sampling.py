@@ -111,7 +111,7 @@ def as_sent(message: Message, names: Iterable[str]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingParam:
+class TableEntry:
     """One field of SamplingParams and where each front door exposes it (None: it does not)."""
 
     name: str
@@ -137,7 +137,7 @@ OWN: Literal["own"] = "own"
 Names = tuple[str, ...] | Literal["own"] | None
 
 
-def _param(
+def _entry(
     name: str,
     default: str,
     meaning: str,
@@ -146,7 +146,7 @@ def _param(
     http: Names = OWN,
     client: Names = OWN,
     cli: Names = OWN,
-) -> SamplingParam:
+) -> TableEntry:
     """A table entry: its range is BOUNDS' unless `valid` says it; each front door names it as the
     proto does (OWN) unless given its names, or None where the door does not expose it."""
 
@@ -155,41 +155,41 @@ def _param(
 
     if valid is None:
         valid = BOUNDS[name].text if name in BOUNDS else ""
-    return SamplingParam(name, default, valid, meaning, names(http), names(client), names(cli))
+    return TableEntry(name, default, valid, meaning, names(http), names(client), names(cli))
 
 
-SAMPLING_PARAMS: tuple[SamplingParam, ...] = (
-    _param("max_new_tokens", "the gateway's default_max_new_tokens", "tokens to generate at most",
+TABLE: tuple[TableEntry, ...] = (
+    _entry("max_new_tokens", "the gateway's default_max_new_tokens", "tokens to generate at most",
            valid=">= 1, and room in the context", http=("max_tokens", "max_completion_tokens")),
-    _param("temperature", "0 (gRPC), 1 (HTTP)", "the logits' divisor before sampling"),
-    _param("top_p", "1 (off)", "nucleus sampling: keep the smallest set of tokens with this mass"),
-    _param("top_k", "0 (off)", "keep the k most likely tokens"),
-    _param("repetition_penalty", "1 (off)", "divides the logits of tokens already seen (> 1 discourages)"),
-    _param("no_repeat_ngram_size", "0 (off)", "never repeat an n-gram of this size", cli=None),
-    _param("stop", "none", "strings that end the text (cut before them)",
+    _entry("temperature", "0 (gRPC), 1 (HTTP)", "the logits' divisor before sampling"),
+    _entry("top_p", "1 (off)", "nucleus sampling: keep the smallest set of tokens with this mass"),
+    _entry("top_k", "0 (off)", "keep the k most likely tokens"),
+    _entry("repetition_penalty", "1 (off)", "divides the logits of tokens already seen (> 1 discourages)"),
+    _entry("no_repeat_ngram_size", "0 (off)", "never repeat an n-gram of this size", cli=None),
+    _entry("stop", "none", "strings that end the text (cut before them)",
            valid="at most the gateway's max_stop_strings, each non-empty"),
-    _param("seed", "random", "makes sampling repeatable"),
-    _param("ignore_eos", "false", "go on past EOS", cli=None),
-    _param("presence_penalty", "0 (off)", "subtracted once from the logit of every token generated so far"),
-    _param("frequency_penalty", "0 (off)", "subtracted from a token's logit once per time it was generated"),
-    _param("min_p", "0 (off)", "drop tokens below min_p times the top token's probability"),
-    _param("typical_p", "1 (off)", "locally typical sampling: keep the tokens whose surprisal is nearest "
+    _entry("seed", "random", "makes sampling repeatable"),
+    _entry("ignore_eos", "false", "go on past EOS", cli=None),
+    _entry("presence_penalty", "0 (off)", "subtracted once from the logit of every token generated so far"),
+    _entry("frequency_penalty", "0 (off)", "subtracted from a token's logit once per time it was generated"),
+    _entry("min_p", "0 (off)", "drop tokens below min_p times the top token's probability"),
+    _entry("typical_p", "1 (off)", "locally typical sampling: keep the tokens whose surprisal is nearest "
            "the entropy until they hold this mass"),
-    _param("logit_bias", "none", "added to listed tokens' logits first",
+    _entry("logit_bias", "none", "added to listed tokens' logits first",
            valid=f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, each in "
            f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", cli=None),
-    _param("stop_token_ids", "none", "token ids that end generation like EOS",
+    _entry("stop_token_ids", "none", "token ids that end generation like EOS",
            valid=f"at most {MAX_STOP_TOKEN_IDS} ids", cli=None),
-    _param("min_tokens", "0 (off)", "nothing ends the text before this many tokens",
+    _entry("min_tokens", "0 (off)", "nothing ends the text before this many tokens",
            valid="[0, max_new_tokens]"),
-    _param("logprobs", "false", "return each generated token's log probability"),
-    _param("top_logprobs", "0", "and this many most likely alternatives at each position",
+    _entry("logprobs", "false", "return each generated token's log probability"),
+    _entry("top_logprobs", "0", "and this many most likely alternatives at each position",
            valid=f"{BOUNDS['top_logprobs'].text}, with logprobs", client=("logprobs",), cli=("logprobs",)),
-    _param("prompt_logprobs", "unset (off)",
+    _entry("prompt_logprobs", "unset (off)",
            "return each prompt token's log probability, with this many alternatives", cli=None),
-    _param("no_speculation", "false", "keep this request out of speculative decoding",
+    _entry("no_speculation", "false", "keep this request out of speculative decoding",
            http=("speculate",), client=("speculate",), cli=None),
-    _param("constraint", "unset (free text)", "the language the output must belong to",
+    _entry("constraint", "unset (free text)", "the language the output must belong to",
            valid="one of a JSON schema, any JSON object, a regex, a Lark grammar",
            http=("response_format",), client=_CONSTRAINT_OPTIONS, cli=_CONSTRAINT_OPTIONS),
 )  # fmt: skip

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-from strata.sampling import SAMPLING_PARAMS, SamplingOptions, option_type
+from strata.sampling import TABLE, SamplingOptions, option_type
 
 if TYPE_CHECKING:
     import argparse
@@ -31,7 +31,7 @@ _LOCAL_OPTIONS = ("max_new_tokens", "temperature")
 """The sampling options the in-process --local path honours."""
 _OPTIONS = tuple(
     param.name
-    for param in SAMPLING_PARAMS
+    for param in TABLE
     if param.cli == (param.name,) and param.name in SamplingOptions.__annotations__
 )
 """The scalar sampling options `strata generate` takes, under their proto names (strata/sampling.py)."""
@@ -203,7 +203,7 @@ def add_generate(subparsers: SubParsers) -> None:
     parser.add_argument("--system", help="with --chat: a system message before PROMPT")
     parser.add_argument("--model", help="model name, as `strata models` lists it (default: the gateway's)")
     sampling = parser.add_argument_group("sampling (strata/sampling.py's table; docs/outputs.md)")
-    for param in SAMPLING_PARAMS:
+    for param in TABLE:
         if param.name in _OPTIONS:
             flag, kind = "--" + param.name.replace("_", "-"), option_type(param.name)
             valid = f"; {param.valid}" if param.valid else ""

@@ -26,11 +26,11 @@ from strata.generate_request import build_request
 from strata.sampling import (
     BOUNDS,
     MAX_PENALTY,
-    SAMPLING_PARAMS,
+    TABLE,
     InvalidRequestError,
     SamplingOptions,
-    SamplingParam,
     SamplingParams,
+    TableEntry,
     option_type,
     out_of_bounds,
 )
@@ -63,20 +63,20 @@ CLI_REQUEST_OPTIONS = {
 
 def names(surface: str) -> set[str]:
     found: set[str] = set()
-    for param in SAMPLING_PARAMS:
+    for param in TABLE:
         found.update(getattr(param, surface) or ())
     return found
 
 
 def test_the_table_holds_every_field_of_the_proto_once() -> None:
     fields = [field.name for field in common_pb2.SamplingParams.DESCRIPTOR.fields]
-    table = [param.name for param in SAMPLING_PARAMS]
+    table = [param.name for param in TABLE]
     assert sorted(table) == sorted(fields)
     assert len(set(table)) == len(table)
 
 
-@pytest.mark.parametrize("param", SAMPLING_PARAMS, ids=lambda param: param.name)
-def test_each_entry_says_what_it_means_and_its_default(param: SamplingParam) -> None:
+@pytest.mark.parametrize("param", TABLE, ids=lambda param: param.name)
+def test_each_entry_says_what_it_means_and_its_default(param: TableEntry) -> None:
     assert param.meaning and param.default
 
 
@@ -95,7 +95,7 @@ def test_the_client_copies_every_scalar_it_names_as_the_proto_does() -> None:
     copy each one by name, so a value given reaches the request and one not given stays unset."""
     fields = common_pb2.SamplingParams.DESCRIPTOR.fields_by_name
     scalars = {name for name, field in fields.items() if not field.is_repeated and field.message_type is None}
-    own = {param.name for param in SAMPLING_PARAMS if param.client == (param.name,)} & scalars
+    own = {param.name for param in TABLE if param.client == (param.name,)} & scalars
     assert set(SamplingOptions.__annotations__) == own - {"logprobs"}
     for name in SamplingOptions.__annotations__:
         value = option_type(name)(3)
