@@ -112,7 +112,7 @@ def as_sent(message: Message, names: Iterable[str]) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class TableEntry:
-    """One field of SamplingParams and where each front door exposes it (None: it does not)."""
+    """One field of common.proto's SamplingParams and where each front door exposes it (None: it does not)."""
 
     name: str
     """Its name in common.proto's SamplingParams."""
