@@ -74,9 +74,11 @@ class FairShare:
         below its share there, else all but the reserve. `favoured` is `favoured(tenant, link.load)`
         where the caller has asked it already (it sums every tenant's open work)."""
         free = link.free_credits
+        if free <= 0 or not self.on:
+            return free
         if favoured is None:
             favoured = self.favoured(tenant, link.load)
-        if free <= 0 or not self.on or favoured:
+        if favoured:
             return free
         limit = link.credits.limit
         beyond_running = max(0, limit - link.load.max_running)
