@@ -59,7 +59,9 @@ def engines(args: argparse.Namespace) -> dict[str, Any]:
     from services.worker.model.ranks import RankSpec, load_tensor_parallel
 
     config = EngineConfig(max_num_seqs=max(args.streams, 1), enable_prefix_caching=False, num_blocks=512)
-    spec = RankSpec(args.model, "cpu", torch.float32, "auto", 2, timeout_s=120.0, threads=args.threads // 2)
+    spec = RankSpec(
+        args.model, "cpu", torch.float32, "auto", 2, 120.0, start_timeout_s=600.0, threads=args.threads // 2
+    )
     return {
         "one_rank": LLMEngine(load_model(args.model), config),
         "two_ranks": LLMEngine(load_tensor_parallel(spec), config),

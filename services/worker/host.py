@@ -85,6 +85,7 @@ def rank_spec(settings: WorkerSettings) -> RankSpec:
         kv_cache_dtype=settings.engine.kv_cache_dtype,
         size=settings.tensor_parallel_size,
         timeout_s=settings.tensor_parallel_timeout_s,
+        start_timeout_s=settings.tensor_parallel_start_timeout_s,
         threads=settings.threads,
     )
 

@@ -46,8 +46,11 @@ class WorkerSettings(ServiceSettings):
     the others, unless WORLD_SIZE/RANK/MASTER_ADDR/MASTER_PORT are set (torchrun, a LeaderWorkerSet),
     when it joins the group they describe. Float safetensors checkpoints only."""
     tensor_parallel_timeout_s: float = 60.0
-    """Bound on every collective between the ranks: a rank that hangs this long (or dies) makes the
-    worker report NOT_SERVING and exit, so its supervisor restarts the group."""
+    """Bound on every collective of a step between the ranks: a rank that hangs this long (or dies)
+    makes the worker report NOT_SERVING and exit, so its supervisor restarts the group."""
+    tensor_parallel_start_timeout_s: float = 600.0
+    """Bound on forming the group and loading every rank's shard: a rank not started, joined and
+    loaded this long after rank 0 began makes the worker fail to load (and exit)."""
     engine: EngineConfig = Field(default_factory=EngineConfig)
     """The continuous-batching engine's settings."""
     max_requests: int | None = None
@@ -97,6 +100,9 @@ class WorkerSettings(ServiceSettings):
             raise ValueError(
                 f"tensor_parallel_timeout_s={self.tensor_parallel_timeout_s} must be > 0, e.g. 60"
             )
+        if not self.tensor_parallel_start_timeout_s > 0:
+            start = self.tensor_parallel_start_timeout_s
+            raise ValueError(f"tensor_parallel_start_timeout_s={start} must be > 0, e.g. 600")
         if self.adapters and not self.engine.lora.max_loras:
             raise ValueError(
                 f"adapters {', '.join(self.adapters)} need adapter slots: set engine.lora.max_loras, e.g. 8"

@@ -49,7 +49,7 @@ def test_ranks_over_nccl_give_one_ranks_logprobs(tiny_llama_dir: Path, size: int
     if torch.cuda.device_count() < size:
         pytest.skip(f"needs {size} GPUs, torch sees {torch.cuda.device_count()}")
     plain = prompt_logprobs(LLMEngine(load_model(tiny_llama_dir, device="cuda", dtype=torch.float32), CONFIG))
-    spec = RankSpec(tiny_llama_dir, "cuda", torch.float32, "auto", size, timeout_s=60.0)
+    spec = RankSpec(tiny_llama_dir, "cuda", torch.float32, "auto", size, 60.0, start_timeout_s=600.0)
     loaded = load_tensor_parallel(spec)
     engine = LLMEngine(loaded, CONFIG)
     try:

@@ -38,10 +38,12 @@ if TYPE_CHECKING:
 TOLERANCE = 1e-4
 # Every collective is bounded by this; generous, a tiny step takes milliseconds.
 TIMEOUT_S = 60.0
+START_S = 600.0
+"""The bound on forming the group and loading the shards."""
 
 
 def two_rank_engine(model_dir: Path, config: EngineConfig) -> LLMEngine:
-    spec = RankSpec(model_dir, "cpu", torch.float32, config.kv_cache_dtype, 2, TIMEOUT_S, threads=1)
+    spec = RankSpec(model_dir, "cpu", torch.float32, config.kv_cache_dtype, 2, TIMEOUT_S, START_S, threads=1)
     loaded = load_tensor_parallel(spec)
     return LLMEngine(loaded, config)
 

@@ -127,3 +127,58 @@ def test_a_lost_rank_ends_the_worker(
     assert (
         not Path(f"/proc/{ranks[0]}").exists() or "Z" in Path(f"/proc/{ranks[0]}/stat").read_text().split()[2]
     )
+
+
+RANK_START_DELAY_S = 2 * TIMEOUT_S
+"""How much later than rank 0 the slow-starting rank 1 joins: well past the step timeout."""
+
+SLOW_RANK = f"""
+import os, time
+if os.environ.get("RANK") == "1":
+    time.sleep({RANK_START_DELAY_S})
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_that_joins_later_than_the_step_timeout_still_forms_the_group(
+    tiny_serving_dir: Path, tmp_path: Path
+) -> None:
+    """Rank 1 starting twice the step timeout after rank 0 (as on a loaded machine, where its Python
+    and torch imports alone take seconds) is waited for within the start bound, not the step bound: the
+    worker turns SERVING and answers, and SIGTERM ends both ranks with status 0. The delay is a
+    sitecustomize on rank 1's path that sleeps when RANK is 1 (rank 0 has no RANK of its own)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_RANK)
+    worker: dict[str, Any] = {
+        "model_name": "tiny",
+        "model_path": str(tiny_serving_dir),
+        "device": "cpu",
+        "threads": 1,
+        "tensor_parallel_size": 2,
+        "tensor_parallel_timeout_s": TIMEOUT_S,
+        "engine": ENGINE,
+    }
+    process, announce = worker_process(worker, tmp_path, env={"PYTHONPATH": str(hook)})
+
+    async def serve_one(address: str) -> list[int]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            await wait_serving(channel)
+            side = await connect(async_stub(channel), tiny_serving_dir)
+            await side.send(submission("r0", [9, 8, 7], 4))
+            await side.read_until(lambda s: "r0" in s.finals, timeout=WAIT_S)
+            return side.tokens["r0"]
+
+    try:
+        address = announced_address(process, announce, WAIT_S)
+        started = time.monotonic()
+        tokens = asyncio.run(serve_one(address))
+        waited = time.monotonic() - started
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=WAIT_S) == 0, process.stderr.read() if process.stderr else ""
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+    assert len(tokens) == 4
+    assert waited >= RANK_START_DELAY_S  # rank 1 really came late: the hook ran

@@ -58,7 +58,7 @@ def in_process_tokens(model_dir: Path) -> list[int]:
     """The same two ranks' greedy tokens, started by the engine itself (same shards, same order of
     additions, one thread a rank: the same bits as the launcher's ranks)."""
     engine = LLMEngine(
-        load_tensor_parallel(RankSpec(model_dir, "cpu", torch.float32, "auto", 2, 60.0, 1)),
+        load_tensor_parallel(RankSpec(model_dir, "cpu", torch.float32, "auto", 2, 60.0, 600.0, 1)),
         EngineConfig(**ENGINE),
     )
     try:

@@ -51,9 +51,11 @@ class Op(IntEnum):
 class Leader:
     """Rank 0's end of the link: one call per op, from the one thread that runs the forward passes."""
 
-    def __init__(self, device: torch.device, clock: CollectiveClock) -> None:
+    def __init__(self, device: torch.device, clock: CollectiveClock, group: dist.ProcessGroup) -> None:
+        """`group`: the ranks' step group (ranks.py), whose timeout bounds each op."""
         self.device = device
         self.clock = clock
+        self.group = group
         self.last_sent = time.monotonic()
 
     def step(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> None:
@@ -79,14 +81,16 @@ class Leader:
 
     def _send(self, header: list[int], payload: Tensor | None = None) -> None:
         started = time.perf_counter()
-        dist.broadcast(torch.tensor(header, dtype=torch.int64, device=self.device), src=0)
+        dist.broadcast(torch.tensor(header, dtype=torch.int64, device=self.device), src=0, group=self.group)
         if payload is not None:
-            dist.broadcast(payload.contiguous(), src=0)
+            dist.broadcast(payload.contiguous(), src=0, group=self.group)
         self.clock.add(started)
         self.last_sent = time.monotonic()
 
 
-def follow(model: CausalLM, kv_cache_dtype: str, device: torch.device, shard: Shard) -> None:
+def follow(
+    model: CausalLM, kv_cache_dtype: str, device: torch.device, shard: Shard, group: dist.ProcessGroup
+) -> None:
     """A follower's loop: run rank 0's ops on this rank's shard until it says stop (or a collective
     fails, which raises: the process then exits and its group is restarted as one)."""
     clock = CollectiveClock()
@@ -95,7 +99,7 @@ def follow(model: CausalLM, kv_cache_dtype: str, device: torch.device, shard: Sh
     header = torch.empty(_HEADER, dtype=torch.int64, device=device)
     with torch.inference_mode():
         while True:
-            dist.broadcast(header, src=0)
+            dist.broadcast(header, src=0, group=group)
             op, a, b, c, d, e = header.tolist()
             if op == Op.STOP:
                 log.info("rank %d: rank 0 said stop", dist.get_rank())
@@ -104,8 +108,8 @@ def follow(model: CausalLM, kv_cache_dtype: str, device: torch.device, shard: Sh
                 continue
             if op == Op.LOGITS:
                 hidden = torch.empty(a, model.config.hidden_size, dtype=model.dtype, device=device)
-                dist.broadcast(hidden, src=0)
-                vocab_logits(model, hidden, shard, clock)
+                dist.broadcast(hidden, src=0, group=group)
+                vocab_logits(model, hidden, shard, clock, group)
                 continue
             if op == Op.CACHE:
                 cache = None  # the old cache's memory goes back before the new one is taken
@@ -115,13 +119,14 @@ def follow(model: CausalLM, kv_cache_dtype: str, device: torch.device, shard: Sh
                 raise RuntimeError(
                     f"rank {dist.get_rank()}: op {op} before a cache, or unknown: restart the group"
                 )
-            _step(model, cache, device, tokens=a, sequences=b, width=c, decodes=d, block_size=e)
+            _step(model, cache, device, group, tokens=a, sequences=b, width=c, decodes=d, block_size=e)
 
 
 def _step(
     model: CausalLM,
     cache: KVCache,
     device: torch.device,
+    group: dist.ProcessGroup,
     *,
     tokens: int,
     sequences: int,
@@ -130,7 +135,7 @@ def _step(
     block_size: int,
 ) -> None:
     payload = torch.empty(2 * tokens + 2 * sequences + sequences * width, dtype=torch.int64, device=device)
-    dist.broadcast(payload, src=0)
+    dist.broadcast(payload, src=0, group=group)
     input_ids, positions = payload[:tokens], payload[tokens : 2 * tokens]
     lengths = payload[2 * tokens : 2 * tokens + 2 * sequences].tolist()
     tables = payload[2 * tokens + 2 * sequences :].view(sequences, width).tolist()

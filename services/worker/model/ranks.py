@@ -5,11 +5,14 @@ Rank 0 is the worker process: it loads its shard and runs the engine. The other 
 that load theirs and follow rank 0's ops (rank_link.py). Rank 0 starts them itself (`python -m
 services.worker.model.ranks`, with the variables torchrun sets), or, where those variables are set
 already (torchrun, a Kubernetes LeaderWorkerSet), joins the group they describe. Backend: gloo on the
-CPU, NCCL on CUDA. Every collective is bounded by `timeout_s`: a rank that dies breaks the next
-collective at once, one that hangs makes it fail after the timeout; either way the error ends rank
-0's step loop, the worker reports NOT_SERVING and exits, and whatever supervises it restarts the
-group as one. While rank 0 has no work it sends a heartbeat every quarter of the timeout, so an idle
-follower never times out and a rank that died while nothing ran is noticed within that quarter.
+CPU, NCCL on CUDA. Forming the group and loading every rank's shard are bounded by `start_timeout_s`
+(a rank's start, its imports and its load take seconds to minutes, more on a loaded machine); once
+every rank has loaded, the step's collectives run in a group of their own bounded by `timeout_s`: a
+rank that dies breaks the next collective at once, one that hangs makes it fail after the timeout;
+either way the error ends rank 0's step loop, the worker reports NOT_SERVING and exits, and whatever
+supervises it restarts the group as one. While rank 0 has no work it sends a heartbeat every quarter
+of the timeout, so an idle follower never times out and a rank that died while nothing ran is
+noticed within that quarter.
 
 This module owns the group's processes and rank 0's view of the sharded model. It must not split
 weights (tensor_parallel.py does) nor encode ops (rank_link.py does).
@@ -62,6 +65,7 @@ class RankSpec:
     kv_cache_dtype: str
     size: int
     timeout_s: float
+    start_timeout_s: float
     threads: int | None = None
 
 
@@ -114,7 +118,7 @@ class TensorParallelLM(CausalLM):
             )
         try:
             self.leader.logits(hidden)
-            return vocab_logits(self.inner, hidden, Shard(0, self.size), self.leader.clock)
+            return vocab_logits(self.inner, hidden, Shard(0, self.size), self.leader.clock, self.leader.group)
         except BaseException:
             self._broken = True
             raise
@@ -154,31 +158,40 @@ class TensorParallelLM(CausalLM):
 def load_tensor_parallel(spec: RankSpec) -> LoadedModel:
     """Start (or join) the group, load rank 0's shard and return it as a model that drives the rest."""
     backend = "nccl" if torch.device(spec.device).type == "cuda" else "gloo"
-    timeout = timedelta(seconds=spec.timeout_s)
+    start = timedelta(seconds=spec.start_timeout_s)
     children: list[subprocess.Popen[bytes]] = []
     if "WORLD_SIZE" in os.environ:
         _check_joined(spec.size)
-        dist.init_process_group(backend, init_method="env://", rank=0, world_size=spec.size, timeout=timeout)
+        dist.init_process_group(backend, init_method="env://", rank=0, world_size=spec.size, timeout=start)
     else:
-        store = TCPStore("127.0.0.1", 0, spec.size, is_master=True, timeout=timeout, wait_for_workers=False)
+        store = TCPStore("127.0.0.1", 0, spec.size, is_master=True, timeout=start, wait_for_workers=False)
         children = [_start_rank(spec, rank, store.port) for rank in range(1, spec.size)]
         try:
-            dist.init_process_group(backend, store=store, rank=0, world_size=spec.size, timeout=timeout)
+            dist.init_process_group(backend, store=store, rank=0, world_size=spec.size, timeout=start)
         except BaseException:
             _reap(children, wait_s=0.0)
             raise
     try:
         loaded = load_model(spec.model_path, _device(spec.device), spec.dtype, shard=Shard(0, spec.size))
+        group = _step_group(spec)
     except BaseException:
         _reap(children, wait_s=0.0)
         dist.destroy_process_group()
         raise
     clock = CollectiveClock()
-    reduce_rows(loaded.model, clock)
-    leader = Leader(loaded.device, clock)
+    reduce_rows(loaded.model, clock, group)
+    leader = Leader(loaded.device, clock, group)
     model = TensorParallelLM(loaded.model, leader, children, spec.size, heartbeat_s=spec.timeout_s / 4)
     described = f"{loaded.weights_format}, tensor parallel over {spec.size} ranks"
     return replace(loaded, model=model, weights_format=described)
+
+
+def _step_group(spec: RankSpec) -> dist.ProcessGroup:
+    """Once this rank's shard is loaded: wait for every rank's (within the start bound), then the group
+    of all ranks whose collectives the steps run, each bounded by `timeout_s`."""
+    dist.barrier()
+    group: dist.ProcessGroup = dist.new_group(timeout=timedelta(seconds=spec.timeout_s))
+    return group
 
 
 def collective_clock(model: CausalLM) -> CollectiveClock | None:
@@ -222,6 +235,7 @@ def _arguments(spec: RankSpec) -> list[str]:
         "--dtype", str(spec.dtype).removeprefix("torch."),
         "--kv-cache-dtype", spec.kv_cache_dtype,
         "--timeout-s", str(spec.timeout_s),
+        "--start-timeout-s", str(spec.start_timeout_s),
     ]  # fmt: skip
     return args + (["--threads", str(spec.threads)] if spec.threads is not None else [])
 
@@ -249,20 +263,19 @@ def run_follower(spec: RankSpec, spawned: bool = False) -> int:
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
     backend = "nccl" if torch.device(spec.device).type == "cuda" else "gloo"
-    timeout = timedelta(seconds=spec.timeout_s)
+    start = timedelta(seconds=spec.start_timeout_s)
     if spawned:
         # Rank 0 hosts the store itself (not a launcher's agent): join it as what it is.
         address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        store = TCPStore(address, port, spec.size, is_master=False, timeout=timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=spec.size, timeout=timeout)
+        store = TCPStore(address, port, spec.size, is_master=False, timeout=start)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=spec.size, timeout=start)
     else:
-        dist.init_process_group(
-            backend, init_method="env://", rank=rank, world_size=spec.size, timeout=timeout
-        )
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=spec.size, timeout=start)
     device = _device(spec.device)
     loaded = load_model(spec.model_path, device, spec.dtype, shard=Shard(rank, spec.size))
-    reduce_rows(loaded.model, CollectiveClock())
-    follow(loaded.model, spec.kv_cache_dtype, loaded.device, Shard(rank, spec.size))
+    group = _step_group(spec)
+    reduce_rows(loaded.model, CollectiveClock(), group)
+    follow(loaded.model, spec.kv_cache_dtype, loaded.device, Shard(rank, spec.size), group)
     dist.destroy_process_group()
     return 0
 
@@ -276,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--timeout-s", type=float, required=True)
+    parser.add_argument("--start-timeout-s", type=float, required=True)
     parser.add_argument("--threads", type=int)
     parser.add_argument("--spawned", action="store_true", help="started by rank 0, which hosts the store")
     args = parser.parse_args(argv)
@@ -287,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         size=int(os.environ["WORLD_SIZE"]),
         timeout_s=args.timeout_s,
+        start_timeout_s=args.start_timeout_s,
         threads=args.threads,
     )
     return run_follower(spec, spawned=args.spawned)

@@ -104,9 +104,9 @@ def split_weights(weights: dict[str, Tensor], config: ModelConfig, shard: Shard)
     return out
 
 
-def reduce_rows(model: CausalLM, clock: CollectiveClock) -> None:
-    """Make every layer's o and down projection add up the ranks' partial sums (after loading: the
-    state dict's names are the plain projections')."""
+def reduce_rows(model: CausalLM, clock: CollectiveClock, group: dist.ProcessGroup) -> None:
+    """Make every layer's o and down projection add up the ranks' partial sums in `group` (after
+    loading: the state dict's names are the plain projections')."""
     for layer in model.layers:
         if not isinstance(layer, DecoderLayer):
             raise ModelLoadError(
@@ -114,27 +114,30 @@ def reduce_rows(model: CausalLM, clock: CollectiveClock) -> None:
             )
         attention, mlp = layer.self_attn, layer.mlp
         # setattr: the layer declares plain projections; a RowParallelLinear stands in for one.
-        setattr(attention, "o_proj", RowParallelLinear(attention.o_proj, clock))  # noqa: B010
-        setattr(mlp, "down_proj", RowParallelLinear(mlp.down_proj, clock))  # noqa: B010
+        setattr(attention, "o_proj", RowParallelLinear(attention.o_proj, clock, group))  # noqa: B010
+        setattr(mlp, "down_proj", RowParallelLinear(mlp.down_proj, clock, group))  # noqa: B010
 
 
 class RowParallelLinear(nn.Module):
     """A projection over this rank's input columns, summed over the ranks by one all_reduce."""
 
-    def __init__(self, inner: nn.Module, clock: CollectiveClock) -> None:
+    def __init__(self, inner: nn.Module, clock: CollectiveClock, group: dist.ProcessGroup) -> None:
         super().__init__()
         self.inner = inner
         self.clock = clock
+        self.group = group
 
     def forward(self, x: Tensor) -> Tensor:
         partial = project(self.inner, x)
         started = time.perf_counter()
-        dist.all_reduce(partial)
+        dist.all_reduce(partial, group=self.group)
         self.clock.add(started)
         return partial
 
 
-def vocab_logits(model: CausalLM, hidden: Tensor, shard: Shard, clock: CollectiveClock) -> Tensor:
+def vocab_logits(
+    model: CausalLM, hidden: Tensor, shard: Shard, clock: CollectiveClock, group: dist.ProcessGroup
+) -> Tensor:
     """Float32 logits [rows, vocab] of hidden rows every rank holds: each rank projects its share of
     the vocabulary and one all_gather joins them (shares padded to the widest, as all_gather needs)."""
     vocab = model.config.vocab_size
@@ -144,7 +147,7 @@ def vocab_logits(model: CausalLM, hidden: Tensor, shard: Shard, clock: Collectiv
     padded = torch.nn.functional.pad(part, (0, width - part.shape[1])).contiguous()
     parts = [torch.empty_like(padded) for _ in shares]
     started = time.perf_counter()
-    dist.all_gather(parts, padded)
+    dist.all_gather(parts, padded, group=group)
     clock.add(started)
     return torch.cat([p[:, : s.stop - s.start] for p, s in zip(parts, shares, strict=True)], dim=1)
 
