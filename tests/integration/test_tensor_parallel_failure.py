@@ -35,6 +35,19 @@ TIMEOUT_S = 5.0
 """tensor_parallel_timeout_s of these workers: a hung rank is given up after this."""
 
 
+def two_rank_worker(model_dir: Path, engine: dict[str, Any]) -> dict[str, Any]:
+    """The `workers:` entry of these tests: the tiny model over two one-thread ranks, TIMEOUT_S."""
+    return {
+        "model_name": "tiny",
+        "model_path": str(model_dir),
+        "device": "cpu",
+        "threads": 1,
+        "tensor_parallel_size": 2,
+        "tensor_parallel_timeout_s": TIMEOUT_S,
+        "engine": engine,
+    }
+
+
 def rank_processes(pid: int) -> list[int]:
     """The processes a worker started (its other ranks), from every thread's children in /proc."""
     found: list[int] = []
@@ -94,16 +107,8 @@ def test_a_lost_rank_ends_the_worker(
     """Rank 1 killed or hung mid-stream, or killed while nothing runs: the stream ends with an error,
     health turns NOT_SERVING, the worker exits with status 1 within a few collective timeouts (the
     heartbeat finds a rank that died while idle), and no rank is left behind."""
-    worker: dict[str, Any] = {
-        "model_name": "tiny",
-        "model_path": str(tiny_serving_dir),
-        "device": "cpu",
-        "threads": 1,
-        "tensor_parallel_size": 2,
-        "tensor_parallel_timeout_s": TIMEOUT_S,
-        # Slow steps keep the stream running while the rank is signalled.
-        "engine": {**ENGINE, "fault_step_delay_s": 0.02},
-    }
+    # Slow steps keep the stream running while the rank is signalled.
+    worker = two_rank_worker(tiny_serving_dir, {**ENGINE, "fault_step_delay_s": 0.02})
     process, announce = worker_process(worker, tmp_path)
     ranks: list[int] = []
     try:
@@ -150,16 +155,9 @@ def test_a_rank_that_joins_later_than_the_step_timeout_still_forms_the_group(
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SLOW_RANK)
-    worker: dict[str, Any] = {
-        "model_name": "tiny",
-        "model_path": str(tiny_serving_dir),
-        "device": "cpu",
-        "threads": 1,
-        "tensor_parallel_size": 2,
-        "tensor_parallel_timeout_s": TIMEOUT_S,
-        "engine": ENGINE,
-    }
-    process, announce = worker_process(worker, tmp_path, env={"PYTHONPATH": str(hook)})
+    process, announce = worker_process(
+        two_rank_worker(tiny_serving_dir, ENGINE), tmp_path, env={"PYTHONPATH": str(hook)}
+    )
 
     async def serve_one(address: str) -> list[int]:
         async with grpc.aio.insecure_channel(address) as channel:
